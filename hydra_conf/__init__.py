@@ -1,0 +1,1 @@
+"""Hydra config tree of slurmrl (a package so Hydra finds it from the installed console script)."""

@@ -1,0 +1,152 @@
+"""File protocol between roles: where things live in run_dir and how they appear atomically.
+
+Who writes what (every wait has a deadline that names the peer):
+
+- launcher      -> ``config/run.yaml`` (resolved config), ``admin_token`` (mode 600).
+- trainer rank0 -> ``weights/step_N/`` (N = number of optimizer steps taken; step_0 is the
+  initial model) = ``model.safetensors`` + ``index.json`` + ``STABLE`` written last. The
+  directory is first written as ``.step_N.tmp`` and renamed, so a reader that sees
+  ``step_N/STABLE`` sees complete files.
+- orchestrator  -> ``rollouts/step_N/`` = ``batch.safetensors`` (tensors below) + ``meta.json``
+  + ``READY`` last, same temp-dir-then-rename rule. Batch N trains step N.
+- trainer rank0 -> ``metrics.jsonl`` (one JSON object per step), ``tb/`` TensorBoard events.
+- orchestrator  -> ``orchestrator_state.json`` (progress), ``DONE`` when it finished.
+
+Batch tensors (row = one sample, right-padded to T; token t is predicted from tokens < t):
+  input_ids int64[B,T], attention_mask uint8[B,T], loss_mask uint8[B,T] (completion tokens),
+  inference_logprobs float32[B,T] (0 outside loss_mask), advantages float32[B],
+  rewards float32[B], token_versions int32[B,T] (policy version that sampled each token,
+  -1 on prompt/pad), routed_experts uint8|uint16[B,T,L,k] (optional; row t = experts used
+  when token t was the *input*; rows the engine did not report are 0 and flagged 0 in
+  routed_mask uint8[B,T]).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+WEIGHTS_DIR = "weights"
+ROLLOUTS_DIR = "rollouts"
+STABLE = "STABLE"
+READY = "READY"
+METRICS_FILE = "metrics.jsonl"
+ADMIN_TOKEN_FILE = "admin_token"
+ORCH_DONE = "DONE"
+
+
+class PeerTimeout(TimeoutError):
+    """A wait ran past its deadline; the message names the peer and what it waited for."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+class RunPaths:
+    """Paths of one run directory. Pure path arithmetic, no I/O except ``ensure``."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir).resolve()
+
+    @property
+    def config_dir(self) -> Path:
+        return self.root / "config"
+
+    @property
+    def run_config(self) -> Path:
+        return self.config_dir / "run.yaml"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def admin_token(self) -> Path:
+        return self.root / ADMIN_TOKEN_FILE
+
+    @property
+    def tb_dir(self) -> Path:
+        return self.root / "tb"
+
+    def weights(self, step: int) -> Path:
+        return self.root / WEIGHTS_DIR / step_name(step)
+
+    def rollouts(self, step: int) -> Path:
+        return self.root / ROLLOUTS_DIR / step_name(step)
+
+    @property
+    def orchestrator_done(self) -> Path:
+        return self.root / ORCH_DONE
+
+    def ensure(self) -> "RunPaths":
+        for d in (self.config_dir, self.logs_dir, self.root / WEIGHTS_DIR, self.root / ROLLOUTS_DIR):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def latest_stable_step(weights_root: Path) -> Optional[int]:
+    """Highest N with ``step_N/STABLE`` present, or None."""
+    best = None
+    if not weights_root.is_dir():
+        return None
+    for d in weights_root.iterdir():
+        if d.name.startswith("step_") and (d / STABLE).exists():
+            n = int(d.name[5:])
+            best = n if best is None or n > best else best
+    return best
+
+
+def publish_dir(final: Path, write: Callable[[Path], None], marker: str) -> None:
+    """Write a directory atomically: fill ``.<name>.tmp``, fsync, add ``marker``, rename.
+
+    ``write(tmp_dir)`` creates the payload files. The marker is created inside the temp dir
+    after the payload is flushed, and the rename makes all of it visible at once.
+    """
+    tmp = final.parent / f".{final.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    (tmp / marker).write_text(json.dumps({"time": time.time()}))
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout_s: float, what: str, peer: str, poll_s: float = 0.05,
+             alive: Optional[Callable[[], bool]] = None) -> Any:
+    """Poll ``predicate`` until truthy; raise PeerTimeout naming ``peer`` after ``timeout_s``.
+
+    ``alive`` (optional) is checked each poll; returning False aborts early (e.g. stop flag).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if alive is not None and not alive():
+            raise PeerTimeout(f"stopped while waiting for {what} from {peer}")
+        if time.monotonic() > deadline:
+            raise PeerTimeout(f"waited {timeout_s:.0f}s for {what} from {peer}; is the {peer} alive? see its log")
+        time.sleep(poll_s)
+
+
+def read_admin_token(paths: RunPaths) -> str:
+    return paths.admin_token.read_text().strip()

@@ -1,0 +1,56 @@
+"""Rollout mechanics: run one prompt group on a worker, and swap weights on every worker.
+
+Weight update protocol (the only sync point; the orchestrator drives it, workers obey):
+  1. ``/pause_generation`` mode=in_place on EVERY worker (in-flight requests keep their KV
+     cache and wait; nothing is aborted),
+  2. ``/update_weights_from_disk`` model_path=weights/step_V, weight_version=V on every
+     worker (each verifies checksums; on refusal it keeps its old weights),
+  3. ``/continue_generation`` on every worker, also when step 2 failed somewhere (so a bad
+     step never freezes inference).
+Requests that spanned the update carry per-token versions, so staleness stays exact.
+Every call has the client's timeout; failures carry the worker URL and response text.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from workers.common.inference_client import InferenceClient
+from workers.orchestrator.buffer import RolloutGroup, Sample
+
+
+class WeightUpdateError(RuntimeError):
+    """At least one worker refused or failed a weight update."""
+
+
+async def run_group(client: InferenceClient, env, task, *, group_id: int, worker: int, num_samples: int,
+                    temperature: float, return_routed_experts: bool, started_version: int) -> RolloutGroup:
+    """Sample ``num_samples`` completions of one task on one worker (sticky: shared prefix)."""
+    async def one(i: int) -> Sample:
+        res = await client.generate(list(task.prompt_ids), temperature=temperature, max_new_tokens=env.max_new_tokens,
+                                    stop_token_ids=list(env.stop_token_ids), return_routed_experts=return_routed_experts,
+                                    rid=f"g{group_id}-s{i}")
+        return Sample(prompt_ids=list(task.prompt_ids), completion_ids=list(res.output_ids),
+                      completion_logprobs=list(res.output_logprobs), token_versions=list(res.token_versions),
+                      reward=env.score(task, res.output_ids), finish_reason=res.finish_reason,
+                      routed_experts=res.routed_experts)
+
+    samples = await asyncio.gather(*(one(i) for i in range(num_samples)))
+    return RolloutGroup(group_id=group_id, task_id=task.task_id, samples=list(samples), worker=worker,
+                        started_version=started_version)
+
+
+async def update_all_workers(clients: Sequence[InferenceClient], model_path: str, version: int) -> float:
+    """pause(in_place) -> load -> continue on every worker. Returns seconds spent."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*(c.pause_generation(mode="in_place") for c in clients))
+    results = await asyncio.gather(*(c.update_weights_from_disk(model_path, version) for c in clients),
+                                   return_exceptions=True)
+    await asyncio.gather(*(c.continue_generation() for c in clients))
+    failures = [f"{c.base_url}: {r}" for c, r in zip(clients, results)
+                if isinstance(r, BaseException) or not r.get("success", False)]
+    if failures:
+        raise WeightUpdateError(f"weight update to version {version} failed on {len(failures)} worker(s): "
+                                + "; ".join(failures))
+    return time.perf_counter() - t0

@@ -1,0 +1,178 @@
+"""Loss math of the trainer: pure tensor functions, no process group, no I/O (unit-tested).
+
+Data parallelism is handled by *how the functions are called*, not inside them: every
+normaliser (``num_loss_tokens``, ``num_valid_tokens``, expert ``counts``) is passed in as a
+GLOBAL value (summed over all trainer ranks before the backward). Each rank's loss is then
+exactly its shard's share of the one-rank loss, so summing gradients over ranks gives the
+gradient a single rank would compute on the whole batch. Statistics are returned as
+*sums* (:class:`TokenStats`) for the same reason: the loop all-reduces them, then divides.
+
+Shapes: ``B`` rows, ``T`` positions, ``V`` vocab, ``L`` MoE layers, ``k`` experts per token,
+``E`` experts. Token ``t`` is predicted from the logits at ``t - 1`` (protocol.py), so
+position 0 never carries a log-prob.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+#: exp() of a log-ratio beyond this overflows float32 statistics; ratios that far out are
+#: masked anyway (ratio_mask_high is ~5), the clamp only keeps k3/ratio sums finite.
+MAX_ABS_LOG_RATIO = 20.0
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of ``input_ids`` and entropy, both ``[B, T]``, column 0 zero.
+
+    The logits are divided by the sampling ``temperature`` so the trainer scores the very
+    distribution inference sampled from. log_softmax runs in at least float32 (bf16 logits
+    would otherwise put ~1e-2 noise into the importance ratios).
+    """
+    assert temperature > 0, f"temperature must be > 0, got {temperature}"
+    work = torch.promote_types(logits.dtype, torch.float32)
+    logp_all = F.log_softmax(logits[:, :-1].to(work) / temperature, dim=-1)  # [B, T-1, V]
+    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    with torch.no_grad():  # a metric only: keep it out of the autograd graph
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pad = logp.new_zeros(logp.shape[0], 1)
+    return torch.cat([pad, logp], dim=1), torch.cat([pad.detach(), entropy], dim=1)
+
+
+@dataclasses.dataclass
+class TokenStats:
+    """Sums over this rank's loss tokens (all-reduce with SUM, except the max/min fields)."""
+
+    num_tokens: float
+    """Loss tokens (loss_mask) on this rank."""
+    num_masked: float
+    """Loss tokens dropped because their ratio was outside [ratio_mask_low, ratio_mask_high]."""
+    num_capped: float
+    """Kept tokens whose IS weight was truncated at ratio_cap."""
+    ratio_sum: float
+    k3_sum: float
+    """Sum of k3 = r - log r - 1 (an unbiased, non-negative KL(inference || trainer) estimate)."""
+    entropy_sum: float
+    ratio_max: float
+    ratio_min: float
+
+    SUM_FIELDS = ("num_tokens", "num_masked", "num_capped", "ratio_sum", "k3_sum", "entropy_sum")
+
+
+def policy_loss(
+    logp_train: torch.Tensor,
+    logp_inference: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    num_loss_tokens: float,
+    ratio_cap: float,
+    ratio_mask_low: float,
+    ratio_mask_high: float,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, TokenStats]:
+    """Token-level policy gradient with truncated importance sampling and ratio masking.
+
+    r = exp(logp_train - logp_inference) corrects for the trainer/inference mismatch (other
+    kernels, dtype, and stale policy versions in async mode). Tokens with r outside
+    [low, high] are dropped (they mark a broken sample, not a small mismatch); the kept
+    ones are weighted by w = min(r, cap), detached, so the gradient is w * A * grad logp:
+
+        pg_loss = -sum_kept(w * A * logp_train) / num_loss_tokens
+
+    ``num_loss_tokens`` is the GLOBAL count of loss tokens *before* ratio masking, so masking
+    a token removes its contribution without re-weighting the others, and every DP rank
+    divides by the same number. ``advantages`` is per row ``[B]`` or per token ``[B, T]``.
+    """
+    mask = loss_mask.bool()
+    log_ratio = (logp_train.detach() - logp_inference).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    ratio = log_ratio.exp()
+    keep = mask & (ratio >= ratio_mask_low) & (ratio <= ratio_mask_high)
+    weight = ratio.clamp(max=ratio_cap)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    per_token = weight * adv.to(logp_train.dtype) * logp_train
+    pg_loss = -torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / max(float(num_loss_tokens), 1.0)
+
+    k3 = ratio - log_ratio - 1.0  # 0 where mask is False (ratio 1, log 0)
+    n = int(mask.sum())
+    stats = TokenStats(
+        num_tokens=float(n),
+        num_masked=float((mask & ~keep).sum()),
+        num_capped=float((keep & (ratio > ratio_cap)).sum()),
+        ratio_sum=float(ratio[mask].sum()) if n else 0.0,
+        k3_sum=float(k3[mask].sum()) if n else 0.0,
+        entropy_sum=float(entropy[mask].sum()) if (n and entropy is not None) else 0.0,
+        ratio_max=float(ratio[mask].max()) if n else float("-inf"),
+        ratio_min=float(ratio[mask].min()) if n else float("inf"),
+    )
+    return pg_loss, stats
+
+
+def load_balance_loss(prob_sums: torch.Tensor, counts: torch.Tensor, num_valid_tokens: float, top_k: int) -> torch.Tensor:
+    """This rank's share of the Switch-Transformer balance loss, mean over layers.
+
+    The model computes, per layer, ``E * sum_e f_e * P_e`` with f_e the (detached) fraction
+    of routed slots that went to expert e and P_e the mean router probability, both over
+    valid tokens. Here ``counts [L, E]`` (routed slots per expert) and ``num_valid_tokens``
+    are GLOBAL, ``prob_sums [L, E]`` is this rank's sum of router probabilities over its
+    valid tokens. Because f is detached, the loss is linear in prob_sums: summed over
+    ranks it equals the one-rank loss, value and gradient alike. With one rank it is the
+    model's own ``ModelOutput.aux_loss``.
+    """
+    num_layers, num_experts = prob_sums.shape
+    n = max(float(num_valid_tokens), 1.0)
+    frac = counts.to(prob_sums.dtype).detach() / (n * top_k)
+    return num_experts * (frac * prob_sums / n).sum() / num_layers
+
+
+def router_stats(gate_logits: Sequence[torch.Tensor], routed: torch.Tensor, valid: torch.Tensor,
+                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prob_sums [L, E]`` (with grad) and ``counts [L, E]`` (float, detached) for one rank.
+
+    ``gate_logits[l]`` is layer l's router output ``[B*T, E]``; ``routed [B, T, L, k]`` the
+    experts actually used (the forced ones under Router Replay, as in the model's own loss).
+    """
+    v = valid.reshape(-1).to(torch.float32)
+    prob_sums = torch.stack([(F.softmax(g.float(), dim=-1) * v[:, None]).sum(0) for g in gate_logits])
+    onehot = F.one_hot(routed.long(), num_experts).to(torch.float32)  # [B, T, L, k, E]
+    counts = (onehot.sum(3) * valid.to(torch.float32)[:, :, None, None]).sum((0, 1))
+    return prob_sums, counts.detach()
+
+
+def own_topk(gate_logits: Sequence[torch.Tensor], top_k: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The experts this model's router would pick at every layer: ``[B, T, L, k]``.
+
+    Same rule as ``MoeBlock.route`` (top-k of softmax probabilities). Under Router Replay
+    the inputs of layer l come from the replayed layers below, so this measures per-layer
+    disagreement given identical inputs, not disagreement compounded across layers.
+    """
+    b, t = shape
+    picks = [F.softmax(g.detach().float(), dim=-1).topk(top_k, dim=-1).indices.view(b, t, top_k) for g in gate_logits]
+    return torch.stack(picks, dim=2)
+
+
+def routing_disagreement(own: torch.Tensor, reference: torch.Tensor, slot_mask: torch.Tensor) -> tuple[float, float]:
+    """(disagreeing slots, slots): a slot is one (token, layer) whose expert SET differs.
+
+    Sets, not ordered lists: engines may report the k experts in any order. ``slot_mask
+    [B, T]`` selects the tokens to compare (loss-relevant and reported by inference).
+    """
+    a = own.long().sort(dim=-1).values
+    b = reference.long().sort(dim=-1).values
+    differs = (a != b).any(dim=-1)  # [B, T, L]
+    m = slot_mask.bool()[:, :, None].expand_as(differs)
+    return float((differs & m).sum()), float(m.sum())
+
+
+def loss_relevant_inputs(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: positions whose output directly predicts a loss token (t-1 for t).
+
+    These are the slots ``routing_disagreement`` compares. (Earlier positions still reach
+    the loss through attention; the last sampled token, whose routing engines do not
+    report, predicts nothing that is trained.)
+    """
+    m = loss_mask.bool()
+    return torch.cat([m[:, 1:], torch.zeros_like(m[:, :1])], dim=1)
