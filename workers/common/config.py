@@ -114,6 +114,8 @@ class TrainerConfig:
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
     """torch intra-op threads per trainer rank."""
+    simulated_step_delay_s: float = 0.0
+    """Benchmarks/tests only: sleep this long per step to emulate a large, slow trainer."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -69,6 +69,8 @@ def batch_metrics(step: int, groups: list[RolloutGroup]) -> dict[str, Any]:
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "max_staleness": int(staleness.max()),
+        "policy_version_min": int(min(s.policy_version for s in samples)),
+        "policy_version_max": int(max(max(s.token_versions) for s in samples)),
         "mean_staleness": float(staleness.mean()),
         "completion_len_mean": float(lengths.mean()),
         "num_samples": len(samples),

@@ -1,0 +1,207 @@
+"""The real trainer (``python -m workers.trainer``) as 2 gloo ranks vs a 1-rank reference.
+
+Batches are written the way the orchestrator writes them (numpy + safetensors.numpy,
+``READY`` last through protocol.publish_dir). Both runs train the same 2 batches; the DP
+run must publish the same weights as the 1-rank run. They agree to float32 rounding, not
+bit for bit: the 1-rank run sums each gradient over all rows in one GEMM, the 2-rank run
+sums two half-batch GEMMs and then adds them in the all-reduce, a different reduction
+order. grad_norm (pre-clip, so scale-sensitive) must match too: it would be off by about
+the dp degree if gradients were normalised per rank instead of by global token counts.
+Also: the missing-peer error of the rendezvous, batch-format errors, rollout pruning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.numpy import save_file
+from safetensors.torch import load_file
+
+from workers.common.config import (ClusterConfig, EnvConfig, ModelConfig, RunConfig, TrainerConfig, WeightsConfig)
+from workers.common.protocol import READY, STABLE, RunPaths, publish_dir
+from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = dict(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
+             expert_intermediate_size=32, init_seed=5)
+METRIC_KEYS = {"step", "reward_mean", "max_staleness", "samples_dropped_stale", "mismatch_kl", "trainer_idle_frac",
+               "tokens_per_s", "step_time_s", "loss", "grad_norm", "entropy", "weight_sync_s", "weight_sync_gbps",
+               "aux_loss", "routing_disagreement", "time"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_replay: bool = True) -> RunPaths:
+    paths = RunPaths(root).ensure()
+    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=ModelConfig(**MODEL), env=EnvConfig(name="reverse_digits"),
+                    trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=router_replay,
+                                          batch_timeout_s=60.0),
+                    weights=WeightsConfig(keep_last=5))
+    paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return paths
+
+
+def make_batch(step: int, *, rows: int = 12, length: int = 10, seed: int = 0) -> tuple[dict, dict]:
+    """A batch in the protocol.py format: prompts of 2-4 tokens, completions of varying length."""
+    rng = np.random.default_rng(seed + 1000 * step)
+    L, k, E = MODEL["num_layers"], MODEL["top_k"], MODEL["num_experts"]
+    ids = rng.integers(0, MODEL["vocab_size"], (rows, length)).astype(np.int64)
+    attn = np.zeros((rows, length), np.uint8)
+    loss = np.zeros((rows, length), np.uint8)
+    for r in range(rows):
+        p, total = int(rng.integers(2, 5)), int(rng.integers(5, length + 1))
+        attn[r, :total] = 1
+        loss[r, p:total] = 1
+    ids[attn == 0] = 0
+    # near-uniform initial policy: logp ~ -log(16); a few far-off tokens exercise the masks
+    logp = np.where(loss == 1, -np.log(16) + rng.normal(0, 0.3, (rows, length)), 0).astype(np.float32)
+    logp[0, 4], logp[1, 4] = -0.2, -6.0
+    versions = np.where(loss == 1, max(step - 1, 0), -1).astype(np.int32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(rows * length * L)]).reshape(rows, length, L, k)
+    routed_mask = attn.copy()
+    routed_mask[np.arange(rows), attn.sum(1) - 1] = 0  # the last sampled token has no routing
+    rewards = rng.integers(0, 2, rows).astype(np.float32)
+    tensors = dict(input_ids=ids, attention_mask=attn, loss_mask=loss, inference_logprobs=logp,
+                   advantages=(rewards - rewards.mean()).astype(np.float32), rewards=rewards, token_versions=versions,
+                   routed_experts=(experts * routed_mask[:, :, None, None]).astype(np.uint8), routed_mask=routed_mask)
+    meta = {"step": step, "temperature": 1.0,
+            "orchestrator_metrics": {"reward_mean": float(rewards.mean()), "max_staleness": 1 if step else 0,
+                                     "samples_dropped_stale": 0}}
+    return tensors, meta
+
+
+def publish_batch(paths: RunPaths, step: int, tensors: dict, meta: dict) -> None:
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "batch.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps(meta))
+
+    publish_dir(paths.rollouts(step), write, READY)
+
+
+def start_rank(paths: RunPaths, rank: int, world: int, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(SLURMRL_ROLE="trainer", SLURMRL_RUN_DIR=str(paths.root), RANK=str(rank), WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURMRL_LOCAL="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
+    log = open(paths.logs_dir / f"trainer_{rank}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "workers.trainer"], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], paths: list[RunPaths], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join(f.read_text() for pt in paths for f in sorted(pt.logs_dir.glob("trainer_*.log")))
+    assert all(p.returncode == 0 for p in procs), f"exit codes {[p.returncode for p in procs]}\n{logs}"
+
+
+def test_two_gloo_ranks_match_one_rank_reference(tmp_path):
+    steps = 2
+    dp, ref = write_run(tmp_path / "dp", num_steps=steps, num_ranks=2), write_run(tmp_path / "ref", num_steps=steps)
+    for s in range(steps):
+        tensors, meta = make_batch(s)
+        publish_batch(dp, s, tensors, meta)
+        publish_batch(ref, s, tensors, meta)
+    port_dp, port_ref = free_port(), free_port()
+    procs = [start_rank(dp, 0, 2, port_dp), start_rank(dp, 1, 2, port_dp), start_rank(ref, 0, 1, port_ref)]
+    wait_all(procs, [dp, ref])
+
+    for pt in (dp, ref):
+        assert (pt.root / "TRAINER_DONE").exists()
+        assert all((pt.weights(s) / STABLE).exists() for s in range(steps + 1))
+    init = load_file(str(dp.weights(0) / "model.safetensors"))
+    for s in range(1, steps + 1):
+        a = load_file(str(dp.weights(s) / "model.safetensors"))
+        b = load_file(str(ref.weights(s) / "model.safetensors"))
+        assert a.keys() == b.keys()
+        worst = max(float((a[n] - b[n]).abs().max()) for n in a)
+        assert worst < 1e-6, f"step {s}: DP weights differ from the 1-rank reference by {worst:.3g}"  # seen: 3.5e-7
+        moved = max(float((a[n] - init[n]).abs().max()) for n in a)
+        assert moved > 1e-3, "training did not change the weights"
+
+    recs_dp = [json.loads(l) for l in dp.metrics.read_text().splitlines()]
+    recs_ref = [json.loads(l) for l in ref.metrics.read_text().splitlines()]
+    assert [r["step"] for r in recs_dp] == list(range(steps))
+    for rd, rr in zip(recs_dp, recs_ref):
+        assert METRIC_KEYS <= rd.keys(), f"missing keys {sorted(METRIC_KEYS - rd.keys())}"
+        for key in ("grad_norm", "loss", "mismatch_kl", "entropy", "aux_loss", "routing_disagreement",
+                    "ratio_masked_frac", "num_loss_tokens"):
+            assert rd[key] == pytest.approx(rr[key], rel=1e-5, abs=1e-7), key
+        assert rd["ratio_masked_frac"] > 0 and rd["mismatch_kl"] > 0 and 0 <= rd["trainer_idle_frac"] <= 1
+        assert rd["routing_disagreement"] > 0.5  # random "inference" routing vs the real router
+    assert any((dp.tb_dir).glob("events.out.tfevents.*"))
+
+
+def test_sigterm_exits_fast_and_cleanly(tmp_path):
+    paths = write_run(tmp_path, num_steps=3)  # no batch ever comes: the rank sits waiting
+    proc = start_rank(paths, 0, 1, free_port())
+    deadline = time.monotonic() + 30
+    while not (paths.weights(0) / STABLE).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (paths.logs_dir / "trainer_0.log").read_text()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 5
+    log = (paths.logs_dir / "trainer_0.log").read_text()
+    assert "SIGTERM" in log and "Traceback" not in log
+    assert not (paths.root / "TRAINER_DONE").exists()
+
+
+def test_rendezvous_names_the_missing_peer(tmp_path):
+    code = ("from workers.common.topology import current_topology\n"
+            "from workers.trainer.parallel import ParallelDims\n"
+            "ParallelDims.init(current_topology(), timeout_s=1.5)\n")
+    env = dict(os.environ, SLURMRL_ROLE="trainer", SLURMRL_RUN_DIR=str(tmp_path), RANK="1", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURMRL_LOCAL="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "RendezvousError: trainer rank 1 could not reach trainer rank 0 at tcp://127.0.0.1:" in out.stderr
+
+
+def test_batch_format_errors_name_the_tensor(tmp_path):
+    paths = RunPaths(tmp_path).ensure()
+    tensors, meta = make_batch(0)
+    publish_batch(paths, 0, tensors, meta)
+    facts = dict(num_layers=MODEL["num_layers"], top_k=MODEL["top_k"], num_experts=MODEL["num_experts"])
+    batch = load_batch(paths.rollouts(0), step=0, **facts)
+    assert batch.routed_experts.dtype == torch.int64 and batch.loss_mask.dtype == torch.bool
+    with pytest.raises(BatchFormatError, match="says step 0 but sits in the directory of step 3"):
+        load_batch(paths.rollouts(0), step=3, **facts)
+    bad = dict(tensors, inference_logprobs=tensors["inference_logprobs"].astype(np.float64))
+    publish_batch(paths, 1, bad, dict(meta, step=1))
+    with pytest.raises(BatchFormatError, match="inference_logprobs is float64"):
+        load_batch(paths.rollouts(1), step=1, **facts)
+    with pytest.raises(BatchFormatError, match=r"num_layers\(3\)"):
+        load_batch(paths.rollouts(0), step=0, **dict(facts, num_layers=3))
+
+
+def test_prune_keeps_recent_and_unpublished(tmp_path):
+    paths = RunPaths(tmp_path).ensure()
+    for s in range(5):
+        publish_batch(paths, s, *make_batch(s, rows=2))
+    tmp = paths.rollouts(0).parent / ".step_000005.tmp"
+    tmp.mkdir()
+    assert prune_rollouts(paths, newest=4) == [0, 1, 2]
+    assert sorted(d.name for d in paths.rollouts(0).parent.iterdir()) == [".step_000005.tmp", "step_000003", "step_000004"]

@@ -1,0 +1,112 @@
+"""Trainer observability: ``metrics.jsonl`` + TensorBoard (rank 0) and the ``trainer[r]`` log.
+
+One record per optimizer step goes to ``run_dir/metrics.jsonl`` (appended, flushed per
+line, so ``tail -f`` and a crashed run both show every finished step) and, for every
+numeric field, to TensorBoard scalars under ``run_dir/tb`` (tag ``trainer/<key>``,
+global step = trainer step). Non-finite floats are written as ``null``: JSON has no NaN.
+
+Keys of a record (see ``loop.step_record`` for how each is computed):
+  step, time, policy_version, loss, pg_loss, aux_loss, grad_norm, entropy, mismatch_kl,
+  ratio_mean, ratio_max, ratio_min, ratio_masked_frac, ratio_capped_frac,
+  routing_disagreement (only when the batch has routed_experts), num_rows,
+  num_loss_tokens, tokens_per_s, step_time_s, idle_s, trainer_idle_frac,
+  weight_sync_s, weight_sync_gbps, weight_bytes, lr,
+  reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's
+  ``meta.json["orchestrator_metrics"]`` (the orchestrator's values; the trainer fills
+  reward_mean / max_staleness from the batch only when the orchestrator left them out,
+  and samples_dropped_stale with 0).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from numbers import Number
+from typing import Any, Optional
+
+from workers.common.protocol import RunPaths
+
+LOGGER_NAME = "slurmrl.trainer"
+
+
+def get_logger(rank: int) -> logging.Logger:
+    """``trainer[rank]`` logger; rank 0 logs INFO, other ranks only warnings and errors."""
+    log = logging.getLogger(f"{LOGGER_NAME}.{rank}")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return log
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Appends step records to metrics.jsonl and mirrors numeric fields to TensorBoard."""
+
+    def __init__(self, paths: RunPaths, *, tensorboard: bool = True):
+        paths.root.mkdir(parents=True, exist_ok=True)
+        self._file = open(paths.metrics, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            # Imported lazily: tensorboard costs ~1 s of import and only rank 0 needs it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(paths.tb_dir), flush_secs=30)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_clean(record), sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = int(record["step"])
+            for key, value in sorted(record.items()):
+                if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, Number):
+                    continue
+                if math.isfinite(float(value)):
+                    self._tb.add_scalar(f"trainer/{key}", float(value), global_step=step, walltime=record.get("time"))
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> str:
+    """One concise line per step for the log; the full record is in metrics.jsonl."""
+    def f(key: str, fmt: str) -> str:
+        v = record.get(key)
+        return "-" if v is None else format(v, fmt)
+
+    total = f"/{num_steps}" if num_steps else ""
+    parts = [
+        f"step {record['step']}{total}",
+        f"loss {f('loss', '.4f')}",
+        f"reward {f('reward_mean', '.3f')}",
+        f"kl {f('mismatch_kl', '.2e')}",
+        f"gnorm {f('grad_norm', '.3f')}",
+        f"ent {f('entropy', '.3f')}",
+    ]
+    if "routing_disagreement" in record:
+        parts.append(f"route_dis {f('routing_disagreement', '.3f')}")
+    parts += [
+        f"stale {record.get('max_staleness', '-')}",
+        f"{f('tokens_per_s', '.0f')} tok/s",
+        f"step {f('step_time_s', '.2f')}s",
+        f"idle {f('trainer_idle_frac', '.0%')}",
+        f"sync {f('weight_sync_s', '.3f')}s",
+    ]
+    return " | ".join(parts)
