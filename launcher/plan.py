@@ -17,6 +17,7 @@ CHOICES = {
     "inference.dtype": ("float32", "bfloat16"),
     "trainer.dtype": ("float32", "bfloat16"),
     "weights.transport": ("filesystem",),
+    "orchestrator.advantage": ("sequence", "token_rtg"),
 }
 
 

@@ -134,6 +134,10 @@ class OrchestratorConfig:
     """HTTP deadline of one generate call."""
     weight_update_timeout_s: float = 120.0
     """Deadline for a worker to load new weights."""
+    advantage: str = "token_rtg"
+    """``sequence``: reward minus group mean, same for every token (GRPO). ``token_rtg``:
+    each token's reward-to-go minus the group mean at that position (needs an env with
+    per-token rewards; sums to the same episode reward, far less credit-assignment noise)."""
     return_routed_experts: bool = True
     """Ask inference for the experts each token used (for Router Replay and metrics)."""
 

@@ -27,6 +27,9 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
     loss_mask = np.zeros((b, seq_len), dtype=np.uint8)
     logprobs = np.zeros((b, seq_len), dtype=np.float32)
     versions = np.full((b, seq_len), -1, dtype=np.int32)
+    per_token = all(s.token_advantages is not None for s in samples)
+    advantages = np.zeros((b, seq_len), dtype=np.float32) if per_token else np.array(
+        [s.advantage for s in samples], dtype=np.float32)
     have_routing = all(s.routed_experts is not None for s in samples)
     routed_dtype = np.uint8
     if have_routing:
@@ -41,6 +44,8 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
         loss_mask[i, p:p + c] = 1
         logprobs[i, p:p + c] = s.completion_logprobs
         versions[i, p:p + c] = s.token_versions
+        if per_token:
+            advantages[i, p:p + c] = s.token_advantages
         if have_routing:
             n = min(s.routed_experts.shape[0], p + c)
             routed[i, :n] = s.routed_experts[:n]
@@ -50,7 +55,7 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
         "inference_logprobs": logprobs,
-        "advantages": np.array([s.advantage for s in samples], dtype=np.float32),
+        "advantages": advantages,
         "rewards": np.array([s.reward for s in samples], dtype=np.float32),
         "token_versions": versions,
     }

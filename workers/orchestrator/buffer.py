@@ -27,7 +27,9 @@ class Sample:
     reward: float
     finish_reason: str
     routed_experts: Optional[np.ndarray] = None  # [prompt+completion-1, L, k] uint8/uint16
+    token_rewards: Optional[list[float]] = None  # per completion token, sums to reward
     advantage: float = 0.0
+    token_advantages: Optional[np.ndarray] = None  # per completion token (mode token_rtg)
 
     @property
     def policy_version(self) -> int:
@@ -47,20 +49,34 @@ class RolloutGroup:
     def policy_version(self) -> int:
         return min(s.policy_version for s in self.samples)
 
-    def assign_advantages(self) -> None:
+    def assign_advantages(self, mode: str = "sequence") -> None:
+        """Group-relative advantages. ``token_rtg``: per-position reward-to-go minus the
+        group's mean reward-to-go at that position (samples that ended count 0 there)."""
         rewards = np.array([s.reward for s in self.samples], dtype=np.float64)
         for s, a in zip(self.samples, rewards - rewards.mean()):
             s.advantage = float(a)
+        if mode != "token_rtg" or any(s.token_rewards is None for s in self.samples):
+            return
+        width = max(len(s.completion_ids) for s in self.samples)
+        rtg = np.zeros((len(self.samples), width))
+        for i, s in enumerate(self.samples):
+            r = np.asarray(s.token_rewards, dtype=np.float64)
+            rtg[i, : len(r)] = np.cumsum(r[::-1])[::-1]
+        baseline = rtg.mean(axis=0)
+        for i, s in enumerate(self.samples):
+            n = len(s.completion_ids)
+            s.token_advantages = (rtg[i, :n] - baseline[:n]).astype(np.float32)
 
 
 class RolloutBuffer:
     """FIFO of completed groups; ``take`` builds one step's worth, dropping stale groups."""
 
-    def __init__(self, *, max_off_policy_steps: int, groups_per_step: int):
+    def __init__(self, *, max_off_policy_steps: int, groups_per_step: int, advantage: str = "sequence"):
         if max_off_policy_steps < 0:
             raise ValueError(f"orchestrator.max_off_policy_steps must be >= 0, got {max_off_policy_steps}")
         self.max_off = max_off_policy_steps
         self.groups_per_step = groups_per_step
+        self.advantage = advantage
         self.groups: deque[RolloutGroup] = deque()
         self.dropped_samples_total = 0
 
@@ -68,7 +84,7 @@ class RolloutBuffer:
         return len(self.groups)
 
     def add(self, group: RolloutGroup) -> None:
-        group.assign_advantages()
+        group.assign_advantages(self.advantage)
         self.groups.append(group)
 
     def drop_stale(self, step: int) -> int:

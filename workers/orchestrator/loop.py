@@ -37,7 +37,8 @@ class Orchestrator:
         self.env = make_env(cfg.env, seed=cfg.seed)
         o = cfg.orchestrator
         self.group_size = o.num_samples_per_prompt
-        self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step)
+        self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step,
+                                    advantage=o.advantage)
         self.inflight: dict[asyncio.Task, int] = {}  # task -> worker index
         self.clients: list[InferenceClient] = []
         self.version = 0

@@ -34,6 +34,7 @@ async def run_group(client: InferenceClient, env, task, *, group_id: int, worker
         return Sample(prompt_ids=list(task.prompt_ids), completion_ids=list(res.output_ids),
                       completion_logprobs=list(res.output_logprobs), token_versions=list(res.token_versions),
                       reward=env.score(task, res.output_ids), finish_reason=res.finish_reason,
+                      token_rewards=env.token_rewards(task, res.output_ids) if hasattr(env, "token_rewards") else None,
                       routed_experts=res.routed_experts)
 
     samples = await asyncio.gather(*(one(i) for i in range(num_samples)))

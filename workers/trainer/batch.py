@@ -38,7 +38,7 @@ _REQUIRED = {
     "attention_mask": ((np.uint8, np.bool_), 2),
     "loss_mask": ((np.uint8, np.bool_), 2),
     "inference_logprobs": ((np.float32,), 2),
-    "advantages": ((np.float32,), 1),
+    "advantages": ((np.float32,), (1, 2)),  # per row [B] or per token [B, T]
     "rewards": ((np.float32,), 1),
     "token_versions": ((np.int32,), 2),
 }
@@ -60,7 +60,7 @@ class RolloutBatch:
     attention_mask: torch.Tensor  # bool [B, T]
     loss_mask: torch.Tensor  # bool [B, T], already ANDed with attention_mask
     inference_logprobs: torch.Tensor  # float32 [B, T]
-    advantages: torch.Tensor  # float32 [B]
+    advantages: torch.Tensor  # float32 [B] (per row) or [B, T] (per token)
     rewards: torch.Tensor  # float32 [B]
     token_versions: torch.Tensor  # int32 [B, T]
     routed_experts: Optional[torch.Tensor]  # int64 [B, T, L, k] or None
@@ -112,7 +112,7 @@ def load_batch(step_dir: Path, *, step: int, num_layers: int, top_k: int, num_ex
         if spec is None:
             continue  # extra tensors are allowed (forward compatible), ignored here
         _check_array(name, arr, spec, where)
-        want = (b,) if spec[1] == 1 else (b, t)
+        want = (b,) if arr.ndim == 1 else (b, t)
         if arr.shape[: len(want)] != want:
             raise BatchFormatError(f"{where}: {name} has shape {arr.shape}, expected leading {want} (input_ids is [B={b}, T={t}])")
     if ("routed_experts" in arrays) != ("routed_mask" in arrays):
@@ -145,7 +145,7 @@ def _check_meta(meta: dict, step: int, where: Path) -> None:
 
 def _check_array(name: str, arr: np.ndarray, spec, where: Path) -> None:
     dtypes, ndim = spec
-    if arr.dtype.type not in dtypes or arr.ndim != ndim:
+    if arr.dtype.type not in dtypes or arr.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
         allowed = "|".join(np.dtype(d).name for d in dtypes)
         raise BatchFormatError(f"{where}: {name} is {arr.dtype.name}{list(arr.shape)}, expected {allowed} with {ndim} dims")
 

@@ -47,13 +47,23 @@ class ReverseDigitsEnv:
         return Task(self.next_id, (BOS, *digits, SEP), tuple(reversed(digits)))
 
     def score(self, task: Task, completion_ids: list[int]) -> float:
-        out = list(completion_ids)
-        if out and out[-1] == EOS:
-            out = out[:-1]
+        return sum(self.token_rewards(task, completion_ids))
+
+    def token_rewards(self, task: Task, completion_ids: list[int]) -> list[float]:
+        """Reward earned by each completion token; they sum to the episode reward.
+
+        Position j earns 1/max(len(target), len(answer)) when it holds the right digit, so
+        the orchestrator can credit each token with its own reward-to-go (exact credit
+        assignment: a token cannot influence the rewards of earlier positions).
+        """
+        answer = list(completion_ids)
+        if answer and answer[-1] == EOS:
+            answer = answer[:-1]
         target = task.target_ids
-        correct = sum(1 for a, b in zip(out, target) if a == b)
         # Dividing by the longer of the two penalises rambling past the answer.
-        return correct / max(len(target), len(out))
+        unit = 1.0 / max(len(target), len(answer), 1)
+        return [unit if j < len(answer) and j < len(target) and answer[j] == target[j] else 0.0
+                for j in range(len(completion_ids))]
 
     def state(self) -> dict:
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}

@@ -1,0 +1,400 @@
+"""Embedded generation engine for the tiny MoE: continuous batching on CPU, one thread.
+
+Why it exists: local runs and CI need a real inference worker (SGLang cannot serve on
+this CPU) that behaves like SGLang where the RL loop cares: per-token logprobs under the
+sampling distribution, the experts every position was routed to, pause/continue and
+in-place weight updates that keep requests and their KV cache.
+
+How it runs: :class:`InferenceEngine` owns one thread that repeats a *step*: admit queued
+requests up to ``max_batch_size``, prefill them together (left-padded), sample their first
+token and join them to the running batch (the shorter KV cache is left-padded, key_mask
+False); apply aborts; one decode step for every row; finished rows leave
+(``KVCache.select``) and their callbacks fire. Two locks: ``_cond`` guards the request queue and flags (cheap, taken by HTTP handlers);
+``_model_lock`` guards the parameters, the running batch and ``weight_version`` and is
+held for a whole step, so weight copies and synchronous aborts happen between steps,
+never during a forward. Lock order is always model lock, then ``_cond``.
+
+Reproducibility: sampling draws from one ``torch.Generator`` seeded from (run seed,
+worker rank); the draws a request sees still depend on which requests share its batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, TinyMoeForCausalLM
+from workers.weights.filesystem import load_step
+
+log = logging.getLogger("slurmrl.inference")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenRequest:
+    """One prompt to complete; the server builds these from SGLang's /generate fields."""
+
+    input_ids: list[int]
+    temperature: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenOutput:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    logprobs: list[float]
+    """log p(token) under the sampling distribution (float32 math)."""
+    token_versions: list[int]
+    """weight_version of the weights that produced each output token."""
+    finish_reason: dict
+    weight_version: int
+    """Engine version when the request finished."""
+    routed_experts: Optional[torch.Tensor]
+    """int32 [n, L, k] for positions [routed_experts_start_len, seqlen-1), or None."""
+    latency_s: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    """A request in flight: its tokens so far plus what the response needs."""
+
+    req: GenRequest
+    on_done: Callable[[GenOutput], None]
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [t, L, k] per forward fed
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.req.input_ids) + len(self.out_ids)
+
+
+def engine_seed(run_seed: int, rank: int) -> int:
+    """Distinct, reproducible sampling seed per worker (Generator wants a non-negative int)."""
+    return (int(run_seed) * 1_000_003 + int(rank)) % (2**63 - 1)
+
+
+class InferenceEngine:
+    """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
+
+    def __init__(self, model: TinyMoeForCausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
+        assert max_batch_size >= 1, max_batch_size
+        self.model = model.eval()
+        self.config: TinyMoeConfig = model.config
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = self.config.max_position_embeddings
+        self.weight_version = weight_version
+        self.model_path: Optional[str] = None
+        self._gen = torch.Generator().manual_seed(seed)
+        self._model_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: deque[_Seq] = deque()
+        self._abort_rids: set[str] = set()  # marks applied at the next step (or by abort(wait=True))
+        self._abort_all = False
+        self._paused = self._stopping = False
+        self._rows: list[_Seq] = []  # running batch, row i <-> cache row i
+        self._cache: Optional[KVCache] = None
+        self.error: Optional[BaseException] = None
+        self.num_generated_tokens = self.num_steps = 0  # progress counters for /server_info
+        self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._loop, name="inference-engine", daemon=True)
+
+    # ---- public API (thread-safe) ------------------------------------------------------
+    def start(self) -> "InferenceEngine":
+        self._thread.start()
+        return self
+
+    alive = property(lambda self: self._thread.is_alive() and self.error is None)
+    paused = property(lambda self: self._paused)
+    num_running = property(lambda self: len(self._rows), doc="Requests in the decode batch.")
+    num_pending = property(lambda self: len(self._pending), doc="Requests queued (or held while paused).")
+
+    def submit(self, req: GenRequest, on_done: Callable[[GenOutput], None]) -> None:
+        """Queue ``req``; ``on_done`` is called once, from the engine thread (or the caller's
+        thread for aborts), with the result. It must not block."""
+        assert req.input_ids and len(req.input_ids) < self.max_seq_len, len(req.input_ids)
+        seq = _Seq(req, on_done)
+        with self._cond:
+            if not self._stopping:
+                self._pending.append(seq)
+                self._cond.notify_all()
+                return
+        self._finish(seq, {"type": "abort", "message": "engine is shutting down or failed"})
+
+    def generate(self, reqs: list[GenRequest], timeout_s: float = 60.0) -> list[GenOutput]:
+        """Blocking convenience for tests and tools: submit all, wait for all."""
+        outs: dict[str, GenOutput] = {}
+        done = threading.Semaphore(0)
+        for r in reqs:
+            self.submit(r, lambda out: (outs.__setitem__(out.rid, out), done.release()))
+        deadline = time.monotonic() + timeout_s
+        for _ in reqs:
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"engine finished {len(outs)}/{len(reqs)} requests in {timeout_s}s")
+        return [outs[r.rid] for r in reqs]
+
+    def abort(self, rids: Optional[Iterable[str]] = None, *, wait: bool) -> None:
+        """Finish requests ``rids`` (None: all) with finish_reason abort.
+
+        Queued ones finish at once. Running ones finish at the next step; with ``wait`` the
+        caller takes the model lock and finishes them itself, which also works while paused.
+        """
+        wanted = None if rids is None else set(rids)
+        with self._cond:
+            gone = [s for s in self._pending if wanted is None or s.req.rid in wanted]
+            self._pending = deque(s for s in self._pending if not (wanted is None or s.req.rid in wanted))
+            self._abort_all |= wanted is None
+            self._abort_rids |= wanted or set()
+            self._cond.notify_all()
+        for s in gone:
+            self._finish(s, {"type": "abort", "message": "aborted while queued"})
+        if wait:
+            with self._model_lock:
+                self._apply_aborts_locked()
+
+    def pause(self, mode: str = "in_place") -> int:
+        """Stop between steps; returns, once no forward runs, the requests held (running + queued).
+
+        ``in_place`` keeps every request with its KV cache; ``abort`` finishes them all first.
+        ``retract`` behaves like ``in_place`` here: SGLang frees retracted requests' KV cache
+        and re-prefills them on continue, which gains nothing without memory pressure.
+        """
+        assert mode in ("in_place", "retract", "abort"), mode
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort(None, wait=True)
+        with self._model_lock:  # waits for the step in progress to end
+            return self.num_running + self.num_pending
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all: bool = False) -> int:
+        """Verify and load ``model_path`` (a published weights/step_N dir) between steps.
+
+        Reading and checksumming happen outside the model lock so decoding continues
+        meanwhile; only the in-place copy holds it. Raises WeightLoadError and leaves the
+        old weights in place if the step is missing, partial, corrupt or mis-shaped.
+        Returns the number of requests that were in flight (they continue on new weights).
+        """
+        if abort_all:
+            self.abort(None, wait=True)
+        state = load_step(Path(model_path), expected=self.model.state_dict())
+        with self._model_lock, torch.no_grad():
+            for name, param in self.model.state_dict().items():
+                param.copy_(state[name])  # casts to the compute dtype
+            self.weight_version = int(weight_version)
+            self.model_path = str(model_path)
+            n = self.num_running + self.num_pending
+        log.info("loaded weights v%d from %s (%d requests in flight)", self.weight_version, model_path, n)
+        return n
+
+    def set_weight_version(self, version: int) -> None:
+        with self._model_lock:
+            self.weight_version = int(version)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything (callers get abort results) and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self.abort(None, wait=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_num_threads(self._threads)  # intra-op pool settings are per thread
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._paused or not (
+                            self._pending or self._rows or self._abort_rids or self._abort_all)):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                with self._model_lock, torch.inference_mode():
+                    self._step_locked()
+        except BaseException as e:  # a bug must fail requests loudly, not hang them
+            log.exception("engine loop crashed")
+            self.error = e
+            with self._model_lock, self._cond:
+                self._stopping = True
+                # Do not touch the (possibly inconsistent) cache: just answer every caller.
+                failed, self._pending, self._rows, self._cache = list(self._pending) + self._rows, deque(), [], None
+            for s in failed:
+                self._finish(s, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+
+    def _step_locked(self) -> None:
+        with self._cond:
+            if self._paused or self._stopping:
+                return  # paused after we left the wait: pause() promised no more forwards
+            admit = []
+            while self._pending and len(self._rows) + len(admit) < self.max_batch_size:
+                admit.append(self._pending.popleft())
+        if admit:
+            self._prefill(admit)  # new rows join the batch with their first token sampled
+        # After the prefill, so an abort that raced with admission finds its row.
+        self._apply_aborts_locked()
+        self._retire_finished()  # new rows may be done already (stop token, max_new_tokens <= 1)
+        if self._rows:
+            self._decode()
+            self._retire_finished()
+        self.num_steps += 1
+
+    def _apply_aborts_locked(self) -> None:
+        with self._cond:
+            rids, every = self._abort_rids, self._abort_all
+            self._abort_rids, self._abort_all = set(), False
+        if self._rows and (every or rids):
+            hit = [every or s.req.rid in rids for s in self._rows]
+            self._retire(hit, [{"type": "abort", "message": "aborted"}] * len(hit))
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        lens = [len(s.req.input_ids) for s in seqs]
+        n, t = len(seqs), max(lens)
+        ids = torch.zeros(n, t, dtype=torch.long)
+        mask = torch.zeros(n, t, dtype=torch.bool)
+        pos = torch.zeros(n, t, dtype=torch.long)
+        for i, (s, l) in enumerate(zip(seqs, lens)):
+            # Left padding keeps every row's last prompt token in the last column.
+            ids[i, t - l:] = torch.tensor(s.req.input_ids)
+            mask[i, t - l:] = True
+            pos[i, t - l:] = torch.arange(l)
+        cache = KVCache(self.config.num_layers)
+        out = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache)
+        routed = out.routed_experts.to(torch.int32)
+        for i, (s, l) in enumerate(zip(seqs, lens)):
+            if s.req.return_routed_experts:
+                s.routed.append(routed[i, t - l:])
+        self._sample_into(seqs, out.logits[:, -1], [s.req.max_new_tokens > 0 for s in seqs])
+        self._merge(seqs, cache)
+
+    def _merge(self, seqs: list[_Seq], cache: KVCache) -> None:
+        if self._cache is None or not self._rows:
+            self._rows, self._cache = seqs, cache
+            return
+        length = max(self._cache.length, cache.length)
+        a, b = _left_pad(self._cache, length), _left_pad(cache, length)
+        for layer in range(self.config.num_layers):
+            a.keys[layer] = torch.cat([a.keys[layer], b.keys[layer]])
+            a.values[layer] = torch.cat([a.values[layer], b.values[layer]])
+        a.key_mask = torch.cat([a.key_mask, b.key_mask])
+        self._rows, self._cache = self._rows + seqs, a
+
+    def _decode(self) -> None:
+        rows = self._rows
+        last = torch.tensor([[s.out_ids[-1]] for s in rows])
+        pos = torch.tensor([[s.seqlen - 1] for s in rows])
+        out = self.model(last, position_ids=pos, cache=self._cache)
+        if any(s.req.return_routed_experts for s in rows):
+            routed = out.routed_experts.to(torch.int32)
+            for i, s in enumerate(rows):
+                if s.req.return_routed_experts:
+                    s.routed.append(routed[i])
+        self._sample_into(rows, out.logits[:, -1], [True] * len(rows))
+
+    def _sample_into(self, seqs: list[_Seq], logits: torch.Tensor, wants: list[bool]) -> None:
+        """Sample one token per row; logprob under the sampling distribution, in float32."""
+        temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32)
+        greedy = temps < GREEDY_EPS
+        logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        tok = logp.argmax(-1)
+        if not bool(greedy.all()):
+            drawn = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(1)
+            tok = torch.where(greedy, tok, drawn)
+        lp = logp.gather(1, tok[:, None]).squeeze(1)
+        for s, want, t, l in zip(seqs, wants, tok.tolist(), lp.tolist()):
+            if want:
+                s.out_ids.append(t)
+                s.logprobs.append(l)
+                s.versions.append(self.weight_version)
+                self.num_generated_tokens += 1
+
+    def _stop_reason(self, s: _Seq) -> Optional[dict]:
+        if s.out_ids and s.out_ids[-1] in s.req.stop_token_ids:
+            return {"type": "stop", "matched": s.out_ids[-1]}
+        if len(s.out_ids) >= s.req.max_new_tokens or s.seqlen >= self.max_seq_len:
+            return {"type": "length", "length": len(s.out_ids)}
+        return None
+
+    def _retire_finished(self) -> None:
+        reasons = [self._stop_reason(s) for s in self._rows]
+        self._retire([r is not None for r in reasons], reasons)
+
+    def _retire(self, done: list[bool], reasons: list[Optional[dict]]) -> None:
+        """Finish the rows flagged ``done`` and drop them (and dead cache columns)."""
+        if not any(done):
+            return
+        keep = [i for i, d in enumerate(done) if not d]
+        for i, d in enumerate(done):
+            if d:
+                self._finish(self._rows[i], reasons[i])
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache = None
+            return
+        self._cache.select(torch.tensor(keep))
+        _trim_left(self._cache)
+
+    def _finish(self, s: _Seq, reason: dict) -> None:
+        routed = None
+        if s.req.return_routed_experts and s.routed:
+            # The last sampled token was never fed, so it has no routing (SGLang's convention).
+            routed = torch.cat(s.routed)[s.req.routed_experts_start_len: s.seqlen - 1].contiguous()
+        out = GenOutput(rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out_ids,
+                        logprobs=s.logprobs, token_versions=s.versions, finish_reason=reason,
+                        weight_version=self.weight_version, routed_experts=routed,
+                        latency_s=time.perf_counter() - s.t0)
+        try:
+            s.on_done(out)
+        except Exception:  # a broken callback must not take the engine down
+            log.exception("on_done callback of request %s failed", s.req.rid)
+
+
+def _left_pad(cache: KVCache, length: int) -> KVCache:
+    pad = length - cache.length
+    if pad:  # zeros under key_mask False: never attended to
+        cache.keys = [F.pad(k, (0, 0, pad, 0)) for k in cache.keys]
+        cache.values = [F.pad(v, (0, 0, pad, 0)) for v in cache.values]
+        cache.key_mask = F.pad(cache.key_mask, (pad, 0), value=False)
+    return cache
+
+
+def _trim_left(cache: KVCache) -> None:
+    """Drop leading columns no row attends to (left padding of rows that have left)."""
+    first = int(cache.key_mask.any(0).int().argmax())
+    if first > 0:
+        cache.keys = [k[:, :, first:] for k in cache.keys]
+        cache.values = [v[:, :, first:] for v in cache.values]
+        cache.key_mask = cache.key_mask[:, first:]
+
+
+def model_from_config(model_cfg, dtype: str) -> TinyMoeForCausalLM:
+    """Model skeleton from a ModelConfig (weights come from a published step)."""
+    names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
+    tcfg = TinyMoeConfig(**{n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)})
+    if dtype not in DTYPES:
+        raise ValueError(f"inference.dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    return TinyMoeForCausalLM(tcfg).to(DTYPES[dtype])

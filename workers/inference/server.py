@@ -1,0 +1,400 @@
+"""HTTP front of the embedded engine, speaking SGLang's native API (aiohttp).
+
+Why SGLang's wire format: the orchestrator drives SGLang servers (GPU) and this engine
+(local runs) with one client, workers.common.inference_client. Routes, request and
+response fields follow SGLang 0.5.x (srt/entrypoints/http_server.py, managers/io_struct.py):
+``/generate`` answers ``output_ids`` + ``meta_info`` {id, finish_reason, prompt_tokens,
+completion_tokens, output_token_logprobs [[logprob, id, null]], routed_experts (base64 of
+int32 [seqlen-1-start, L, k]), weight_version (a string, as SGLang sends it)}, plus our
+documented extension ``output_token_weight_versions`` (the version behind every token).
+
+Threads: handlers never run torch. ``/generate`` submits to the engine thread and awaits a
+future resolved via ``loop.call_soon_threadsafe``; calls that take the model lock (pause,
+weight load) run in ``asyncio.to_thread``. State-changing routes need ``Authorization:
+Bearer <run_dir/admin_token>``. Entry: :func:`run_server` (``python -m workers.inference``).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import sys
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from workers.common.protocol import STABLE, PeerTimeout, RunPaths, read_admin_token, wait_for
+from workers.inference.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
+from workers.weights.filesystem import WeightLoadError
+
+log = logging.getLogger("slurmrl.inference")
+
+MAX_BODY_BYTES = 8 << 20
+HEALTH_TIMEOUT_S = 20.0
+# Neutral values only: ignoring others would silently make the returned logprobs wrong.
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "stop": None}
+IGNORED_SAMPLING = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                   "return_routed_experts", "routed_experts_start_len", "rid", "stream", "return_text_in_logprobs"}
+
+
+class BadRequest(ValueError):
+    """A client mistake; the message names the field."""
+
+
+def _int(v: Any, field: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{field}: expected an integer, got {type(v).__name__} {v!r}"[:300])
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"{field}: {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _bool(v: Any, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{field}: expected true/false, got {v!r}"[:300])
+    return v
+
+
+def _sampling(sp: Any, field: str, vocab_size: int) -> dict:
+    sp = {} if sp is None else sp
+    if not isinstance(sp, dict):
+        raise BadRequest(f"{field}: expected an object, got {type(sp).__name__}")
+    out = {"temperature": 1.0, "max_new_tokens": 128, "stop_token_ids": ()}
+    for key, v in sp.items():
+        f = f"{field}.{key}"
+        if key == "temperature":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise BadRequest(f"{f}: expected a number >= 0, got {v!r}")
+            out[key] = float(v)
+        elif key == "max_new_tokens":
+            out[key] = _int(v, f, 0)
+        elif key == "stop_token_ids":
+            if v is not None and not isinstance(v, list):
+                raise BadRequest(f"{f}: expected a list of token ids")
+            out[key] = tuple(_int(t, f"{f}[{i}]", 0, vocab_size - 1) for i, t in enumerate(v or []))
+        elif key in NEUTRAL_SAMPLING:
+            neutral = NEUTRAL_SAMPLING[key]
+            if not (v == neutral or (key == "stop" and v == []) or (key == "top_k" and v in (0, -1))):
+                raise BadRequest(f"{f}={v!r} is not supported by the embedded engine (only {neutral!r})")
+        elif key not in IGNORED_SAMPLING:
+            raise BadRequest(f"{f}: unknown sampling parameter; supported: temperature, max_new_tokens, "
+                             f"stop_token_ids, {', '.join(sorted(NEUTRAL_SAMPLING))} (neutral values only)")
+    return out
+
+
+def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> tuple[list[GenRequest], bool, bool]:
+    """SGLang GenerateReqInput -> (requests, is_batch, return_logprob). Raises BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if "text" in body:
+        raise BadRequest("text: the embedded engine has no tokenizer; send input_ids")
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field; supported: {', '.join(sorted(GENERATE_FIELDS))}")
+    if body.get("stream"):
+        raise BadRequest("stream: not supported by the embedded engine")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("input_ids: expected a non-empty list of token ids (or a list of such lists)")
+    is_batch = isinstance(ids[0], list)
+    prompts = ids if is_batch else [ids]
+    n = len(prompts)
+    sps = body.get("sampling_params")
+    if isinstance(sps, list):
+        if len(sps) != n:
+            raise BadRequest(f"sampling_params: {len(sps)} entries for {n} prompts")
+        params = [_sampling(sp, f"sampling_params[{i}]", vocab_size) for i, sp in enumerate(sps)]
+    else:
+        params = [_sampling(sps, "sampling_params", vocab_size)] * n
+    rids = body.get("rid")
+    if rids is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    elif isinstance(rids, str) and not is_batch:
+        rids = [rids]
+    elif not (isinstance(rids, list) and len(rids) == n and all(isinstance(r, str) for r in rids)):
+        raise BadRequest(f"rid: expected {'a list of ' + str(n) + ' strings' if is_batch else 'a string'}")
+    return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
+    routed = _bool(body.get("return_routed_experts", False), "return_routed_experts")
+    start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0)
+    _int(body.get("logprob_start_len", -1), "logprob_start_len", -1)  # input logprobs: not computed here
+    if _int(body.get("top_logprobs_num", 0), "top_logprobs_num", 0) != 0:
+        raise BadRequest("top_logprobs_num: top logprobs are not supported by the embedded engine")
+    reqs = []
+    for i, (p, sp, rid) in enumerate(zip(prompts, params, rids)):
+        f = f"input_ids[{i}]" if is_batch else "input_ids"
+        if not isinstance(p, list) or not p:
+            raise BadRequest(f"{f}: expected a non-empty list of token ids")
+        if len(p) >= max_len:
+            raise BadRequest(f"{f}: prompt of {len(p)} tokens leaves no room to generate "
+                             f"(model.max_position_embeddings={max_len})")
+        toks = [_int(t, f"{f}[{j}]", 0, vocab_size - 1) for j, t in enumerate(p)]
+        reqs.append(GenRequest(input_ids=toks, rid=rid, return_routed_experts=routed, routed_experts_start_len=start,
+                               **sp))
+    return reqs, is_batch, return_logprob
+
+
+def format_output(out: GenOutput, *, return_logprob: bool) -> dict:
+    meta: dict[str, Any] = {
+        "id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids), "cached_tokens": 0, "e2e_latency": out.latency_s,
+        "weight_version": str(out.weight_version), "output_token_weight_versions": out.token_versions,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.output_ids)]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(out.routed_experts.numpy().tobytes()).decode("ascii")
+    return {"output_ids": out.output_ids, "meta_info": meta}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(400, str(e))
+    except web.HTTPException:
+        raise
+    except Exception as e:  # one bad request must never take the server down
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"{type(e).__name__}: {e}")
+
+
+async def _json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}  # SGLang clients post some routes bodiless
+    except ValueError as e:
+        raise BadRequest(f"body: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    return body
+
+
+def _version(body: dict, field: str) -> int:
+    v = body.get(field)
+    if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise BadRequest(f"{field}: expected an integer (as a number or a string), got {v!r}"[:300])
+
+
+async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutput]:
+    loop = asyncio.get_running_loop()
+    futs = [loop.create_future() for _ in reqs]
+
+    def resolver(fut: asyncio.Future):
+        def on_done(out: GenOutput) -> None:  # engine thread: hand the result to the loop
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+        return on_done
+
+    for r, f in zip(reqs, futs):
+        engine.submit(r, resolver(f))
+    try:
+        return list(await asyncio.gather(*futs))
+    except asyncio.CancelledError:  # client went away: free the batch slots
+        engine.abort([r.rid for r in reqs], wait=False)
+        raise
+
+
+def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0) -> web.Application:
+    """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server."""
+    cfg = engine.config
+    expected_auth = f"Bearer {admin_token}"
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.path in admin_routes and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected_auth.encode()):
+            return _error(401, f"{request.path} is an admin route: send 'Authorization: Bearer <run_dir/admin_token>'")
+        return await handler(request)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, auth])
+
+    async def generate(request):
+        reqs, is_batch, return_logprob = parse_generate(await _json(request), vocab_size=cfg.vocab_size,
+                                                        max_len=engine.max_seq_len)
+        outs = [format_output(o, return_logprob=return_logprob) for o in await _run(engine, reqs)]
+        return web.json_response(outs if is_batch else outs[0])
+
+    async def health(request):
+        return web.Response(status=200 if engine.alive else 503, text="" if engine.alive else "engine failed")
+
+    async def health_generate(request):
+        if not engine.alive:
+            return _error(503, f"engine failed: {engine.error!r}")
+        if engine.paused:  # a generate would wait for continue; the engine is fine
+            return web.json_response({"status": "paused"})
+        req = GenRequest(input_ids=[0], temperature=0.0, max_new_tokens=1, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(_run(engine, [req]), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _error(503, f"a 1-token generate took over {HEALTH_TIMEOUT_S}s")
+        return web.Response(text="")
+
+    def model_info() -> dict:
+        return {"model_path": engine.model_path, "tokenizer_path": None, "is_generation": True,
+                "model_name": model_name, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
+                "top_k": cfg.top_k, "vocab_size": cfg.vocab_size, "weight_version": str(engine.weight_version),
+                "max_position_embeddings": cfg.max_position_embeddings}
+
+    async def get_model_info(request):
+        return web.json_response(model_info())
+
+    async def server_info(request):
+        return web.json_response({**model_info(), "version": "slurmrl-embedded", "rank": rank,
+                                  "max_batch_size": engine.max_batch_size, "paused": engine.paused,
+                                  "num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_pending,
+                                  "num_generated_tokens": engine.num_generated_tokens, "num_steps": engine.num_steps,
+                                  "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", "")})
+
+    async def pause_generation(request):
+        mode = (await _json(request)).get("mode", "abort")  # SGLang's default mode
+        if mode not in ("in_place", "retract", "abort"):
+            raise BadRequest(f"mode: {mode!r} is not one of 'abort', 'retract', 'in_place'")
+        n = await asyncio.to_thread(engine.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "num_paused_requests": n})
+
+    async def continue_generation(request):
+        engine.resume()
+        return web.json_response({"message": "Generation continued successfully."})
+
+    async def flush_cache(request):
+        # No prefix cache here: KV caches belong to running requests and leave with them.
+        return web.Response(text="Cache flushed.")
+
+    async def update_weights_from_disk(request):
+        body = await _json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path: expected the path of a published weights/step_N directory")
+        version = _version(body, "weight_version")  # required: every token is tagged with it
+        if body.get("load_format") is not None and not isinstance(body["load_format"], str):
+            raise BadRequest("load_format: expected a string or null")
+        abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
+        _bool(body.get("flush_cache", True), "flush_cache")
+        try:
+            n = await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all=abort_all)
+        except WeightLoadError as e:
+            log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
+            return web.json_response({"success": False, "message": str(e),
+                                      "num_paused_requests": engine.num_running + engine.num_pending}, status=400)
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
+                                  "num_paused_requests": n})
+
+    async def update_weight_version(request):
+        body = await _json(request)
+        version = _version(body, "new_version")
+        if _bool(body.get("abort_all_requests", False), "abort_all_requests"):
+            await asyncio.to_thread(engine.abort, None, wait=True)
+        await asyncio.to_thread(engine.set_weight_version, version)
+        return web.json_response({"success": True, "message": "Weight version updated.", "new_version": str(version)})
+
+    async def abort_request(request):
+        body = await _json(request)
+        if _bool(body.get("abort_all", False), "abort_all"):
+            await asyncio.to_thread(engine.abort, None, wait=True)
+        elif isinstance(body.get("rid"), str):
+            engine.abort([body["rid"]], wait=False)
+        else:
+            raise BadRequest("rid: expected a request id string (or abort_all: true)")
+        return web.json_response({"success": True})
+
+    async def not_here(request):
+        return web.json_response({"success": False, "message": f"{request.path} is not implemented by the embedded "
+                                  f"engine; use weights.transport=filesystem"}, status=501)
+
+    async def shutdown(request):
+        app["stop"].set()
+        return web.json_response({"message": "shutting down"})
+
+    posts = [("/generate", generate), ("/pause_generation", pause_generation),
+             ("/continue_generation", continue_generation), ("/flush_cache", flush_cache),
+             ("/update_weights_from_disk", update_weights_from_disk), ("/abort_request", abort_request),
+             ("/update_weight_version", update_weight_version), ("/shutdown", shutdown),
+             ("/init_weights_update_group", not_here), ("/update_weights_from_distributed", not_here),
+             ("/destroy_weights_update_group", not_here)]
+    app["stop"] = asyncio.Event()
+    admin_routes = {path for path, _ in posts if path != "/generate"}  # every state-changing route
+    for path, fn in [("/health", health), ("/health_generate", health_generate), ("/get_model_info", get_model_info),
+                     ("/model_info", get_model_info), ("/server_info", server_info),
+                     ("/get_server_info", server_info)]:
+        app.router.add_get(path, fn)
+    for path, fn in posts:
+        app.router.add_post(path, fn)
+    app.router.add_get("/flush_cache", flush_cache)  # SGLang serves it as GET and POST
+    return app
+
+
+async def _serve(app: web.Application, engine: InferenceEngine, host: str, port: int) -> None:
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, app["stop"].set)
+    log.info("serving on http://%s:%d (weights v%d, max_batch_size %d)", host, port, engine.weight_version,
+             engine.max_batch_size)
+    await app["stop"].wait()
+    log.info("shutting down")
+    await asyncio.to_thread(engine.shutdown)  # in-flight requests answer with finish_reason abort
+    await runner.cleanup()
+
+
+def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
+    """Model skeleton from ``cfg.model``, then wait for and load weights step 0 (version 0).
+
+    Protocol: trainer rank 0 publishes ``weights/step_000000/`` and writes STABLE last; we
+    wait for STABLE (deadline ``inference.startup_timeout_s``), then load with checksums.
+    """
+    paths = RunPaths(run_dir)
+    step0 = paths.weights(0)
+    model = model_from_config(cfg.model, cfg.inference.dtype)
+    wait_for(lambda: (step0 / STABLE).exists(), timeout_s=cfg.inference.startup_timeout_s,
+             what=f"initial weights {step0}/{STABLE}", peer="trainer rank 0")
+    engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size,
+                             seed=engine_seed(cfg.seed, rank), weight_version=0)
+    engine.update_weights_from_disk(str(step0), 0)
+    return engine
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT before the event loop serves (waiting for weights, loading)."""
+
+
+def _stop_on_signal(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def run_server(cfg, topology) -> int:
+    """Wait for weights step 0, load it as version 0, serve until SIGTERM/SIGINT or /shutdown.
+
+    A stop signal is a request, not a failure: exit 0 with one log line, in either phase.
+    """
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s inference[{topology.rank}] %(message)s")
+    paths = RunPaths(topology.run_dir)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop installs its own handlers
+        signal.signal(sig, _stop_on_signal)
+    try:
+        token = read_admin_token(paths)
+        engine = build_engine(cfg, topology.rank, topology.run_dir).start()
+        app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank)
+        asyncio.run(_serve(app, engine, topology.bind_host, topology.bind_port))
+    except _Stopped as e:
+        log.info("stopped by %s before serving", e)
+        return 0
+    except (PeerTimeout, OSError) as e:
+        log.error("%s", e)
+        return 1
+    return 0
