@@ -44,15 +44,16 @@ def create_run_dir(cfg: RunConfig) -> RunPaths:
     fd = os.open(paths.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(secrets.token_hex(24))
-    update_latest_link(root)
+    update_latest_link(Path(cfg.cluster.runs_root).expanduser().resolve(), root)
     return paths
 
 
-def update_latest_link(root: Path) -> None:
-    """Point ``<runs_root>/latest`` at this run (atomic symlink swap)."""
-    link = root.parent / "latest"
-    tmp = root.parent / f".latest.{os.getpid()}"
+def update_latest_link(runs_root: Path, root: Path) -> None:
+    """Point ``<runs_root>/latest`` at this run (atomic symlink swap), also for explicit run dirs."""
+    runs_root.mkdir(parents=True, exist_ok=True)
+    tmp = runs_root / f".latest.{os.getpid()}"
     if tmp.is_symlink():
         tmp.unlink()
-    os.symlink(root.name, tmp)
-    os.replace(tmp, link)
+    target = root.name if root.parent == runs_root else str(root)
+    os.symlink(target, tmp)
+    os.replace(tmp, runs_root / "latest")

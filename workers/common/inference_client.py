@@ -136,6 +136,7 @@ class InferenceClient:
             version = _version(meta.get("weight_version"))
             versions = meta.get("output_token_weight_versions") or [version] * len(ids)
             finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
+            finish = {"type": finish} if isinstance(finish, str) else dict(finish)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise InferenceError(url, 200, f"unexpected /generate response ({type(e).__name__}: {e}): "
                                            f"{json.dumps(out)[:500]}") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import Optional
 
 import aiohttp
@@ -44,10 +45,10 @@ class Orchestrator:
         self.version = 0
         self.next_step = 0
         self.next_group_id = 0
-        self.tokens_since_batch = 0
-        self.last_batch_time = time.monotonic()
+        self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
         self.weight_update_s: Optional[float] = None
+        self.started = time.monotonic()
 
     async def run(self) -> None:
         timeout = self.cfg.orchestrator.request_timeout_s
@@ -108,7 +109,7 @@ class Orchestrator:
         for task in done:
             self.inflight.pop(task)
             group: RolloutGroup = task.result()  # a failed request raises here with the worker's URL
-            self.tokens_since_batch += sum(len(s.completion_ids) for s in group.samples)
+            self.completions.append((time.monotonic(), sum(len(s.completion_ids) for s in group.samples)))
             self.buffer.add(group)
 
     def write_ready_batches(self) -> None:
@@ -116,23 +117,33 @@ class Orchestrator:
             groups = self.buffer.take(self.next_step)
             if groups is None:
                 return
-            now = time.monotonic()
             dropped_total = self.buffer.dropped_samples_total
             extra = {
                 "samples_dropped_stale": dropped_total - self.dropped_at_last_batch,
                 "samples_dropped_stale_total": dropped_total,
-                "inference_tokens_per_s": self.tokens_since_batch / max(now - self.last_batch_time, 1e-9),
+                "inference_tokens_per_s": self.inference_rate(),
                 "orchestrator_weight_version": self.version,
                 "inflight_groups": len(self.inflight),
                 "weight_update_s": self.weight_update_s,
             }
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
-            self.dropped_at_last_batch, self.tokens_since_batch, self.last_batch_time = dropped_total, 0, now
+            self.dropped_at_last_batch = dropped_total
             write_json_atomic(self.paths.root / "orchestrator_state.json",
                               {"next_step": self.next_step + 1, "weight_version": self.version,
                                "groups_started": self.next_group_id, "dropped_total": dropped_total})
             self.next_step += 1
+
+
+    def inference_rate(self, window_s: float = 10.0) -> float:
+        """Completion tokens per second over the last ``window_s`` (batches come in bursts)."""
+        now = time.monotonic()
+        while self.completions and self.completions[0][0] < now - window_s:
+            self.completions.popleft()
+        if not self.completions:
+            return 0.0
+        span = max(now - self.completions[0][0], min(window_s, now - self.started))
+        return sum(n for _, n in self.completions) / max(span, 1e-3)
 
 
 def run_orchestrator(cfg: RunConfig, topo: Topology) -> None:

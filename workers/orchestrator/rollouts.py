@@ -45,12 +45,15 @@ async def run_group(client: InferenceClient, env, task, *, group_id: int, worker
 async def update_all_workers(clients: Sequence[InferenceClient], model_path: str, version: int) -> float:
     """pause(in_place) -> load -> continue on every worker. Returns seconds spent."""
     t0 = time.perf_counter()
-    await asyncio.gather(*(c.pause_generation(mode="in_place") for c in clients))
-    results = await asyncio.gather(*(c.update_weights_from_disk(model_path, version) for c in clients),
-                                   return_exceptions=True)
-    await asyncio.gather(*(c.continue_generation() for c in clients))
-    failures = [f"{c.base_url}: {r}" for c, r in zip(clients, results)
-                if isinstance(r, BaseException) or not r.get("success", False)]
+    paused = await asyncio.gather(*(c.pause_generation(mode="in_place") for c in clients), return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(c.update_weights_from_disk(model_path, version) for c in clients),
+                                       return_exceptions=True)
+    finally:  # a worker that paused must continue, whatever happened to the others
+        await asyncio.gather(*(c.continue_generation() for c, p in zip(clients, paused)
+                               if not isinstance(p, BaseException)), return_exceptions=True)
+    failures = [f"{c.base_url}: {p if isinstance(p, BaseException) else r}" for c, p, r in zip(clients, paused, results)
+                if isinstance(p, BaseException) or isinstance(r, BaseException) or not r.get("success", False)]
     if failures:
         raise WeightUpdateError(f"weight update to version {version} failed on {len(failures)} worker(s): "
                                 + "; ".join(failures))
