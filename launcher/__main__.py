@@ -3,32 +3,65 @@
     slurmrl                                   # experiment=tiny_local on this machine
     slurmrl trainer.lr=3e-4 orchestrator.max_off_policy_steps=0
     slurmrl launcher.dry_run=true             # write configs, print what would start
+    slurmrl cluster=local_slurm               # one heterogeneous Slurm job, followed until it ends
+    slurmrl cluster=local_slurm launcher.follow=false   # submit and return
+    slurmrl -m trainer.lr=1e-4,3e-4 cluster=local_slurm # one hetjob per sweep point
+    slurmrl status [RUN_DIR|JOB_ID]           # state of a submitted run (default runs/latest)
+    slurmrl cancel [RUN_DIR|JOB_ID]
 """
 from __future__ import annotations
 
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher import sweep
 from launcher.config_store import register
 from launcher.launch import launch
 from launcher.plan import PlanError
 from launcher.run_dir import RunDirError
+from launcher.submit import SubmitError
 
 register()
+USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException)
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_app(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
     try:
         run_cfg = OmegaConf.to_object(cfg)
+        if hc.mode == RunMode.MULTIRUN:  # prepare only; sweep.run_all submits once every point planned
+            sweep.collect(run_cfg, num=hc.job.num, overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir)
+            return
         code = launch(run_cfg)
-    except (PlanError, RunDirError, OmegaConfBaseException) as e:
+    except USER_ERRORS as e:
         print(f"slurmrl: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except SubmitError as e:  # a Slurm command failed: its stderr, no traceback
+        print(f"slurmrl: error: {e}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(code)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("status", "cancel"):
+        from launcher.slurm_backend import command_line
+
+        sys.exit(command_line(sys.argv[1], sys.argv[2:]))
+    hydra_app()
+    try:
+        sys.exit(sweep.run_all())
+    except USER_ERRORS as e:
+        print(f"slurmrl: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except SubmitError as e:
+        print(f"slurmrl: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,121 @@
-"""Plan -> run directory -> backend. Shared by the CLI and by tests (no Hydra needed here)."""
+"""Plan -> run directory -> backend. Shared by the CLI, sweeps and tests (no Hydra needed here).
+
+Order matters: :func:`prepare` does everything that can fail on user input (plan, choose
+the run dir, render the sbatch script) without touching the disk; :func:`write` then
+creates the run dir: ``config/run.yaml`` (what workers load), ``config/<role>.yaml`` (the
+same resolved config, one per role, headed by its placement), ``config/plan.json`` and,
+for Slurm, ``slurm/job.sbatch``. Only then is anything started or submitted.
+"""
 from __future__ import annotations
 
-from launcher.plan import build_plan
-from launcher.run_dir import create_run_dir
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+from launcher.estimate import human
+from launcher.plan import JobPlan, build_plan
+from launcher.render import render_script, sbatch_command
+from launcher.run_dir import choose_run_dir, create_run_dir
 from workers.common.config import RunConfig
+from workers.common.protocol import RunPaths
 
 
-def launch(cfg: RunConfig) -> int:
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A planned, rendered run that has not written anything yet."""
+
+    cfg: RunConfig
+    """The config with launcher.run_dir pinned to the chosen directory."""
+    plan: JobPlan
+    root: Path
+    script: Optional[str]
+    """The sbatch script (Slurm backend), else None."""
+
+    @property
+    def script_path(self) -> Path:
+        return self.root / "slurm" / "job.sbatch"
+
+
+def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     plan = build_plan(cfg)  # every user mistake raises here, before anything is written
-    paths = create_run_dir(cfg)
+    root = root or choose_run_dir(cfg)
+    cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))
+    script = None
+    if plan.backend == "slurm":
+        python = cfg.cluster.python or sys.executable
+        script = render_script(plan, run_dir=str(root), python=python, workdir=os.getcwd(),
+                               script_path=str(root / "slurm" / "job.sbatch"))
+    return Prepared(cfg=cfg, plan=plan, root=root, script=script)
+
+
+def role_header(plan: JobPlan, role: str) -> str:
+    r = plan.role(role)
+    return (f"# Resolved config for role {role}: {r.description}; module {r.module}; "
+            f"het group {r.het_group}, {r.num_procs} task(s) on {r.num_nodes} node(s).\n"
+            f"# Workers load config/run.yaml (identical below this header) onto workers.common.config.RunConfig.\n")
+
+
+def write(prep: Prepared) -> RunPaths:
+    paths = create_run_dir(prep.cfg)
+    resolved = paths.run_config.read_text()
+    for r in prep.plan.roles:
+        (paths.config_dir / f"{r.role}.yaml").write_text(role_header(prep.plan, r.role) + resolved)
+    (paths.config_dir / "plan.json").write_text(json.dumps(dataclasses.asdict(prep.plan), indent=1, default=str) + "\n")
+    if prep.script is not None:
+        prep.script_path.parent.mkdir(parents=True, exist_ok=True)
+        prep.script_path.write_text(prep.script)
+        prep.script_path.chmod(0o755)
+    return paths
+
+
+def announce(prep: Prepared) -> None:
+    plan = prep.plan
     procs = ", ".join(f"{r.num_procs} {r.role}" for r in plan.roles)
-    print(f"[slurmrl] experiment {plan.experiment}: {procs}; model {plan.num_params / 1e6:.2f}M params; "
-          f"{plan.samples_per_step} samples/step; run dir {paths.root}", flush=True)
+    print(f"[slurmrl] experiment {plan.experiment}: {procs}; model {human(plan.num_params)} params; "
+          f"{plan.samples_per_step} samples/step; run dir {prep.root}", flush=True)
+    if plan.backend == "slurm":
+        for line in plan.summary():
+            print(f"[slurmrl]   {line}", flush=True)
+
+
+def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
+    prep = prepare(cfg)
+    paths = write(prep)
+    announce(prep)
     if cfg.launcher.dry_run:
-        print(f"[slurmrl] dry run: resolved config in {paths.run_config}; nothing started", flush=True)
+        if prep.script is not None:
+            print(prep.script, end="", flush=True)
+            print(f"[slurmrl] dry run: script {prep.script_path}, per-role configs in {paths.config_dir}; "
+                  f"submit with: {shlex.join(sbatch_command(str(prep.script_path)))}", flush=True)
+        else:
+            print(f"[slurmrl] dry run: resolved config in {paths.run_config}; nothing started", flush=True)
         return 0
-    if plan.backend == "local":
+    if prep.plan.backend == "local":
         from launcher.local_backend import LocalBackend
 
-        backend = LocalBackend(cfg, plan, paths)
+        backend = LocalBackend(prep.cfg, prep.plan, paths)
         code = backend.run()
         print(f"[slurmrl] {'finished' if code == 0 else 'stopped'}: {backend.progress_summary}", flush=True)
         print(f"[slurmrl] run directory: {paths.root}", flush=True)
         return code
-    raise NotImplementedError(f"cluster.backend={plan.backend!r}: the Slurm backend is not implemented yet")
+    job_id = submit_prepared(prep)
+    if not (cfg.launcher.follow if follow is None else follow):
+        print(f"[slurmrl] follow with: slurmrl status {paths.root}", flush=True)
+        return 0
+    from launcher.slurm_backend import follow as follow_job
+
+    return follow_job(job_id, paths, cfg.trainer.num_steps)
+
+
+def submit_prepared(prep: Prepared) -> str:
+    from launcher import submit
+
+    job_id = submit.submit(prep.script_path)
+    submit.record_job_id(prep.root, job_id)
+    print(f"[slurmrl] submitted job {job_id} ({len(prep.plan.components)} het components); "
+          f"logs in {prep.root / 'logs'}", flush=True)
+    return job_id

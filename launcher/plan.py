@@ -1,14 +1,27 @@
-"""build_plan(cfg) -> JobPlan: which processes run, how many, and every cross-role check.
+"""build_plan(cfg) -> JobPlan: which processes run, where, how many, and every cross-role check.
 
 Pure function of the config (no I/O, no torch): the same plan drives the local backend,
 the sbatch renderer and the dry run. A user mistake raises :class:`PlanError` naming the
 config key and the numbers involved, before anything is started or written.
+
+Slurm placement: one heterogeneous-job component per role group, in this order:
+  0  control: orchestrator (+ sglang-router with SGLang inference), CPU only
+  1+ servers: ``inference`` (unified workers) or ``prefill`` then ``decode``
+  N  trainer ranks (one per GPU on GPU clusters)
+With the embedded engine there is no router: the orchestrator spreads requests over the
+workers itself, so the component is simply absent (not a no-op step).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
+from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, server_memory, trainer_memory
+from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
+                                plan_servers, plan_trainer)
+from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig
+from workers.common.topology import PORT_SERVERS
 
 ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols}
 CHOICES = {
@@ -18,21 +31,9 @@ CHOICES = {
     "trainer.dtype": ("float32", "bfloat16"),
     "weights.transport": ("filesystem",),
     "orchestrator.advantage": ("sequence", "token_rtg"),
+    "model.attention": ("mha", "mla"),
 }
-
-
-class PlanError(ValueError):
-    """The config cannot be planned; the message names the key."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RolePlan:
-    role: str
-    """orchestrator | inference | trainer."""
-    num_procs: int
-    """Processes of this role."""
-    module: str
-    """``python -m`` module that runs one process of the role."""
+TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,12 +41,46 @@ class JobPlan:
     experiment: str
     backend: str
     roles: tuple[RolePlan, ...]
+    """In start order (trainer first: rank 0 publishes the step-0 weights)."""
+    components: tuple[ComponentPlan, ...]
+    """Slurm het-job components, by het group."""
     num_params: int
     """Model parameters (printed by the launcher)."""
+    params: ParamCount
     samples_per_step: int
+    trainer_dims: TrainerDims
+    slurm: SlurmJobPlan
+    memory: tuple[MemoryEstimate, ...] = ()
+    """GPU memory estimates (GPU clusters with cluster.gpu_memory_gb set)."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
+
+    @property
+    def num_gpu_nodes(self) -> int:
+        return sum(c.num_nodes for c in self.components if c.num_gpus_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(c.num_nodes for c in self.components)
+
+    def summary(self) -> list[str]:
+        """Human-readable lines the launcher prints (and the dry run shows)."""
+        p = self.params
+        lines = [f"model: {human(p.total)} params ({human(p.active)} active per token"
+                 + (f", +{human(p.mtp)} in MTP layers" if p.mtp else "") + ")"]
+        for c in self.components:
+            gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
+            lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "
+                         + "; ".join(self.role(r).description for r in c.roles))
+        split = " + ".join(f"{c.name} {c.num_nodes}" for c in self.components if c.num_gpus_per_node)
+        if split:
+            lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
+        lines.append(f"trainer dims: {self.trainer_dims.describe()}")
+        if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
+            lines.append("router: none (embedded inference: the orchestrator balances over the workers itself)")
+        lines += [f"memory {m.what}: {m.detail}" for m in self.memory]
+        return lines
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -66,14 +101,22 @@ def check_model(cfg: RunConfig) -> None:
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k",
                 "expert_intermediate_size", "max_position_embeddings"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.hidden_size % m.num_heads:
-        raise PlanError(f"model.num_heads({m.num_heads}) must divide model.hidden_size({m.hidden_size})")
-    if (m.hidden_size // m.num_heads) % 2:
-        raise PlanError(f"model.hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even (rotary embedding)")
+    if m.attention == "mha":
+        if m.hidden_size % m.num_heads:
+            raise PlanError(f"model.num_heads({m.num_heads}) must divide model.hidden_size({m.hidden_size})")
+        if (m.hidden_size // m.num_heads) % 2:
+            raise PlanError(f"model.hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even (rotary embedding)")
+    else:
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(f"model.{key}", getattr(m, key))
     if m.top_k > m.num_experts:
         raise PlanError(f"model.top_k({m.top_k}) must be <= model.num_experts({m.num_experts})")
     if m.num_experts > 65535:
         raise PlanError(f"model.num_experts({m.num_experts}) must fit uint16 routed-expert records")
+    if not 0 <= m.num_dense_layers < m.num_layers:
+        raise PlanError(f"model.num_dense_layers({m.num_dense_layers}) must be in [0, model.num_layers({m.num_layers}))")
+    if m.num_dense_layers and m.dense_intermediate_size <= 0:
+        raise PlanError(f"model.dense_intermediate_size must be > 0 with model.num_dense_layers={m.num_dense_layers}")
 
 
 def check_env(cfg: RunConfig) -> None:
@@ -116,7 +159,7 @@ def check_loop(cfg: RunConfig) -> int:
     if not 0 < t.ratio_mask_low <= 1 <= t.ratio_cap <= t.ratio_mask_high:
         raise PlanError(f"need 0 < trainer.ratio_mask_low({t.ratio_mask_low}) <= 1 <= trainer.ratio_cap({t.ratio_cap}) "
                         f"<= trainer.ratio_mask_high({t.ratio_mask_high})")
-    _positive("inference.num_workers", i.num_workers)
+    _positive("inference.num_workers", i.num_workers, allow_zero=True)
     _positive("inference.max_batch_size", i.max_batch_size)
     _positive("weights.keep_last", cfg.weights.keep_last)
     if cfg.weights.keep_last < 2:
@@ -124,11 +167,44 @@ def check_loop(cfg: RunConfig) -> int:
     return samples
 
 
-def estimate_params(cfg: RunConfig) -> int:
-    m = cfg.model
-    attn = 4 * m.hidden_size * m.hidden_size
-    moe = m.num_experts * 3 * m.hidden_size * m.expert_intermediate_size + m.hidden_size * m.num_experts
-    return m.num_layers * (attn + moe + 2 * m.hidden_size) + 2 * m.vocab_size * m.hidden_size + m.hidden_size
+def check_cluster(cfg: RunConfig, num_servers: int) -> None:
+    c = cfg.cluster
+    if not TIME_LIMIT.match(c.time_limit):
+        raise PlanError(f"cluster.time_limit={c.time_limit!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+    _positive("cluster.num_port_slots", c.num_port_slots)
+    need = PORT_SERVERS + 2 * num_servers
+    if c.port_span < need:
+        raise PlanError(f"cluster.port_span({c.port_span}) < {need} ports this job needs "
+                        f"({PORT_SERVERS} fixed + 2 per server x {num_servers} servers)")
+    top = c.port_min + c.num_port_slots * c.port_span
+    if c.port_min < 1024 or top > 65536:
+        raise PlanError(f"ports [cluster.port_min({c.port_min}), +num_port_slots({c.num_port_slots}) * "
+                        f"port_span({c.port_span}) = {top}) must lie in [1024, 65536)")
+    _positive("cluster.signal_grace_s", c.signal_grace_s)
+    _positive("cluster.max_requeues", c.max_requeues, allow_zero=True)
+    if "{node}" not in c.node_address and not re.match(r"^[\w.:-]+$", c.node_address):
+        raise PlanError(f"cluster.node_address={c.node_address!r} must contain '{{node}}' or be a plain address")
+
+
+def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, ...]) -> tuple[MemoryEstimate, ...]:
+    """Trainer states and replica weights per GPU; raises when something cannot fit."""
+    gpu_gb = cfg.cluster.gpu_memory_gb
+    if gpu_gb <= 0 or cfg.cluster.num_gpus_per_node <= 0:
+        return ()
+    out = []
+    for r in roles:
+        if r.role == "trainer":
+            est = trainer_memory(params, r.num_procs, gpu_gb)
+            key = "launcher.trainer.num_nodes"
+        elif r.server is not None and r.num_gpus_per_node:
+            est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)
+            key = f"{r.config_key}.tp / num_nodes_per_replica"
+        else:
+            continue
+        if not est.fits:
+            raise PlanError(f"{r.role} does not fit its GPUs: {est.detail}; raise {key}")
+        out.append(est)
+    return tuple(out)
 
 
 def build_plan(cfg: RunConfig) -> JobPlan:
@@ -136,12 +212,20 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     check_model(cfg)
     check_env(cfg)
     samples = check_loop(cfg)
+    slurm = cfg.cluster.backend == "slurm"
     if cfg.inference.backend != "embedded" and cfg.cluster.backend == "local":
         raise PlanError(f"inference.backend={cfg.inference.backend!r} needs GPUs; cluster=local runs only 'embedded'")
-    roles = (
-        RolePlan(role="trainer", num_procs=cfg.trainer.num_ranks, module="workers.trainer"),
-        RolePlan(role="inference", num_procs=cfg.inference.num_workers, module="workers.inference"),
-        RolePlan(role="orchestrator", num_procs=1, module="workers.orchestrator"),
-    )
-    return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles,
-                   num_params=estimate_params(cfg), samples_per_step=samples)
+    servers = plan_servers(cfg, check_fit=slurm)
+    trainer, dims = plan_trainer(cfg, check_fit=slurm)
+    control = plan_control(cfg, check_fit=slurm)
+    roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
+    check_cluster(cfg, sum(r.num_replicas for r in servers))
+    gpu_nodes = sum(c.num_nodes for c in components if c.num_gpus_per_node)
+    if cfg.launcher.num_gpu_nodes and gpu_nodes != cfg.launcher.num_gpu_nodes:
+        split = " + ".join(f"{c.name}({c.num_nodes})" for c in components if c.num_gpus_per_node)
+        raise PlanError(f"launcher.num_gpu_nodes({cfg.launcher.num_gpu_nodes}) != GPU nodes planned: {split} = {gpu_nodes}")
+    params = count_params(cfg.model)
+    return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
+                   num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
+                   slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles))
+

@@ -40,6 +40,33 @@ class ClusterConfig:
     """Slurm time limit of the job (HH:MM:SS)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables exported to every role (NCCL_*, UCX_*, ...)."""
+    cpu_partition: Optional[str] = None
+    """Partition for components without GPUs (orchestrator, router); None: ``partition``."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one GPU in GB, for the plan's memory estimates (0: no estimate)."""
+    node_address: str = "{node}"
+    """How a Slurm node name becomes an address peers connect to: ``{node}`` (DNS), a pattern such
+    as ``{node}-ib``, or a fixed address (``127.0.0.1`` where every virtual node is this host)."""
+    port_min: int = 20000
+    """Lowest port a job uses; each job gets ``port_span`` ports at a slot chosen by its job id."""
+    port_span: int = 64
+    """Ports reserved per job (trainer master, router, weight group, two per inference server)."""
+    num_port_slots: int = 150
+    """Distinct port ranges: job J uses port_min + (J % num_port_slots) * port_span onwards."""
+    signal_grace_s: int = 120
+    """Seconds of warning before the time limit or preemption (``--signal=B:USR1@N``)."""
+    requeue: bool = True
+    """Submit with ``--requeue`` and requeue on USR1 (time limit, preemption) up to max_requeues times."""
+    max_requeues: int = 2
+    """Most automatic requeues of one job (SLURM_RESTART_COUNT stops the batch script beyond it)."""
+    sbatch_flags: dict[str, str] = field(default_factory=dict)
+    """Extra ``#SBATCH --key=value`` flags for every component (value "" renders a bare ``--key``)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the batch script runs before any step (``module load ...``, ``source venv``)."""
+    python: Optional[str] = None
+    """Python interpreter on compute nodes; None: the launcher's own (a shared-filesystem venv)."""
+    shared_root: Optional[str] = None
+    """Shared filesystem root visible from every node (models, caches); documentation for site profiles."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,6 +91,76 @@ class ModelConfig:
     """Longest sequence (prompt + completion) the model accepts."""
     init_seed: int = 1234
     """Seed of the deterministic initial weights (step 0)."""
+    num_dense_layers: int = 0
+    """Leading layers with a dense MLP instead of MoE (DeepSeek/GLM ``first_k_dense_replace``)."""
+    dense_intermediate_size: int = 0
+    """Hidden width of the dense layers' SwiGLU MLP (used when num_dense_layers > 0)."""
+    num_shared_experts: int = 0
+    """Always-active experts per MoE layer, besides the routed ones."""
+    attention: str = "mha"
+    """``mha`` (q/k/v/o projections of hidden x hidden) or ``mla`` (multi-head latent attention)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the compressed query projection."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the compressed key/value latent (what the KV cache stores)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width with rotary embedding (shared key part)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
+    num_indexer_heads: int = 0
+    """DeepSeek Sparse Attention indexer heads (0: dense attention)."""
+    indexer_head_dim: int = 0
+    """DeepSeek Sparse Attention indexer head width."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers (not counted in the published parameter total)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerLayout:
+    """One inference server replica on nodes and GPUs, in SGLang's terms (--tp/--ep/--dp, --nnodes)."""
+
+    num_nodes_per_replica: int = 1
+    """Nodes one replica spans (SGLang --nnodes); one Slurm task per node."""
+    num_replicas_per_node: int = 1
+    """Replicas sharing one node (CPU workers, or servers using part of a node's GPUs)."""
+    tp: int = 1
+    """Tensor-parallel size = GPUs of one replica (SGLang --tp-size); 1 on CPU."""
+    ep: int = 1
+    """Expert-parallel size inside a replica (SGLang --ep-size); divides tp and model.num_experts."""
+    dp_attention: int = 1
+    """Data-parallel attention groups inside a replica (SGLang --dp-size with --enable-dp-attention)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RoleResources:
+    """Slurm resources of a single-task CPU role (orchestrator, router)."""
+
+    num_cpus_per_task: int = 1
+    """CPUs of the task (--cpus-per-task)."""
+    mem_gb: int = 0
+    """Memory of the task's node in GB (0: the cluster default)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerLayout:
+    """Trainer placement: nodes, and parallel dims with tp * pp * ep * dp == trainer ranks (GPUs)."""
+
+    num_nodes: int = 1
+    """Nodes of the trainer component; on GPU clusters one rank per GPU."""
+    num_cpus_per_task: int = 1
+    """CPUs per trainer rank."""
+    mem_gb: int = 0
+    """Memory per trainer node in GB (0: the cluster default)."""
+    tp: int = 1
+    """Tensor parallel size (inside a node: NVLink)."""
+    pp: int = 1
+    """Pipeline parallel stages."""
+    ep: int = 1
+    """Expert parallel size: routed experts are split over ep ranks; divides model.num_experts."""
+    dp: int = -1
+    """Data-parallel replicas of each (tp, pp, ep) shard; -1 derives ranks / (tp * pp * ep)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,6 +179,20 @@ class InferenceConfig:
     """Deadline for a worker to load the step-0 weights and answer /health."""
     num_threads: int = 1
     """torch intra-op threads per worker (2 cores are shared by all roles locally)."""
+    worker: ServerLayout = field(default_factory=ServerLayout)
+    """Layout of each of the ``num_workers`` unified (prefill + decode) servers."""
+    num_prefill_replicas: int = 0
+    """Prefill servers of prefill/decode disaggregation (then num_workers must be 0)."""
+    prefill: ServerLayout = field(default_factory=ServerLayout)
+    """Layout of each prefill server."""
+    num_decode_replicas: int = 0
+    """Decode servers of prefill/decode disaggregation (then num_workers must be 0)."""
+    decode: ServerLayout = field(default_factory=ServerLayout)
+    """Layout of each decode server."""
+    num_cpus_per_task: int = 1
+    """Slurm CPUs of one server task (one task per replica and node)."""
+    mem_gb: int = 0
+    """Slurm memory per node of the server components in GB (0: the cluster default)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -172,6 +283,16 @@ class LauncherConfig:
     """Explicit run directory; None creates runs_root/<experiment>-<timestamp>."""
     shutdown_grace_s: float = 10.0
     """On Ctrl-C or a dead role: seconds between SIGTERM and SIGKILL for each child."""
+    follow: bool = True
+    """Slurm: after sbatch, print per-step progress until the job ends; False submits and returns."""
+    num_gpu_nodes: int = 0
+    """Expected GPU nodes of the whole job (0: no check); the plan refuses components that differ."""
+    orchestrator: RoleResources = field(default_factory=RoleResources)
+    """Slurm resources of the orchestrator task."""
+    router: RoleResources = field(default_factory=RoleResources)
+    """Slurm resources of the router task (sglang-router; absent with embedded inference)."""
+    trainer: TrainerLayout = field(default_factory=TrainerLayout)
+    """Nodes and parallel dimensions of the trainer ranks."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,0 +1,278 @@
+"""Per-role Slurm resources: nodes, tasks per node, CPUs, GPUs, memory, parallel dims.
+
+Split out of plan.py so each file stays readable; everything here is pure and raises
+PlanError naming the config key with the numbers involved ("tp(2) * pp(1) * ep(4) * dp(2)
+= 16 != trainer ranks(8)"). Fit checks against the node size run only for Slurm: the local
+backend runs every role as a process on this machine and ignores placement.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from workers.common.config import RunConfig, ServerLayout
+
+
+class PlanError(ValueError):
+    """The config cannot be planned; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolePlan:
+    role: str
+    """orchestrator | router | inference | prefill | decode | trainer (SLURMRL_ROLE)."""
+    num_procs: int
+    """Processes (Slurm tasks) of this role."""
+    module: str
+    """``python -m`` module that runs one process of the role."""
+    het_group: int = 0
+    """Slurm het-job component that hosts the role."""
+    num_nodes: int = 1
+    num_tasks_per_node: int = 1
+    num_cpus_per_task: int = 1
+    num_gpus_per_node: int = 0
+    mem_gb: int = 0
+    """Memory per node in GB (0: the cluster default, no --mem flag)."""
+    num_nodes_per_replica: int = 1
+    """Server roles: nodes of one replica."""
+    main: bool = False
+    """The job is done when every main role (trainer, orchestrator) exited 0; servers are then stopped."""
+    server: Optional[ServerLayout] = None
+    """Server roles: the replica layout (tp / ep / dp_attention)."""
+    config_key: str = ""
+    """Config section that sizes this role (named in errors)."""
+    description: str = ""
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_procs // self.num_nodes_per_replica
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComponentPlan:
+    """One ``#SBATCH hetjob`` block."""
+
+    index: int
+    name: str
+    roles: tuple[str, ...]
+    num_nodes: int
+    num_tasks_per_node: int
+    num_cpus_per_task: int
+    num_gpus_per_node: int
+    mem_gb: int
+    partition: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerDims:
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    num_ranks: int
+    num_nodes: int
+    num_gpus_per_node: int
+    num_experts: int
+
+    def describe(self) -> str:
+        where = (f"{self.num_nodes} node(s) x {self.num_gpus_per_node} GPUs" if self.num_gpus_per_node
+                 else f"{self.num_nodes} node(s), CPU")
+        return (f"tp({self.tp}) x pp({self.pp}) x ep({self.ep}) x dp({self.dp}) = {self.num_ranks} ranks on {where}; "
+                f"{self.num_experts // self.ep} routed experts per EP rank")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlurmJobPlan:
+    """Job-wide Slurm settings the renderer needs (copied from cluster/launcher config)."""
+
+    job_name: str
+    account: Optional[str]
+    qos: Optional[str]
+    time_limit: str
+    signal_grace_s: int
+    requeue: bool
+    max_requeues: int
+    sbatch_flags: tuple[tuple[str, str], ...]
+    setup: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    node_address: str
+    port_min: int
+    port_span: int
+    num_port_slots: int
+    shutdown_grace_s: int
+    template_dir: Optional[str]
+    python: Optional[str]
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
+        c = cfg.cluster
+        return cls(job_name=f"slurmrl-{cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
+                   signal_grace_s=c.signal_grace_s, requeue=c.requeue, max_requeues=c.max_requeues,
+                   sbatch_flags=tuple(sorted(c.sbatch_flags.items())), setup=tuple(c.setup),
+                   env=tuple(sorted(c.env.items())), node_address=c.node_address, port_min=c.port_min,
+                   port_span=c.port_span, num_port_slots=c.num_port_slots,
+                   shutdown_grace_s=int(round(cfg.launcher.shutdown_grace_s)), template_dir=c.template_dir,
+                   python=c.python)
+
+
+def _need_positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise PlanError(f"{key} must be > 0, got {value}")
+
+
+def _check_cpus(cfg: RunConfig, what: str, key: str, tasks_per_node: int, cpus: int) -> None:
+    have = cfg.cluster.num_cpus_per_node
+    if have and tasks_per_node * cpus > have:
+        raise PlanError(f"{what}: {tasks_per_node} tasks/node x {key}({cpus}) CPUs = {tasks_per_node * cpus} > "
+                        f"cluster.num_cpus_per_node({have})")
+
+
+def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerDims]:
+    lt, ranks, gpn = cfg.launcher.trainer, cfg.trainer.num_ranks, cfg.cluster.num_gpus_per_node
+    _need_positive("launcher.trainer.num_nodes", lt.num_nodes)
+    _need_positive("launcher.trainer.num_cpus_per_task", lt.num_cpus_per_task)
+    if gpn and lt.num_nodes == 1 and ranks <= gpn:
+        tpn = gpn = ranks  # a small trainer on part of one GPU node
+    elif gpn:
+        if ranks != lt.num_nodes * gpn:
+            raise PlanError(f"trainer.num_ranks({ranks}) != launcher.trainer.num_nodes({lt.num_nodes}) x "
+                            f"cluster.num_gpus_per_node({gpn}) = {lt.num_nodes * gpn}: one trainer rank per GPU")
+        tpn = gpn
+    else:
+        if ranks % lt.num_nodes:
+            raise PlanError(f"trainer.num_ranks({ranks}) must be a multiple of launcher.trainer.num_nodes({lt.num_nodes})")
+        tpn = ranks // lt.num_nodes
+    for key in ("tp", "pp", "ep"):
+        _need_positive(f"launcher.trainer.{key}", getattr(lt, key))
+    shard = lt.tp * lt.pp * lt.ep
+    what = f"trainer GPUs({ranks})" if gpn else f"trainer ranks({ranks})"
+    if lt.dp == -1:
+        if ranks % shard:
+            raise PlanError(f"launcher.trainer: tp({lt.tp}) * pp({lt.pp}) * ep({lt.ep}) = {shard} does not divide "
+                            f"{what}, so dp cannot be derived")
+        dp = ranks // shard
+    else:
+        dp = lt.dp
+        if shard * dp != ranks:
+            raise PlanError(f"launcher.trainer: tp({lt.tp}) * pp({lt.pp}) * ep({lt.ep}) * dp({dp}) = {shard * dp} "
+                            f"!= {what}")
+    m = cfg.model
+    if m.num_experts % lt.ep:
+        raise PlanError(f"launcher.trainer.ep({lt.ep}) must divide model.num_experts({m.num_experts})")
+    if m.num_heads % lt.tp:
+        raise PlanError(f"launcher.trainer.tp({lt.tp}) must divide model.num_heads({m.num_heads})")
+    if gpn and lt.tp > gpn:
+        raise PlanError(f"launcher.trainer.tp({lt.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
+                        f"inside a node (NVLink)")
+    if lt.pp > m.num_layers:
+        raise PlanError(f"launcher.trainer.pp({lt.pp}) > model.num_layers({m.num_layers})")
+    if check_fit:
+        _check_cpus(cfg, "trainer", "launcher.trainer.num_cpus_per_task", tpn, lt.num_cpus_per_task)
+    dims = TrainerDims(tp=lt.tp, pp=lt.pp, ep=lt.ep, dp=dp, num_ranks=ranks, num_nodes=lt.num_nodes,
+                       num_gpus_per_node=gpn, num_experts=m.num_experts)
+    role = RolePlan(role="trainer", num_procs=ranks, module="workers.trainer", num_nodes=lt.num_nodes,
+                    num_tasks_per_node=tpn, num_cpus_per_task=lt.num_cpus_per_task, num_gpus_per_node=gpn,
+                    mem_gb=lt.mem_gb, main=True, config_key="launcher.trainer",
+                    description=f"trainer: {ranks} rank(s), {tpn} per node")
+    return role, dims
+
+
+def _server_kinds(cfg: RunConfig) -> list[tuple[str, int, ServerLayout, str]]:
+    i = cfg.inference
+    if i.num_prefill_replicas or i.num_decode_replicas:
+        if i.backend != "sglang":
+            raise PlanError(f"inference.num_prefill_replicas/num_decode_replicas need inference.backend=sglang "
+                            f"(got {i.backend!r}: the embedded engine serves both phases in one worker)")
+        if not (i.num_prefill_replicas > 0 and i.num_decode_replicas > 0):
+            raise PlanError(f"prefill/decode disaggregation needs both inference.num_prefill_replicas"
+                            f"({i.num_prefill_replicas}) and inference.num_decode_replicas({i.num_decode_replicas}) > 0")
+        if i.num_workers:
+            raise PlanError(f"inference.num_workers({i.num_workers}) must be 0 with prefill/decode replicas "
+                            f"(the unified workers would be a third kind of server)")
+        return [("prefill", i.num_prefill_replicas, i.prefill, "inference.prefill"),
+                ("decode", i.num_decode_replicas, i.decode, "inference.decode")]
+    if i.num_workers <= 0:
+        raise PlanError("inference.num_workers must be > 0 (or set inference.num_prefill_replicas and num_decode_replicas)")
+    return [("inference", i.num_workers, i.worker, "inference.worker")]
+
+
+def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
+    i, gpn_cluster = cfg.inference, cfg.cluster.num_gpus_per_node
+    _need_positive("inference.num_cpus_per_task", i.num_cpus_per_task)
+    out = []
+    for role, num, lay, key in _server_kinds(cfg):
+        count_key = "inference.num_workers" if role == "inference" else f"inference.num_{role}_replicas"
+        for f in ("num_nodes_per_replica", "num_replicas_per_node", "tp", "ep", "dp_attention"):
+            _need_positive(f"{key}.{f}", getattr(lay, f))
+        npr, rpn = lay.num_nodes_per_replica, lay.num_replicas_per_node
+        if npr > 1 and rpn > 1:
+            raise PlanError(f"{key}: num_nodes_per_replica({npr}) and num_replicas_per_node({rpn}) cannot both be > 1")
+        if num % rpn:
+            raise PlanError(f"{count_key}({num}) must be a multiple of {key}.num_replicas_per_node({rpn})")
+        gpn = gpn_cluster if i.backend == "sglang" else 0
+        if i.backend == "sglang":
+            if not gpn_cluster:
+                raise PlanError("inference.backend=sglang needs GPUs: cluster.num_gpus_per_node must be > 0")
+            if gpn_cluster % rpn:
+                raise PlanError(f"{key}.num_replicas_per_node({rpn}) must divide cluster.num_gpus_per_node({gpn_cluster})")
+            replica_gpus = npr * gpn_cluster // rpn
+            if lay.tp != replica_gpus:
+                raise PlanError(f"{key}.tp({lay.tp}) must equal the GPUs of one replica: num_nodes_per_replica({npr}) "
+                                f"x cluster.num_gpus_per_node({gpn_cluster}) / num_replicas_per_node({rpn}) = {replica_gpus}")
+        elif (lay.tp, lay.ep, lay.dp_attention, npr) != (1, 1, 1, 1):
+            raise PlanError(f"{key}: the embedded engine is one CPU process per worker; tp({lay.tp}), ep({lay.ep}), "
+                            f"dp_attention({lay.dp_attention}) and num_nodes_per_replica({npr}) must all be 1")
+        if lay.tp % lay.ep:
+            raise PlanError(f"{key}.ep({lay.ep}) must divide {key}.tp({lay.tp})")
+        if cfg.model.num_experts % lay.ep:
+            raise PlanError(f"{key}.ep({lay.ep}) must divide model.num_experts({cfg.model.num_experts})")
+        if lay.tp % lay.dp_attention:
+            raise PlanError(f"{key}.dp_attention({lay.dp_attention}) must divide {key}.tp({lay.tp})")
+        if check_fit:
+            _check_cpus(cfg, role, "inference.num_cpus_per_task", rpn, i.num_cpus_per_task)
+        shape = (f"{npr} nodes" if npr > 1 else f"{rpn} per node") + (
+            f", tp{lay.tp} ep{lay.ep} dp-attn{lay.dp_attention}" if i.backend == "sglang" else "")
+        out.append(RolePlan(role=role, num_procs=num * npr, module="workers.inference", num_nodes=num // rpn * npr,
+                            num_tasks_per_node=rpn, num_cpus_per_task=i.num_cpus_per_task, num_gpus_per_node=gpn,
+                            mem_gb=i.mem_gb, num_nodes_per_replica=npr, server=lay, config_key=key,
+                            description=f"{role}: {num} {i.backend} server(s), {shape}"))
+    return out
+
+
+def plan_control(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
+    """Orchestrator, plus sglang-router when SGLang serves (the embedded engine needs none)."""
+    lo, lr = cfg.launcher.orchestrator, cfg.launcher.router
+    _need_positive("launcher.orchestrator.num_cpus_per_task", lo.num_cpus_per_task)
+    roles = [RolePlan(role="orchestrator", num_procs=1, module="workers.orchestrator",
+                      num_cpus_per_task=lo.num_cpus_per_task, mem_gb=lo.mem_gb, main=True,
+                      config_key="launcher.orchestrator", description="orchestrator: 1 process")]
+    if cfg.inference.backend == "sglang":
+        _need_positive("launcher.router.num_cpus_per_task", lr.num_cpus_per_task)
+        roles.append(RolePlan(role="router", num_procs=1, module="workers.router", num_cpus_per_task=lr.num_cpus_per_task,
+                              mem_gb=lr.mem_gb, config_key="launcher.router",
+                              description="router: sglang-router in front of the servers"))
+    if check_fit:
+        _check_cpus(cfg, "control component", "max num_cpus_per_task of orchestrator/router", len(roles),
+                    max(r.num_cpus_per_task for r in roles))
+    return roles
+
+
+def assign_groups(cfg: RunConfig, trainer: RolePlan, servers: list[RolePlan], control: list[RolePlan]
+                  ) -> tuple[tuple[RolePlan, ...], tuple[ComponentPlan, ...]]:
+    """Het groups: control 0, servers 1.., trainer last. Returns roles in start order + components."""
+    c = cfg.cluster
+    groups = [("control", control), *[(s.role, [s]) for s in servers], ("trainer", [trainer])]
+    placed: dict[str, RolePlan] = {}
+    comps = []
+    for k, (name, members) in enumerate(groups):
+        members = [dataclasses.replace(r, het_group=k) for r in members]
+        placed.update({r.role: r for r in members})
+        gpus = max(r.num_gpus_per_node for r in members)
+        comps.append(ComponentPlan(index=k, name=name, roles=tuple(r.role for r in members),
+                                   num_nodes=max(r.num_nodes for r in members),
+                                   num_tasks_per_node=sum(r.num_tasks_per_node for r in members),
+                                   num_cpus_per_task=max(r.num_cpus_per_task for r in members),
+                                   num_gpus_per_node=gpus, mem_gb=sum(r.mem_gb for r in members),
+                                   partition=c.partition if gpus else (c.cpu_partition or c.partition)))
+    start = ("trainer", *(s.role for s in servers), *(r.role for r in control))
+    return tuple(placed[n] for n in start), tuple(comps)

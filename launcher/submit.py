@@ -1,0 +1,156 @@
+"""Talk to Slurm through its commands: sbatch --parsable, scontrol, sacct, scancel.
+
+pyslurm does not match Slurm 22.05 (DESIGN.md section 8), and the commands are what an admin
+would type anyway. Job ids: ``sbatch --parsable`` prints the leader id L (or ``L;cluster``);
+het components are the jobs L, L+1, ... that ``scontrol show job L`` lists one record each
+(HetJobOffset 0, 1, ...) and sacct shows as ``L+K``. scontrol works without accounting but
+forgets a job MinJobAge seconds after it ended; sacct (slurmdbd) then still knows it.
+The job id is recorded in ``run_dir/slurm/job_id`` so status/cancel can start from a run dir.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                    "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED"})
+COMMAND_TIMEOUT_S = 60.0
+
+
+class SubmitError(RuntimeError):
+    """A Slurm command failed; the message carries its stderr."""
+
+
+def run(cmd: list[str], *, timeout_s: float = COMMAND_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError as e:
+        raise SubmitError(f"{cmd[0]} not found: is this a Slurm login node? ({e})") from e
+    except subprocess.TimeoutExpired as e:
+        raise SubmitError(f"{' '.join(cmd)} did not answer within {timeout_s:.0f}s: is slurmctld up?") from e
+    if check and res.returncode != 0:
+        raise SubmitError(f"{' '.join(cmd)} failed ({res.returncode}): {(res.stderr or res.stdout).strip()}")
+    return res
+
+
+def submit(script: Path) -> str:
+    """``sbatch --parsable SCRIPT`` -> the leader's job id."""
+    out = run(["sbatch", "--parsable", str(script)]).stdout.strip()
+    job_id = out.split(";")[0]
+    if not job_id.isdigit():
+        raise SubmitError(f"sbatch --parsable printed {out!r}, not a job id")
+    return job_id
+
+
+def job_id_file(run_dir: Path) -> Path:
+    return Path(run_dir) / "slurm" / "job_id"
+
+
+def record_job_id(run_dir: Path, job_id: str) -> None:
+    path = job_id_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".job_id.tmp")
+    tmp.write_text(job_id + "\n")
+    tmp.replace(path)
+
+
+def read_job_id(run_dir: Path) -> str:
+    path = job_id_file(run_dir)
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise SubmitError(f"{path} does not exist: {run_dir} was not submitted to Slurm (a local or dry run?)") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One het component as Slurm reports it."""
+
+    job_id: str
+    """The component's own id (L+K as a number) or sacct's ``L+K``."""
+    offset: int
+    state: str
+    nodes: str
+    exit_code: str
+
+
+def scontrol_components(job_id: str) -> Optional[list[Component]]:
+    """Components from ``scontrol show job -o``, or None when slurmctld forgot the job."""
+    res = run(["scontrol", "show", "job", "-o", job_id], check=False)
+    if res.returncode != 0:
+        if "Invalid job id" in res.stderr:
+            return None
+        raise SubmitError(f"scontrol show job {job_id} failed: {res.stderr.strip()}")
+    comps = []
+    for line in res.stdout.splitlines():
+        rec = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if "JobId" in rec:
+            comps.append(Component(job_id=rec["JobId"], offset=int(rec.get("HetJobOffset", 0)),
+                                   state=rec.get("JobState", "UNKNOWN"), nodes=rec.get("NodeList", ""),
+                                   exit_code=rec.get("ExitCode", "")))
+    return sorted(comps, key=lambda c: c.offset)
+
+
+def sacct_rows(job_id: str) -> dict[str, str]:
+    """``JobID -> State`` for the job, its components (L+K) and steps (L+K.S)."""
+    res = run(["sacct", "-j", job_id, "--format=JobID,State", "-P", "-n"])
+    rows = {}
+    for line in res.stdout.splitlines():
+        if "|" in line:
+            jid, state = line.split("|", 1)
+            rows[jid] = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+    return rows
+
+
+def components(job_id: str) -> list[Component]:
+    comps = scontrol_components(job_id)
+    if comps is not None:
+        return comps
+    rows = sacct_rows(job_id)
+    parts = sorted((k for k in rows if "." not in k and "+" in k), key=lambda k: int(k.split("+")[1]))
+    if not parts and job_id in rows:
+        parts = [job_id]
+    if not parts:
+        raise SubmitError(f"job {job_id} is unknown to scontrol and sacct")
+    return [Component(job_id=p, offset=int(p.split("+")[1]) if "+" in p else 0, state=rows[p], nodes="", exit_code="")
+            for p in parts]
+
+
+def overall_state(comps: list[Component]) -> str:
+    """RUNNING/PENDING/... while any component is active, COMPLETED if all are, else the first failure."""
+    states = [c.state for c in comps]
+    for s in ("RUNNING", "COMPLETING", "CONFIGURING", "PENDING", "REQUEUED", "SUSPENDED"):
+        if s in states:
+            return s
+    active = [s for s in states if s in ACTIVE]
+    if active:
+        return active[0]
+    bad = [s for s in states if s != "COMPLETED"]
+    return bad[0] if bad else "COMPLETED"
+
+
+def cancel(job_id: str) -> None:
+    run(["scancel", job_id])
+
+
+def wait_until_done(job_id: str, *, timeout_s: float, poll_s: float = 1.0,
+                    on_poll: Optional[Callable[[list[Component]], None]] = None) -> list[Component]:
+    """Poll until no component is active; raise SubmitError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        comps = components(job_id)
+        if on_poll:
+            on_poll(comps)
+        if not any(c.state in ACTIVE for c in comps):
+            return comps
+        if time.monotonic() > deadline:
+            raise SubmitError(f"job {job_id} still {overall_state(comps)} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def describe(comps: list[Component]) -> str:
+    return ", ".join(f"+{c.offset} {c.state}" + (f" on {c.nodes}" if c.nodes and c.nodes != "(null)" else "")
+                     for c in comps)

@@ -1,0 +1,82 @@
+"""`slurmrl experiment=tiny_local cluster=local_slurm` on the real local cluster.
+
+One heterogeneous job with one component per role group (orchestrator / inference workers /
+trainer; no router component with the embedded engine), followed by the CLI until it ends.
+Every part and step must end COMPLETED in sacct, and the run directory must hold the same
+metrics.jsonl a local run writes (same fields, one record per step, reward logged).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
+SMALL = ["experiment=tiny_local", "trainer.num_steps=4", "orchestrator.num_prompts_per_step=4"]
+
+
+def slurmrl(args: list[str], tmp_path: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launcher", f"cluster.runs_root={tmp_path / 'runs'}", *args]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    print(res.stdout[-4000:], res.stderr[-4000:])
+    return res
+
+
+def sacct(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-j", job_id, "--format=JobID,State", "-P", "-n"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return {a: b.split()[0] for a, b in (line.split("|", 1) for line in out.splitlines() if "|" in line)}
+
+
+def sacct_final(job_id: str, num_parts: int, num_steps: int, timeout: float = 60) -> dict[str, str]:
+    """sacct rows once every part, the batch step and num_steps srun steps are recorded, final.
+
+    sacct lags slurmctld by seconds for hetjobs (tests/slurm/README.md), hence the poll.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = sacct(job_id)
+        parts = [f"{job_id}+{k}" for k in range(num_parts)]
+        steps = [r for r in rows if "." in r and not r.endswith((".batch", ".extern"))]
+        if (all(p in rows for p in parts) and f"{job_id}+0.batch" in rows and len(steps) == num_steps
+                and not ACTIVE.intersection(rows.values())):
+            return rows
+        if time.monotonic() > deadline:
+            pytest.fail(f"sacct did not record job {job_id} completely within {timeout}s: {rows}", pytrace=False)
+        time.sleep(0.5)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "slurm_run"
+    t0 = time.monotonic()
+    res = slurmrl(["cluster=local_slurm", *SMALL, f"launcher.run_dir={run_dir}"], tmp_path)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, (run_dir / "logs").exists() and os.listdir(run_dir / "logs")
+    job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+    assert f"job {job_id} ended COMPLETED" in res.stdout
+    assert "step   4/4 | reward" in res.stdout  # the CLI followed the job's progress
+    rows = sacct_final(job_id, num_parts=3, num_steps=3)
+    assert set(rows.values()) == {"COMPLETED"}, rows
+    assert len([r for r in rows if "." not in r]) == 3  # three het components
+    logs = {p.name for p in (run_dir / "logs").iterdir()}
+    assert {"orchestrator_0.log", "inference_0.log", "inference_1.log", "trainer_0.log", f"slurm-{job_id}.out"} <= logs
+
+    local_dir = tmp_path / "local_run"
+    assert slurmrl(["cluster=local", *SMALL, f"launcher.run_dir={local_dir}"], tmp_path).returncode == 0
+    on_slurm, local = metrics(run_dir), metrics(local_dir)
+    assert [r["step"] for r in on_slurm] == [r["step"] for r in local] == [0, 1, 2, 3]
+    assert [sorted(r) for r in on_slurm] == [sorted(r) for r in local]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in on_slurm)
+    print(f"slurm run took {elapsed:.1f}s")

@@ -1,0 +1,44 @@
+"""Every YAML under hydra_conf composes onto the schema and plans (DESIGN.md section 4).
+
+A group file is selected on its own (``<group>=<name>``) on top of the defaults; the few
+that only make sense with a companion setting say so in COMPANIONS, with the reason.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.plan import build_plan
+from tests.unit.test_plan_slurm import CONF_DIR, compose
+
+ROOT = Path(CONF_DIR)
+YAMLS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.yaml"))
+COMPANIONS: dict[str, list[str]] = {}
+"""Extra overrides a file needs to plan, keyed by its path under hydra_conf (none needed today)."""
+
+
+def overrides_for(rel: str) -> list[str]:
+    parts = rel[: -len(".yaml")].split("/")
+    if len(parts) == 1:  # config.yaml: the defaults themselves
+        return []
+    group, name = "/".join(parts[:-1]), parts[-1]
+    return [f"{group}={name}", *COMPANIONS.get(rel, [])]
+
+
+def test_the_tree_is_found():
+    assert "config.yaml" in YAMLS and "cluster/local_slurm.yaml" in YAMLS and "experiment/glm5_swe_28xh200.yaml" in YAMLS
+
+
+@pytest.mark.parametrize("rel", YAMLS)
+def test_composes_and_plans(rel):
+    cfg = compose(overrides_for(rel))
+    plan = build_plan(cfg)
+    assert plan.roles and plan.components and plan.num_params > 0
+    name = Path(rel).stem
+    if rel.startswith("cluster/"):
+        assert cfg.cluster.name == name
+    if rel.startswith("experiment/"):
+        assert cfg.experiment == name
+    if rel.startswith("model/"):
+        assert cfg.model.name == name

@@ -1,0 +1,117 @@
+"""Slurm placement in build_plan: components, node counts, parallel dims, ports, and errors
+that name the key with the numbers (launcher/plan.py, launcher/resources.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import OmegaConf
+
+from launcher.config_store import register
+from launcher.plan import JobPlan, PlanError, build_plan
+from workers.common.config import RunConfig
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "hydra_conf")
+TINY_SLURM = ["cluster=local_slurm"]
+GLM5 = ["experiment=glm5_swe_28xh200", "cluster=h200_ib"]
+register()
+
+
+def compose(overrides: list[str]) -> RunConfig:
+    """The resolved RunConfig for these overrides, as the CLI composes it."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(hydra_compose("config", overrides=overrides))
+
+
+def plan(overrides: list[str]) -> JobPlan:
+    return build_plan(compose(overrides))
+
+
+def plan_error(overrides: list[str]) -> str:
+    with pytest.raises(PlanError) as e:
+        plan(overrides)
+    return str(e.value)
+
+
+def test_tiny_local_slurm_is_three_components():
+    p = plan(TINY_SLURM)
+    assert [(c.index, c.name, c.roles, c.num_nodes) for c in p.components] == [
+        (0, "control", ("orchestrator",), 1), (1, "inference", ("inference",), 2), (2, "trainer", ("trainer",), 1)]
+    assert [r.role for r in p.roles] == ["trainer", "inference", "orchestrator"]  # local start order kept
+    assert p.role("inference").num_procs == 2 and p.role("inference").num_tasks_per_node == 1
+    assert {r.role: r.main for r in p.roles} == {"trainer": True, "inference": False, "orchestrator": True}
+    assert not any(r.role == "router" for r in p.roles)
+    assert p.num_gpu_nodes == 0
+
+
+def test_glm5_plan_adds_up_to_28_gpu_nodes():
+    p = plan(GLM5)
+    gpu = {c.name: c.num_nodes for c in p.components if c.num_gpus_per_node}
+    assert gpu == {"prefill": 4, "decode": 8, "trainer": 16}
+    assert sum(gpu.values()) == 28 == p.num_gpu_nodes
+    assert p.components[0].roles == ("orchestrator", "router") and p.components[0].partition == "cpu"
+    assert {c.partition for c in p.components[1:]} == {"h200"}
+    d = p.trainer_dims
+    assert (d.tp, d.pp, d.ep, d.dp, d.num_ranks) == (1, 1, 64, 2, 128)
+    assert abs(p.params.total - 744e9) / 744e9 < 0.01  # published: 744B
+    assert 35e9 < p.params.active < 45e9  # published: ~40B active
+    assert {m.what for m in p.memory} == {"trainer", "prefill", "decode"} and all(m.fits for m in p.memory)
+    prefill, decode = p.role("prefill"), p.role("decode")
+    assert (prefill.num_procs, prefill.num_nodes_per_replica, prefill.num_replicas) == (4, 2, 2)
+    assert (decode.num_procs, decode.num_nodes_per_replica, decode.num_replicas) == (8, 4, 2)
+    assert "GPU nodes: prefill 4 + decode 8 + trainer 16 = 28" in "\n".join(p.summary())
+
+
+def test_parallel_dims_mismatch_prints_the_numbers():
+    msg = plan_error([*GLM5, "launcher.trainer.dp=4"])
+    assert "launcher.trainer: tp(1) * pp(1) * ep(64) * dp(4) = 256 != trainer GPUs(128)" in msg
+    msg = plan_error([*TINY_SLURM, "launcher.trainer.tp=3"])
+    assert "does not divide trainer ranks(1)" in msg
+
+
+def test_dp_is_derived():
+    p = plan([*TINY_SLURM, "trainer.num_ranks=2"])
+    assert (p.trainer_dims.dp, p.role("trainer").num_tasks_per_node) == (2, 2)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.num_ranks=3", "launcher.trainer.ep=3"], "launcher.trainer.ep(3) must divide model.num_experts(8)"),
+    ([*GLM5, "trainer.num_ranks=120"], "trainer.num_ranks(120) != launcher.trainer.num_nodes(16) x cluster.num_gpus_per_node(8)"),
+    ([*GLM5, "launcher.num_gpu_nodes=32"], "launcher.num_gpu_nodes(32) != GPU nodes planned: prefill(4) + decode(8) + trainer(16) = 28"),
+    ([*GLM5, "inference.prefill.tp=8"], "inference.prefill.tp(8) must equal the GPUs of one replica"),
+    ([*GLM5, "inference.decode.ep=24"], "inference.decode.ep(24) must divide inference.decode.tp(32)"),
+    ([*GLM5, "inference.num_workers=2"], "inference.num_workers(2) must be 0 with prefill/decode replicas"),
+    ([*GLM5, "launcher.trainer.tp=16", "launcher.trainer.ep=8", "launcher.trainer.dp=1"], "launcher.trainer.tp(16) > cluster.num_gpus_per_node(8)"),
+    ([*GLM5, "launcher.trainer.num_nodes=8", "trainer.num_ranks=64", "launcher.trainer.dp=1",
+      "launcher.num_gpu_nodes=0"], "trainer does not fit"),
+    ([*TINY_SLURM, "inference.num_prefill_replicas=1", "inference.num_decode_replicas=1", "inference.num_workers=0"],
+     "need inference.backend=sglang"),
+    ([*TINY_SLURM, "inference.worker.tp=2"], "inference.worker: the embedded engine"),
+    ([*TINY_SLURM, "inference.num_workers=3", "inference.worker.num_replicas_per_node=2"],
+     "inference.num_workers(3) must be a multiple of inference.worker.num_replicas_per_node(2)"),
+    ([*TINY_SLURM, "trainer.num_ranks=8"], "cluster.num_cpus_per_node(4)"),
+    ([*TINY_SLURM, "cluster.time_limit=1h"], "cluster.time_limit='1h'"),
+    ([*TINY_SLURM, "cluster.port_span=8"], "cluster.port_span(8) < 12 ports"),
+    ([*TINY_SLURM, "cluster.port_min=60000"], "cluster.port_min(60000)"),
+    ([*TINY_SLURM, "cluster.backend=nope"], "cluster.backend='nope' is not supported; choose one of ['local', 'slurm']"),
+])
+def test_bad_input_names_the_key(overrides, key):
+    assert key in plan_error(overrides)
+
+
+def test_local_backend_ignores_node_fit():
+    # Eight trainer ranks on this machine are the local backend's business, not Slurm's 4-CPU nodes.
+    assert plan(["trainer.num_ranks=8"]).role("trainer").num_procs == 8
+
+
+def test_small_trainer_on_a_gpu_cluster_uses_part_of_a_node():
+    p = plan(["cluster=h200_ib"])  # tiny_local: one trainer rank
+    assert (p.role("trainer").num_procs, p.role("trainer").num_gpus_per_node) == (1, 1)
+    assert p.role("inference").num_gpus_per_node == 0  # embedded workers are CPU processes
+    assert p.components[1].partition == "cpu"
+
+
+def test_plan_is_deterministic():
+    assert plan(GLM5) == plan(GLM5)
