@@ -199,9 +199,9 @@ class InferenceConfig:
 class TrainerConfig:
     num_ranks: int = 1
     """Trainer processes (data parallel over gloo locally, NCCL on GPUs)."""
-    num_steps: int = 60
+    num_steps: int = 400
     """Trainer steps of the run; each consumes one batch and publishes weights v=step+1."""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

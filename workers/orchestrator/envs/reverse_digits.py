@@ -50,20 +50,24 @@ class ReverseDigitsEnv:
         return sum(self.token_rewards(task, completion_ids))
 
     def token_rewards(self, task: Task, completion_ids: list[int]) -> list[float]:
-        """Reward earned by each completion token; they sum to the episode reward.
+        """Reward earned by each completion token; they sum exactly to the episode reward.
 
-        Position j earns 1/max(len(target), len(answer)) when it holds the right digit, so
-        the orchestrator can credit each token with its own reward-to-go (exact credit
-        assignment: a token cannot influence the rewards of earlier positions).
+        Episode reward = correct / max(n, a) (n target digits, a answer tokens before EOS).
+        Position j < n earns 1/n when right; when the answer rambles past n tokens, the
+        loss this causes (c/n - c/a) is charged to the extra tokens only, so reward-to-go
+        advantages blame the tokens that rambled, not the correct ones before them.
         """
         answer = list(completion_ids)
         if answer and answer[-1] == EOS:
             answer = answer[:-1]
-        target = task.target_ids
-        # Dividing by the longer of the two penalises rambling past the answer.
-        unit = 1.0 / max(len(target), len(answer), 1)
-        return [unit if j < len(answer) and j < len(target) and answer[j] == target[j] else 0.0
-                for j in range(len(completion_ids))]
+        target, n, a = task.target_ids, len(task.target_ids), len(answer)
+        rewards = [1.0 / n if j < a and j < n and answer[j] == target[j] else 0.0 for j in range(len(completion_ids))]
+        if a > n:
+            correct = sum(rewards[:n]) * n
+            penalty = (correct / n - correct / a) / (a - n)
+            for j in range(n, a):
+                rewards[j] = -penalty
+        return rewards
 
     def state(self) -> dict:
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}
