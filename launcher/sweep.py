@@ -76,11 +76,16 @@ def run_all(points: Optional[list[Point]] = None) -> int:
         jobs.append((p, submit_prepared(p.prepared)))
     print(f"[slurmrl] sweep: submitted {len(jobs)} jobs:", flush=True)
     for p, job_id in jobs:
-        print(f"[slurmrl]   job {job_id}  #{p.num} {' '.join(p.overrides)}  {p.prepared.root}", flush=True)
+        print(f"[slurmrl]   job {job_id}  #{p.num} {' '.join(varying(p, points)) or '-'}  {p.prepared.root}", flush=True)
     record(jobs)
     if not points[0].prepared.cfg.launcher.follow:
         return 0
     return wait_all(jobs)
+
+
+def varying(point: Point, points: list[Point]) -> list[str]:
+    """The point's overrides that not every point shares: what the sweep varies."""
+    return [o for o in point.overrides if not all(o in q.overrides for q in points)]
 
 
 def record(jobs: list[tuple[Point, str]]) -> None:

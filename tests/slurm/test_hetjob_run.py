@@ -20,11 +20,13 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
-SMALL = ["experiment=tiny_local", "trainer.num_steps=4", "orchestrator.num_prompts_per_step=4"]
+SMALL = ["experiment=tiny_local", "orchestrator.num_prompts_per_step=4"]
 
 
 def slurmrl(args: list[str], tmp_path: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launcher", f"cluster.runs_root={tmp_path / 'runs'}", *args]
+    flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
+    cmd = [sys.executable, "-m", "launcher", *flags, f"cluster.runs_root={tmp_path / 'runs'}",
+           *(a for a in args if not a.startswith("-"))]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     print(res.stdout[-4000:], res.stderr[-4000:])
     return res
@@ -61,7 +63,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     run_dir = tmp_path / "slurm_run"
     t0 = time.monotonic()
-    res = slurmrl(["cluster=local_slurm", *SMALL, f"launcher.run_dir={run_dir}"], tmp_path)
+    res = slurmrl(["cluster=local_slurm", *SMALL, "trainer.num_steps=4", f"launcher.run_dir={run_dir}"], tmp_path)
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, (run_dir / "logs").exists() and os.listdir(run_dir / "logs")
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
@@ -74,7 +76,7 @@ def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     assert {"orchestrator_0.log", "inference_0.log", "inference_1.log", "trainer_0.log", f"slurm-{job_id}.out"} <= logs
 
     local_dir = tmp_path / "local_run"
-    assert slurmrl(["cluster=local", *SMALL, f"launcher.run_dir={local_dir}"], tmp_path).returncode == 0
+    assert slurmrl(["cluster=local", *SMALL, "trainer.num_steps=4", f"launcher.run_dir={local_dir}"], tmp_path).returncode == 0
     on_slurm, local = metrics(run_dir), metrics(local_dir)
     assert [r["step"] for r in on_slurm] == [r["step"] for r in local] == [0, 1, 2, 3]
     assert [sorted(r) for r in on_slurm] == [sorted(r) for r in local]
