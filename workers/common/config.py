@@ -273,6 +273,12 @@ class EnvConfig:
     """Distinct digit symbols (0..num_symbols-1)."""
     seed: int = 0
     """Seed of the prompt stream."""
+    latency: str = "none"
+    """Simulated env-step latency per episode (a sandbox/tool run): none | lognormal | pareto."""
+    latency_median_s: float = 0.0
+    """Median of the simulated latency in seconds."""
+    latency_p99_over_median: float = 20.0
+    """Tail heaviness: p99 / median of the simulated latency (>= 1)."""
 
 
 @dataclasses.dataclass(kw_only=True)
