@@ -20,20 +20,21 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher import sweep
-from launcher.config_store import register
+from launcher.config_store import register, reject_unknown_keys
 from launcher.launch import launch
 from launcher.plan import PlanError
 from launcher.run_dir import RunDirError
 from launcher.submit import SubmitError
 
 register()
-USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException)
+USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError)
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     try:
+        reject_unknown_keys(cfg)
         run_cfg = OmegaConf.to_object(cfg)
         if hc.mode == RunMode.MULTIRUN:  # prepare only; sweep.run_all submits once every point planned
             sweep.collect(run_cfg, num=hc.job.num, overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir)
