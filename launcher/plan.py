@@ -119,8 +119,19 @@ def check_model(cfg: RunConfig) -> None:
         raise PlanError(f"model.dense_intermediate_size must be > 0 with model.num_dense_layers={m.num_dense_layers}")
 
 
+def check_env_latency(cfg: RunConfig) -> None:
+    e = cfg.env
+    if e.latency not in ("none", "lognormal", "pareto"):
+        raise PlanError(f"env.latency={e.latency!r} is not supported; choose one of ['none', 'lognormal', 'pareto']")
+    if e.latency != "none":
+        _positive("env.latency_median_s", e.latency_median_s)
+        if e.latency_p99_over_median < 1:
+            raise PlanError(f"env.latency_p99_over_median({e.latency_p99_over_median}) must be >= 1 (p99 >= median)")
+
+
 def check_env(cfg: RunConfig) -> None:
     e = cfg.env
+    check_env_latency(cfg)
     if e.name not in ENV_VOCAB:
         raise PlanError(f"env.name={e.name!r} is unknown; choose one of {sorted(ENV_VOCAB)}")
     _positive("env.min_digits", e.min_digits)

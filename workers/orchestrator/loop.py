@@ -27,7 +27,8 @@ from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
 from workers.orchestrator.envs import make_env
-from workers.orchestrator.rollouts import WeightUpdateError, run_group, update_all_workers
+from workers.orchestrator.envs.latency import LatencyModel
+from workers.orchestrator.rollouts import BusyMeter, WeightUpdateError, run_group, update_all_workers
 
 
 class Orchestrator:
@@ -49,6 +50,9 @@ class Orchestrator:
         self.dropped_at_last_batch = 0
         self.weight_update_s: Optional[float] = None
         self.started = time.monotonic()
+        self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
+        self.meter = BusyMeter()
+        self.busy_at_last_batch, self.time_at_last_batch = 0.0, time.monotonic()
 
     async def run(self) -> None:
         timeout = self.cfg.orchestrator.request_timeout_s
@@ -91,7 +95,8 @@ class Orchestrator:
             task = asyncio.create_task(run_group(
                 self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature,
-                return_routed_experts=o.return_routed_experts, started_version=self.version))
+                return_routed_experts=o.return_routed_experts, started_version=self.version,
+                latency=self.latency, meter=self.meter))
             self.inflight[task] = worker
             self.next_group_id += 1
 
@@ -125,6 +130,8 @@ class Orchestrator:
                 "orchestrator_weight_version": self.version,
                 "inflight_groups": len(self.inflight),
                 "weight_update_s": self.weight_update_s,
+                "inference_busy_frac": self.busy_fraction(),
+                "env_wait_s_total": self.meter.env_wait_s,
             }
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
@@ -134,6 +141,13 @@ class Orchestrator:
                                "groups_started": self.next_group_id, "dropped_total": dropped_total})
             self.next_step += 1
 
+
+    def busy_fraction(self) -> float:
+        """Fraction of wall time since the previous batch with a generate request outstanding."""
+        now, busy = time.monotonic(), self.meter.busy_total()
+        frac = (busy - self.busy_at_last_batch) / max(now - self.time_at_last_batch, 1e-6)
+        self.busy_at_last_batch, self.time_at_last_batch = busy, now
+        return min(1.0, frac)
 
     def inference_rate(self, window_s: float = 10.0) -> float:
         """Completion tokens per second over the last ``window_s`` (batches come in bursts)."""
