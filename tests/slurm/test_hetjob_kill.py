@@ -15,20 +15,10 @@ from pathlib import Path
 import pytest
 
 from launcher import submit
+from tests.slurm.test_cluster_smoke import wait_until
 from tests.slurm.test_hetjob_run import SMALL, sacct_final, slurmrl
 
 pytestmark = pytest.mark.slurm
-
-
-def wait_until(what: str, timeout: float, probe):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}", pytrace=False)
-        time.sleep(0.2)
 
 
 def processes_of(run_dir: Path) -> dict[int, dict[str, str]]:
@@ -48,6 +38,21 @@ def processes_of(run_dir: Path) -> dict[int, dict[str, str]]:
     return found
 
 
+def wait_for_training(run_dir: Path, job_id: str, num_steps: int = 1, timeout: float = 120) -> None:
+    """Until metrics.jsonl has num_steps records; fail at once (with the batch log) if the job ended."""
+    metrics = run_dir / "metrics.jsonl"
+    log = run_dir / "logs" / f"slurm-{job_id}.out"
+
+    def probe():
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= num_steps:
+            return True
+        if not any(c.state in submit.ACTIVE for c in submit.components(job_id)):
+            pytest.fail(f"job {job_id} ended before {num_steps} trainer steps:\n{log.read_text()[-3000:]}", pytrace=False)
+        return False
+
+    wait_until(f"{num_steps} trainer steps", timeout, probe)
+
+
 @pytest.mark.parametrize("how", ["scancel_step", "kill_task"])
 def test_killing_one_step_ends_the_job(slurm_cluster, tmp_path, how):
     run_dir = tmp_path / "run"
@@ -56,8 +61,7 @@ def test_killing_one_step_ends_the_job(slurm_cluster, tmp_path, how):
     assert res.returncode == 0
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     try:
-        wait_until("two trainer steps", 120, lambda: (run_dir / "metrics.jsonl").exists()
-                   and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2)
+        wait_for_training(run_dir, job_id, num_steps=2)
         comps = submit.components(job_id)
         assert [c.state for c in comps] == ["RUNNING"] * 3
         if how == "scancel_step":

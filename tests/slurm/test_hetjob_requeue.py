@@ -14,7 +14,8 @@ import time
 import pytest
 
 from launcher import submit
-from tests.slurm.test_hetjob_kill import wait_until
+from tests.slurm.test_cluster_smoke import wait_until
+from tests.slurm.test_hetjob_kill import wait_for_training
 from tests.slurm.test_hetjob_run import SMALL, slurmrl
 
 pytestmark = pytest.mark.slurm
@@ -28,8 +29,7 @@ def test_usr1_requeues_the_whole_hetjob(slurm_cluster, tmp_path):
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     log = run_dir / "logs" / f"slurm-{job_id}.out"
     try:
-        wait_until("the first trainer step", 120, lambda: (run_dir / "metrics.jsonl").exists()
-                   and (run_dir / "metrics.jsonl").read_text().strip())
+        wait_for_training(run_dir, job_id)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
         wait_until("the requeue", 60, lambda: f"requeueing job {job_id} (restart 0, at most 1)" in log.read_text())
         restarts = wait_until("Restarts=1", 30, lambda: "Restarts=1" in subprocess.run(
