@@ -23,7 +23,10 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig
 from workers.common.topology import PORT_SERVERS
 
-ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols}
+BYTE_CHAT_VOCAB = 264  # = workers/orchestrator/envs/chat.py VOCAB_SIZE (8 specials + 256 bytes)
+ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols, "code_repair": lambda e: BYTE_CHAT_VOCAB,
+             "verifiers": lambda e: BYTE_CHAT_VOCAB}
+MULTI_TURN_ENVS = ("code_repair", "verifiers")
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
     "inference.backend": ("embedded", "sglang"),
@@ -134,17 +137,46 @@ def check_env(cfg: RunConfig) -> None:
     check_env_latency(cfg)
     if e.name not in ENV_VOCAB:
         raise PlanError(f"env.name={e.name!r} is unknown; choose one of {sorted(ENV_VOCAB)}")
+    need = ENV_VOCAB[e.name](e)
+    if need > cfg.model.vocab_size:
+        raise PlanError(f"model.vocab_size({cfg.model.vocab_size}) is smaller than env {e.name}'s vocabulary ({need})")
+    if e.name in MULTI_TURN_ENVS:
+        check_multi_turn_env(cfg)
+        return
     _positive("env.min_digits", e.min_digits)
     if e.max_digits < e.min_digits:
         raise PlanError(f"env.max_digits({e.max_digits}) must be >= env.min_digits({e.min_digits})")
     _positive("env.num_symbols", e.num_symbols)
-    need = ENV_VOCAB[e.name](e)
-    if need > cfg.model.vocab_size:
-        raise PlanError(f"model.vocab_size({cfg.model.vocab_size}) is smaller than env {e.name}'s vocabulary ({need})")
     longest = 2 + e.max_digits + e.max_digits + 1
     if longest > cfg.model.max_position_embeddings:
         raise PlanError(f"model.max_position_embeddings({cfg.model.max_position_embeddings}) < longest episode "
                         f"({longest} tokens for env.max_digits={e.max_digits})")
+
+
+def check_multi_turn_env(cfg: RunConfig) -> None:
+    """Episode limits, sandbox limits and the long-episode policy of code_repair / verifiers."""
+    e, o = cfg.env, cfg.orchestrator
+    for key in ("max_turns", "max_new_tokens_per_turn", "max_episode_tokens", "max_observation_bytes",
+                "max_concurrent_env_steps", "num_functions", "num_tests_per_function", "sandbox_cpu_s",
+                "sandbox_memory_mb", "sandbox_file_size_kb", "sandbox_num_procs", "sandbox_tmp_mb"):
+        _positive(f"env.{key}", getattr(e, key))
+    _positive("env.episode_timeout_s", e.episode_timeout_s)
+    _positive("env.sandbox_timeout_s", e.sandbox_timeout_s)
+    if e.max_episode_tokens > cfg.model.max_position_embeddings:
+        raise PlanError(f"env.max_episode_tokens({e.max_episode_tokens}) > model.max_position_embeddings"
+                        f"({cfg.model.max_position_embeddings}): an episode must fit the model's context")
+    if e.max_new_tokens_per_turn >= e.max_episode_tokens:
+        raise PlanError(f"env.max_new_tokens_per_turn({e.max_new_tokens_per_turn}) must be < env.max_episode_tokens"
+                        f"({e.max_episode_tokens}): the prompt needs room too")
+    modes = ("auto", "namespaces", "userns", "rlimits")
+    if e.sandbox_mode not in modes:
+        raise PlanError(f"env.sandbox_mode={e.sandbox_mode!r}; choose one of {list(modes)}")
+    policies = ("drop", "truncate", "keep")
+    if o.long_episode_policy not in policies:
+        raise PlanError(f"orchestrator.long_episode_policy={o.long_episode_policy!r}; choose one of {list(policies)}")
+    _positive("orchestrator.num_spare_groups", o.num_spare_groups, allow_zero=True)
+    if e.name == "verifiers" and not e.verifiers_env:
+        raise PlanError("env=verifiers needs env.verifiers_env (the module name of a verifiers environment)")
 
 
 def check_loop(cfg: RunConfig) -> int:

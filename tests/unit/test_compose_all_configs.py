@@ -14,8 +14,11 @@ from tests.unit.test_plan_slurm import CONF_DIR, compose
 
 ROOT = Path(CONF_DIR)
 YAMLS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.yaml"))
-COMPANIONS: dict[str, list[str]] = {}
-"""Extra overrides a file needs to plan, keyed by its path under hydra_conf (none needed today)."""
+COMPANIONS: dict[str, list[str]] = {
+    # a byte-level chat env: the default tiny_moe vocab (16 digit tokens) cannot spell code
+    "env/code_repair.yaml": ["model.vocab_size=264", "model.max_position_embeddings=576"],
+}
+"""Extra overrides a file needs to plan, keyed by its path under hydra_conf."""
 
 
 def overrides_for(rel: str) -> list[str]:

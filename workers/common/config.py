@@ -251,6 +251,16 @@ class OrchestratorConfig:
     per-token rewards; sums to the same episode reward, far less credit-assignment noise)."""
     return_routed_experts: bool = True
     """Ask inference for the experts each token used (for Router Replay and metrics)."""
+    long_episode_policy: str = "drop"
+    """What a batch does with a group whose oldest tokens are beyond max_off_policy_steps:
+    ``drop`` it (counted in samples_dropped_stale; single-turn default), ``truncate`` its
+    too-old tokens out of the loss (they stay as context; counted in tokens_truncated_stale),
+    or ``keep`` it whole when its newest turn is within the window (TIS corrects; counted in
+    tokens_kept_stale). Long multi-turn episodes span many weight updates: drop wastes them."""
+    num_spare_groups: int = 0
+    """Groups started beyond what the next batches need, so a few long-tail episodes never
+    hold a batch back (batches take whichever groups finish first)."""
+
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -279,6 +289,47 @@ class EnvConfig:
     """Median of the simulated latency in seconds."""
     latency_p99_over_median: float = 20.0
     """Tail heaviness: p99 / median of the simulated latency (>= 1)."""
+    # ---- multi-turn agentic envs (code_repair, verifiers); reverse_digits ignores these ----
+    max_turns: int = 4
+    """Most model turns of one episode; the episode is then scored as it stands."""
+    max_new_tokens_per_turn: int = 96
+    """Generation budget of one model turn (stop token: end of turn)."""
+    max_episode_tokens: int = 512
+    """Prompt + every turn + every observation of an episode; must fit model.max_position_embeddings."""
+    episode_timeout_s: float = 300.0
+    """Wall-clock budget of one episode (generation + env steps); past it no new turn starts."""
+    max_observation_bytes: int = 256
+    """Tool output shown to the model is cut to this many bytes (long logs would eat the context)."""
+    max_concurrent_env_steps: int = 2
+    """Env steps (sandbox runs) running at once in this env; episodes beyond it wait, generation goes on."""
+    num_functions: int = 1
+    """code_repair: buggy functions per generated project (each with its own tests)."""
+    num_tests_per_function: int = 3
+    """code_repair: test functions per function; reward = fraction of all tests passing."""
+    include_tool_help: bool = False
+    """code_repair: describe the tool-call format in the first prompt (for models that can read it;
+    the tiny model cannot, and the help would cost ~400 tokens of its context)."""
+    sandbox_mode: str = "auto"
+    """auto | namespaces (root) | userns (unprivileged) | rlimits (weak fallback); see envs/sandbox.py."""
+    sandbox_python: str = "/usr/bin/python3"
+    """Interpreter that runs the tests inside the sandbox (its prefix is bind-mounted read-only)."""
+    sandbox_scratch_root: Optional[str] = None
+    """Node-local directory for per-episode scratch projects; None: $TMPDIR/slurmrl-sandbox."""
+    sandbox_cpu_s: int = 2
+    """CPU seconds of one test run (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = 256
+    """Address space of each sandboxed process in MiB (RLIMIT_AS)."""
+    sandbox_file_size_kb: int = 1024
+    """Largest file a sandboxed process may write, KiB (RLIMIT_FSIZE)."""
+    sandbox_num_procs: int = 16
+    """Processes of the sandbox's uid (RLIMIT_NPROC): a fork bomb stops here."""
+    sandbox_timeout_s: float = 10.0
+    """Wall-clock deadline of one test run; past it every process of the run is killed."""
+    sandbox_tmp_mb: int = 16
+    """Size of the sandbox's private /tmp (tmpfs)."""
+    verifiers_env: str = ""
+    """env=verifiers: module name of an environment written for the ``verifiers`` package."""
+
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -41,7 +41,7 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
         input_ids[i, :p] = s.prompt_ids
         input_ids[i, p:p + c] = s.completion_ids
         attention_mask[i, :p + c] = 1
-        loss_mask[i, p:p + c] = 1
+        loss_mask[i, p:p + c] = 1 if s.completion_mask is None else s.completion_mask  # multi-turn: env tokens 0
         logprobs[i, p:p + c] = s.completion_logprobs
         versions[i, p:p + c] = s.token_versions
         if per_token:
@@ -68,18 +68,19 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
 def batch_metrics(step: int, groups: list[RolloutGroup]) -> dict[str, Any]:
     samples = [s for g in groups for s in g.samples]
     rewards = np.array([s.reward for s in samples])
-    staleness = np.array([step - s.policy_version for s in samples])
+    trained = [s for s in samples if s.policy_version >= 0] or samples  # all-truncated samples train nothing
+    staleness = np.array([step - s.policy_version for s in trained])
     lengths = np.array([len(s.completion_ids) for s in samples])
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "max_staleness": int(staleness.max()),
-        "policy_version_min": int(min(s.policy_version for s in samples)),
-        "policy_version_max": int(max(max(s.token_versions) for s in samples)),
+        "policy_version_min": int(min(s.policy_version for s in trained)),
+        "policy_version_max": int(max(s.newest_version for s in samples)),
         "mean_staleness": float(staleness.mean()),
         "completion_len_mean": float(lengths.mean()),
         "num_samples": len(samples),
-        "frac_mixed_version": float(np.mean([len(set(s.token_versions)) > 1 for s in samples])),
+        "frac_mixed_version": float(np.mean([len({v for v in s.token_versions if v >= 0}) > 1 for s in samples])),
     }
 
 

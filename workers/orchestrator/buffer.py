@@ -8,6 +8,10 @@ staleness bound is checked conservatively.
 
 Staleness rule (DESIGN.md 2): a batch for trainer step ``s`` may only contain samples with
 ``s - policy_version <= max_off_policy_steps``; older groups are dropped and counted.
+Long multi-turn episodes span many versions, so ``long_episode_policy`` says what
+"older" means for them: ``drop`` (the rule above, oldest token), ``truncate`` (a group
+counts by its newest turn; tokens beyond the window leave the loss but stay as context),
+``keep`` (a group counts by its newest turn and keeps every token in the loss).
 """
 from __future__ import annotations
 
@@ -30,10 +34,23 @@ class Sample:
     token_rewards: Optional[list[float]] = None  # per completion token, sums to reward
     advantage: float = 0.0
     token_advantages: Optional[np.ndarray] = None  # per completion token (mode token_rtg)
+    completion_mask: Optional[list[int]] = None  # multi-turn: 1 = model token (trained), 0 = env token; None = all 1
+    env_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # multi-turn: turns, env_s, finish, ...
 
     @property
     def policy_version(self) -> int:
-        return min(self.token_versions) if self.token_versions else -1
+        """Oldest version over sampled tokens (env tokens carry -1 and are skipped)."""
+        sampled = [v for v, m in zip(self.token_versions, self.loss_flags()) if m and v >= 0]
+        return min(sampled) if sampled else -1
+
+    @property
+    def newest_version(self) -> int:
+        """Version of the newest sampled token (the last turn's weights)."""
+        sampled = [v for v in self.token_versions if v >= 0]
+        return max(sampled) if sampled else -1
+
+    def loss_flags(self) -> list[int]:
+        return self.completion_mask if self.completion_mask is not None else [1] * len(self.completion_ids)
 
 
 @dataclasses.dataclass
@@ -71,9 +88,17 @@ class RolloutGroup:
 class RolloutBuffer:
     """FIFO of completed groups; ``take`` builds one step's worth, dropping stale groups."""
 
-    def __init__(self, *, max_off_policy_steps: int, groups_per_step: int, advantage: str = "sequence"):
+    def __init__(self, *, max_off_policy_steps: int, groups_per_step: int, advantage: str = "sequence",
+                 long_episode_policy: str = "drop"):
         if max_off_policy_steps < 0:
             raise ValueError(f"orchestrator.max_off_policy_steps must be >= 0, got {max_off_policy_steps}")
+        if long_episode_policy not in LONG_EPISODE_POLICIES:
+            raise ValueError(f"orchestrator.long_episode_policy={long_episode_policy!r}; choose one of "
+                             f"{LONG_EPISODE_POLICIES}")
+        self.policy = long_episode_policy
+        self.tokens_truncated_total = 0
+        self.tokens_kept_stale_total = 0
+        self.samples_truncated_total = 0
         self.max_off = max_off_policy_steps
         self.groups_per_step = groups_per_step
         self.advantage = advantage
@@ -87,11 +112,17 @@ class RolloutBuffer:
         group.assign_advantages(self.advantage)
         self.groups.append(group)
 
+    def version_of(self, g: RolloutGroup) -> int:
+        """The version the staleness rule checks: oldest token (drop) or oldest newest-turn."""
+        if self.policy == "drop":
+            return g.policy_version
+        return min(s.newest_version for s in g.samples)
+
     def drop_stale(self, step: int) -> int:
         """Remove groups too old for ``step``; returns samples dropped."""
         keep, dropped = deque(), 0
         for g in self.groups:
-            if step - g.policy_version > self.max_off:
+            if step - self.version_of(g) > self.max_off:
                 dropped += len(g.samples)
             else:
                 keep.append(g)
@@ -100,7 +131,7 @@ class RolloutBuffer:
         return dropped
 
     def usable(self, step: int) -> int:
-        return sum(1 for g in self.groups if step - g.policy_version <= self.max_off)
+        return sum(1 for g in self.groups if step - self.version_of(g) <= self.max_off)
 
     def take(self, step: int) -> Optional[list[RolloutGroup]]:
         """Oldest usable groups for ``step`` (oldest first, so fewer go stale) or None.
@@ -110,19 +141,46 @@ class RolloutBuffer:
         self.drop_stale(step)
         if len(self.groups) < self.groups_per_step:
             return None
-        return [self.groups.popleft() for _ in range(self.groups_per_step)]
+        groups = [self.groups.popleft() for _ in range(self.groups_per_step)]
+        if self.policy != "drop":
+            for g in groups:
+                self.apply_long_episode_policy(g, step)
+        return groups
+
+    def apply_long_episode_policy(self, g: RolloutGroup, step: int) -> None:
+        """truncate: tokens older than the window leave the loss (mask 0); keep: count them."""
+        oldest_ok = step - self.max_off
+        for s in g.samples:
+            flags = s.loss_flags()
+            stale = [i for i, (v, m) in enumerate(zip(s.token_versions, flags)) if m and 0 <= v < oldest_ok]
+            if not stale:
+                continue
+            if self.policy == "keep":
+                self.tokens_kept_stale_total += len(stale)
+                continue
+            mask = list(flags)
+            for i in stale:
+                mask[i] = 0
+            s.completion_mask = mask
+            self.tokens_truncated_total += len(stale)
+            self.samples_truncated_total += 1
+
+
+LONG_EPISODE_POLICIES = ("drop", "truncate", "keep")
 
 
 def groups_to_launch(*, next_step: int, weight_version: int, max_off: int, groups_per_step: int,
-                     buffered_usable: int, inflight_groups: int) -> int:
+                     buffered_usable: int, inflight_groups: int, spare: int = 0) -> int:
     """How many new groups are worth starting now.
 
     A group started at ``weight_version`` can serve batches ``next_step .. weight_version +
     max_off``; starting more than those batches need would only produce stale samples.
     With max_off = 0 this yields exactly one batch per version: synchronous training.
+    ``spare`` extra groups keep inference busy while long-tail episodes finish; the batch
+    takes whichever groups complete first.
     """
     last_usable_step = weight_version + max_off
     if last_usable_step < next_step:
         return 0
-    needed = (last_usable_step - next_step + 1) * groups_per_step
+    needed = (last_usable_step - next_step + 1) * groups_per_step + spare
     return max(0, needed - buffered_usable - inflight_groups)

@@ -27,7 +27,9 @@ from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
 from workers.orchestrator.envs import make_env
+from workers.orchestrator.envs.base import is_multi_turn
 from workers.orchestrator.envs.latency import LatencyModel
+from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
 from workers.orchestrator.rollouts import BusyMeter, WeightUpdateError, run_group, update_all_workers
 
 
@@ -40,7 +42,7 @@ class Orchestrator:
         o = cfg.orchestrator
         self.group_size = o.num_samples_per_prompt
         self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step,
-                                    advantage=o.advantage)
+                                    advantage=o.advantage, long_episode_policy=o.long_episode_policy)
         self.inflight: dict[asyncio.Task, int] = {}  # task -> worker index
         self.clients: list[InferenceClient] = []
         self.version = 0
@@ -88,10 +90,18 @@ class Orchestrator:
         o = self.cfg.orchestrator
         want = groups_to_launch(next_step=self.next_step, weight_version=self.version, max_off=o.max_off_policy_steps,
                                 groups_per_step=o.num_prompts_per_step, buffered_usable=self.buffer.usable(self.next_step),
-                                inflight_groups=len(self.inflight))
+                                inflight_groups=len(self.inflight), spare=o.num_spare_groups)
         room = (o.max_inflight_rollouts - len(self.inflight) * self.group_size) // self.group_size
         for _ in range(max(0, min(want, room))):
             worker = self.least_loaded_worker()
+            if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox; no simulated latency
+                task = asyncio.create_task(run_episode_group(
+                    self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
+                    num_samples=self.group_size, temperature=o.temperature,
+                    return_routed_experts=o.return_routed_experts, started_version=self.version, meter=self.meter))
+                self.inflight[task] = worker
+                self.next_group_id += 1
+                continue
             task = asyncio.create_task(run_group(
                 self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature,
@@ -132,6 +142,7 @@ class Orchestrator:
                 "weight_update_s": self.weight_update_s,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
+                **env_batch_metrics(groups), **self.long_episode_counters(),
             }
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
@@ -141,6 +152,14 @@ class Orchestrator:
                                "groups_started": self.next_group_id, "dropped_total": dropped_total})
             self.next_step += 1
 
+
+    def long_episode_counters(self) -> dict:
+        """Totals of orchestrator.long_episode_policy (absent under the default ``drop``)."""
+        b = self.buffer
+        if b.policy == "drop":
+            return {}
+        return {"tokens_truncated_stale_total": b.tokens_truncated_total, "samples_truncated_stale_total":
+                b.samples_truncated_total, "tokens_kept_stale_total": b.tokens_kept_stale_total}
 
     def busy_fraction(self) -> float:
         """Fraction of wall time since the previous batch with a generate request outstanding."""

@@ -1,0 +1,325 @@
+"""Run untrusted Python (the model's code and its tests) in a subprocess sandbox, async.
+
+What is enforced, and how (the isolation itself is in sandbox_exec.py, a trampoline
+script this module starts with ``asyncio.create_subprocess_exec``):
+
+  CPU time      RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL one second later)
+  memory        RLIMIT_AS (allocations fail with MemoryError / ENOMEM)
+  file size     RLIMIT_FSIZE (writes past it fail with EFBIG) + /tmp is a tmpfs of ``tmp_mb``
+  processes     RLIMIT_NPROC for a uid of its own (fork fails with EAGAIN)
+  open files    RLIMIT_NOFILE
+  wall clock    ``timeout_s``: the trampoline's process group is SIGKILLed; its PID
+                namespace init dies by parent-death signal and takes every process with it
+  network       a new network namespace with no interface up (``namespaces``/``userns``)
+  filesystem    a new root: read-only /usr (+ interpreter prefix) and project at /work,
+                private /tmp; the run directory and every other path are absent
+  user          root drops to uid ``uid_base + slot`` (no passwd entry needed, no groups)
+
+Why a uid per concurrent run instead of ``nobody``: RLIMIT_NPROC counts processes per
+uid, so with a shared uid one episode's fork bomb would starve every other episode's
+tests, and episodes could signal each other's processes.
+
+Mode ``auto`` probes once per process: ``namespaces`` when root, else ``userns``, else
+``rlimits`` (rlimits + uid drop + the runner's audit hook; see sandbox_exec.py; logged as a
+warning because network and filesystem isolation are then best effort only).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("slurmrl.sandbox")
+HERE = Path(__file__).resolve().parent
+TRAMPOLINE = HERE / "sandbox_exec.py"
+RUNNER = HERE / "sandbox_runner.py"
+INSIDE_PROJECT, INSIDE_RUNNER = "/work", "/sandbox/runner.py"
+MODES = ("auto", "namespaces", "userns", "rlimits")
+SETUP_FAILED = 125
+_probed: dict[tuple[str, str], str] = {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    cpu_s: int = 2
+    """CPU seconds per run (RLIMIT_CPU)."""
+    memory_mb: int = 256
+    """Address space per process in MiB (RLIMIT_AS)."""
+    file_size_kb: int = 1024
+    """Largest file a process may write, KiB (RLIMIT_FSIZE)."""
+    num_procs: int = 16
+    """Processes of the sandbox uid (RLIMIT_NPROC)."""
+    num_files: int = 64
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    timeout_s: float = 5.0
+    """Wall-clock deadline of one run."""
+    tmp_mb: int = 16
+    """Size of the private /tmp tmpfs."""
+    output_bytes: int = 65536
+    """stdout and stderr are each cut to this many bytes (the rest is read and dropped)."""
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    wall_s: float
+    mode: str
+
+    @property
+    def signal(self) -> Optional[int]:
+        """Signal that killed the program (from the 128 + N convention), or None."""
+        return self.returncode - 128 if self.returncode > 128 else None
+
+
+class SandboxSetupError(RuntimeError):
+    """The sandbox itself could not be built (not the program's fault)."""
+
+
+class Sandbox:
+    """One sandbox configuration; ``run_python`` may be called concurrently."""
+
+    def __init__(self, limits: SandboxLimits, *, mode: str = "auto", python: str = "/usr/bin/python3",
+                 scratch_root: Optional[str] = None, uid_base: int = 61000, num_uids: int = 64):
+        if mode not in MODES:
+            raise ValueError(f"sandbox mode {mode!r} is unknown; choose one of {MODES}")
+        self.limits, self.requested_mode = limits, mode
+        self.python = os.path.realpath(python if os.path.exists(python) else sys.executable)
+        self.scratch_root = Path(scratch_root or Path(tempfile.gettempdir()) / "slurmrl-sandbox")
+        self.scratch_root.mkdir(parents=True, exist_ok=True)
+        self.mountpoint = self.scratch_root / ".root"  # each run mounts its own tmpfs here, privately
+        self.mountpoint.mkdir(exist_ok=True)
+        self.pool = _uid_pool(uid_base, num_uids)
+        self.uids = self.pool.uids
+        self._mode_lock = asyncio.Lock()
+        self.mode = mode if mode != "auto" else ""
+
+    @property
+    def runner(self) -> str:
+        """Path of the test runner as the sandboxed program sees it."""
+        return str(RUNNER) if self.mode == "rlimits" else INSIDE_RUNNER
+
+    async def resolve_mode(self) -> str:
+        async with self._mode_lock:
+            if not self.mode:
+                key = (self.python, str(self.scratch_root))
+                if key not in _probed:
+                    _probed[key] = await self._probe()
+                self.mode = _probed[key]
+        return self.mode
+
+    async def _probe(self) -> str:
+        empty = Path(tempfile.mkdtemp(dir=self.scratch_root))
+        empty.chmod(0o755)  # the sandbox uid must be able to enter its project dir
+        try:
+            for mode in (["namespaces"] if os.geteuid() == 0 else []) + ["userns"]:
+                res = await self._run(mode, ["-c", "pass"], empty, b"")
+                if res.returncode == 0:
+                    return mode
+                log.info("sandbox mode %s unavailable: %s", mode, res.stderr.strip()[-300:])
+        finally:
+            shutil.rmtree(empty, ignore_errors=True)
+        log.warning("sandbox: no namespaces here; falling back to rlimits + uid drop + audit hook "
+                    "(network and filesystem isolation are best effort only)")
+        return "rlimits"
+
+    async def run_python(self, args: list[str], *, project: Path, stdin: bytes = b"") -> SandboxResult:
+        """``python -I -S ARGS`` with ``project`` as cwd (read-only /work inside the namespaces).
+
+        ``project`` must be world-readable (dirs 755, files 644): the sandbox uid reads it.
+        """
+        mode = await self.resolve_mode()
+        res = await self._run(mode, args, Path(project), stdin)
+        if res.returncode == SETUP_FAILED and res.stderr.startswith("sandbox:"):
+            raise SandboxSetupError(res.stderr.strip())
+        return res
+
+    async def _run(self, mode: str, args: list[str], project: Path, stdin: bytes) -> SandboxResult:
+        root = os.geteuid() == 0
+        uid = await self._take_uid() if root and mode != "userns" else None
+        copy = None
+        try:
+            if mode == "rlimits":  # no read-only mount to protect the agent's files: work on a copy
+                copy = Path(tempfile.mkdtemp(dir=self._copies_dir()))
+                shutil.copytree(project, copy, dirs_exist_ok=True)
+                if uid is not None:
+                    for p in [copy, *copy.rglob("*")]:
+                        os.chown(p, uid, uid)
+            spec = self._spec(mode, args, project, copy, uid)
+            return await self._exec(spec, stdin, mode, uid)
+        finally:
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+            if uid is not None:
+                await self._give_uid(uid)
+
+    def _spec(self, mode: str, args: list[str], project: Path, copy: Optional[Path], uid: Optional[int]) -> dict:
+        lim = self.limits
+        num_procs = lim.num_procs if uid is not None else lim.num_procs + _processes_of(os.getuid())
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONHASHSEED": "0", "TMPDIR": "/tmp"}
+        spec = {"mode": mode, "uid": uid, "gid": uid, "argv": [self.python, "-I", "-S", *args],
+                "limits": {"cpu_s": lim.cpu_s, "memory_bytes": lim.memory_mb << 20,
+                           "file_size_bytes": lim.file_size_kb << 10, "num_procs": num_procs,
+                           "num_files": lim.num_files}}
+        if mode == "rlimits":
+            env.update({"SLURMRL_SANDBOX_AUDIT": "1", "TMPDIR": str(copy), "HOME": str(copy)})
+            return {**spec, "cwd": str(copy), "env": env}
+        binds = [["/usr", "/usr", False], [str(project.resolve()), INSIDE_PROJECT, False], [str(RUNNER), INSIDE_RUNNER, False]]
+        prefix = os.path.dirname(os.path.dirname(self.python))
+        if not prefix.startswith("/usr"):
+            binds.append([prefix, prefix, False])
+        symlinks = {}
+        for top in ("/bin", "/sbin", "/lib", "/lib64"):
+            if os.path.islink(top):
+                symlinks[top] = os.readlink(top)
+            elif os.path.isdir(top):
+                binds.append([top, top, False])
+        return {**spec, "cwd": INSIDE_PROJECT, "env": env, "root": str(self.mountpoint), "binds": binds,
+                "symlinks": symlinks, "tmp_mb": lim.tmp_mb}
+
+    async def _exec(self, spec: dict, stdin: bytes, mode: str, uid: Optional[int]) -> SandboxResult:
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", str(TRAMPOLINE), json.dumps(spec), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        cap = self.limits.output_bytes
+        work = asyncio.gather(_feed(proc, stdin), _read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap),
+                              proc.wait())
+        timed_out = False
+        try:
+            _, out, err, code = await asyncio.wait_for(asyncio.shield(work), self.limits.timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            _kill_group(proc.pid)
+            if mode == "rlimits" and uid is not None:
+                await _kill_uid(uid)
+            try:
+                _, out, err, code = await asyncio.wait_for(work, 5.0)
+            except asyncio.TimeoutError:  # an orphan still holds a pipe (rlimits mode without root)
+                out, err, code = b"", b"sandbox: output pipes still open after kill", -signal.SIGKILL
+        finally:
+            if mode == "rlimits" and uid is not None:
+                await _kill_uid(uid)  # background processes left behind by a finished run
+        code = 128 - code if code < 0 else code
+        return SandboxResult(returncode=code, stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
+                             timed_out=timed_out, wall_s=time.monotonic() - t0, mode=mode)
+
+    def _copies_dir(self) -> Path:
+        """rlimits mode: the sandbox uid must traverse every ancestor of its cwd copy."""
+        for base in (self.scratch_root, Path(tempfile.gettempdir()) / "slurmrl-sandbox-copies"):
+            base.mkdir(mode=0o711, exist_ok=True)
+            if all(p.stat().st_mode & 0o001 for p in [base, *base.parents]):
+                return base
+        raise SandboxSetupError(f"no directory the sandbox uid can enter for its copy (tried {self.scratch_root})")
+
+    async def _take_uid(self) -> int:
+        return await self.pool.take()
+
+    async def _give_uid(self, uid: int) -> None:
+        await self.pool.give(uid)
+
+
+class _UidPool:
+    """Sandbox uids of this process, shared by every Sandbox in it (one uid = one run at a time).
+
+    Spread by pid so that orchestrators on one node rarely share a uid."""
+
+    def __init__(self, uid_base: int, num_uids: int):
+        self.uids = [uid_base + (os.getpid() % 512) * num_uids + i for i in range(num_uids)]
+        self.free = list(self.uids)
+        self.loops: dict[int, asyncio.Condition] = {}
+
+    def _cond(self) -> asyncio.Condition:
+        loop = id(asyncio.get_running_loop())  # a Condition belongs to one event loop (tests run several)
+        return self.loops.setdefault(loop, asyncio.Condition())
+
+    async def take(self) -> int:
+        cond = self._cond()
+        async with cond:
+            await cond.wait_for(lambda: bool(self.free))
+            return self.free.pop(0)
+
+    async def give(self, uid: int) -> None:
+        cond = self._cond()
+        async with cond:
+            self.free.append(uid)
+            cond.notify()
+
+
+_pools: dict[tuple[int, int, int], _UidPool] = {}
+
+
+def _uid_pool(uid_base: int, num_uids: int) -> _UidPool:
+    key = (uid_base, num_uids, os.getpid())
+    if key not in _pools:
+        _pools[key] = _UidPool(uid_base, num_uids)
+    return _pools[key]
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    try:
+        if data:
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the program exited without reading its stdin
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        if len(kept) < cap:
+            kept += chunk[: cap - len(kept)]
+    return bytes(kept)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _processes_of(uid: int) -> int:
+    return len(live_pids({uid}))
+
+
+def live_pids(uids: set[int]) -> list[int]:
+    """Pids of running (not zombie) processes owned by ``uids``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid in uids:
+                    with open(f"/proc/{d}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            out.append(int(d))
+            except (OSError, IndexError):
+                continue
+    return out
+
+
+async def _kill_uid(uid: int, *, deadline_s: float = 2.0) -> None:
+    """SIGKILL every process of ``uid`` until none is left (rlimits mode: no PID namespace
+    collects them, and a process may fork between the scan and the kill)."""
+    end = time.monotonic() + deadline_s
+    while (pids := live_pids({uid})) and time.monotonic() < end:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        await asyncio.sleep(0.02)
