@@ -22,6 +22,7 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig
 from workers.common.topology import PORT_SERVERS
+from workers.preflight.checks import limit_errors
 
 BYTE_CHAT_VOCAB = 264  # = workers/orchestrator/envs/chat.py VOCAB_SIZE (8 specials + 256 bytes)
 ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols, "code_repair": lambda e: BYTE_CHAT_VOCAB,
@@ -55,6 +56,8 @@ class JobPlan:
     slurm: SlurmJobPlan
     memory: tuple[MemoryEstimate, ...] = ()
     """GPU memory estimates (GPU clusters with cluster.gpu_memory_gb set)."""
+    preflight: bool = False
+    """Run workers.preflight as the Slurm job's first step (top-level ``preflight=true``)."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -250,6 +253,17 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
     return tuple(out)
 
 
+def check_preflight(cfg: RunConfig, components: tuple[ComponentPlan, ...]) -> None:
+    if not cfg.preflight:
+        return
+    if cfg.cluster.backend != "slurm":
+        raise PlanError("preflight=true runs as the first step of the Slurm job (cluster.backend=slurm); "
+                        "to check this machine run `slurmrl-preflight standalone --out DIR`")
+    errors = limit_errors(cfg.cluster.preflight, component_names=[c.name for c in components])
+    if errors:
+        raise PlanError("; ".join(errors))
+
+
 def build_plan(cfg: RunConfig) -> JobPlan:
     check_choices(cfg)
     check_model(cfg)
@@ -267,8 +281,10 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     if cfg.launcher.num_gpu_nodes and gpu_nodes != cfg.launcher.num_gpu_nodes:
         split = " + ".join(f"{c.name}({c.num_nodes})" for c in components if c.num_gpus_per_node)
         raise PlanError(f"launcher.num_gpu_nodes({cfg.launcher.num_gpu_nodes}) != GPU nodes planned: {split} = {gpu_nodes}")
+    check_preflight(cfg, components)
     params = count_params(cfg.model)
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
-                   slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles))
+                   slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles),
+                   preflight=cfg.preflight)
 

@@ -110,6 +110,7 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
         "layout": layout_of(plan),
         "env": sorted({**BASE_ENV, **dict(plan.slurm.env)}.items()),
         "setup": list(plan.slurm.setup),
+        "preflight": plan.preflight,
     }
 
 
