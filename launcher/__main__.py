@@ -51,7 +51,7 @@ def hydra_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("status", "cancel"):
-        from launcher.slurm_backend import command_line
+        from launcher.submit import command_line
 
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
     hydra_app()

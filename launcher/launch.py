@@ -106,7 +106,7 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
     if not (cfg.launcher.follow if follow is None else follow):
         print(f"[slurmrl] follow with: slurmrl status {paths.root}", flush=True)
         return 0
-    from launcher.slurm_backend import follow as follow_job
+    from launcher.submit import follow as follow_job
 
     return follow_job(job_id, paths, cfg.trainer.num_steps)
 

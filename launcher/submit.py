@@ -1,5 +1,9 @@
 """Talk to Slurm through its commands: sbatch --parsable, scontrol, sacct, scancel.
 
+Also following a submitted job (per-step progress lines from run_dir/metrics.jsonl, as the
+local backend prints them, plus one line per job-state change; Ctrl-C stops following, never
+the job) and the ``slurmrl status|cancel [RUN_DIR|JOB_ID]`` commands.
+
 pyslurm does not match Slurm 22.05 (DESIGN.md section 8), and the commands are what an admin
 would type anyway. Job ids: ``sbatch --parsable`` prints the leader id L (or ``L;cluster``);
 het components are the jobs L, L+1, ... that ``scontrol show job L`` lists one record each
@@ -10,10 +14,15 @@ The job id is recorded in ``run_dir/slurm/job_id`` so status/cancel can start fr
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from launcher.local_backend import tail
+from launcher.progress import ProgressPrinter
+from workers.common.protocol import RunPaths
 
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "PREEMPTED"})
@@ -154,3 +163,90 @@ def wait_until_done(job_id: str, *, timeout_s: float, poll_s: float = 1.0,
 def describe(comps: list[Component]) -> str:
     return ", ".join(f"+{c.offset} {c.state}" + (f" on {c.nodes}" if c.nodes and c.nodes != "(null)" else "")
                      for c in comps)
+
+
+POLL_S = 2.0
+
+
+def batch_log(run_dir: Path, job_id: str) -> Path:
+    return Path(run_dir) / "logs" / f"slurm-{job_id}.out"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def follow(job_id: str, paths: RunPaths, num_steps: int, *, poll_s: float = POLL_S) -> int:
+    """Print progress until the job ends. 0 if every component COMPLETED, 1 if not, 130 on Ctrl-C."""
+    progress = ProgressPrinter(paths, num_steps)
+    last = None
+
+    def interrupt(_signum, _frame):
+        raise _Interrupted
+
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        while True:
+            comps = components(job_id)
+            now = describe(comps)
+            if now != last:
+                print(f"[slurmrl] job {job_id}: {now}", flush=True)
+                last = now
+            progress.poll()
+            if not any(c.state in ACTIVE for c in comps):
+                break
+            time.sleep(poll_s)
+    except _Interrupted:
+        print(f"\n[slurmrl] stopped following; job {job_id} keeps running. "
+              f"`slurmrl status {paths.root}` or `slurmrl cancel {paths.root}`", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, old)
+    progress.poll()
+    state = overall_state(comps)
+    print(f"[slurmrl] job {job_id} ended {state}: {progress.summary()}", flush=True)
+    if state != "COMPLETED":
+        log = batch_log(paths.root, job_id)
+        print(f"[slurmrl] last lines of {log}:\n{tail(log, 30)}", flush=True)
+        return 1
+    return 0
+
+
+def resolve(target: Optional[str]) -> tuple[str, Optional[Path]]:
+    """A job id, a run dir (with slurm/job_id) or, by default, runs/latest -> (job id, run dir)."""
+    if target and target.isdigit():
+        return target, None
+    run_dir = Path(target or "runs/latest").expanduser().resolve()
+    return read_job_id(run_dir), run_dir
+
+
+def status_command(target: Optional[str]) -> int:
+    job_id, run_dir = resolve(target)
+    comps = components(job_id)
+    print(f"job {job_id}: {overall_state(comps)} ({describe(comps)})")
+    if run_dir is not None:
+        metrics = RunPaths(run_dir).metrics
+        steps = sum(1 for ln in metrics.read_text().splitlines() if ln.strip()) if metrics.exists() else 0
+        print(f"run dir {run_dir}: {steps} trainer steps logged; batch log {batch_log(run_dir, job_id)}")
+    return 0
+
+
+def cancel_command(target: Optional[str]) -> int:
+    job_id, run_dir = resolve(target)
+    cancel(job_id)
+    print(f"cancelled job {job_id}" + (f" ({run_dir})" if run_dir else ""))
+    return 0
+
+
+USAGE = "usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/latest)"
+
+
+def command_line(mode: str, args: list[str]) -> int:
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        print(USAGE)
+        return 2
+    try:
+        return (status_command if mode == "status" else cancel_command)(args[0] if args else None)
+    except SubmitError as e:
+        print(f"slurmrl {mode}: error: {e}")
+        return 1

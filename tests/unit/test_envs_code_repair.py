@@ -63,6 +63,7 @@ def test_perfect_agent_earns_one_and_idle_agent_earns_the_baseline(tmp_path):
     assert obs[0] == task.files[task.module_file][:2048]
     assert obs[2].startswith(f"passed {len(task.test_names)}/{len(task.test_names)}")
     assert reward == 1.0 and m["sandbox_runs"] == 1  # submit reused the cached score
+    assert m["sandbox_mode"] in ("namespaces", "userns", "rlimits")
     assert not scratch.exists(), "the episode's scratch dir outlived the episode"
     _, idle, _, _ = play(e, task, ['<tool name="submit"/>'])
     assert 0 <= idle < 1

@@ -212,3 +212,11 @@ def test_long_episode_staleness_policies(policy):
         assert s.policy_version == 2
     else:
         assert sum(s.completion_mask) == before and buf.tokens_kept_stale_total == first_turn
+
+
+def test_spare_groups_are_started_beyond_what_the_batches_need():
+    from workers.orchestrator.buffer import groups_to_launch
+    base = dict(next_step=0, weight_version=0, max_off=1, groups_per_step=4, buffered_usable=0, inflight_groups=6)
+    assert groups_to_launch(**base) == 2
+    assert groups_to_launch(**base, spare=3) == 5  # a long-tail group no longer holds the next batch back
+    assert groups_to_launch(**{**base, "weight_version": -5}, spare=3) == 0  # nothing usable: no spares either

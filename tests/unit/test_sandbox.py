@@ -6,8 +6,12 @@ the limits are also checked in the ``userns`` and ``rlimits`` fallbacks where th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import textwrap
 import time
 import uuid
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, live_pids
+from workers.orchestrator.envs.sandbox import TRAMPOLINE, Sandbox, SandboxLimits, live_pids
 
 LIMITS = SandboxLimits(cpu_s=1, memory_mb=128, file_size_kb=64, num_procs=8, num_files=32, timeout_s=4.0, tmp_mb=4,
                        output_bytes=4096)
@@ -208,3 +212,24 @@ def assert_none_left(sb: Sandbox) -> None:
     while (left := live_pids(set(sb.uids))) and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel finishes SIGKILLed processes asynchronously
     assert not left, f"sandbox processes survived the run: {left}"
+
+
+@pytest.mark.skipif(not (ROOT and shutil.which("setpriv") and os.path.exists("/usr/bin/python3")),
+                    reason="needs root (to become nobody), setpriv and /usr/bin/python3")
+def test_userns_mode_works_for_an_unprivileged_user():
+    """What a non-root orchestrator on a Slurm node gets: the trampoline itself runs as nobody."""
+    base = Path(tempfile.mkdtemp(prefix="sandbox-userns-", dir="/tmp"))  # pytest's tmp is 0700: nobody can't enter
+    try:
+        base.chmod(0o755)
+        project = base / "project"
+        project.mkdir(mode=0o755)
+        sb = Sandbox(LIMITS, mode="userns", scratch_root=str(base / "sb"))
+        (base / "sb").chmod(0o755)
+        code = "import os, socket\nprint(os.getuid(), sorted(os.listdir('/')))\nsocket.create_connection(('127.0.0.1', 22), 1)"
+        spec = sb._spec("userns", ["-c", code], project, None, None)
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                              "-S", str(TRAMPOLINE), json.dumps(spec)], capture_output=True, text=True, timeout=30)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert out.stdout.startswith("0 ['bin', 'dev'") and "work" in out.stdout, out  # root of its own namespace only
+    assert "Network is unreachable" in out.stderr, out

@@ -159,6 +159,9 @@ def env_batch_metrics(groups: list[RolloutGroup]) -> dict[str, Any]:
             p + "tool_errors_per_turn": float(col("tool_errors").sum() / max(turns.sum(), 1)),
             p + "reward_mean": float(np.mean([s.reward for s in samples])),
         })
+        modes = sorted({s.env_info["sandbox_mode"] for s in samples if "sandbox_mode" in s.env_info})
+        if modes:
+            out[p + "sandbox_mode"] = ",".join(modes)
         finishes = Counter(s.env_info.get("finish", "?") for s in samples)
         for reason, n in sorted(finishes.items()):
             out[p + f"finish_{reason}_frac"] = n / len(samples)

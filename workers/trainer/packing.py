@@ -3,31 +3,43 @@
 Why: agentic samples range from a few hundred to 131k tokens. Right-padding a batch to
 its longest row wastes most of the compute; packing concatenates rows into one stream
 per micro-batch and tells attention where each sample starts, so the math per sample is
-exactly that of the unpacked row (tests/unit/test_packing.py checks it against the
-model's own attention).
+exactly that of the unpacked row (tests/unit/test_packing.py checks it against the real
+model; tests/integration/test_parity_parallel.py checks a packed training step).
 
-Pure functions of tensors: no process group, no I/O, no model. How the trainer uses it::
+Pure functions of tensors: no process group, no I/O, no model. Two layouts:
 
-    from workers.trainer.packing import pack_batch
-    for mb in pack_batch(fields, batch.attention_mask, token_budget=cfg.max_tokens, expand_rows=("advantages",)):
-        # fields: name -> [B, T, ...] per-token tensors (input_ids, loss_mask, inference_logprobs,
-        #         token_versions, routed_experts, routed_mask, advantages [B, T]) or [B] per-row ones
-        x = mb.tensors                                  # each [1, N, ...]; N = mb.num_tokens
-        out = model(x["input_ids"], position_ids=mb.position_ids,   # restarts at 0 per sample (RoPE)
-                    attention_mask=mb.valid,                         # [1, N] real tokens (router stats)
-                    attn_mask=mb.attention_mask())                   # [1, 1, N, N] block-diagonal causal
-        logp = token_logprobs(out.logits, x["input_ids"], temperature)   # [1, N]; see the boundary rule
-        loss = policy_loss(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"], ...)
-        per_row = mb.unpack(logp, num_rows=B, seq_len=T)  # back to [B, T] for metrics, if wanted
+* rows — ``plan_packing(attention_mask)`` -> :class:`RowPacking`: the [B, T] rows packed into
+  fewer rows [P, L] (first-fit decreasing, L = T). This is what the trainer's forward uses
+  with ``trainer.pack_sequences=true`` (workers/trainer/step.py)::
 
-  * Flash-attention varlen kernels take ``mb.cu_seqlens`` (int32 [S+1]) and ``mb.max_seqlen``
-    instead of the dense mask; the dense mask is O(N^2) and meant for small budgets (CPU).
-  * Boundary rule: token t is scored from the logits at t-1. At the first token of each
-    sample that logit belongs to the previous sample, so ``first_token`` marks those
-    positions; ``pack_rows`` refuses a loss_mask that is set there (the protocol already
-    keeps loss_mask[:, 0] = 0, so valid batches never trip it).
-  * Normalisers (num_loss_tokens, expert counts) stay global over the whole step, exactly as
-    today: packing changes which rows share a forward, not what the loss sums.
+      p = plan_packing(batch.attention_mask)
+      out = model(p.pack(ids), position_ids=p.position_ids, attention_mask=p.attention_mask,
+                  segment_ids=p.segment_ids,                       # block-diagonal attention
+                  forced_experts=p.pack(forced), forced_mask=p.pack(forced_mask, False))
+      logp = p.unpack_shifted(model.token_logprobs(out.logits, p.pack(ids), temperature))  # [B, T]
+      routed = p.unpack(out.routed_experts)                        # loss and metrics stay in row layout
+
+* stream — ``pack_batch(fields, attention_mask, token_budget=N)`` -> list of
+  :class:`PackedBatch`: micro-batches of one [1, N] stream each, for a token budget per
+  micro-batch (long agentic samples: 131072 tokens is one sample per micro-batch) and for
+  varlen kernels::
+
+      for mb in pack_batch(fields, batch.attention_mask, token_budget=131072, expand_rows=("advantages",)):
+          x = mb.tensors                                           # each field [1, N, ...]
+          out = model(x["input_ids"], position_ids=mb.position_ids, attention_mask=mb.valid,
+                      segment_ids=mb.seq_ids)                      # or flash-attn varlen: mb.cu_seqlens, mb.max_seqlen
+          logp = token_logprobs(out.logits, x["input_ids"], temperature)   # [1, N]
+          loss = policy_loss(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"], ...)
+
+  ``fields`` are [B, T, ...] per-token tensors or [B] per-row ones (``expand_rows`` broadcasts
+  those to their tokens). ``mb.attention_mask()`` is the dense [1, 1, N, N] block-causal mask
+  for plain SDPA (O(N^2): small budgets only); ``mb.unpack`` maps values back to [B, T].
+
+Rules for both: token t is scored from the logits at t-1, which at a sample's first token
+belong to the previous sample; ``unpack_shifted`` zeroes those, ``PackedBatch.first_token``
+marks them and ``pack_rows`` refuses a loss_mask set there (the protocol keeps
+loss_mask[:, 0] = 0). Normalisers (num_loss_tokens, expert counts) stay global over the
+step: packing changes which rows share a forward, not what the loss sums.
 """
 from __future__ import annotations
 

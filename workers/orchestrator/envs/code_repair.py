@@ -148,6 +148,7 @@ class CodeRepairSession:
             res = await self.env.sandbox.run_python([self.env.sandbox.runner, self.task.test_file], project=self.dir,
                                                     stdin=(nonce + "\n").encode())
         self.metrics["sandbox_runs"] += 1
+        self.metrics["sandbox_mode"] = res.mode  # namespaces | userns | rlimits (the weak fallback)
         timed_out = res.timed_out or res.signal is not None
         self.metrics["sandbox_timeouts"] += int(timed_out)
         results = {}
