@@ -4,19 +4,20 @@
 ``scancel --batch --signal=USR1`` sends it at once (tests/slurm/README.md). The trap stops
 every step and runs ``scontrol requeue``; the whole hetjob comes back with
 SLURM_RESTART_COUNT=1 and logs into the same run directory. Resuming the roles from the run
-dir is the roles' business (Topology.restart_count); this test cancels the second run.
+dir is the roles' business (Topology.restart_count); this test cancels the second run with
+``slurmrl cancel RUN_DIR``.
 """
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
 
 from launcher import submit
 from tests.slurm.test_cluster_smoke import wait_until
-from tests.slurm.test_hetjob_kill import wait_for_training
-from tests.slurm.test_hetjob_run import SMALL, slurmrl
+from tests.slurm.test_hetjob_run import REPO, SMALL, slurmrl
 
 pytestmark = pytest.mark.slurm
 
@@ -29,7 +30,8 @@ def test_usr1_requeues_the_whole_hetjob(slurm_cluster, tmp_path):
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     log = run_dir / "logs" / f"slurm-{job_id}.out"
     try:
-        wait_for_training(run_dir, job_id)
+        # The trap only needs the steps to exist; training need not have started.
+        wait_until("every step to start", 120, lambda: log.exists() and "started trainer" in log.read_text())
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
         wait_until("the requeue", 60, lambda: f"requeueing job {job_id} (restart 0, at most 1)" in log.read_text())
         restarts = wait_until("Restarts=1", 30, lambda: "Restarts=1" in subprocess.run(
@@ -42,7 +44,9 @@ def test_usr1_requeues_the_whole_hetjob(slurm_cluster, tmp_path):
         first = text[: text.index(f"job {job_id} (restart 1)")]
         assert "USR1: time limit or preemption in 30 s" in first and "exited with status" in first
     finally:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+        cancelled = subprocess.run([sys.executable, "-m", "launcher", "cancel", str(run_dir)], cwd=REPO,
+                                   capture_output=True, text=True, timeout=60)
+    assert cancelled.returncode == 0 and f"cancelled job {job_id}" in cancelled.stdout, cancelled
     t0 = time.monotonic()
     comps = submit.wait_until_done(job_id, timeout_s=60)
     assert {c.state for c in comps} <= {"CANCELLED", "FAILED"}, comps

@@ -72,6 +72,9 @@ def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     rows = sacct_final(job_id, num_parts=3, num_steps=3)
     assert set(rows.values()) == {"COMPLETED"}, rows
     assert len([r for r in rows if "." not in r]) == 3  # three het components
+    status = subprocess.run([sys.executable, "-m", "launcher", "status", str(run_dir)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0 and f"job {job_id}: COMPLETED" in status.stdout and "4 trainer steps" in status.stdout
     logs = {p.name for p in (run_dir / "logs").iterdir()}
     assert {"orchestrator_0.log", "inference_0.log", "inference_1.log", "trainer_0.log", f"slurm-{job_id}.out"} <= logs
 
