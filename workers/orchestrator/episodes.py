@@ -40,8 +40,12 @@ from workers.orchestrator.envs.base import Stopwatch
 
 
 async def run_episode(client: InferenceClient, env, task, *, episode_id: str, temperature: float,
-                      return_routed_experts: bool, meter=None) -> Sample:
-    """One episode as one training Sample (prompt = first observation, completion = the rest)."""
+                      return_routed_experts: bool, meter=None, latency=None) -> Sample:
+    """One episode as one training Sample (prompt = first observation, completion = the rest).
+
+    ``latency`` (envs.latency.LatencyModel, env.latency=...) adds a simulated heavy-tailed wait
+    to every env step, counted as env time: long-tail tools without a real slow tool.
+    """
     limits = env.limits
     session = env.session(task, episode_id)
     watch = Stopwatch()
@@ -93,6 +97,10 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
                 break
             with watch:
                 step = await session.step(turn)
+                if latency is not None:
+                    waited = await latency.wait()
+                    if meter is not None:
+                        meter.env_wait_s += waited
             reward += step.reward
             infos.append(step.info)
             if step.done:
@@ -127,11 +135,12 @@ async def _generate(client: InferenceClient, history: list[int], env, *, tempera
 
 async def run_episode_group(client: InferenceClient, env, task, *, group_id: int, worker: int, num_samples: int,
                             temperature: float, return_routed_experts: bool, started_version: int,
-                            meter=None) -> RolloutGroup:
+                            meter=None, latency=None) -> RolloutGroup:
     """``num_samples`` concurrent episodes of one task (one group: advantages are relative to it)."""
     samples = await asyncio.gather(*(
         run_episode(client, env, task, episode_id=f"g{group_id}-s{i}", temperature=temperature,
-                    return_routed_experts=return_routed_experts, meter=meter) for i in range(num_samples)))
+                    return_routed_experts=return_routed_experts, meter=meter, latency=latency)
+        for i in range(num_samples)))
     return RolloutGroup(group_id=group_id, task_id=task.task_id, samples=list(samples), worker=worker,
                         started_version=started_version, env_metrics={"env": env.name})
 

@@ -94,11 +94,11 @@ class Orchestrator:
         room = (o.max_inflight_rollouts - len(self.inflight) * self.group_size) // self.group_size
         for _ in range(max(0, min(want, room))):
             worker = self.least_loaded_worker()
-            if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox; no simulated latency
+            if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
                 task = asyncio.create_task(run_episode_group(
                     self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
-                    num_samples=self.group_size, temperature=o.temperature,
-                    return_routed_experts=o.return_routed_experts, started_version=self.version, meter=self.meter))
+                    num_samples=self.group_size, temperature=o.temperature, return_routed_experts=o.return_routed_experts,
+                    started_version=self.version, meter=self.meter, latency=self.latency))
                 self.inflight[task] = worker
                 self.next_group_id += 1
                 continue
