@@ -143,6 +143,11 @@ def check_env(cfg: RunConfig) -> None:
     need = ENV_VOCAB[e.name](e)
     if need > cfg.model.vocab_size:
         raise PlanError(f"model.vocab_size({cfg.model.vocab_size}) is smaller than env {e.name}'s vocabulary ({need})")
+    policies = ("drop", "truncate", "keep")
+    if cfg.orchestrator.long_episode_policy not in policies:
+        raise PlanError(f"orchestrator.long_episode_policy={cfg.orchestrator.long_episode_policy!r}; choose one of "
+                        f"{list(policies)}")
+    _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
     if e.name in MULTI_TURN_ENVS:
         check_multi_turn_env(cfg)
         return
@@ -157,8 +162,8 @@ def check_env(cfg: RunConfig) -> None:
 
 
 def check_multi_turn_env(cfg: RunConfig) -> None:
-    """Episode limits, sandbox limits and the long-episode policy of code_repair / verifiers."""
-    e, o = cfg.env, cfg.orchestrator
+    """Episode and sandbox limits of code_repair / verifiers."""
+    e = cfg.env
     for key in ("max_turns", "max_new_tokens_per_turn", "max_episode_tokens", "max_observation_bytes",
                 "max_concurrent_env_steps", "num_functions", "num_tests_per_function", "sandbox_cpu_s",
                 "sandbox_memory_mb", "sandbox_file_size_kb", "sandbox_num_procs", "sandbox_tmp_mb"):
@@ -174,10 +179,6 @@ def check_multi_turn_env(cfg: RunConfig) -> None:
     modes = ("auto", "namespaces", "userns", "rlimits")
     if e.sandbox_mode not in modes:
         raise PlanError(f"env.sandbox_mode={e.sandbox_mode!r}; choose one of {list(modes)}")
-    policies = ("drop", "truncate", "keep")
-    if o.long_episode_policy not in policies:
-        raise PlanError(f"orchestrator.long_episode_policy={o.long_episode_policy!r}; choose one of {list(policies)}")
-    _positive("orchestrator.num_spare_groups", o.num_spare_groups, allow_zero=True)
     if e.name == "verifiers" and not e.verifiers_env:
         raise PlanError("env=verifiers needs env.verifiers_env (the module name of a verifiers environment)")
 

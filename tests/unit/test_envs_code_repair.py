@@ -144,3 +144,17 @@ def test_plan_vocab_matches_the_chat_template():
     from launcher.plan import BYTE_CHAT_VOCAB
     from workers.orchestrator.envs.chat import VOCAB_SIZE
     assert BYTE_CHAT_VOCAB == VOCAB_SIZE
+
+
+def test_plan_refuses_bad_multi_turn_settings():
+    from launcher.plan import PlanError, build_plan
+    from tests.unit.test_plan_slurm import compose
+    base = ["experiment=tiny_code_repair"]
+    assert build_plan(compose(base)).roles
+    for bad, fragment in [("orchestrator.long_episode_policy=maybe", "long_episode_policy"),
+                          ("env.max_episode_tokens=100000", "max_position_embeddings"),
+                          ("env.sandbox_mode=docker", "sandbox_mode"), ("model.vocab_size=16", r"vocabulary \(264\)")]:
+        with pytest.raises(PlanError, match=fragment):
+            build_plan(compose([*base, bad]))
+    with pytest.raises(PlanError, match="long_episode_policy"):
+        build_plan(compose(["orchestrator.long_episode_policy=maybe"]))  # reverse_digits too
