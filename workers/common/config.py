@@ -226,6 +226,8 @@ class InferenceConfig:
     """Most sequences one worker decodes together."""
     dtype: str = "float32"
     """Compute dtype of the engine: float32 | bfloat16."""
+    device: str = "cpu"
+    """Torch device of the embedded engine: ``cpu``, ``cuda`` or ``cuda:N`` (one GPU may be shared with the trainer)."""
     host: str = "127.0.0.1"
     """Address the servers bind to (never 0.0.0.0 by default)."""
     startup_timeout_s: float = 120.0

@@ -101,9 +101,10 @@ class InferenceEngine:
         self.config: TinyMoeConfig = model.config
         self.max_batch_size = max_batch_size
         self.max_seq_len = self.config.max_position_embeddings
+        self.device = next(model.parameters()).device  # batches, sampling and the KV cache live here
         self.weight_version = weight_version
         self.model_path: Optional[str] = None
-        self._gen = torch.Generator().manual_seed(seed)
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._model_lock = threading.Lock()
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
@@ -283,6 +284,7 @@ class InferenceEngine:
             mask[i, t - l:] = True
             pos[i, t - l:] = torch.arange(l)
         cache = KVCache(self.config.num_layers)
+        ids, pos, mask = ids.to(self.device), pos.to(self.device), mask.to(self.device)
         out = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache)
         routed = out.routed_experts.to(torch.int32)
         for i, (s, l) in enumerate(zip(seqs, lens)):
@@ -307,7 +309,7 @@ class InferenceEngine:
         rows = self._rows
         last = torch.tensor([[s.out_ids[-1]] for s in rows])
         pos = torch.tensor([[s.seqlen - 1] for s in rows])
-        out = self.model(last, position_ids=pos, cache=self._cache)
+        out = self.model(last.to(self.device), position_ids=pos.to(self.device), cache=self._cache)
         if any(s.req.return_routed_experts for s in rows):
             routed = out.routed_experts.to(torch.int32)
             for i, s in enumerate(rows):
@@ -317,7 +319,7 @@ class InferenceEngine:
 
     def _sample_into(self, seqs: list[_Seq], logits: torch.Tensor, wants: list[bool]) -> None:
         """Sample one token per row; logprob under the sampling distribution, in float32."""
-        temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32)
+        temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32).to(self.device)
         greedy = temps < GREEDY_EPS
         logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
         tok = logp.argmax(-1)
@@ -355,14 +357,14 @@ class InferenceEngine:
         if not keep:
             self._cache = None
             return
-        self._cache.select(torch.tensor(keep))
+        self._cache.select(torch.tensor(keep, device=self.device))
         _trim_left(self._cache)
 
     def _finish(self, s: _Seq, reason: dict) -> None:
         routed = None
         if s.req.return_routed_experts and s.routed:
             # The last sampled token was never fed, so it has no routing (SGLang's convention).
-            routed = torch.cat(s.routed)[s.req.routed_experts_start_len: s.seqlen - 1].contiguous()
+            routed = torch.cat(s.routed)[s.req.routed_experts_start_len: s.seqlen - 1].cpu().contiguous()
         out = GenOutput(rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out_ids,
                         logprobs=s.logprobs, token_versions=s.versions, finish_reason=reason,
                         weight_version=self.weight_version, routed_experts=routed,
@@ -391,10 +393,10 @@ def _trim_left(cache: KVCache) -> None:
         cache.key_mask = cache.key_mask[:, first:]
 
 
-def model_from_config(model_cfg, dtype: str) -> TinyMoeForCausalLM:
-    """Model skeleton from a ModelConfig (weights come from a published step)."""
+def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> TinyMoeForCausalLM:
+    """Model skeleton from a ModelConfig (weights come from a published step) on ``device``."""
     names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
     tcfg = TinyMoeConfig(**{n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)})
     if dtype not in DTYPES:
         raise ValueError(f"inference.dtype={dtype!r}: choose one of {sorted(DTYPES)}")
-    return TinyMoeForCausalLM(tcfg).to(DTYPES[dtype])
+    return TinyMoeForCausalLM(tcfg).to(device=device, dtype=DTYPES[dtype])

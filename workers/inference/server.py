@@ -359,7 +359,7 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     """
     paths = RunPaths(run_dir)
     step0 = paths.weights(0)
-    model = model_from_config(cfg.model, cfg.inference.dtype)
+    model = model_from_config(cfg.model, cfg.inference.dtype, cfg.inference.device)
     wait_for(lambda: (step0 / STABLE).exists(), timeout_s=cfg.inference.startup_timeout_s,
              what=f"initial weights {step0}/{STABLE}", peer="trainer rank 0")
     engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size,

@@ -24,6 +24,53 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+#: GPU fast paths (grouped-GEMM experts, causal flash attention through SDPA) run on CUDA
+#: tensors only, so CPU numerics stay exactly the reference loop's. Tests set this to True
+#: to exercise the fast path on CPU against the reference.
+FAST_PATH_ON_CPU = False
+
+
+#: SDPA backends for masked attention on CUDA (decode with a KV cache, left padding). Not
+#: cuDNN: it builds a graph per key length, i.e. on every decode step (~100 ms/step seen on H200).
+MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: SDPA backends for the causal fast path (training, scoring); None leaves torch's choice (cuDNN on H100/H200).
+CAUSAL_SDPA_BACKENDS: Optional[list] = None
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return x.is_cuda or FAST_PATH_ON_CPU
+
+
+class _GatherSlots(torch.autograd.Function):
+    """``x[tok_of]`` (each token once per routed slot, grouped by expert). Backward gathers by
+    the inverse permutation and sums each token's k slots: no atomic index_add."""
+
+    @staticmethod
+    def forward(ctx, x, tok_of, inv, k):
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, tok_of)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv).view(inv.numel() // ctx.k, ctx.k, -1).sum(1), None, None, None
+
+
+class _UnpermuteSum(torch.autograd.Function):
+    """``out[t] = sum of y over token t's k slots`` (y in expert order); backward is a gather."""
+
+    @staticmethod
+    def forward(ctx, y, tok_of, inv, k):
+        ctx.save_for_backward(tok_of)
+        return y.index_select(0, inv).view(inv.numel() // k, k, -1).sum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tok_of,) = ctx.saved_tensors
+        return g.index_select(0, tok_of), None, None, None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -121,7 +168,17 @@ class Attention(nn.Module):
                 k = torch.cat([cache.keys[layer], k], dim=2)
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if attn_mask is None:  # fast path: no pads before any valid key, no cache (flash attention)
+            if CAUSAL_SDPA_BACKENDS is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                with sdpa_kernel(CAUSAL_SDPA_BACKENDS):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif q.is_cuda:
+            with sdpa_kernel(MASKED_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -166,6 +223,25 @@ class MoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         idx, weights, probs = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
                                          None if forced_mask is None else forced_mask.reshape(-1))
+        if _fast(flat) and self._grouped_ok(flat):
+            out = self._experts_grouped(flat, idx, weights)
+        else:
+            out = self._experts_loop(flat, idx, weights)
+        # Switch-Transformer balance loss over valid tokens: E * sum_e f_e * P_e.
+        vmask = torch.ones(b * t, device=x.device) if valid is None else valid.reshape(-1).float()
+        n = vmask.sum().clamp_min(1.0)
+        if _fast(idx):  # the same counts without one_hot's host sync (it checks the index range)
+            onehot = torch.zeros(idx.shape[0], self.num_experts, device=idx.device).scatter_add_(
+                1, idx, torch.ones(idx.shape, device=idx.device))
+        else:
+            onehot = F.one_hot(idx, self.num_experts).float().sum(1)  # [N, E]
+        frac = (onehot * vmask[:, None]).sum(0) / (n * self.top_k)
+        mean_prob = (probs * vmask[:, None]).sum(0) / n
+        aux = self.num_experts * (frac.detach() * mean_prob).sum()
+        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac.detach()
+
+    def _experts_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference: one index_select / matmul / index_add per expert (host sync per expert)."""
         out = torch.zeros_like(flat)
         for e in range(self.num_experts):
             rows, slot = (idx == e).nonzero(as_tuple=True)
@@ -173,14 +249,59 @@ class MoeBlock(nn.Module):
                 continue
             y = self.experts[e](flat.index_select(0, rows))
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
-        # Switch-Transformer balance loss over valid tokens: E * sum_e f_e * P_e.
-        vmask = torch.ones(b * t, device=x.device) if valid is None else valid.reshape(-1).float()
-        n = vmask.sum().clamp_min(1.0)
-        onehot = F.one_hot(idx, self.num_experts).float().sum(1)  # [N, E]
-        frac = (onehot * vmask[:, None]).sum(0) / (n * self.top_k)
-        mean_prob = (probs * vmask[:, None]).sum(0) / n
-        aux = self.num_experts * (frac.detach() * mean_prob).sum()
-        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac.detach()
+        return out
+
+    def _grouped_ok(self, flat: torch.Tensor) -> bool:
+        """Grouped GEMM needs bf16 operands and plain nn.Linear experts (not swapped modules)."""
+        e0 = self.experts[0]
+        return (hasattr(F, "grouped_mm") and flat.dtype == torch.bfloat16
+                and all(type(getattr(e0, n)) is nn.Linear and getattr(e0, n).weight.dtype == torch.bfloat16
+                        for n in ("gate_proj", "up_proj", "down_proj")))
+
+    def _experts_grouped(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sort token slots by expert, two grouped GEMMs over all experts, no host sync.
+
+        Same function as the loop up to summation order: each token's k expert outputs are
+        summed in one reduction (fp32 accumulate) instead of k bf16 index_adds. The expert
+        weights are stacked per call ([E, 2I, H] and [E, H, I]); their gradients flow back to
+        the per-expert parameters, whose names stay the HF Qwen3-MoE ones.
+        """
+        n, h = flat.shape
+        k = self.top_k
+        expert_ids = idx.reshape(-1)  # [N*k], slot s belongs to token s // k
+        order = expert_ids.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, expert_ids, torch.ones_like(expert_ids))  # bincount would sync to size its output
+        offs = counts.cumsum(0).to(torch.int32)
+        tok_of = order // k
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        xs = _GatherSlots.apply(flat, tok_of, inv, k)  # [N*k, H] grouped by expert
+        w_gate_up, w_down = self._stacked_weights()
+        gate_up = F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [N*k, 2I]
+        g, u = gate_up.chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [N*k, H]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+        return _UnpermuteSum.apply(y, tok_of, inv, k)
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E, 2I, H] gate|up, [E, H, I] down). Without autograd (inference) the stack is kept
+        until a weight changes (in-place copies bump ``_version``), so decode steps do not
+        re-copy every expert; with autograd it is rebuilt so gradients reach the parameters.
+        Update weights with ``param.copy_`` (as the engine does), not through ``param.data``,
+        whose writes bypass the version counter."""
+        # Straight through _modules/_parameters: nn.Module.__getattr__ costs ~2 us a lookup, x 192 a layer.
+        ws = [e._modules[n]._parameters["weight"] for e in self.experts._modules.values()
+              for n in ("gate_proj", "up_proj", "down_proj")]
+        cacheable = not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
+        key = tuple((w.data_ptr(), w._version) for w in ws) if cacheable else None
+        cached = self.__dict__.get("_stack_cache")
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        stacked = (torch.stack([torch.cat([ws[i], ws[i + 1]]) for i in range(0, len(ws), 3)]),
+                   torch.stack(ws[2::3]))
+        self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
+        return stacked
 
 
 class DecoderLayer(nn.Module):
@@ -246,15 +367,14 @@ class TinyMoeForCausalLM(nn.Module):
         key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
         if cache is not None:
             cache.key_mask = key_mask
-        causal = torch.ones(t, past + t, dtype=torch.bool, device=dev).tril(diagonal=past)
-        mask = causal[None] & key_mask[:, None, :]
-        mask = mask | torch.eye(t, past + t, dtype=torch.bool, device=dev).roll(past, dims=1)[None]
         x = self.model.embed_tokens(input_ids)
+        fast_causal = cache is None and _fast(x) and (attention_mask is None or _right_padded(valid))
+        mask = None if fast_causal else _dense_mask(key_mask, t, past)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask[:, None], cache, i)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None if mask is None else mask[:, None], cache, i)
             forced = None if forced_experts is None else forced_experts[:, :, i]
             y, idx, aux, load = layer.mlp(layer.post_attention_layernorm(x), forced, valid, forced_mask)
             x = x + y
@@ -268,6 +388,20 @@ class TinyMoeForCausalLM(nn.Module):
             routed_experts=torch.stack(routed, dim=2),
             expert_load=torch.stack(loads),
         )
+
+
+def _dense_mask(key_mask: torch.Tensor, t: int, past: int) -> torch.Tensor:
+    """[B, t, past+t] bool: causal over cache + new tokens, valid keys only, always self."""
+    dev = key_mask.device
+    causal = torch.ones(t, past + t, dtype=torch.bool, device=dev).tril(diagonal=past)
+    mask = causal[None] & key_mask[:, None, :]
+    return mask | torch.eye(t, past + t, dtype=torch.bool, device=dev).roll(past, dims=1)[None]
+
+
+def _right_padded(valid: torch.Tensor) -> bool:
+    """True when every row is valid tokens then pads (or no pads): plain causal attention then
+    gives every valid query exactly its masked result (pad queries differ, and are ignored)."""
+    return valid.shape[1] < 2 or bool((valid[:, :-1] | ~valid[:, 1:]).all())
 
 
 def build_model(cfg: TinyMoeConfig, seed: int, dtype: torch.dtype = torch.float32) -> TinyMoeForCausalLM:

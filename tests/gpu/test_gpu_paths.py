@@ -1,0 +1,98 @@
+"""GPU fast paths of tiny_moe and the embedded engine on CUDA (issue 11).
+
+The CUDA tests are skipped where there is no GPU (CI): their last results are in
+benchmarks/results/gpu/. The fast path itself (grouped-GEMM experts, causal attention)
+also runs on CPU when ``tiny_moe.FAST_PATH_ON_CPU`` is set, so CI still checks it against
+the reference loop.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workers.modeling.tiny_moe as tm
+from benchmarks.gpu.common import TINY_MOE, init_on_device
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see benchmarks/results/gpu)")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _fast_vs_reference(device: torch.device, monkeypatch) -> None:
+    model = init_on_device(TINY_MOE, device, torch.bfloat16, seed=0)
+    ids = torch.randint(0, TINY_MOE.vocab_size, (3, 40), device=device)
+    mask = torch.ones(3, 40, dtype=torch.bool, device=device)
+    mask[1, 30:] = False  # right padding: the causal fast path applies
+    outs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(tm, "FAST_PATH_ON_CPU", fast)
+        monkeypatch.setattr(tm, "_fast", (lambda x: True) if fast else (lambda x: False))
+        model.zero_grad(set_to_none=True)
+        out = model(ids, attention_mask=mask)
+        (out.logits.float()[mask].square().mean() + out.aux_loss).backward()
+        outs[fast] = (out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (ref, gref), (fast, gfast) = outs[False], outs[True]
+    assert _rel(fast.logits[mask], ref.logits[mask]) < 2e-2
+    assert (fast.routed_experts[mask] == ref.routed_experts[mask]).float().mean() > 0.95
+    assert set(gfast) == set(gref)
+    for name in gref:
+        assert _rel(gfast[name], gref[name]) < 5e-2, name
+
+
+def test_fast_path_matches_reference_on_cpu(monkeypatch):
+    _fast_vs_reference(torch.device("cpu"), monkeypatch)
+
+
+def test_stacked_expert_cache_follows_weight_updates(monkeypatch):
+    monkeypatch.setattr(tm, "FAST_PATH_ON_CPU", True)
+    model = init_on_device(TINY_MOE, torch.device("cpu"), torch.bfloat16, seed=0).eval()
+    ids = torch.randint(0, TINY_MOE.vocab_size, (2, 12))
+    with torch.inference_mode():
+        a = model(ids).logits
+    with torch.no_grad():
+        for e in model.model.layers[0].mlp.experts:
+            e.down_proj.weight.mul_(3.0)
+    with torch.inference_mode():
+        b = model(ids).logits
+    monkeypatch.setattr(tm, "FAST_PATH_ON_CPU", False)
+    with torch.inference_mode():
+        ref = model(ids).logits
+    assert not torch.equal(a, b)
+    assert _rel(b, ref) < 2e-2
+
+
+@needs_cuda
+def test_fast_path_matches_reference_on_cuda(monkeypatch):
+    _fast_vs_reference(torch.device("cuda"), monkeypatch)
+
+
+@needs_cuda
+def test_engine_generates_on_cuda():
+    from benchmarks.gpu.bench_inference import engine_generate
+
+    model = init_on_device(TINY_MOE, torch.device("cuda"), torch.bfloat16, seed=0).eval()
+    ps = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    outs, _, _ = engine_generate(model, ps, 10, temperature=1.0, routed=True)
+    for p, o in zip(ps, outs):
+        assert len(o.output_ids) == 10 and len(o.logprobs) == 10
+        assert o.routed_experts.device.type == "cpu"
+        assert tuple(o.routed_experts.shape) == (len(p) + 10 - 1, TINY_MOE.num_layers, TINY_MOE.top_k)
+
+
+@needs_cuda
+def test_fp8_linear_close_to_reference():
+    from benchmarks.gpu.bench_router_replay import fp8_check
+
+    assert fp8_check(torch.device("cuda")) < 0.1
+
+
+def test_hf_twin_is_the_same_function():
+    pytest.importorskip("transformers", reason="transformers is not installed (the GPU image has it)")
+    from benchmarks.gpu.hf_equiv import build_hf_twin, check_equivalence
+
+    model = init_on_device(TINY_MOE, torch.device("cpu"), torch.float32, seed=0).eval()
+    hf = build_hf_twin(model)
+    res = check_equivalence(model, hf, torch.randint(0, TINY_MOE.vocab_size, (2, 24)))
+    assert res["logits_rel_err"] < 1e-5
