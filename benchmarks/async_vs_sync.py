@@ -7,7 +7,9 @@ processes, real HTTP, real training): ``orchestrator.max_off_policy_steps=0`` (s
 every batch waits for its slowest episode) and ``=2`` (asynchronous). Each episode waits a
 simulated env-step latency drawn from a heavy-tailed law (workers/orchestrator/envs/latency.py,
 p99 = ``--ratio`` x median). ``--trainer-delay`` emulates a trainer step of a large model
-(on this CPU a tiny-model step takes ~0.2 s, far less than any real trainer).
+(on this CPU a tiny-model step takes ~0.2 s, far less than any real trainer). The async run
+also starts ``--spare`` extra groups (orchestrator.num_spare_groups), so batches take the
+groups that finish first; the sync baseline is the classic one (no spares).
 
 Prints wall time, trainer_idle_frac, inference utilisation, samples dropped, final reward and
 ``speedup = wall_sync / wall_async``; writes benchmarks/results/async_vs_sync.json and two
@@ -35,7 +37,7 @@ def run_once(name: str, max_off: int, args, root: Path) -> dict:
         f"orchestrator.num_samples_per_prompt={args.samples}", f"orchestrator.max_inflight_rollouts={args.inflight}",
         f"env.latency={args.latency}", f"env.latency_median_s={args.median}",
         f"env.latency_p99_over_median={args.ratio}", f"trainer.simulated_step_delay_s={args.trainer_delay}",
-        f"seed={args.seed}",
+        f"seed={args.seed}", f"orchestrator.num_spare_groups={args.spare if max_off > 0 else 0}",
     ]
     print(f"[bench] {name}: max_off_policy_steps={max_off}, {args.steps} steps ...", flush=True)
     t0 = time.monotonic()
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--inflight", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spare", type=int, default=16,
+                    help="async only: groups started beyond need, so long-tail episodes never hold a batch back")
     ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="slurmrl-bench-") as tmp:
