@@ -227,8 +227,16 @@ class MoeBlock(nn.Module):
             out = self._experts_grouped(flat, idx, weights)
         else:
             out = self._experts_loop(flat, idx, weights)
-        # Switch-Transformer balance loss over valid tokens: E * sum_e f_e * P_e.
-        vmask = torch.ones(b * t, device=x.device) if valid is None else valid.reshape(-1).float()
+        aux, frac = self.balance(idx, probs, valid)
+        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac
+
+    def balance(self, idx: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]):
+        """Switch-Transformer balance loss over valid tokens, E * sum_e f_e * P_e, and f [E].
+
+        Separate so the trainer's expert-parallel block (same routing, experts on other
+        ranks) returns the very same loss and load.
+        """
+        vmask = torch.ones(idx.shape[0], device=idx.device) if valid is None else valid.reshape(-1).float()
         n = vmask.sum().clamp_min(1.0)
         if _fast(idx):  # the same counts without one_hot's host sync (it checks the index range)
             onehot = torch.zeros(idx.shape[0], self.num_experts, device=idx.device).scatter_add_(
@@ -238,7 +246,7 @@ class MoeBlock(nn.Module):
         frac = (onehot * vmask[:, None]).sum(0) / (n * self.top_k)
         mean_prob = (probs * vmask[:, None]).sum(0) / n
         aux = self.num_experts * (frac.detach() * mean_prob).sum()
-        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac.detach()
+        return aux, frac.detach()
 
     def _experts_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference: one index_select / matmul / index_add per expert (host sync per expert)."""
@@ -350,6 +358,7 @@ class TinyMoeForCausalLM(nn.Module):
         cache: Optional[KVCache] = None,
         forced_experts: Optional[torch.Tensor] = None,
         forced_mask: Optional[torch.Tensor] = None,
+        segment_ids: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
@@ -357,6 +366,8 @@ class TinyMoeForCausalLM(nn.Module):
         the concatenation. ``forced_experts`` [B,T,L,k] with optional ``forced_mask`` [B,T]
         replays routing (see MoeBlock.route). Every query may also see itself, so pad rows never produce
         NaN (a fully masked softmax row would poison later layers through 0 * NaN).
+        ``segment_ids`` [B, T] (sequence packing, full-sequence forwards only): a query attends
+        only to keys of its own segment; pass per-segment ``position_ids`` with it.
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -368,8 +379,12 @@ class TinyMoeForCausalLM(nn.Module):
         if cache is not None:
             cache.key_mask = key_mask
         x = self.model.embed_tokens(input_ids)
-        fast_causal = cache is None and _fast(x) and (attention_mask is None or _right_padded(valid))
+        fast_causal = (cache is None and segment_ids is None and _fast(x)
+                       and (attention_mask is None or _right_padded(valid)))
         mask = None if fast_causal else _dense_mask(key_mask, t, past)
+        if segment_ids is not None:
+            assert cache is None, "sequence packing is for full-sequence forwards"
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []

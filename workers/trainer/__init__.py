@@ -1,8 +1,12 @@
-"""Trainer role: data-parallel policy-gradient training of the MoE policy.
+"""Trainer role: Megatron-style (TP x EP x DP) policy-gradient training of the MoE policy.
 
-Modules: ``loop`` (the per-rank training loop, entry ``train``), ``loss`` (pure loss and
-metric math), ``batch`` (rollout batches: wait, load, check, shard, prune), ``parallel``
-(ParallelDims + process group), ``metrics`` (metrics.jsonl, TensorBoard, log lines).
-Run one process per rank with ``python -m workers.trainer``; the trainer talks to other
-roles only through files in run_dir (workers.common.protocol).
+Modules: ``loop`` (the per-rank training loop, entry ``train``), ``step`` (one optimizer
+step: forward, loss, backward, grad sync), ``loss`` (pure loss and metric math), ``batch``
+(rollout batches: wait, load, check, shard, prune), ``parallel`` (ParallelDims: degrees,
+rank layout, process groups), ``tensor_parallel`` / ``expert_parallel`` (the sharded
+layers), ``sharded_model`` (tiny_moe with those layers, full HF state dict gather),
+``router_replay`` and ``packing`` (per-position data that travels with its token),
+``metrics`` (metrics.jsonl, TensorBoard, log lines). Run one process per rank with
+``python -m workers.trainer``; the trainer talks to other roles only through files in
+run_dir (workers.common.protocol).
 """

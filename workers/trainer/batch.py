@@ -125,6 +125,11 @@ def load_batch(step_dir: Path, *, step: int, num_layers: int, top_k: int, num_ex
         top = int(arrays["routed_experts"].max(initial=0))
         if top >= num_experts:
             raise BatchFormatError(f"{where}: routed_experts holds expert {top} >= num_experts({num_experts})")
+        stray = arrays["routed_mask"].astype(bool) & ~arrays["attention_mask"].astype(bool)
+        if stray.any():
+            r, c = (int(i[0]) for i in np.nonzero(stray))
+            raise BatchFormatError(f"{where}: routed_mask marks pad position {c} of row {r}: routing rows must sit "
+                                   f"on the tokens they were computed for (Router Replay would replay them elsewhere)")
     if b and arrays["loss_mask"][:, 0].any():
         raise BatchFormatError(f"{where}: loss_mask[:, 0] must be 0 (token 0 has no preceding logits to score it)")
     return _to_torch(arrays, meta)

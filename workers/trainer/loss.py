@@ -72,8 +72,9 @@ def policy_loss(
     ratio_mask_low: float,
     ratio_mask_high: float,
     entropy: torch.Tensor | None = None,
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, TokenStats]:
-    """Token-level policy gradient with truncated importance sampling and ratio masking.
+    """Policy gradient with truncated importance sampling and ratio masking.
 
     r = exp(logp_train - logp_inference) corrects for the trainer/inference mismatch (other
     kernels, dtype, and stale policy versions in async mode). Tokens with r outside
@@ -85,13 +86,20 @@ def policy_loss(
     ``num_loss_tokens`` is the GLOBAL count of loss tokens *before* ratio masking, so masking
     a token removes its contribution without re-weighting the others, and every DP rank
     divides by the same number. ``advantages`` is per row ``[B]`` or per token ``[B, T]``.
+
+    ``ratio_level`` picks the r that the cap and the mask see (row = one sequence):
+    ``token`` each token's own; ``sequence`` prod_t r_t over the row's loss tokens (the exact
+    IS ratio of the sequence: unbiased, but its variance grows with length); ``geometric``
+    exp(mean_t log r_t) (length-normalised). At the two row levels a row is kept or masked,
+    and capped, as a whole. Statistics (ratio_*, k3) stay per token.
     """
     mask = loss_mask.bool()
     log_ratio = (logp_train.detach() - logp_inference).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
     ratio = log_ratio.exp()
-    keep = mask & (ratio >= ratio_mask_low) & (ratio <= ratio_mask_high)
-    weight = ratio.clamp(max=ratio_cap)
+    level = _level_ratio(log_ratio, mask, ratio_level)
+    keep = mask & (level >= ratio_mask_low) & (level <= ratio_mask_high)
+    weight = level.clamp(max=ratio_cap)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     per_token = weight * adv.to(logp_train.dtype) * logp_train
     pg_loss = -torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / max(float(num_loss_tokens), 1.0)
@@ -103,7 +111,7 @@ def policy_loss(
     stats = TokenStats(
         num_tokens=float(n),
         num_masked=float((mask & ~keep).sum()),
-        num_capped=float((keep & (ratio > ratio_cap)).sum()),
+        num_capped=float((keep & (level > ratio_cap)).sum()),
         ratio_sum=float(ratio[mask].sum()) if n else 0.0,
         k3_sum=float(k3[mask].sum()) if n else 0.0,
         entropy_sum=float(entropy[mask].sum()) if (n and entropy is not None) else 0.0,
@@ -111,6 +119,18 @@ def policy_loss(
         ratio_min=float(ratio[mask].min()) if n else float("inf"),
     )
     return pg_loss, stats
+
+
+def _level_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``[B, T]`` ratio at ``level`` (see policy_loss); ``log_ratio`` is 0 outside ``mask``."""
+    if level == "token":
+        return log_ratio.exp()
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"ratio_level={level!r}: choose token | sequence | geometric")
+    row = log_ratio.sum(1)
+    if level == "geometric":
+        row = row / mask.sum(1).clamp_min(1)
+    return row.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO).exp()[:, None].expand_as(log_ratio)
 
 
 def load_balance_loss(prob_sums: torch.Tensor, counts: torch.Tensor, num_valid_tokens: float, top_k: int) -> torch.Tensor:

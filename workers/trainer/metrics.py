@@ -8,7 +8,10 @@ global step = trainer step). Non-finite floats are written as ``null``: JSON has
 Keys of a record (see ``loop.step_record`` for how each is computed):
   step, time, policy_version, loss, pg_loss, aux_loss, grad_norm, entropy, mismatch_kl,
   ratio_mean, ratio_max, ratio_min, ratio_masked_frac, ratio_capped_frac,
-  routing_disagreement (only when the batch has routed_experts), num_rows,
+  routing_disagreement (only when the batch has routed_experts), expert_load_max and
+  expert_load_max_l{i} / expert_load_min_l{i} per MoE layer (E x the busiest / idlest
+  expert's share of routed slots: 1.0 is balance; router_replay.expert_load_metrics),
+  replay_unreported_tokens (only with trainer.replay_unreported=mask), num_rows,
   num_loss_tokens, tokens_per_s, step_time_s, idle_s, trainer_idle_frac,
   weight_sync_s, weight_sync_gbps, weight_bytes, lr,
   reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's

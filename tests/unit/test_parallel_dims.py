@@ -1,0 +1,67 @@
+"""ParallelDims (rank layout, groups, the tp * ep * dp check), parameter placement and the
+parallel degrees read from the config (the plan refuses the same mistakes first)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_plan_slurm import compose, plan_error
+from workers.trainer.loop import parallel_degrees
+from workers.trainer.parallel import ParallelDims
+from workers.trainer.sharded_model import placement
+
+
+def dims(rank: int = 0, *, world: int = 8, tp: int = 2, ep: int = 2) -> ParallelDims:
+    return ParallelDims(rank=rank, world_size=world, dp=world // (tp * ep), tp=tp, ep=ep, backend="gloo",
+                        device=torch.device("cpu"))
+
+
+def test_rank_layout_is_tp_innermost_then_ep_then_dp():
+    d = dims()
+    assert d.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.group_ranks("batch") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.group_ranks("mp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    coords = [(r.dp_rank, r.ep_rank, r.tp_rank, r.batch_rank) for r in (dims(i) for i in range(8))]
+    assert coords == [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 1), (0, 1, 1, 1),
+                      (1, 0, 0, 2), (1, 0, 1, 2), (1, 1, 0, 3), (1, 1, 1, 3)]
+    assert d.num_batch_shards == 4  # TP peers share rows; EP and DP ranks each take their own
+
+
+def test_degrees_that_do_not_make_the_world_name_the_numbers():
+    with pytest.raises(ValueError, match=r"tp\(2\) \* ep\(2\) \* dp\(1\) = 4 != trainer world size\(8\)"):
+        ParallelDims(rank=0, world_size=8, dp=1, tp=2, ep=2, backend="gloo", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"trainer ep\(0\) must be >= 1"):
+        ParallelDims(rank=0, world_size=1, dp=1, ep=0, backend="gloo", device=torch.device("cpu"))
+
+
+def test_bare_dims_collectives_are_noops():
+    d = ParallelDims(rank=0, world_size=1, dp=1, backend="gloo", device=torch.device("cpu"))
+    t = torch.tensor([1.0, 2.0])
+    assert d.all_reduce(t, group="mp") is t and t.tolist() == [1.0, 2.0]
+    p = torch.nn.Parameter(torch.ones(2))
+    d.all_reduce_grads([p], group="dp")
+    assert p.grad is not None and p.grad.abs().sum() == 0  # unused parameters get zero grads
+
+
+def test_parallel_degrees_come_from_launcher_trainer():
+    cfg = compose(["trainer.num_ranks=4", "launcher.trainer.tp=2", "launcher.trainer.ep=2"])
+    assert parallel_degrees(cfg) == (2, 2)
+    bad = compose(["trainer.num_ranks=4", "launcher.trainer.pp=2"])
+    with pytest.raises(ValueError, match=r"pp\(2\) > 1: the trainer has no pipeline parallelism"):
+        parallel_degrees(bad)
+    # the plan refuses the same mistakes before anything starts, with the numbers
+    msg = plan_error(["trainer.num_ranks=4", "launcher.trainer.tp=2", "launcher.trainer.ep=2", "launcher.trainer.dp=2"])
+    assert "tp(2) * pp(1) * ep(2) * dp(2) = 8 != trainer ranks(4)" in msg
+    assert "must divide model.num_experts(8)" in plan_error(["trainer.num_ranks=3", "launcher.trainer.ep=3"])
+
+
+@pytest.mark.parametrize("name,where", [
+    ("model.embed_tokens.weight", "replicated"), ("model.norm.weight", "replicated"),
+    ("model.layers.0.input_layernorm.weight", "replicated"), ("model.layers.3.mlp.gate.weight", "replicated"),
+    ("model.layers.1.self_attn.q_proj.weight", "tp"), ("model.layers.1.self_attn.o_proj.weight", "tp"),
+    ("lm_head.weight", "tp"), ("model.layers.2.mlp.experts.7.down_proj.weight", "expert"),
+])
+def test_placement_of_hf_names(name, where):
+    assert placement(name) == where

@@ -1,0 +1,161 @@
+"""One optimizer step of the parallel trainer: forward (replay, packing), loss, backward, sync.
+
+Who talks to whom inside a step (every rank, in the same order; deadlines are the process
+group's timeout):
+  forward    per layer: TP all-reduces (attention, experts), EP all-to-alls (dispatch,
+             combine), vocab-parallel all-reduces for the log-probs;
+  counts     one all-reduce over ``batch`` of token and expert counts (global normalisers);
+  backward   the same collectives mirrored;
+  grads      dense over ``batch``, experts over ``dp``, the norm over ``mp``;
+  stats      two all-reduces over ``batch`` (sums, then extremes).
+Every quantity is computed in ROW layout ``[B, T]`` whether or not the forward was packed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from workers.common.config import TrainerConfig
+from workers.modeling.tiny_moe import TinyMoeForCausalLM
+from workers.trainer.batch import RolloutBatch
+from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
+                                  router_stats, routing_disagreement)
+from workers.trainer.packing import plan_packing
+from workers.trainer.parallel import ParallelDims
+from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
+from workers.trainer.sharded_model import ShardedMoeForCausalLM
+
+
+@dataclasses.dataclass
+class RowForward:
+    """What the loss and the metrics need from one forward, in row layout."""
+
+    logp: torch.Tensor  # [B, T] log p(token t), with grad; column 0 zero
+    entropy: torch.Tensor  # [B, T] entropy of the distribution of token t (no grad)
+    routed: torch.Tensor  # [B, T, L, k] experts used (the forced ones under replay)
+    own: torch.Tensor  # [B, T, L, k] the trainer router's own top-k
+    prob_sums: torch.Tensor  # [L, E] router probability sums over valid tokens (with grad)
+    counts: torch.Tensor  # [L, E] routed slots per expert over valid tokens (this rank)
+
+
+def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
+    """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
+    cfg = model.config
+    forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
+    ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
+    if pack:
+        packing = plan_packing(attention)
+        ids, attention = packing.pack(ids), packing.attention_mask
+        positions, segments = packing.position_ids, packing.segment_ids
+        if forced is not None:
+            forced, forced_mask = packing.pack(forced), packing.pack(forced_mask, False)
+    with capture_gate_logits(model) as gates:
+        out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
+                    forced_mask=forced_mask, segment_ids=segments)
+    logp, entropy = model.token_logprobs(out.logits, ids, batch.temperature)
+    prob_sums, counts = router_stats(gates, out.routed_experts, attention, cfg.num_experts)
+    own, routed = own_topk(gates, cfg.top_k, tuple(ids.shape)), out.routed_experts
+    if packing is not None:
+        logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
+        own, routed = packing.unpack(own), packing.unpack(routed)
+    return RowForward(logp=logp, entropy=entropy, routed=routed, own=own, prob_sums=prob_sums, counts=counts)
+
+
+def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: TrainerConfig,
+                  dims: ParallelDims) -> dict[str, float]:
+    """Forward, loss with GLOBAL normalisers, backward, gradient sync and clip (no optimizer step).
+
+    Returns the step's global statistics. Split from :func:`train_step` so the parity test
+    can compare the synced gradients of any (tp, ep, dp) with a one-process reference.
+    """
+    mcfg = model.config
+    replay = tcfg.router_replay and shard.routed_experts is not None
+    model.train()
+    fwd = forward_rows(model, shard, replay=replay, pack=tcfg.pack_sequences)
+    loss_mask = shard.loss_mask
+    if replay and tcfg.replay_unreported == "mask":
+        loss_mask = mask_unreported(loss_mask, shard.routed_mask)
+    local = torch.cat([torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())],
+                                    dtype=torch.float64, device=fwd.counts.device), fwd.counts.flatten().double()])
+    totals = dims.all_reduce(local)
+    num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
+    counts = totals[2:].view(fwd.counts.shape)
+    pg_loss, tok = policy_loss(fwd.logp, shard.inference_logprobs, shard.advantages, loss_mask,
+                               num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
+                               ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
+                               entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
+    aux_loss = load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
+    loss = pg_loss + tcfg.aux_loss_coef * aux_loss
+    for p in model.parameters():
+        p.grad = None
+    loss.backward()
+    model.sync_grads()
+    grad_norm = model.clip_grad_norm_(tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+
+    extra = {"unreported": float((shard.loss_mask & ~loss_mask).sum())}
+    if shard.routed_experts is not None:
+        slots = loss_relevant_inputs(shard.loss_mask) & shard.routed_mask
+        extra["disagree"], extra["slots"] = routing_disagreement(fwd.own, shard.routed_experts, slots)
+    stats = reduce_stats(dims, tok, pg_loss=pg_loss.item(), aux_loss=aux_loss.item(), aux_coef=tcfg.aux_loss_coef,
+                         grad_norm=grad_norm, extra=extra)
+    stats.update(expert_load_metrics(counts))
+    return stats
+
+
+def train_step(model: ShardedMoeForCausalLM, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
+               tcfg: TrainerConfig, dims: ParallelDims) -> dict[str, float]:
+    """One optimizer step on this rank's rows; returns GLOBAL statistics. Every rank ends with
+    the same dense weights as its ``batch`` peers and the same experts as its ``dp`` peers."""
+    stats = backward_step(model, shard, tcfg, dims)
+    optimizer.step()
+    return stats
+
+
+def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_loss: float, aux_coef: float,
+                 grad_norm: float, extra: dict[str, float]) -> dict[str, float]:
+    """All-reduce per-rank sums / extremes over ``batch`` and turn them into global means."""
+    names = TokenStats.SUM_FIELDS + ("pg_loss", "aux_loss") + tuple(sorted(extra))
+    sums = [getattr(tok, f) for f in TokenStats.SUM_FIELDS] + [pg_loss, aux_loss] + [extra[k] for k in sorted(extra)]
+    g = dict(zip(names, dims.all_reduce(torch.tensor(sums, dtype=torch.float64, device=dims.device)).tolist()))
+    ext = dims.all_reduce(torch.tensor([tok.ratio_max, -tok.ratio_min], dtype=torch.float64, device=dims.device), op="max")
+    n = g["num_tokens"]
+    per_token = (lambda x: x / n) if n else (lambda x: float("nan"))
+    stats = {
+        "loss": g["pg_loss"] + aux_coef * g["aux_loss"],
+        "pg_loss": g["pg_loss"],
+        "aux_loss": g["aux_loss"],
+        "grad_norm": grad_norm,
+        "entropy": per_token(g["entropy_sum"]),
+        "mismatch_kl": per_token(g["k3_sum"]),
+        "ratio_mean": per_token(g["ratio_sum"]),
+        "ratio_max": float(ext[0]),
+        "ratio_min": -float(ext[1]),
+        "ratio_masked_frac": per_token(g["num_masked"]),
+        "ratio_capped_frac": per_token(g["num_capped"]),
+        "num_loss_tokens": int(n),
+    }
+    if g["unreported"]:
+        stats["replay_unreported_tokens"] = int(g["unreported"])
+    if "slots" in g:
+        stats["routing_disagreement"] = g["disagree"] / g["slots"] if g["slots"] else float("nan")
+    return stats
+
+
+@contextlib.contextmanager
+def capture_gate_logits(model: TinyMoeForCausalLM) -> Iterator[list[torch.Tensor]]:
+    """Collect every MoE layer's router logits ``[B*T, E]`` (in layer order) during a forward.
+
+    The loss needs router probabilities (for the DP-exact balance loss) and the router's
+    own top-k (for routing_disagreement under replay); hooks get both from the one
+    training forward instead of a second forward.
+    """
+    captured: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out)) for layer in model.model.layers]
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
