@@ -6,7 +6,11 @@ no child behind. Children are stopped only by the PIDs this launcher started: SI
 ``launcher.shutdown_grace_s``, then SIGKILL.
 
 The run ends when the trainer ranks and the orchestrator exit 0; inference workers are
-then stopped. Any role exiting non-zero stops the whole run and prints its log tail.
+then stopped. A process exiting non-zero (or killed) is started again with the same
+environment up to ``launcher.max_restarts`` times (the trainer resumes from its checkpoint,
+the orchestrator from its ledger, a worker loads the newest weights and the orchestrator
+brings it to its version); beyond that, or with the default 0, it stops the whole run and
+prints its log tail. Restarts are listed in ``run_dir/restarts.jsonl``.
 """
 from __future__ import annotations
 
@@ -51,8 +55,10 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 class Child:
-    def __init__(self, role: str, rank: int, proc: subprocess.Popen, log: Path):
+    def __init__(self, role: str, rank: int, proc: subprocess.Popen, log: Path, module: str = "",
+                 env: Optional[dict] = None):
         self.role, self.rank, self.proc, self.log = role, rank, proc, log
+        self.module, self.env, self.restarts = module, env or {}, 0
 
     @property
     def name(self) -> str:
@@ -85,14 +91,33 @@ class LocalBackend:
         for role in self.plan.roles:  # trainer first: rank 0 publishes the step-0 weights
             for rank, extra in enumerate(envs[role.role]):
                 log = self.paths.logs_dir / f"{role.role}_{rank}.log"
-                fh = open(log, "ab")
-                proc = subprocess.Popen([sys.executable, "-m", role.module], env={**os.environ, **extra},
-                                        stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent, cwd=os.getcwd())
-                fh.close()
-                self.children.append(Child(role.role, rank, proc, log))
+                child = Child(role.role, rank, None, log, role.module, extra)  # type: ignore[arg-type]
+                child.proc = self.spawn(child)
+                self.children.append(child)
+        self.write_pids()
+
+    def spawn(self, c: Child) -> subprocess.Popen:
+        """Start (or restart) one child; its log is appended to, never truncated."""
+        with open(c.log, "ab") as fh:
+            return subprocess.Popen([sys.executable, "-m", c.module], env={**os.environ, **c.env},
+                                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent, cwd=os.getcwd())
+
+    def write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children}
         (self.paths.root / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "children": pids}, indent=1))
+
+    def restart(self, c: Child) -> None:
+        """Supervised restart of a child that exited non-zero (``launcher.max_restarts``)."""
+        code = c.proc.returncode
+        c.restarts += 1
+        print(f"[slurmrl] {c.name} exited with code {code}; restart {c.restarts}/{self.cfg.launcher.max_restarts}",
+              flush=True)
+        c.proc = self.spawn(c)
+        with open(self.paths.root / "restarts.jsonl", "a") as fh:
+            fh.write(json.dumps({"time": time.time(), "child": c.name, "exit_code": code, "restart": c.restarts,
+                                 "pid": c.proc.pid}) + "\n")
+        self.write_pids()
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
@@ -112,6 +137,9 @@ class LocalBackend:
                     code = 130
                     break
                 failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+                for c in [c for c in failed if c.restarts < self.cfg.launcher.max_restarts]:
+                    self.restart(c)
+                    failed.remove(c)
                 if failed:
                     c = failed[0]
                     print(f"[slurmrl] {c.name} exited with code {c.proc.returncode}; stopping the run. "

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+from typing import Optional
 
 from workers.common.protocol import RunPaths
 
@@ -23,10 +25,17 @@ class ProgressPrinter:
         self.paths, self.num_steps = paths, num_steps
         self.offset = 0
         self.records: list[dict] = []
+        self.inode: Optional[int] = None  # metrics.jsonl is replaced (not appended) when a trainer resumes
+        self.rewound = False
 
     def poll(self) -> None:
         try:
             with open(self.paths.metrics, "r") as fh:
+                inode = os.fstat(fh.fileno()).st_ino
+                if self.inode is not None and inode != self.inode:  # a resumed trainer rewound the file
+                    self.offset, self.records = 0, []
+                    self.rewound = True
+                self.inode = inode
                 fh.seek(self.offset)
                 chunk = fh.read()
         except FileNotFoundError:
@@ -37,7 +46,12 @@ class ProgressPrinter:
             if line.strip():
                 rec = json.loads(line)
                 self.records.append(rec)
-                print(format_step(rec, self.num_steps), flush=True)
+                if not self.rewound:  # records kept by a rewind were printed before
+                    print(format_step(rec, self.num_steps), flush=True)
+        if self.rewound:
+            self.rewound = False
+            print(f"[slurmrl] trainer resumed from a checkpoint: metrics continue after step "
+                  f"{len(self.records)}", flush=True)
 
     def summary(self) -> str:
         r = [x["reward_mean"] for x in self.records if "reward_mean" in x]

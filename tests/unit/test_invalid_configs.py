@@ -60,6 +60,12 @@ CASES = [
     ("env.max_digits=1", "env.max_digits"),
     ("model.max_position_embeddings=8", "model.max_position_embeddings"),
     ("inference.backend=sglang", "inference.backend"),  # sglang needs GPUs: not with cluster=local
+    # fault tolerance (issue 9)
+    ("launcher.max_restarts=-1", "launcher.max_restarts"),
+    ("trainer.checkpoint_every_steps=-5", "trainer.checkpoint_every_steps"),
+    ("trainer.num_checkpoints_kept=0", "trainer.num_checkpoints_kept"),
+    ("orchestrator.health_check_interval_s=0", "orchestrator.health_check_interval_s"),
+    ("orchestrator.num_health_misses=0", "orchestrator.num_health_misses"),
 ]
 
 

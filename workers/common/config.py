@@ -253,7 +253,7 @@ class InferenceConfig:
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     num_ranks: int = 1
-    """Trainer processes (gloo locally, NCCL on GPUs); split tp x ep x dp by launcher.trainer.tp/ep/dp."""
+    """Trainer processes (data parallel over gloo locally, NCCL on GPUs)."""
     num_steps: int = 400
     """Trainer steps of the run; each consumes one batch and publishes weights v=step+1."""
     lr: float = 3e-4
@@ -275,33 +275,23 @@ class TrainerConfig:
     ratio_mask_high: float = 5.0
     """Tokens whose ratio is above this are masked out of the loss."""
     router_replay: bool = False
-    """Router Replay (R3): force the experts inference chose (the batch's routed_experts) in the
-    trainer forward; gate weights still come from the trainer's router, so it still learns."""
-    replay_unreported: str = "recompute"
-    """Router Replay at positions inference did not report (routed_mask 0: prefix-cache hits, the
-    last sampled token): ``recompute`` routes them with the trainer's own router; ``mask`` also drops
-    from the loss every token predicted from such a position (strict, never trains on a guess)."""
-    ratio_level: str = "token"
-    """What ratio_cap / ratio_mask_low / ratio_mask_high apply to: ``token`` (each token's own
-    ratio: TIS / MIS), ``sequence`` (the product over a row's loss tokens, the exact sequence-level
-    IS ratio) or ``geometric`` (its per-token geometric mean, length-normalised as in GSPO). The two
-    row levels cap or mask every token of a row together."""
-    pack_sequences: bool = False
-    """Pack rows into fewer, fuller rows for the forward (block-diagonal attention, per-sequence
-    positions; routed experts move with their tokens); the loss is computed back in row layout."""
+    """Force the experts chosen at inference in the trainer forward (R3)."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
     """torch intra-op threads per trainer rank."""
     simulated_step_delay_s: float = 0.0
     """Benchmarks/tests only: sleep this long per step to emulate a large, slow trainer."""
+    checkpoint_every_steps: int = 10
+    """Write a checkpoint (model, optimizer, RNG, step) after every this many steps; 0: only on
+    SIGUSR1/SIGTERM. A restarted trainer resumes from the newest COMPLETE one."""
+    num_checkpoints_kept: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
 
     def __post_init__(self) -> None:
-        # Checked here so a typo fails in the launcher (which builds this dataclass), not on a rank.
-        for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
-                             ("replay_unreported", ("recompute", "mask"))):
-            if getattr(self, key) not in choices:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
+        if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
+            raise ValueError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
+                             f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -335,6 +325,18 @@ class OrchestratorConfig:
     num_spare_groups: int = 0
     """Groups started beyond what the next batches need, so a few long-tail episodes never
     hold a batch back (batches take whichever groups finish first)."""
+    health_check_interval_s: float = 2.0
+    """Seconds between health checks of every inference worker (dead ones: probes for revival)."""
+    health_check_timeout_s: float = 10.0
+    """Deadline of one health check (/health_generate: a 1-token generation on a busy engine)."""
+    num_health_misses: int = 2
+    """Consecutive failed health checks after which a worker is dead: no new groups, its
+    in-flight groups resubmitted elsewhere (a refused connection marks it dead at once)."""
+
+    def __post_init__(self) -> None:
+        for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"orchestrator.{key}({getattr(self, key)}) must be > 0")
 
 
 
@@ -415,6 +417,14 @@ class LauncherConfig:
     """Explicit run directory; None creates runs_root/<experiment>-<timestamp>."""
     shutdown_grace_s: float = 10.0
     """On Ctrl-C or a dead role: seconds between SIGTERM and SIGKILL for each child."""
+    max_restarts: int = 0
+    """Local backend: times each process (inference worker, trainer rank, orchestrator) is
+    restarted after a non-zero exit before the run stops; 0 keeps fail-fast. They resume from
+    the trainer checkpoint / orchestrator ledger; a respawned worker loads the newest weights."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
     follow: bool = True
     """Slurm: after sbatch, print per-step progress until the job ends; False submits and returns."""
     num_gpu_nodes: int = 0

@@ -10,7 +10,9 @@ Who writes what (every wait has a deadline that names the peer):
 - orchestrator  -> ``rollouts/step_N/`` = ``batch.safetensors`` (tensors below) + ``meta.json``
   + ``READY`` last, same temp-dir-then-rename rule. Batch N trains step N.
 - trainer rank0 -> ``metrics.jsonl`` (one JSON object per step), ``tb/`` TensorBoard events.
-- orchestrator  -> ``orchestrator_state.json`` (progress), ``DONE`` when it finished.
+- orchestrator  -> ``orchestrator_state.json`` (progress), ``DONE`` when it finished,
+  ``orchestrator_ledger.jsonl`` (every group's launch/resubmit/batch/drop: ledger.py).
+- trainer ranks -> ``checkpoints/step_N/`` (model, optimizer, RNG per rank) + ``COMPLETE`` last.
 
 Batch tensors (row = one sample, right-padded to T; token t is predicted from tokens < t):
   input_ids int64[B,T], attention_mask uint8[B,T], loss_mask uint8[B,T] (completion tokens),
@@ -36,6 +38,9 @@ READY = "READY"
 METRICS_FILE = "metrics.jsonl"
 ADMIN_TOKEN_FILE = "admin_token"
 ORCH_DONE = "DONE"
+LEDGER_FILE = "orchestrator_ledger.jsonl"  # rollout ledger (workers/orchestrator/ledger.py)
+CHECKPOINTS_DIR = "checkpoints"  # trainer checkpoints step_N/ + COMPLETE (workers/trainer/checkpoint.py)
+COMPLETE = "COMPLETE"
 
 
 class PeerTimeout(TimeoutError):

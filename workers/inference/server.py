@@ -28,7 +28,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from workers.common.protocol import STABLE, PeerTimeout, RunPaths, read_admin_token, wait_for
+from workers.common.protocol import (STABLE, WEIGHTS_DIR, PeerTimeout, RunPaths, latest_stable_step, read_admin_token,
+                                     wait_for)
 from workers.inference.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
 from workers.weights.filesystem import WeightLoadError
 
@@ -266,6 +267,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         return web.json_response({"message": "Generation paused successfully.", "num_paused_requests": n})
 
     async def continue_generation(request):
+        await _json(request)  # no fields, but a malformed body is still the client's mistake (400)
         engine.resume()
         return web.json_response({"message": "Generation continued successfully."})
 
@@ -352,20 +354,32 @@ async def _serve(app: web.Application, engine: InferenceEngine, host: str, port:
 
 
 def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
-    """Model skeleton from ``cfg.model``, then wait for and load weights step 0 (version 0).
+    """Model skeleton from ``cfg.model``, then wait for and load the NEWEST stable weights.
 
-    Protocol: trainer rank 0 publishes ``weights/step_000000/`` and writes STABLE last; we
-    wait for STABLE (deadline ``inference.startup_timeout_s``), then load with checksums.
+    Protocol: trainer rank 0 publishes ``weights/step_N/`` and writes STABLE last; we wait
+    for any STABLE (deadline ``inference.startup_timeout_s``) and load the highest N as
+    version N, with checksums. At launch that is step 0; a worker respawned mid-run (its
+    predecessor died) starts near the current policy, and the orchestrator then moves it
+    to exactly its current version before sending work (orchestrator/faults.py). A step
+    pruned between listing and loading is retried with the next newest.
     """
     paths = RunPaths(run_dir)
-    step0 = paths.weights(0)
     model = model_from_config(cfg.model, cfg.inference.dtype, cfg.inference.device)
-    wait_for(lambda: (step0 / STABLE).exists(), timeout_s=cfg.inference.startup_timeout_s,
-             what=f"initial weights {step0}/{STABLE}", peer="trainer rank 0")
-    engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size,
-                             seed=engine_seed(cfg.seed, rank), weight_version=0)
-    engine.update_weights_from_disk(str(step0), 0)
-    return engine
+    weights_root = paths.root / WEIGHTS_DIR
+    wait_for(lambda: latest_stable_step(weights_root) is not None, timeout_s=cfg.inference.startup_timeout_s,
+             what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
+    for attempt in range(3):
+        step = latest_stable_step(weights_root)
+        engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size,
+                                 seed=engine_seed(cfg.seed, rank), weight_version=step)
+        try:
+            engine.update_weights_from_disk(str(paths.weights(step)), step)
+            return engine
+        except (OSError, ValueError, RuntimeError) as e:  # retention pruned it under us (WeightLoadError)
+            if attempt == 2:
+                raise
+            log.warning("weights step %d vanished while loading (%s); taking the newest again", step, e)
+    raise AssertionError("unreachable")
 
 
 class _Stopped(Exception):
@@ -377,7 +391,7 @@ def _stop_on_signal(signum, frame):
 
 
 def run_server(cfg, topology) -> int:
-    """Wait for weights step 0, load it as version 0, serve until SIGTERM/SIGINT or /shutdown.
+    """Wait for weights, load the newest stable step as its version, serve until SIGTERM/SIGINT or /shutdown.
 
     A stop signal is a request, not a failure: exit 0 with one log line, in either phase.
     """

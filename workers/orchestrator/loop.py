@@ -13,6 +13,7 @@ on-policy RL, with the same code.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from typing import Optional
@@ -20,9 +21,9 @@ from typing import Optional
 import aiohttp
 
 from workers.common.config import RunConfig
-from workers.common.inference_client import InferenceClient, wait_until_ready
+from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.logs import get_logger
-from workers.common.protocol import RunPaths, latest_stable_step, read_admin_token, write_json_atomic
+from workers.common.protocol import LEDGER_FILE, RunPaths, latest_stable_step, read_admin_token, write_json_atomic
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
@@ -30,6 +31,8 @@ from workers.orchestrator.envs import make_env
 from workers.orchestrator.envs.base import is_multi_turn
 from workers.orchestrator.envs.latency import LatencyModel
 from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
+from workers.orchestrator.faults import WorkerPool
+from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter, WeightUpdateError, run_group, update_all_workers
 
 
@@ -55,6 +58,35 @@ class Orchestrator:
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
         self.meter = BusyMeter()
         self.busy_at_last_batch, self.time_at_last_batch = 0.0, time.monotonic()
+        self.group_of: dict[asyncio.Task, tuple[int, object]] = {}  # task -> (group id, env task)
+        self.retry: deque[tuple[int, object, str]] = deque()  # groups to run again (worker died / restart)
+        self.pool: Optional[WorkerPool] = None
+        self.ledger = Ledger(self.paths.root / LEDGER_FILE)
+        self.resume_from_ledger()
+
+    def resume_from_ledger(self) -> None:
+        """A restarted orchestrator continues where the last one stopped (ledger.py): the next
+        step after the last batch written, pending groups re-run with the same ids and tasks
+        (the env's task stream is replayed, so the data order is the same), new ids after."""
+        led = self.ledger
+        led.recover_batches(self.paths.root)
+        self.next_step, pending = led.next_step, set(led.pending())
+        for gid in range(led.groups_started):
+            task = self.env.sample_task()
+            if gid in pending:
+                if task.task_id != led.launched[gid]:
+                    self.log.warning("group %d: replayed task %s != ledger's %s (env config changed?)", gid,
+                                     task.task_id, led.launched[gid])
+                self.retry.append((gid, task, "orchestrator restart"))
+        self.next_group_id = led.groups_started
+        state_file = self.paths.root / "orchestrator_state.json"
+        if led.num_restarts and state_file.exists():
+            dropped = json.loads(state_file.read_text()).get("dropped_total", 0)
+            self.buffer.dropped_samples_total = self.dropped_at_last_batch = dropped
+        if led.num_restarts:
+            self.log.info("resumed from %s: next step %d, %d groups to re-run, %d started before", led.path,
+                          self.next_step, len(self.retry), led.groups_started)
+
 
     async def run(self) -> None:
         timeout = self.cfg.orchestrator.request_timeout_s
@@ -63,16 +95,23 @@ class Orchestrator:
             self.clients = [InferenceClient(u, token, session=session, timeout_s=timeout) for u in self.topo.inference_urls]
             await wait_until_ready(self.clients, self.cfg.inference.startup_timeout_s)
             self.log.info("%d inference workers ready; training %d steps", len(self.clients), self.cfg.trainer.num_steps)
+            o = self.cfg.orchestrator
+            self.pool = WorkerPool(self.clients, num_misses=o.num_health_misses, timeout_s=o.health_check_timeout_s,
+                                   log=self.log, on_event=self.ledger.note)
+            watcher = asyncio.create_task(self.watch_workers())
             try:
                 while self.next_step < self.cfg.trainer.num_steps:
                     await self.maybe_update_weights()
                     self.launch_groups()
                     await self.collect_finished(timeout_s=0.05)
                     self.write_ready_batches()
+                self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
             finally:
+                watcher.cancel()
                 for task in self.inflight:
                     task.cancel()
-                await asyncio.gather(*self.inflight, return_exceptions=True)
+                await asyncio.gather(watcher, *self.inflight, return_exceptions=True)
+                self.ledger.close()
         self.paths.orchestrator_done.write_text(str(self.next_step))
         self.log.info("all %d batches written; done", self.next_step)
 
@@ -81,40 +120,77 @@ class Orchestrator:
         if newest is None or newest <= self.version:
             return
         try:
-            self.weight_update_s = await update_all_workers(self.clients, str(self.paths.weights(newest)), newest)
+            self.weight_update_s = await update_all_workers(self.pool.live_clients(), str(self.paths.weights(newest)),
+                                                            newest)
             self.version = newest
         except WeightUpdateError as e:  # keep serving old weights; the next poll retries the newest step
             self.log.warning("%s", e)
+            await self.pool.check_live()  # a dead worker must not hold the version back
+
+    async def watch_workers(self) -> None:
+        """Every ``orchestrator.health_check_interval_s``: health-check live workers (cancel the
+        groups of newly dead ones: collect_finished resubmits them) and revive dead ones that
+        answer again, at the current weight version (faults.py)."""
+        while True:
+            await asyncio.sleep(self.cfg.orchestrator.health_check_interval_s)
+            for w in await self.pool.check_live():
+                for task, worker in self.inflight.items():
+                    if worker == w:
+                        task.cancel()
+            for w in range(len(self.clients)):
+                if not self.pool.alive[w]:
+                    await self.pool.try_revive(w, self.current_weights)
+
+    def current_weights(self) -> tuple[int, Optional[str]]:
+        d = self.paths.weights(self.version)
+        return self.version, (str(d) if d.is_dir() else None)
+
 
     def launch_groups(self) -> None:
         o = self.cfg.orchestrator
         want = groups_to_launch(next_step=self.next_step, weight_version=self.version, max_off=o.max_off_policy_steps,
                                 groups_per_step=o.num_prompts_per_step, buffered_usable=self.buffer.usable(self.next_step),
                                 inflight_groups=len(self.inflight), spare=o.num_spare_groups)
+        while self.retry and (worker := self.least_loaded_worker()) is not None:  # same ids, another worker
+            gid, env_task, why = self.retry.popleft()
+            self.ledger.resubmit(gid, worker, why)
+            self.start_group(worker, gid, env_task)
         room = (o.max_inflight_rollouts - len(self.inflight) * self.group_size) // self.group_size
         for _ in range(max(0, min(want, room))):
             worker = self.least_loaded_worker()
-            if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
-                task = asyncio.create_task(run_episode_group(
-                    self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
-                    num_samples=self.group_size, temperature=o.temperature, return_routed_experts=o.return_routed_experts,
-                    started_version=self.version, meter=self.meter, latency=self.latency))
-                self.inflight[task] = worker
-                self.next_group_id += 1
-                continue
+            if worker is None:
+                return
+            env_task = self.env.sample_task()
+            self.ledger.launch(self.next_group_id, env_task.task_id, worker)
+            self.start_group(worker, self.next_group_id, env_task)
+            self.next_group_id += 1
+
+    def start_group(self, worker: int, gid: int, env_task) -> None:
+        o = self.cfg.orchestrator
+        if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
+            task = asyncio.create_task(run_episode_group(
+                self.clients[worker], self.env, env_task, group_id=gid, worker=worker,
+                num_samples=self.group_size, temperature=o.temperature, return_routed_experts=o.return_routed_experts,
+                started_version=self.version, meter=self.meter, latency=self.latency))
+        else:
             task = asyncio.create_task(run_group(
-                self.clients[worker], self.env, self.env.sample_task(), group_id=self.next_group_id, worker=worker,
+                self.clients[worker], self.env, env_task, group_id=gid, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature,
                 return_routed_experts=o.return_routed_experts, started_version=self.version,
                 latency=self.latency, meter=self.meter))
-            self.inflight[task] = worker
-            self.next_group_id += 1
+        self.inflight[task] = worker
+        self.group_of[task] = (gid, env_task)
 
-    def least_loaded_worker(self) -> int:
-        load = [0] * len(self.clients)
+    def least_loaded_worker(self) -> Optional[int]:
+        """The live worker with the fewest groups in flight (None: every worker is down)."""
+        live = self.pool.live() if self.pool is not None else list(range(len(self.clients)))
+        if not live:
+            return None
+        load = {w: 0 for w in live}
         for w in self.inflight.values():
-            load[w] += 1
-        return min(range(len(load)), key=load.__getitem__)
+            if w in load:
+                load[w] += 1
+        return min(live, key=load.__getitem__)
 
     async def collect_finished(self, *, timeout_s: float) -> None:
         if not self.inflight:
@@ -122,14 +198,23 @@ class Orchestrator:
             return
         done, _ = await asyncio.wait(self.inflight, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            self.inflight.pop(task)
-            group: RolloutGroup = task.result()  # a failed request raises here with the worker's URL
+            worker = self.inflight.pop(task)
+            gid, env_task = self.group_of.pop(task)
+            try:
+                group: RolloutGroup = task.result()  # a failed request raises here with the worker's URL
+            except (InferenceError, asyncio.CancelledError) as e:  # worker died or was marked dead: run it elsewhere
+                reason = str(e) or "cancelled: worker marked dead"
+                self.pool.request_failed(worker, e)
+                self.retry.append((gid, env_task, reason))
+                continue
             self.completions.append((time.monotonic(), sum(len(s.completion_ids) for s in group.samples)))
             self.buffer.add(group)
 
     def write_ready_batches(self) -> None:
         while self.next_step < self.cfg.trainer.num_steps:
+            before = {g.group_id for g in self.buffer.groups}
             groups = self.buffer.take(self.next_step)
+            self.ledger.drop(before - {g.group_id for g in self.buffer.groups} - {g.group_id for g in groups or []})
             if groups is None:
                 return
             dropped_total = self.buffer.dropped_samples_total
@@ -142,10 +227,14 @@ class Orchestrator:
                 "weight_update_s": self.weight_update_s,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
+                "inference_workers_live": len(self.pool.live()),
+                "inference_worker_deaths_total": self.pool.deaths,
+                "groups_resubmitted_total": sum(self.ledger.resubmits.values()),
                 **env_batch_metrics(groups), **self.long_episode_counters(),
             }
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
+            self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
             self.dropped_at_last_batch = dropped_total
             write_json_atomic(self.paths.root / "orchestrator_state.json",
                               {"next_step": self.next_step + 1, "weight_version": self.version,

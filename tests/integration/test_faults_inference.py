@@ -1,0 +1,27 @@
+"""Inference worker death mid-run: the orchestrator resubmits its groups elsewhere (same ids),
+the launcher respawns it, it comes back at the orchestrator's current weights, and the run
+ends with every group trained exactly once (benchmarks/chaos.py drives and measures)."""
+from __future__ import annotations
+
+import json
+
+from benchmarks.chaos import run_chaos
+
+
+def test_worker_killed_twice_nothing_lost_nothing_twice(tmp_path):
+    r = run_chaos(tmp_path / "run", num_steps=12, timeout_s=240, overrides=["trainer.simulated_step_delay_s=1.5"],
+                  schedule=[(1, "inference[0]", "KILL"), (7, "inference[0]", "KILL")])  # steps slow: it comes back
+    assert r["launcher_exit"] == 0 and r["finished"], r
+    assert r["rollouts_lost"] == 0 and r["rollouts_trained_twice"] == 0, r["ledger"]
+    assert r["steps_missing_in_metrics"] == 0 and r["steps_duplicated_in_metrics"] == 0
+    assert [x["child"] for x in r["restarts"]] == ["inference[0]", "inference[0]"]
+    events = [json.loads(line) for line in (tmp_path / "run" / "orchestrator_ledger.jsonl").read_text().splitlines()]
+    dead = [e for e in events if e["ev"] == "worker_dead"]
+    back = [e for e in events if e["ev"] == "worker_back"]
+    assert dead and all(e["worker"] == 0 for e in dead)
+    assert len(back) >= 1, "the respawned worker was never brought back into service"
+    assert all(e["version"] is not None and e["version"] >= 1 for e in back), back  # current weights, not step 0
+    resub = [e for e in events if e["ev"] == "resubmit"]
+    launched = {e["gid"]: e["task_id"] for e in events if e["ev"] == "launch"}
+    assert resub and all(e["worker"] == 1 or e["t"] > back[0]["t"] for e in resub[:1])
+    assert all(e["gid"] in launched for e in resub)  # same group ids as first launched

@@ -1,0 +1,113 @@
+"""Which inference workers are alive, and bringing a restarted one back into service.
+
+Why a separate piece: the loop must keep training while workers die and come back
+(a node lost, an OOM, a SIGKILL), and the rules are easy to get subtly wrong:
+
+- A worker is marked dead when a request to it fails without an HTTP answer (refused or
+  reset connection, timeout) or when it misses ``orchestrator.num_health_misses``
+  consecutive health checks (``/health_generate``, deadline
+  ``orchestrator.health_check_timeout_s``, every ``orchestrator.health_check_interval_s``).
+  A dead worker gets no new groups and no weight updates; the loop resubmits its in-flight
+  groups elsewhere with the same group/task ids (ledger.py).
+- A dead worker is probed with the same health check. Once it answers (the launcher
+  respawned it, or Slurm started a new step), it is brought to the orchestrator's CURRENT
+  weight version before it serves: ``/update_weights_from_disk weights/step_V`` (the
+  restarted server itself starts from the newest STABLE step, which may be older than V
+  when the orchestrator lags or newer than a pruned V; either way it is told V when V's
+  directory still exists). Only then is it live again. If the orchestrator moved on to a
+  newer version during that load, the worker is updated again before it is marked live.
+
+Protocol per revival (orchestrator drives, worker obeys; every call has a deadline):
+  health_generate ok -> update_weights_from_disk(step_V, V) -> [repeat while V changed] -> live.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+from workers.common.inference_client import InferenceClient, InferenceError
+
+
+class WorkerPool:
+    """Liveness of each worker index; the loop asks ``live()`` before sending anything."""
+
+    def __init__(self, clients: Sequence[InferenceClient], *, num_misses: int, timeout_s: float, log,
+                 on_event: Optional[Callable[..., None]] = None):
+        self.clients = list(clients)
+        self.alive = [True] * len(self.clients)
+        self.misses = [0] * len(self.clients)
+        self.down_since: dict[int, float] = {}
+        self.num_misses, self.timeout_s, self.log = num_misses, timeout_s, log
+        self.on_event = on_event or (lambda ev, **kw: None)
+        self.deaths = 0
+        self.recovery_s: list[float] = []
+
+    def live(self) -> list[int]:
+        return [i for i, a in enumerate(self.alive) if a]
+
+    def live_clients(self) -> list[InferenceClient]:
+        return [self.clients[i] for i in self.live()]
+
+    def mark_dead(self, worker: int, reason: str) -> bool:
+        """Stop sending to ``worker``; True when it was live until now."""
+        if not self.alive[worker]:
+            return False
+        self.alive[worker] = False
+        self.down_since[worker] = time.monotonic()
+        self.deaths += 1
+        self.log.warning("inference worker %d (%s) marked dead: %s", worker, self.clients[worker].base_url,
+                         reason[:300])
+        self.on_event("worker_dead", worker=worker, reason=reason[:300])
+        return True
+
+    def request_failed(self, worker: int, err: BaseException) -> bool:
+        """A group's request failed; no HTTP answer at all means the worker is gone."""
+        if isinstance(err, InferenceError) and err.status is None:
+            return self.mark_dead(worker, str(err))
+        return False
+
+    async def _healthy(self, worker: int) -> bool:
+        try:
+            await self.clients[worker].health_generate(timeout_s=self.timeout_s)
+            return True
+        except InferenceError:
+            return False
+
+    async def check_live(self) -> list[int]:
+        """One health round over live workers; returns the ones newly marked dead."""
+        newly = []
+        for w in self.live():
+            if await self._healthy(w):
+                self.misses[w] = 0
+                continue
+            self.misses[w] += 1
+            if self.misses[w] >= self.num_misses and self.mark_dead(w, f"missed {self.misses[w]} health checks"):
+                newly.append(w)
+        return newly
+
+    async def try_revive(self, worker: int, current: Callable[[], tuple[int, Optional[str]]]) -> bool:
+        """If dead ``worker`` answers again, load the current weights onto it and mark it live.
+
+        ``current()`` returns (version, model_path or None when that step dir is gone).
+        """
+        if self.alive[worker] or not await self._healthy(worker):
+            return False
+        loaded = None
+        for _ in range(5):  # the version may move on while we load; chase it a few times
+            version, path = current()
+            if version == loaded:
+                break
+            if path is None:
+                break  # pruned: the worker's own newest STABLE is at least as new
+            try:
+                await self.clients[worker].update_weights_from_disk(path, version, timeout_s=self.timeout_s * 10)
+            except InferenceError as e:
+                self.log.warning("revived worker %d refused weights v%d: %s", worker, version, e)
+                return False
+            loaded = version
+        self.alive[worker], self.misses[worker] = True, 0
+        down = time.monotonic() - self.down_since.pop(worker, time.monotonic())
+        self.recovery_s.append(down)
+        self.log.info("inference worker %d back after %.1fs with weights v%s", worker, down, loaded)
+        self.on_event("worker_back", worker=worker, down_s=round(down, 3), version=loaded)
+        return True

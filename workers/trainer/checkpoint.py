@@ -1,0 +1,213 @@
+"""Trainer checkpoints: survive preemption (Slurm requeue, SIGUSR1/SIGTERM) and crashes.
+
+What is saved, per rank: the model's state dict (this rank's shards under TP/EP), the
+optimizer state, the RNG states (torch, numpy, python) and the step to resume at. Where:
+``run_dir/checkpoints/step_N/rank_R.pt`` + ``COMPLETE`` (N = steps already trained, so a
+resumed trainer starts at step N and reads ``rollouts/step_N``).
+
+Atomic without a collective (a preempted rank cannot count on its peers): every rank
+writes ``.step_N.tmp/rank_R.pt`` via its own temp file + rename; the rank that finds all
+``world_size`` rank files present writes ``COMPLETE`` (last) and renames the directory to
+``step_N``. A reader only accepts ``step_N/COMPLETE`` with all rank files; temp dirs and
+anything unreadable are skipped with a log line, so a kill at any point leaves either the
+new checkpoint or the previous one.
+
+When: after every ``trainer.checkpoint_every_steps`` steps, after the step in progress when
+SIGUSR1 arrives (Slurm's ``--signal=USR1@grace`` before a requeue; training continues), and
+on SIGTERM: during a step the stop waits for the step to finish (publish included) and
+saves it; between steps (waiting for a batch) the state is already consistent, so it is
+saved at once; then the loop's own SIGTERM path exits 143. SIGKILL saves nothing: the run
+resumes from the last complete checkpoint and the steps after it are redone (``steps_lost``).
+
+Resume (``load``): newest complete checkpoint of the same world size; rank 0 cuts
+``metrics.jsonl`` back to the records before the resume step (so the curve continues with
+no duplicate steps) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}.
+Rollout batches the resumed trainer needs again are kept: ``prune_bound``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, step_name
+from workers.trainer.batch import KEEP_ROLLOUTS
+
+RESUMES_FILE = "resumes.jsonl"
+
+
+def complete_checkpoints(root: Path, world_size: int) -> list[int]:
+    """Steps of complete checkpoints (COMPLETE + every rank file), oldest first."""
+    steps = []
+    if not root.is_dir():
+        return steps
+    for d in root.iterdir():
+        if not d.name.startswith("step_") or not (d / COMPLETE).exists():
+            continue
+        try:
+            meta = json.loads((d / COMPLETE).read_text())
+        except ValueError:
+            continue
+        if meta.get("world_size") == world_size and all((d / f"rank_{r}.pt").exists() for r in range(world_size)):
+            steps.append(int(d.name[5:]))
+    return sorted(steps)
+
+
+class Checkpointer:
+    """One per trainer rank. Hooks in the loop: ``load`` at start, ``begin_step`` /
+    ``end_step`` around each step, ``on_stop`` in the SIGTERM path, ``prune_bound``."""
+
+    def __init__(self, run_dir: Path, *, rank: int, world_size: int, every: int, keep: int,
+                 log: Optional[logging.Logger] = None):
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.run_dir = Path(run_dir)
+        self.rank, self.world_size, self.every, self.keep = rank, world_size, every, max(1, keep)
+        self.log = log or logging.getLogger("trainer.checkpoint")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.resume_step = 0  # oldest step the trainer may still have to redo after a crash
+        self.done_step = 0  # steps trained so far (the state the model holds between steps)
+        self.in_step = False
+        self.save_requested = self.stop_requested = False
+        self._model = self._optimizer = None
+        self._prev_term: Callable = signal.SIG_DFL
+
+    # ---- signals ---------------------------------------------------------------------
+    def install_signals(self, model, optimizer) -> None:
+        """SIGUSR1: checkpoint after this step. SIGTERM: checkpoint, then the loop's handler
+        (installed before this) stops the process. Call after the loop's own handler."""
+        self._model, self._optimizer = model, optimizer
+        self._prev_term = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_usr1(self, signum, frame) -> None:
+        self.save_requested = True
+
+    def _on_term(self, signum, frame) -> None:
+        if self.in_step:
+            self.stop_requested = True  # end_step saves and stops
+            return
+        self._save_and_stop(signum, frame)
+
+    def _save_and_stop(self, signum, frame) -> None:
+        if self._model is not None and self.done_step > self.resume_step:
+            self.save(self.done_step, self._model, self._optimizer)
+        signal.signal(signal.SIGTERM, self._prev_term)
+        if callable(self._prev_term):
+            self._prev_term(signum, frame)  # the loop's TrainerStopped
+        raise SystemExit(128 + signal.SIGTERM)
+
+    # ---- loop hooks ------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.in_step = True
+
+    def end_step(self, step: int, model, optimizer) -> None:
+        """Step ``step`` is trained and published: save if due or asked; stop if SIGTERM came."""
+        self.done_step = step + 1
+        try:  # still "in step" while saving: a SIGTERM now waits for this save, then stops
+            if self.save_requested or (self.every > 0 and self.done_step % self.every == 0):
+                self.save_requested = False
+                self.save(self.done_step, model, optimizer)
+        finally:
+            self.in_step = False
+        if self.stop_requested:
+            self._save_and_stop(signal.SIGTERM, None)
+
+    def prune_bound(self, step: int) -> int:
+        """``newest`` for prune_rollouts: keep every batch at or after the resume point."""
+        return min(step, self.resume_step + KEEP_ROLLOUTS - 1)
+
+    # ---- save / load -----------------------------------------------------------------
+    def save(self, step: int, model, optimizer) -> Path:
+        """Write this rank's part of checkpoint ``step``; the last rank in publishes it."""
+        t0 = time.perf_counter()
+        final = self.root / step_name(step)
+        if (final / COMPLETE).exists():
+            return final  # the same step saved before a rewind: identical by construction
+        tmp = self.root / f".{final.name}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                 "rank": self.rank, "world_size": self.world_size,
+                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+        part = tmp / f"rank_{self.rank}.pt.part"
+        with open(part, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(part, tmp / f"rank_{self.rank}.pt")
+        if all((tmp / f"rank_{r}.pt").exists() for r in range(self.world_size)):
+            try:
+                (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": self.world_size, "time": time.time()}))
+                os.rename(tmp, final)
+            except OSError:  # another rank published it first
+                pass
+            else:
+                self.resume_step = step
+                self._retain()
+                self.log.info(f"checkpoint step {step} complete in {final} ({time.perf_counter() - t0:.2f}s)")
+        self.resume_step = max(self.resume_step, step) if (final / COMPLETE).exists() else self.resume_step
+        return final
+
+    def _retain(self) -> None:
+        steps = complete_checkpoints(self.root, self.world_size)
+        for s in steps[:-self.keep]:
+            shutil.rmtree(self.root / step_name(s), ignore_errors=True)
+        if steps:
+            for d in self.root.glob(".step_*.tmp"):  # abandoned partial saves older than the newest
+                if int(d.name[6:-4]) < steps[-1]:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def load(self, model, optimizer) -> int:
+        """Restore the newest complete checkpoint; returns the step to start at (0: none)."""
+        skipped = [d.name for d in self.root.glob(".step_*.tmp")]
+        for step in reversed(complete_checkpoints(self.root, self.world_size)):
+            path = self.root / step_name(step) / f"rank_{self.rank}.pt"
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            except Exception as e:  # corrupt or mismatched: an older one may still do
+                self.log.warning(f"skipping checkpoint {path}: {type(e).__name__}: {e}")
+                skipped.append(step_name(step))
+                continue
+            torch.set_rng_state(state["rng"]["torch"])
+            np.random.set_state(state["rng"]["numpy"])
+            random.setstate(state["rng"]["python"])
+            self.resume_step = self.done_step = step
+            if self.rank == 0:
+                lost = self._rewind_metrics(step)
+                with open(self.root / RESUMES_FILE, "a") as fh:
+                    fh.write(json.dumps({"time": time.time(), "step": step, "steps_lost": lost,
+                                         "skipped": skipped}) + "\n")
+                self.log.info(f"resumed from checkpoint step {step} ({lost} steps to redo; skipped {skipped or 'none'})")
+            return step
+        return 0
+
+    def _rewind_metrics(self, step: int) -> int:
+        """Keep metrics records of steps < ``step``; returns how many later ones were cut."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return 0
+        kept, cut = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line
+            if rec.get("step", -1) < step:
+                kept.append(line)
+            else:
+                cut += 1
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        return cut
