@@ -1,5 +1,5 @@
 """Trainer preempted (SIGTERM: checkpoint, exit) and crashed (SIGKILL: last periodic checkpoint)
-mid-run: the launcher restarts it, it resumes from the newest complete checkpoint and the
+mid-run (steps slowed to 1 s so the kill lands mid-run on a loaded machine): the launcher restarts it, it resumes from the newest complete checkpoint and the
 metrics curve continues with every step exactly once."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _resumes(run_dir):
 def test_trainer_sigterm_checkpoints_and_resumes_losing_no_step(tmp_path):
     run = tmp_path / "run"
     r = run_chaos(run, num_steps=8, timeout_s=240, schedule=[(3, "trainer[0]", "TERM")],
-                  overrides=["trainer.checkpoint_every_steps=0"])
+                  overrides=["trainer.checkpoint_every_steps=0", "trainer.simulated_step_delay_s=1.0"])
     assert r["launcher_exit"] == 0 and r["finished"], r
     (resume,) = _resumes(run)
     assert resume["step"] >= 3 and resume["steps_lost"] == 0, resume
@@ -27,7 +27,7 @@ def test_trainer_sigterm_checkpoints_and_resumes_losing_no_step(tmp_path):
 def test_trainer_sigkill_resumes_from_last_periodic_checkpoint(tmp_path):
     run = tmp_path / "run"
     r = run_chaos(run, num_steps=8, timeout_s=240, schedule=[(5, "trainer[0]", "KILL")],
-                  overrides=["trainer.checkpoint_every_steps=2"])
+                  overrides=["trainer.checkpoint_every_steps=2", "trainer.simulated_step_delay_s=1.0"])
     assert r["launcher_exit"] == 0 and r["finished"], r
     (resume,) = _resumes(run)
     assert resume["step"] % 2 == 0 and resume["step"] >= 4 and resume["steps_lost"] <= 1, resume

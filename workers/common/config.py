@@ -253,7 +253,7 @@ class InferenceConfig:
 @dataclasses.dataclass(kw_only=True)
 class TrainerConfig:
     num_ranks: int = 1
-    """Trainer processes (data parallel over gloo locally, NCCL on GPUs)."""
+    """Trainer processes (gloo locally, NCCL on GPUs); split tp x ep x dp by launcher.trainer.tp/ep/dp."""
     num_steps: int = 400
     """Trainer steps of the run; each consumes one batch and publishes weights v=step+1."""
     lr: float = 3e-4
@@ -275,7 +275,20 @@ class TrainerConfig:
     ratio_mask_high: float = 5.0
     """Tokens whose ratio is above this are masked out of the loss."""
     router_replay: bool = False
-    """Force the experts chosen at inference in the trainer forward (R3)."""
+    """Router Replay (R3): force the experts inference chose (the batch's routed_experts) in the
+    trainer forward; gate weights still come from the trainer's router, so it still learns."""
+    replay_unreported: str = "recompute"
+    """Router Replay at positions inference did not report (routed_mask 0: prefix-cache hits, the
+    last sampled token): ``recompute`` routes them with the trainer's own router; ``mask`` also drops
+    from the loss every token predicted from such a position (strict, never trains on a guess)."""
+    ratio_level: str = "token"
+    """What ratio_cap / ratio_mask_low / ratio_mask_high apply to: ``token`` (each token's own
+    ratio: TIS / MIS), ``sequence`` (the product over a row's loss tokens, the exact sequence-level
+    IS ratio) or ``geometric`` (its per-token geometric mean, length-normalised as in GSPO). The two
+    row levels cap or mask every token of a row together."""
+    pack_sequences: bool = False
+    """Pack rows into fewer, fuller rows for the forward (block-diagonal attention, per-sequence
+    positions; routed experts move with their tokens); the loss is computed back in row layout."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
@@ -289,6 +302,11 @@ class TrainerConfig:
     """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
 
     def __post_init__(self) -> None:
+        # Checked here so a typo fails in the launcher (which builds this dataclass), not on a rank.
+        for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
+                             ("replay_unreported", ("recompute", "mask"))):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
         if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
             raise ValueError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
                              f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")

@@ -1,12 +1,15 @@
 """The trainer's loop: one process per rank, started as ``python -m workers.trainer``.
 
 Per step N (batch N trains step N and yields weights version N+1):
-  wait rollouts/step_N/READY (orchestrator) -> load, take rows rank::dp -> barrier, rank 0
-  prunes old rollouts -> forward (Router Replay when asked) -> loss with global
-  normalisers -> backward -> all-reduce grads -> clip -> AdamW -> rank 0 publishes
-  weights/step_{N+1} and appends the metrics record.
+  wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
+  ``ep * dp`` (TP peers take the same rows) -> barrier, rank 0 prunes old rollouts ->
+  train_step (step.py: forward with Router Replay when asked, loss with global
+  normalisers, backward, grad sync over the TP x EP x DP groups, clip, AdamW) -> every
+  rank joins the gather of the full HF state dict -> rank 0 publishes weights/step_{N+1}
+  and appends the metrics record.
 Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
-after the last step it writes ``run_dir/TRAINER_DONE``.
+after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees come from
+``launcher.trainer.tp / ep / dp`` (the plan checks tp * pp * ep * dp == trainer.num_ranks).
 
 Who waits for whom: every rank waits for the orchestrator's batch (deadline
 trainer.batch_timeout_s); ranks wait for each other only inside collectives (the
@@ -19,25 +22,25 @@ is destroyed and the process exits with 143 (128 + SIGTERM).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import signal
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.protocol import RunPaths
 from workers.common.topology import Topology
-from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
+from workers.modeling.tiny_moe import TinyMoeConfig, build_model, num_parameters
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
-from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
-                                  router_stats, routing_disagreement, token_logprobs)
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
 from workers.trainer.parallel import ParallelDims
+from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
+from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
+from workers.trainer.step import train_step
 from workers.weights.filesystem import publish_step
 
 TRAINER_DONE = "TRAINER_DONE"
@@ -61,33 +64,43 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         if tcfg.num_ranks != topology.world_size:
             raise ValueError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
                              f"in this process's environment: the launcher started the wrong number of ranks")
-        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0)
-        model = build_model(model_config(cfg), cfg.model.init_seed, dtype_of(tcfg)).to(dims.device)
+        tp, ep = parallel_degrees(cfg)
+        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
+        full = build_model(model_config(cfg), cfg.model.init_seed, dtype_of(tcfg)).to(dims.device)
+        model = ShardedMoeForCausalLM(full, dims)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
         start = ckpt.load(model, optimizer)  # 0 unless a checkpoint exists (restart, Slurm requeue)
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
+        weights = FullWeights(model.full_state_dict())  # collective: every rank joins the gather
         if dims.is_rank0:
             metrics = MetricsWriter(paths)
-            sync = publish_weights(paths, start, model, keep_last=cfg.weights.keep_last)
-            log.info(f"dp {dims.dp} ({dims.backend}, {dims.device}), {num_parameters(model.config) / 1e6:.2f}M params, "
-                     f"router_replay={tcfg.router_replay}; published weights step 0 in {sync['weight_sync_s']:.3f}s")
+            sync = publish_weights(paths, start, weights, keep_last=cfg.weights.keep_last)
+            log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
+                     f"{num_parameters(model.config) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
+                     f"published weights step 0 in {sync['weight_sync_s']:.3f}s")
+        warned = False
         for step in range(start, tcfg.num_steps):
             idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s)
             ckpt.begin_step()
             t0 = time.perf_counter()
             batch = load_batch(paths.rollouts(step), step=step, num_layers=model.config.num_layers,
                                top_k=model.config.top_k, num_experts=model.config.num_experts)
-            shard = shard_rows(batch, dims.dp_rank, dims.dp).to(dims.device)
+            shard = shard_rows(batch, dims.batch_rank, dims.num_batch_shards).to(dims.device)
             dims.barrier()  # every rank holds batch N in memory: old rollout dirs may go
             if dims.is_rank0:
                 prune_rollouts(paths, ckpt.prune_bound(step))  # keep what a resume would redo
             stats = train_step(model, optimizer, shard, tcfg, dims)
+            if tcfg.router_replay and stats.get("routing_disagreement", 0.0) > MISALIGNED_DISAGREEMENT and not warned:
+                warned = True
+                log.warning(f"step {step}: routing_disagreement {stats['routing_disagreement']:.2f} under Router Replay: "
+                            f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
+            weights = FullWeights(model.full_state_dict())
             if dims.is_rank0:
-                sync = publish_weights(paths, step + 1, model, keep_last=cfg.weights.keep_last)
+                sync = publish_weights(paths, step + 1, weights, keep_last=cfg.weights.keep_last)
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
                 metrics.write(record)
                 log.info(progress_line(record, tcfg.num_steps))
@@ -110,78 +123,6 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             metrics.close()
         if dims is not None:
             dims.destroy()
-
-
-def train_step(model: TinyMoeForCausalLM, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
-               tcfg: TrainerConfig, dims: ParallelDims) -> dict[str, float]:
-    """One optimizer step on this rank's rows; returns GLOBAL (all-reduced) statistics.
-
-    Two small all-reduces bracket the backward: token/expert counts before it (the loss
-    needs global normalisers), the statistic sums after it; the gradients travel in one
-    flat bucket in between. All ranks end with identical gradients and hence weights.
-    """
-    mcfg = model.config
-    replay = tcfg.router_replay and shard.routed_experts is not None
-    model.train()
-    with capture_gate_logits(model) as gates:
-        out = model(shard.input_ids, attention_mask=shard.attention_mask,
-                    forced_experts=shard.routed_experts if replay else None,
-                    forced_mask=shard.routed_mask if replay else None)
-    logp, entropy = token_logprobs(out.logits, shard.input_ids, shard.temperature)
-    prob_sums, counts = router_stats(gates, out.routed_experts, shard.attention_mask, mcfg.num_experts)
-
-    local = torch.cat([torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
-                                    device=counts.device), counts.flatten().double()])
-    totals = dims.all_reduce(local)
-    num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
-    pg_loss, tok = policy_loss(logp, shard.inference_logprobs, shard.advantages, shard.loss_mask,
-                               num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
-                               ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high, entropy=entropy)
-    aux_loss = load_balance_loss(prob_sums, totals[2:].view(counts.shape), num_valid, mcfg.top_k)
-    loss = pg_loss + tcfg.aux_loss_coef * aux_loss
-
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    dims.all_reduce_grads(model.parameters())
-    max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    optimizer.step()
-
-    disagree = (0.0, 0.0)
-    if shard.routed_experts is not None:
-        own = own_topk(gates, mcfg.top_k, tuple(shard.input_ids.shape))
-        slots = loss_relevant_inputs(shard.loss_mask) & shard.routed_mask
-        disagree = routing_disagreement(own, shard.routed_experts, slots)
-    return reduce_stats(dims, tok, pg_loss=pg_loss.item(), aux_loss=aux_loss.item(), aux_coef=tcfg.aux_loss_coef,
-                        grad_norm=grad_norm, disagree=disagree if shard.routed_experts is not None else None)
-
-
-def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_loss: float, aux_coef: float,
-                 grad_norm: float, disagree: Optional[tuple[float, float]]) -> dict[str, float]:
-    """All-reduce per-rank sums / extremes and turn them into the step's global means."""
-    sums = [getattr(tok, f) for f in TokenStats.SUM_FIELDS] + [pg_loss, aux_loss] + list(disagree or (0.0, 0.0))
-    s = dims.all_reduce(torch.tensor(sums, dtype=torch.float64, device=dims.device)).tolist()
-    g = dict(zip(TokenStats.SUM_FIELDS + ("pg_loss", "aux_loss", "disagree", "slots"), s))
-    ext = dims.all_reduce(torch.tensor([tok.ratio_max, -tok.ratio_min], dtype=torch.float64, device=dims.device), op="max")
-    n = g["num_tokens"]
-    per_token = (lambda x: x / n) if n else (lambda x: float("nan"))
-    stats = {
-        "loss": g["pg_loss"] + aux_coef * g["aux_loss"],
-        "pg_loss": g["pg_loss"],
-        "aux_loss": g["aux_loss"],
-        "grad_norm": grad_norm,
-        "entropy": per_token(g["entropy_sum"]),
-        "mismatch_kl": per_token(g["k3_sum"]),
-        "ratio_mean": per_token(g["ratio_sum"]),
-        "ratio_max": float(ext[0]),
-        "ratio_min": -float(ext[1]),
-        "ratio_masked_frac": per_token(g["num_masked"]),
-        "ratio_capped_frac": per_token(g["num_capped"]),
-        "num_loss_tokens": int(n),
-    }
-    if disagree is not None:
-        stats["routing_disagreement"] = g["disagree"] / g["slots"] if g["slots"] else float("nan")
-    return stats
 
 
 def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle_s: float, step_time_s: float,
@@ -219,21 +160,20 @@ def publish_weights(paths: RunPaths, version: int, model: torch.nn.Module, *, ke
             "weight_bytes": out["bytes"]}
 
 
-@contextlib.contextmanager
-def capture_gate_logits(model: TinyMoeForCausalLM) -> Iterator[list[torch.Tensor]]:
-    """Collect every MoE layer's router logits ``[B*T, E]`` (in layer order) during a forward.
+def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
+    """(tp, ep) from ``launcher.trainer`` (the Slurm plan's source of the same numbers).
 
-    The loss needs router probabilities (for the DP-exact balance loss) and the router's
-    own top-k (for routing_disagreement under replay); hooks get both from the one
-    training forward instead of a second forward.
+    dp follows as num_ranks / (tp * ep); an explicit ``launcher.trainer.dp`` must agree (the
+    plan refuses a mismatch before anything starts; this repeats it for hand-started ranks).
     """
-    captured: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out)) for layer in model.model.layers]
-    try:
-        yield captured
-    finally:
-        for h in hooks:
-            h.remove()
+    lt = cfg.launcher.trainer
+    if lt.pp != 1:
+        raise ValueError(f"launcher.trainer.pp({lt.pp}) > 1: the trainer has no pipeline parallelism; use tp/ep/dp")
+    ranks = cfg.trainer.num_ranks
+    if ranks % (lt.tp * lt.ep) or (lt.dp != -1 and lt.tp * lt.ep * lt.dp != ranks):
+        raise ValueError(f"launcher.trainer: tp({lt.tp}) * ep({lt.ep}) * dp({lt.dp}) does not make "
+                         f"trainer.num_ranks({ranks})")
+    return lt.tp, lt.ep
 
 
 def model_config(cfg: RunConfig) -> TinyMoeConfig:
