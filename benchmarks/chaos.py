@@ -14,8 +14,8 @@ Measured from the run's own records, not from this script's guesses:
 - ``rollouts_trained_twice``: samples of groups that two batches hold (ledger.py),
 - ``steps_lost``: trainer steps redone after a resume (checkpoints/resumes.jsonl),
 - ``recovery_s``: kill -> the victim is useful again (worker: the orchestrator revived it at
-  the current weights; trainer: its next step's metrics record; orchestrator: its next
-  batch), median and max,
+  the current weights; trainer: the restarted process's first step record; orchestrator: the
+  restarted process's first batch), median and max,
 - ``reward_final``: mean reward of the last 5 steps; metrics.jsonl must hold each step once.
 Prints a table and writes JSON. Tests reuse :func:`run_chaos` with smaller schedules.
 """
@@ -108,8 +108,12 @@ def measure(run_dir: Path, kills: list[dict], num_steps: int) -> dict:
     resumes = _read_jsonl(run_dir / "checkpoints" / "resumes.jsonl")
     finished = (run_dir / "TRAINER_DONE").exists()
     recovery = []
+    restarts = _read_jsonl(run_dir / "restarts.jsonl")
     for k in kills:
         t, who = k["time"], k["child"]
+        # the victim's replacement process: anything it does is after this (a SIGTERMed trainer
+        # still finishes and records its step before it exits; that is not a recovery)
+        t_new = next((r["time"] for r in restarts if r["child"] == who and r["time"] > t), float("inf"))
         back: Optional[float] = None
         if who.startswith("inference["):
             w = int(who[len("inference["):-1])
@@ -118,9 +122,9 @@ def measure(run_dir: Path, kills: list[dict], num_steps: int) -> dict:
                 r = next((e["t"] for e in events if e.get("ev") == "restart" and e["t"] > t), None)
                 back = r and next((e["t"] for e in events if e.get("ev") == "batch" and e["t"] > r), None)
         elif who.startswith("trainer"):
-            back = next((r["time"] for r in metrics if r.get("time", 0) > t), None)
+            back = next((r["time"] for r in metrics if r.get("time", 0) > t_new), None)
         elif who.startswith("orchestrator"):
-            back = next((e["t"] for e in events if e.get("ev") == "batch" and e["t"] > t), None)
+            back = next((e["t"] for e in events if e.get("ev") == "batch" and e["t"] > t_new), None)
         k["recovery_s"] = round(back - t, 2) if back is not None else None
         recovery.append(k["recovery_s"])
     steps = [r["step"] for r in metrics]
@@ -141,7 +145,7 @@ def measure(run_dir: Path, kills: list[dict], num_steps: int) -> dict:
         "reward_final": round(sum(rewards) / len(rewards), 4) if rewards else None,
         "reward_first": round(sum(r["reward_mean"] for r in metrics[:5]) / max(1, len(metrics[:5])), 4),
         "ledger": led.summary(),
-        "restarts": _read_jsonl(run_dir / "restarts.jsonl"),
+        "restarts": restarts,
     }
 
 
