@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install run test test-fast bench lint clean-runs
+.PHONY: install install-sglang run test test-fast bench lint clean-runs
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -17,13 +17,30 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
+# The pinned SGLang and its router, for the tests that parse every generated command line with
+# their own parsers (tests/unit/test_sglang_parser.py). --no-deps: their full dependency set pulls a
+# CUDA torch and GPU kernels (GBs); only what sglang.srt.server_args and smg's router_args import
+# is added, with torch held at $(TORCH_PIN). GPU clusters install `.[sglang]` (setup.cfg) instead.
+SGLANG_STAMP := $(VENV)/.sglang-stamp
+SGLANG_PINS := sglang==0.5.23 smg==1.13.0
+SGLANG_PARSER_DEPS := orjson psutil pybase64 triton starlette msgspec pydantic pyzmq tqdm ipython pillow requests \
+	setproctitle pyyaml
+
+$(SGLANG_STAMP): $(STAMP) Makefile
+	@echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q --no-deps --no-warn-conflicts -c $(VENV)/torch-constraint.txt $(SGLANG_PINS)
+	$(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/torch-constraint.txt $(SGLANG_PARSER_DEPS)
+	@touch $(SGLANG_STAMP)
+
+install-sglang: $(SGLANG_STAMP)
+
 run: install
 	$(VENV)/bin/slurmrl experiment=tiny_local $(ARGS)
 
-test: install
+test: install install-sglang
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install install-sglang
 	$(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
 
 bench: install

@@ -20,6 +20,7 @@ from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, s
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
+from launcher.sglang_checks import SGLangStep, check_sglang, sglang_steps
 from workers.common.config import RunConfig
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.checks import limit_errors
@@ -58,6 +59,8 @@ class JobPlan:
     """GPU memory estimates (GPU clusters with cluster.gpu_memory_gb set)."""
     preflight: bool = False
     """Run workers.preflight as the Slurm job's first step (top-level ``preflight=true``)."""
+    sglang: tuple[SGLangStep, ...] = ()
+    """inference.backend=sglang: each server role's and the router's command preview and step env."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -86,6 +89,7 @@ class JobPlan:
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
             lines.append("router: none (embedded inference: the orchestrator balances over the workers itself)")
         lines += [f"memory {m.what}: {m.detail}" for m in self.memory]
+        lines += [f"sglang {s.role}: {', '.join(s.features)}" for s in self.sglang]
         return lines
 
 
@@ -274,6 +278,8 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     if cfg.inference.backend != "embedded" and cfg.cluster.backend == "local":
         raise PlanError(f"inference.backend={cfg.inference.backend!r} needs GPUs; cluster=local runs only 'embedded'")
     servers = plan_servers(cfg, check_fit=slurm)
+    if cfg.inference.backend == "sglang":
+        check_sglang(cfg)  # SGLang/smg option conflicts (launcher/sglang_checks.py)
     trainer, dims = plan_trainer(cfg, check_fit=slurm)
     control = plan_control(cfg, check_fit=slurm)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
@@ -287,5 +293,5 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
                    slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles),
-                   preflight=cfg.preflight)
+                   preflight=cfg.preflight, sglang=sglang_steps(cfg) if cfg.inference.backend == "sglang" else ())
 

@@ -74,6 +74,26 @@ def step_command(role: RolePlan) -> str:
             f'>>"$SLURMRL_LOG_DIR/{role.role}_$SLURM_PROCID.log" 2>&1')
 
 
+def command_lines(argv: tuple[str, ...]) -> list[str]:
+    """An argv as shell lines, one ``--flag value`` per line (for the script's comments)."""
+    lines, i = [shlex.join(argv[:3])], 3
+    while i < len(argv):
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        lines.append(shlex.join(argv[i:j]))
+        i = j
+    return lines
+
+
+def sglang_of(plan: JobPlan, role: str) -> dict:
+    """Template variables of an SGLang step: command preview and the step's own environment."""
+    step = next((s for s in plan.sglang if s.role == role), None)
+    if step is None:
+        return {"sglang": [], "env": []}
+    return {"sglang": command_lines(step.argv), "env": list(step.env)}
+
+
 def layout_of(plan: JobPlan) -> str:
     by_group = sorted(plan.roles, key=lambda r: (r.het_group, r.role != "orchestrator"))
     return format_layout([RoleLayout(role=r.role, het_group=r.het_group, num_tasks=r.num_procs,
@@ -91,7 +111,7 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
             "role": r.role, "het_group": r.het_group, "main": int(r.main), "num_tasks": r.num_procs,
             "num_nodes": r.num_nodes, "num_nodes_per_replica": r.num_nodes_per_replica, "module": r.module,
             "description": r.description, "srun": step_flags(r), "command": step_command(r),
-            "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE),
+            "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE), **sglang_of(plan, r.role),
         })
     return {
         "experiment": plan.experiment,

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from workers.common.sglang_config import SGLangConfig, SGLangRoleConfig
+
 
 @dataclasses.dataclass(kw_only=True)
 class PreflightConfig:
@@ -183,7 +185,9 @@ class ServerLayout:
     ep: int = 1
     """Expert-parallel size inside a replica (SGLang --ep-size); divides tp and model.num_experts."""
     dp_attention: int = 1
-    """Data-parallel attention groups inside a replica (SGLang --dp-size with --enable-dp-attention)."""
+    """Data-parallel attention groups inside a replica (SGLang --attn-dp-size)."""
+    sglang: SGLangRoleConfig = field(default_factory=SGLangRoleConfig)
+    """SGLang options of this role (DeepEP mode, EPLB, HiCache, CUDA graphs); ignored by the embedded engine."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -248,6 +252,8 @@ class InferenceConfig:
     """Slurm CPUs of one server task (one task per replica and node)."""
     mem_gb: int = 0
     """Slurm memory per node of the server components in GB (0: the cluster default)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options shared by every SGLang server and the router (inference.backend=sglang)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -23,6 +23,7 @@ import aiohttp
 from workers.common.config import RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.logs import get_logger
+from workers.common.router_client import Router
 from workers.common.protocol import LEDGER_FILE, RunPaths, latest_stable_step, read_admin_token, write_json_atomic
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
@@ -47,7 +48,8 @@ class Orchestrator:
         self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step,
                                     advantage=o.advantage, long_episode_policy=o.long_episode_policy)
         self.inflight: dict[asyncio.Task, int] = {}  # task -> worker index
-        self.clients: list[InferenceClient] = []
+        self.clients: list[InferenceClient] = []  # every server, directly: readiness and admin calls
+        self.router: Optional[Router] = None  # SGLang: generation goes through smg (router_client.py)
         self.version = 0
         self.next_step = 0
         self.next_group_id = 0
@@ -92,8 +94,10 @@ class Orchestrator:
         timeout = self.cfg.orchestrator.request_timeout_s
         token = read_admin_token(self.paths)
         async with aiohttp.ClientSession() as session:
-            self.clients = [InferenceClient(u, token, session=session, timeout_s=timeout) for u in self.topo.inference_urls]
+            self.clients, self.router = self.make_clients(token, session, timeout)
             await wait_until_ready(self.clients, self.cfg.inference.startup_timeout_s)
+            if self.router is not None:  # after the servers: the router's own check needs them up
+                await wait_until_ready([self.router.health], self.cfg.inference.startup_timeout_s)
             self.log.info("%d inference workers ready; training %d steps", len(self.clients), self.cfg.trainer.num_steps)
             o = self.cfg.orchestrator
             self.pool = WorkerPool(self.clients, num_misses=o.num_health_misses, timeout_s=o.health_check_timeout_s,
@@ -165,16 +169,36 @@ class Orchestrator:
             self.start_group(worker, self.next_group_id, env_task)
             self.next_group_id += 1
 
+    def make_clients(self, token: str, session: aiohttp.ClientSession, timeout: float
+                     ) -> tuple[list[InferenceClient], Optional[Router]]:
+        """One client per server (admin, readiness); with SGLang also the router for generation.
+
+        SGLang's /get_model_info does not report the routing shape, so it comes from cfg.model.
+        """
+        m, sglang = self.cfg.model, self.cfg.inference.backend == "sglang"
+        shape = (m.num_layers, m.top_k, m.num_experts) if sglang else (None, None, None)
+        clients = [InferenceClient(u, token, session=session, timeout_s=timeout, num_layers=shape[0], top_k=shape[1],
+                                   num_experts=shape[2]) for u in self.topo.inference_urls]
+        router = None
+        if sglang and self.topo.router_url:
+            router = Router(self.topo.router_url, token, header=self.cfg.inference.sglang.router.routing_key_header,
+                            prefix=self.cfg.experiment, session=session, timeout_s=timeout, shape=shape)
+        return clients, router
+
+    def generation_client(self, worker: int, gid: int) -> InferenceClient:
+        """The router, keyed by the group so all its turns reuse one server's prefix cache; else the worker."""
+        return self.clients[worker] if self.router is None else self.router.for_group(gid)
+
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
         if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
             task = asyncio.create_task(run_episode_group(
-                self.clients[worker], self.env, env_task, group_id=gid, worker=worker,
+                self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature, return_routed_experts=o.return_routed_experts,
                 started_version=self.version, meter=self.meter, latency=self.latency))
         else:
             task = asyncio.create_task(run_group(
-                self.clients[worker], self.env, env_task, group_id=gid, worker=worker,
+                self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature,
                 return_routed_experts=o.return_routed_experts, started_version=self.version,
                 latency=self.latency, meter=self.meter))

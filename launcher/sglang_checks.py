@@ -1,0 +1,182 @@
+"""Plan checks for inference.backend=sglang: refuse option combinations SGLang rejects or
+silently rewrites, before a 28-node job waits in the queue to find out; and the per-step
+command previews the sbatch script shows (:func:`sglang_steps`).
+
+Each rule cites where SGLang 0.5.23 (or smg 1.13.0) decides it, so the message can say
+why. Pure: no sglang import (the launcher runs on login nodes without it); the flag names
+themselves are checked against SGLang's own parser in tests/unit/test_sglang_parser.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from launcher.resources import PlanError
+from workers.common.config import RunConfig, ServerLayout
+from workers.common.sglang_ports import ports_needed
+from workers.inference import sglang as sglang_server
+from workers.inference.sglang_args import features, server_env
+from workers.router import argv as router_argv
+
+A2A_BACKENDS = ("none", "deepep")
+DEEPEP_MODES = ("auto", "normal", "low_latency")
+TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
+"""--disaggregation-transfer-backend choices (arg_groups/choices.py DISAGG_TRANSFER_BACKEND_CHOICES)."""
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+HICACHE_STORAGE = ("file", "mooncake", "hf3fs", "nixl", "aibrix", "eic", "simm", "mori", "shm", "tensorcast",
+                   "seaweedfs", "npu_memcache", "dynamic")
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
+ROUTER_POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two", "least_load", "manual",
+                   "consistent_hashing", "prefix_hash")
+"""smg 1.13.0 router_args.py COMMON_POLICY_CHOICES (prefill also accepts ``bucket``)."""
+
+
+def _choice(key: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise PlanError(f"{key}={value!r} is not supported; choose one of {list(choices)}")
+
+
+def server_roles(cfg: RunConfig) -> list[tuple[str, ServerLayout, str]]:
+    i = cfg.inference
+    if i.num_prefill_replicas or i.num_decode_replicas:
+        return [("prefill", i.prefill, "inference.prefill"), ("decode", i.decode, "inference.decode")]
+    return [("inference", i.worker, "inference.worker")]
+
+
+def check_role(cfg: RunConfig, role: str, lay: ServerLayout, key: str) -> None:
+    r, k = lay.sglang, f"{key}.sglang"
+    _choice(f"{k}.moe_a2a_backend", r.moe_a2a_backend, A2A_BACKENDS)
+    _choice(f"{k}.deepep_mode", r.deepep_mode, DEEPEP_MODES)
+    if r.moe_a2a_backend == "deepep":
+        if lay.ep != lay.tp:  # arg_groups/overrides.py _a2a_ep_size
+            raise PlanError(f"{key}.ep({lay.ep}) must equal {key}.tp({lay.tp}) with {k}.moe_a2a_backend=deepep: "
+                            f"SGLang sets --ep-size to --tp-size for DeepEP, so the plan's expert split would be wrong")
+        if r.deepep_mode == "normal" and role != "prefill" and not r.disable_cuda_graph:
+            # arg_groups/moe_hook.py: "Cuda graph is disabled because deepep_mode=`normal`"
+            raise PlanError(f"{k}.deepep_mode=normal on a server that decodes ({role}): SGLang then disables CUDA "
+                            f"graphs, the main decode speed-up; use low_latency (or auto) for decode, normal for prefill")
+    elif r.deepep_mode != "auto":
+        raise PlanError(f"{k}.deepep_mode={r.deepep_mode!r} needs {k}.moe_a2a_backend=deepep (it is "
+                        f"{r.moe_a2a_backend!r})")
+    if (r.enable_eplb or r.ep_num_redundant_experts) and lay.ep <= 1:  # arg_groups/parallel_hook.py
+        raise PlanError(f"{k}.enable_eplb / ep_num_redundant_experts need {key}.ep > 1 (it is {lay.ep}): "
+                        f"EPLB moves experts between expert-parallel ranks")
+    if r.ep_num_redundant_experts < 0:
+        raise PlanError(f"{k}.ep_num_redundant_experts must be >= 0, got {r.ep_num_redundant_experts}")
+    if r.enable_dp_lm_head and lay.dp_attention <= 1:
+        raise PlanError(f"{k}.enable_dp_lm_head needs {key}.dp_attention > 1 (it is {lay.dp_attention}): the LM "
+                        f"head is split inside each attention-DP group")
+    if lay.dp_attention > 1 and lay.num_replicas_per_node > 1:
+        raise PlanError(f"{key}: dp_attention({lay.dp_attention}) with num_replicas_per_node("
+                        f"{lay.num_replicas_per_node}) > 1: SGLang derives 6 ZMQ ports above each replica's "
+                        f"dist-init port, and replicas sharing a node would collide; give each replica its own node")
+    check_hicache(r, k)
+    if r.decode_radix_cache:
+        if role != "decode":
+            raise PlanError(f"{k}.decode_radix_cache applies to decode servers of prefill/decode disaggregation only "
+                            f"(this is {role}; other servers keep their radix cache anyway)")
+        if cfg.inference.sglang.disaggregation_transfer_backend == "fake":  # arg_groups/pd_disaggregation_hook.py
+            raise PlanError(f"{k}.decode_radix_cache is incompatible with inference.sglang."
+                            f"disaggregation_transfer_backend=fake (SGLang refuses it)")
+    for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
+        v = getattr(r, name)
+        if v is not None and v <= 0 and not (name == "chunked_prefill_size" and v == -1):
+            raise PlanError(f"{k}.{name} must be > 0, got {v}")
+
+
+def check_hicache(r, k: str) -> None:
+    """Hierarchical KV cache: GPU -> host memory -> optional storage tier (arg_groups/hicache_hook.py)."""
+    if r.hicache_write_policy is not None:
+        _choice(f"{k}.hicache_write_policy", r.hicache_write_policy, HICACHE_WRITE_POLICIES)
+    if r.hicache_storage_backend is not None:
+        _choice(f"{k}.hicache_storage_backend", r.hicache_storage_backend, HICACHE_STORAGE)
+    if not r.enable_hierarchical_cache:
+        set_ = [n for n in ("hicache_ratio", "hicache_storage_backend", "hicache_write_policy", "hicache_storage_dir")
+                if getattr(r, n) is not None] + (["hicache_size_gb"] if r.hicache_size_gb else [])
+        if set_:
+            raise PlanError(f"{k}: {', '.join(set_)} set but {k}.enable_hierarchical_cache is false; the storage "
+                            f"tier and host pool exist only with HiCache on")
+        return
+    if r.hicache_ratio is not None and r.hicache_size_gb:
+        raise PlanError(f"{k}: set hicache_ratio({r.hicache_ratio}) or hicache_size_gb({r.hicache_size_gb}), not "
+                        f"both (SGLang's --hicache-size overrides --hicache-ratio)")
+    if r.hicache_ratio is not None and r.hicache_ratio <= 0:
+        raise PlanError(f"{k}.hicache_ratio must be > 0, got {r.hicache_ratio}")
+    if r.hicache_storage_backend == "file" and not r.hicache_storage_dir:
+        raise PlanError(f"{k}.hicache_storage_backend=file needs {k}.hicache_storage_dir (e.g. node-local NVMe)")
+    if r.hicache_storage_dir and r.hicache_storage_backend != "file":
+        raise PlanError(f"{k}.hicache_storage_dir is used by the file backend only (backend is "
+                        f"{r.hicache_storage_backend!r})")
+
+
+def check_routed_experts_pd(cfg: RunConfig, pd: bool) -> None:
+    """Routed experts cannot come back correct through smg in PD mode.
+
+    The prompt's routing is computed on the prefill server; smg 1.13.0 returns the decode
+    server's response and merges only logprobs from prefill (no ``routed_experts`` in its
+    PD merge; SGLang added that merge to its own mini load balancer only, PR #22916). The
+    decode server reports rows for prompt positions it never computed (their slots hold
+    whatever an earlier request wrote: RoutedExpertsCapturer.get_topk reads by KV slot), so
+    Router Replay would train on wrong experts without any error.
+    """
+    if pd and (cfg.orchestrator.return_routed_experts or cfg.trainer.router_replay):
+        raise PlanError("orchestrator.return_routed_experts / trainer.router_replay cannot be combined with "
+                        "prefill/decode disaggregation: the router (smg 1.13.0) does not merge the prefill server's "
+                        "routed experts into the decode response, so prompt positions would carry experts no "
+                        "forward computed. Use unified servers (inference.num_workers) for Router Replay, or set "
+                        "orchestrator.return_routed_experts=false trainer.router_replay=false")
+
+
+def check_sglang(cfg: RunConfig) -> None:
+    """Every SGLang rule; called by build_plan when inference.backend=sglang."""
+    i, s = cfg.inference, cfg.inference.sglang
+    if not s.model_path:
+        raise PlanError("inference.sglang.model_path is empty: SGLang servers load the initial checkpoint from it "
+                        "(a shared-filesystem path, e.g. ${cluster.shared_root}/models/<name>)")
+    _choice("inference.sglang.kv_cache_dtype", s.kv_cache_dtype, KV_CACHE_DTYPES)
+    _choice("inference.sglang.disaggregation_transfer_backend", s.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+    if s.mem_fraction_static is not None and not 0 < s.mem_fraction_static < 1:
+        raise PlanError(f"inference.sglang.mem_fraction_static must be in (0, 1), got {s.mem_fraction_static}")
+    if s.watchdog_timeout_s <= 0:
+        raise PlanError(f"inference.sglang.watchdog_timeout_s must be > 0, got {s.watchdog_timeout_s}")
+    r = s.router
+    _choice("inference.sglang.router.policy", r.policy, ROUTER_POLICIES)
+    _choice("inference.sglang.router.prefill_policy", r.prefill_policy, ROUTER_POLICIES + ("bucket",))
+    _choice("inference.sglang.router.decode_policy", r.decode_policy, ROUTER_POLICIES)
+    if not r.routing_key_header:
+        raise PlanError("inference.sglang.router.routing_key_header is empty: sticky routing of an episode's turns "
+                        "needs a header name (smg reads x-smg-routing-key)")
+    roles = server_roles(cfg)
+    for role, lay, key in roles:
+        check_role(cfg, role, lay, key)
+    pd = roles[0][0] == "prefill"
+    check_routed_experts_pd(cfg, pd)
+    num_servers = i.num_prefill_replicas + i.num_decode_replicas if pd else i.num_workers
+    need = ports_needed(num_servers)
+    if cfg.cluster.port_span < need:
+        raise PlanError(f"cluster.port_span({cfg.cluster.port_span}) < {need} ports this SGLang job needs "
+                        f"(topology's server ports, SGLang's derived ZMQ ports and a bootstrap + engine-info port "
+                        f"per server for {num_servers} servers; workers/common/sglang_ports.py)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGLangStep:
+    """What the sbatch script shows and exports for one SGLang role (server or router)."""
+
+    role: str
+    argv: tuple[str, ...]
+    """Replica 0's head command, placeholders (``<node>``, ``<http_port>``) for what Slurm decides."""
+    env: tuple[tuple[str, str], ...]
+    """Exported to the step's tasks only (NVSHMEM for DeepEP, CUDA graph / HiCache settings)."""
+    features: tuple[str, ...]
+    """SGLang features this role turns on (README table, plan summary)."""
+
+
+def sglang_steps(cfg: RunConfig) -> tuple[SGLangStep, ...]:
+    """One entry per server role plus the router, in het-group order."""
+    out = [SGLangStep(role=role, argv=tuple(sglang_server.preview(cfg, role)), env=tuple(server_env(cfg, role).items()),
+                      features=tuple(features(cfg, role))) for role, _, _ in server_roles(cfg)]
+    pd = out[0].role == "prefill"
+    out.append(SGLangStep(role="router", argv=tuple(router_argv.preview(cfg)), env=(),
+                          features=("smg PD" if pd else "smg", cfg.inference.sglang.router.prefill_policy if pd
+                                    else cfg.inference.sglang.router.policy)))
+    return tuple(out)

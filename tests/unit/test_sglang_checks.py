@@ -1,0 +1,69 @@
+"""The plan refuses SGLang option combinations that SGLang rejects or silently rewrites
+(launcher/sglang_checks.py), naming the key and saying why; every SGLang preset plans."""
+from __future__ import annotations
+
+import pytest
+
+from launcher.plan import PlanError, build_plan
+from tests.unit.sglang_cases import PRESETS
+from tests.unit.test_plan_slurm import compose
+
+GLM5 = PRESETS["glm5_swe_28xh200"]
+KIMI = PRESETS["kimi_k2_swe_32xh200"]
+UNIFIED = PRESETS["inference_sglang"]
+D = "inference.decode.sglang"
+P = "inference.prefill.sglang"
+W = "inference.worker.sglang"
+
+CASES = [
+    # (overrides on top of a preset, a fragment the message must contain)
+    (GLM5 + ["orchestrator.return_routed_experts=true"],
+     "does not merge the prefill server's routed experts"),
+    (GLM5 + ["trainer.router_replay=true"], "Use unified servers (inference.num_workers) for Router Replay"),
+    (GLM5 + ["inference.decode.ep=16"], "inference.decode.ep(16) must equal inference.decode.tp(32) with "
+                                        "inference.decode.sglang.moe_a2a_backend=deepep"),
+    (GLM5 + [f"{D}.deepep_mode=normal"], "SGLang then disables CUDA graphs"),
+    (KIMI + [f"{W}.deepep_mode=normal"], "deepep_mode=normal on a server that decodes (inference)"),
+    (GLM5 + [f"{D}.moe_a2a_backend=none"], "deepep_mode='low_latency' needs inference.decode.sglang.moe_a2a_backend=deepep"),
+    (GLM5 + [f"{D}.moe_a2a_backend=pplx"], "moe_a2a_backend='pplx' is not supported"),
+    (UNIFIED + ["inference.worker.ep=1", f"{W}.moe_a2a_backend=none", f"{W}.deepep_mode=auto",
+                f"{W}.enable_eplb=true"], "need inference.worker.ep > 1"),
+    (UNIFIED + ["inference.worker.dp_attention=1", f"{W}.enable_dp_lm_head=true"],
+     "enable_dp_lm_head needs inference.worker.dp_attention > 1"),
+    (UNIFIED + ["inference.worker.num_replicas_per_node=2", "inference.worker.tp=4", "inference.worker.ep=4",
+                "inference.worker.dp_attention=2"], "derives 6 ZMQ ports above each replica's"),
+    (GLM5 + [f"{P}.hicache_size_gb=64"], "set hicache_ratio(2.0) or hicache_size_gb(64), not both"),
+    (GLM5 + [f"{P}.hicache_storage_dir=null"], "hicache_storage_backend=file needs"),
+    (GLM5 + [f"{P}.enable_hierarchical_cache=false"], "set but inference.prefill.sglang.enable_hierarchical_cache is false"),
+    (GLM5 + [f"{P}.hicache_write_policy=write_sometimes"], "hicache_write_policy='write_sometimes' is not supported"),
+    (GLM5 + [f"{P}.decode_radix_cache=true"], "decode_radix_cache applies to decode servers"),
+    (GLM5 + [f"{D}.decode_radix_cache=true", "inference.sglang.disaggregation_transfer_backend=fake"],
+     "incompatible with inference.sglang.disaggregation_transfer_backend=fake"),
+    (GLM5 + ["inference.sglang.disaggregation_transfer_backend=rdma"], "disaggregation_transfer_backend='rdma'"),
+    (GLM5 + ["inference.sglang.model_path="], "inference.sglang.model_path is empty"),
+    (GLM5 + ["inference.sglang.mem_fraction_static=1.2"], "mem_fraction_static must be in (0, 1)"),
+    (GLM5 + ["inference.sglang.kv_cache_dtype=int4"], "kv_cache_dtype='int4' is not supported"),
+    (GLM5 + ["inference.sglang.router.prefill_policy=sticky"], "router.prefill_policy='sticky' is not supported"),
+    (GLM5 + ["inference.sglang.router.routing_key_header="], "routing_key_header is empty"),
+    (GLM5 + ["cluster.port_span=24"], "cluster.port_span(24) < 32 ports this SGLang job needs"),
+    (GLM5 + [f"{D}.cuda_graph_max_bs=0"], "inference.decode.sglang.cuda_graph_max_bs must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", CASES, ids=[c[1][:48] for c in CASES])
+def test_conflicts_are_refused_with_the_reason(overrides, fragment):
+    with pytest.raises(PlanError) as e:
+        build_plan(compose(overrides))
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_sglang_preset_plans(name):
+    p = build_plan(compose(PRESETS[name]))
+    assert p.sglang and p.sglang[-1].role == "router"
+    assert {s.role for s in p.sglang[:-1]} == {r.role for r in p.roles if r.server is not None}
+
+
+def test_deepep_normal_is_fine_on_prefill_and_with_cuda_graphs_off_on_decode():
+    build_plan(compose(GLM5))  # prefill: normal
+    build_plan(compose(GLM5 + [f"{D}.deepep_mode=normal", f"{D}.disable_cuda_graph=true"]))

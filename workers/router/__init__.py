@@ -1,0 +1,1 @@
+"""Router role: smg (the SGLang Model Gateway) in front of the SGLang servers."""
