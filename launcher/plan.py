@@ -34,7 +34,7 @@ CHOICES = {
     "inference.backend": ("embedded", "sglang"),
     "inference.dtype": ("float32", "bfloat16"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "weights.transport": ("filesystem",),
+    "weights.transport": ("filesystem", "broadcast"),
     "orchestrator.advantage": ("sequence", "token_rtg"),
     "model.attention": ("mha", "mla"),
 }

@@ -220,6 +220,34 @@ class InferenceClient:
             raise InferenceError(self.base_url + "/update_weights_from_disk", 200, json.dumps(out))
         return out
 
+    async def _admin(self, path: str, body: dict, timeout_s: Optional[float]) -> dict:
+        out = await self._call("POST", path, body, timeout_s=timeout_s)
+        if not isinstance(out, dict) or not out.get("success"):
+            raise InferenceError(self.base_url + path, 200, json.dumps(out))
+        return out
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: Optional[float] = None) -> dict:
+        """Join the weight-update group (blocks until every member joined; SGLang's fields)."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        return await self._admin("/init_weights_update_group", body, timeout_s)
+
+    async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], group_name: str, weight_version: int,
+                                              load_format: Optional[str] = None, flush_cache: bool = False,
+                                              abort_all_requests: bool = False,
+                                              timeout_s: Optional[float] = None) -> dict:
+        """Receive weights ``weight_version`` over the group; raises if the worker refused them."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "weight_version": str(weight_version), "load_format": load_format,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        return await self._admin("/update_weights_from_distributed", body, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str, timeout_s: Optional[float] = None) -> dict:
+        return await self._admin("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
     async def update_weight_version(self, new_version: int) -> dict:
         return await self._call("POST", "/update_weight_version", {"new_version": str(new_version)})
 

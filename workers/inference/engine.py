@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, TinyMoeForCausalLM
-from workers.weights.filesystem import load_step
+from workers.weights.filesystem import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -106,6 +106,8 @@ class InferenceEngine:
         self.model_path: Optional[str] = None
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._model_lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._disk, self.weight_hashes = DiskReader(), {}  # reused staging buffer; digests of what we hold
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
         self._abort_rids: set[str] = set()  # marks applied at the next step (or by abort(wait=True))
@@ -192,24 +194,31 @@ class InferenceEngine:
             self._cond.notify_all()
 
     def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all: bool = False) -> int:
-        """Verify and load ``model_path`` (a published weights/step_N dir) between steps.
+        """Verify and load a published weights/step_N dir; returns the requests in flight.
 
-        Reading and checksumming happen outside the model lock so decoding continues
-        meanwhile; only the in-place copy holds it. Raises WeightLoadError and leaves the
-        old weights in place if the step is missing, partial, corrupt or mis-shaped.
-        Returns the number of requests that were in flight (they continue on new weights).
-        """
+        Reading and checksumming (weights.filesystem.DiskReader, which skips tensors the engine
+        already holds) run outside the model lock, so decoding goes on. A missing, partial,
+        corrupt or mis-shaped step raises WeightLoadError and leaves the old weights in place."""
         if abort_all:
             self.abort(None, wait=True)
-        state = load_step(Path(model_path), expected=self.model.state_dict())
-        with self._model_lock, torch.no_grad():
-            for name, param in self.model.state_dict().items():
-                param.copy_(state[name])  # casts to the compute dtype
-            self.weight_version = int(weight_version)
-            self.model_path = str(model_path)
-            n = self.num_running + self.num_pending
-        log.info("loaded weights v%d from %s (%d requests in flight)", self.weight_version, model_path, n)
+        with self._update_lock:  # a second update must not read against a half-applied first
+            step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes)
+            n = self.apply_weights(step.state, weight_version, source=str(model_path), hashes=step.hashes)
+        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
+                 weight_version, model_path, step.bytes / 1e6, step.seconds, step.num_skipped, n)
         return n
+
+    def apply_weights(self, state, weight_version: int, *, source: str, hashes=None) -> int:
+        """Copy verified tensors (any subset of the parameters) in between steps, cast to the
+        model's dtype; ``hashes``: every parameter's digest afterwards. Returns requests in flight."""
+        params = self.model.state_dict()
+        with self._model_lock, torch.no_grad():
+            for name, t in state.items():
+                params[name].copy_(t)
+            self.weight_version = int(weight_version)
+            self.model_path = source
+            self.weight_hashes = dict(hashes or {})
+            return self.num_running + self.num_pending
 
     def set_weight_version(self, version: int) -> None:
         with self._model_lock:

@@ -31,7 +31,6 @@ from aiohttp import web
 from workers.common.protocol import (STABLE, WEIGHTS_DIR, PeerTimeout, RunPaths, latest_stable_step, read_admin_token,
                                      wait_for)
 from workers.inference.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
-from workers.weights.filesystem import WeightLoadError
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -208,8 +207,10 @@ async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutpu
         raise
 
 
-def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0) -> web.Application:
-    """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server."""
+def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0,
+             weight_timeout_s: float = 300.0) -> web.Application:
+    """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server.
+    ``weight_timeout_s`` bounds joining the weight group and each broadcast receive."""
     cfg = engine.config
     expected_auth = f"Bearer {admin_token}"
 
@@ -275,25 +276,6 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         # No prefix cache here: KV caches belong to running requests and leave with them.
         return web.Response(text="Cache flushed.")
 
-    async def update_weights_from_disk(request):
-        body = await _json(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("model_path: expected the path of a published weights/step_N directory")
-        version = _version(body, "weight_version")  # required: every token is tagged with it
-        if body.get("load_format") is not None and not isinstance(body["load_format"], str):
-            raise BadRequest("load_format: expected a string or null")
-        abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
-        _bool(body.get("flush_cache", True), "flush_cache")
-        try:
-            n = await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all=abort_all)
-        except WeightLoadError as e:
-            log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
-            return web.json_response({"success": False, "message": str(e),
-                                      "num_paused_requests": engine.num_running + engine.num_pending}, status=400)
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
-                                  "num_paused_requests": n})
-
     async def update_weight_version(request):
         body = await _json(request)
         version = _version(body, "new_version")
@@ -312,20 +294,17 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
             raise BadRequest("rid: expected a request id string (or abort_all: true)")
         return web.json_response({"success": True})
 
-    async def not_here(request):
-        return web.json_response({"success": False, "message": f"{request.path} is not implemented by the embedded "
-                                  f"engine; use weights.transport=filesystem"}, status=501)
-
     async def shutdown(request):
         app["stop"].set()
         return web.json_response({"message": "shutting down"})
 
     posts = [("/generate", generate), ("/pause_generation", pause_generation),
              ("/continue_generation", continue_generation), ("/flush_cache", flush_cache),
-             ("/update_weights_from_disk", update_weights_from_disk), ("/abort_request", abort_request),
-             ("/update_weight_version", update_weight_version), ("/shutdown", shutdown),
-             ("/init_weights_update_group", not_here), ("/update_weights_from_distributed", not_here),
-             ("/destroy_weights_update_group", not_here)]
+             ("/abort_request", abort_request), ("/update_weight_version", update_weight_version),
+             ("/shutdown", shutdown)]
+    from workers.inference.weight_routes import weight_routes  # late: it uses this module's parsers
+
+    posts += weight_routes(engine, timeout_s=weight_timeout_s)
     app["stop"] = asyncio.Event()
     admin_routes = {path for path, _ in posts if path != "/generate"}  # every state-changing route
     for path, fn in [("/health", health), ("/health_generate", health_generate), ("/get_model_info", get_model_info),
@@ -403,7 +382,8 @@ def run_server(cfg, topology) -> int:
     try:
         token = read_admin_token(paths)
         engine = build_engine(cfg, topology.rank, topology.run_dir).start()
-        app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank)
+        app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank,
+                       weight_timeout_s=cfg.weights.broadcast_timeout_s)
         asyncio.run(_serve(app, engine, topology.bind_host, topology.bind_port))
     except _Stopped as e:
         log.info("stopped by %s before serving", e)

@@ -41,7 +41,7 @@ from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
 from workers.trainer.step import train_step
-from workers.weights.filesystem import publish_step
+from workers.weights.base import WeightPublisher, make_publisher
 
 TRAINER_DONE = "TRAINER_DONE"
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -60,6 +60,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     _install_sigterm()
     dims: Optional[ParallelDims] = None
     metrics: Optional[MetricsWriter] = None
+    publisher: Optional[WeightPublisher] = None
     try:
         if tcfg.num_ranks != topology.world_size:
             raise ValueError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
@@ -73,10 +74,11 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
         start = ckpt.load(model, optimizer)  # 0 unless a checkpoint exists (restart, Slurm requeue)
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
-        weights = FullWeights(model.full_state_dict())  # collective: every rank joins the gather
+        publisher = make_publisher(cfg, paths, topology, rank=dims.rank, world_size=dims.world_size, device=dims.device)
+        weights = FullWeights(model.full_state_dict(to_rank=None))  # collective: every rank joins the gather
+        sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths)
-            sync = publish_weights(paths, start, weights, keep_last=cfg.weights.keep_last)
             log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
                      f"{num_parameters(model.config) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step 0 in {sync['weight_sync_s']:.3f}s")
@@ -98,9 +100,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
-            weights = FullWeights(model.full_state_dict())
+            weights = FullWeights(model.full_state_dict(to_rank=None))
+            sync = publish_weights(publisher, step + 1, weights)
             if dims.is_rank0:
-                sync = publish_weights(paths, step + 1, weights, keep_last=cfg.weights.keep_last)
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
                 metrics.write(record)
                 log.info(progress_line(record, tcfg.num_steps))
@@ -121,6 +123,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if publisher is not None:
+            publisher.close()
         if dims is not None:
             dims.destroy()
 
@@ -153,11 +157,18 @@ def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle
     return record
 
 
-def publish_weights(paths: RunPaths, version: int, model: torch.nn.Module, *, keep_last: int) -> dict:
-    """Write weights/step_<version> (rank 0 only); returns the weight_sync_* metrics."""
-    out = publish_step(paths.weights(0).parent, version, model.state_dict(), keep_last=keep_last)
-    return {"weight_sync_s": out["seconds"], "weight_sync_gbps": out["bytes"] / max(out["seconds"], 1e-9) / 1e9,
-            "weight_bytes": out["bytes"]}
+def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
+    """Publish weights ``version`` (``model.state_dict()``: full HF tensors) through
+    ``weights.transport``; returns the weight_sync_* metrics of workers.weights.base.SyncStats.
+
+    COLLECTIVE: every rank calls it with the full state. filesystem: each rank writes a
+    share of the shards of weights/step_<version>, rank 0 the index and STABLE. broadcast
+    (step 0 still on disk): each rank sends its share once the orchestrator has paused the
+    workers and asked for this version; waiting for that request is ``weight_sync_wait_s``
+    (deadline weights.broadcast_timeout_s), the transfer ``weight_sync_s``. The protocols
+    and who waits for whom: workers/weights/filesystem.py and broadcast.py.
+    """
+    return publisher.publish(version, model.state_dict()).metrics()
 
 
 def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:

@@ -1,0 +1,184 @@
+"""Broadcast weight transport over real gloo groups: senders and receivers are threads of
+this process (each its own group rank and backends), the orchestrator's part is played by
+the test through the same marker files (handshake.py).
+
+Covers: the bucket plan, two senders (one per trainer DP shard) to a full receiver and to
+one holding a subset of the experts, bit-exactness, and refusals (corrupt bucket, wrong
+version, announced metadata that disagrees) after which the group still works.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.common.config import WeightsConfig
+from workers.common.protocol import RunPaths
+from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.weights.base import StorePeers, TensorMeta, WeightLoadError, expert_id
+from workers.weights.broadcast import BroadcastPublisher, BroadcastReceiver, BucketSender
+from workers.weights.checksums import state_hashes
+from workers.weights.filesystem import FilesystemPublisher
+from workers.weights.group import make_plan
+from workers.weights.handshake import Handshake
+
+torch.set_num_threads(1)
+CFG = TinyMoeConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
+                    expert_intermediate_size=32, max_position_embeddings=64)
+
+
+def run_threads(fns, timeout=60):
+    out, errors = [None] * len(fns), [None] * len(fns)
+
+    def call(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:
+            errors[i] = e
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errors
+
+
+class Harness:
+    """``senders`` trainer ranks and one receiver per entry of ``experts`` (None: all experts)."""
+
+    def __init__(self, tmp_path, state, *, senders=2, experts=(None, None), bucket_mb=1):
+        self.paths = RunPaths(tmp_path).ensure()
+        cfg = WeightsConfig(transport="broadcast", bucket_size_mb=bucket_mb, broadcast_timeout_s=20, verify=True)
+        store = dist.HashStore()
+        peers = [StorePeers(store, r, senders) for r in range(senders)]
+        self.pubs = [BroadcastPublisher(self.paths, cfg, p, initial=FilesystemPublisher(
+            self.paths.root / "weights", peers=p, keep_last=3), host="127.0.0.1", port=0, num_receivers=len(experts))
+            for p in peers]
+        self.handshake = Handshake(self.paths.root)
+        self.receivers = [None] * len(experts)
+        self.announced = None
+
+        def join(i, held):
+            while self.handshake.read_group() is None:
+                time.sleep(0.005)
+            g = self.handshake.read_group()
+            self.announced = [TensorMeta(n, d, tuple(s), 0) for n, d, s in zip(g["names"], g["dtypes"], g["shapes"])]
+            self.receivers[i] = BroadcastReceiver(
+                master_address=g["master_address"], master_port=g["master_port"], rank=senders + i,
+                world_size=g["world_size"], group_name=g["group_name"], backend=g["backend"], timeout_s=20,
+                experts=held)
+        _, errors = run_threads([lambda p=p: p.publish(0, state) for p in self.pubs]
+                                + [lambda i=i, e=e: join(i, e) for i, e in enumerate(experts)])
+        assert not any(errors), errors
+
+    def update(self, version, state, *, expect=None, announced=None):
+        """One update: senders publish, the 'orchestrator' requests, receivers receive."""
+        def orchestrate():
+            while (self.handshake.offered() or {}).get("version") != version:
+                time.sleep(0.002)
+            self.handshake.request(version)
+        recv = [lambda r=r: r.receive(version if expect is None else expect, announced or self.announced)
+                for r in self.receivers]
+        out, errors = run_threads([lambda p=p: p.publish(version, state) for p in self.pubs] + [orchestrate] + recv)
+        n = len(self.pubs) + 1
+        assert not any(errors[:n]), errors[:n]  # senders never fail because a receiver refused
+        return out[:len(self.pubs)], out[n:], errors[n:]
+
+    def close(self):
+        for x in self.pubs + self.receivers:
+            x.close()
+
+
+def bumped(state, v):
+    return {n: t + v for n, t in state.items()}
+
+
+def test_plan_groups_by_receiver_set_and_dtype_and_respects_the_bucket_size():
+    m = lambda n, d="float32", b=400: TensorMeta(n, d, (b // 4,), b)  # noqa: E731
+    manifests = {0: [m("embed.weight", b=1000), m("layers.0.mlp.experts.0.w"), m("layers.0.mlp.experts.1.w"),
+                     m("norm.weight"), m("head.weight", "bfloat16")],
+                 1: [m("layers.0.mlp.experts.2.w"), m("layers.0.mlp.experts.3.w")]}
+    plan = make_plan(manifests, {2: None, 3: [0, 2]}, bucket_bytes=900)
+    by_names = {tuple(e.name for e in b.entries): (b.sender, b.receivers, b.dtype) for b in plan}
+    assert by_names == {
+        ("embed.weight",): (0, (2, 3), "float32"),  # larger than a bucket: alone
+        ("layers.0.mlp.experts.0.w", "norm.weight"): (0, (2, 3), "float32"),  # 400 + 400 <= 900: packed
+        ("layers.0.mlp.experts.1.w",): (0, (2,), "float32"),  # rank 3 does not hold expert 1
+        ("head.weight",): (0, (2, 3), "bfloat16"),
+        ("layers.0.mlp.experts.2.w",): (1, (2, 3), "float32"),
+        ("layers.0.mlp.experts.3.w",): (1, (2,), "float32"),
+    }
+    assert [b.index for b in plan] == list(range(len(plan)))
+    assert plan[1].sender == 1  # senders interleave, so both send from the start
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 1], ids=["lone-tensors", "packed"])
+def test_two_senders_reach_a_full_and_a_subset_receiver_bit_exactly(tmp_path, bucket_mb):
+    state = build_model(CFG, seed=3).state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"].to(torch.bfloat16)  # a second dtype: its own buckets
+    h = Harness(tmp_path, state, experts=(None, [0, 2]), bucket_mb=bucket_mb)
+    try:
+        plan = h.pubs[0].group.plan
+        assert {b.sender for b in plan} == {0, 1} and {b.dtype for b in plan} == {"float32", "bfloat16"}
+        assert (bucket_mb == 1) == any(len(b.entries) > 1 for b in plan)
+        for v in (1, 2):
+            new = bumped(state, v)
+            stats, got, errors = h.update(v, new)
+            assert errors == [None, None], errors
+            want = state_hashes(new)
+            (full, n_full, _), (part, n_part, _) = got
+            assert state_hashes(full) == want
+            held = {n for n in new if expert_id(n) in (None, 0, 2)}
+            assert set(part) == held and all(state_hashes(part)[n] == want[n] for n in held)
+            assert n_part < n_full == sum(t.numel() * t.element_size() for t in new.values())
+            assert stats[0].bytes == n_full and stats[0].seconds > 0 and not stats[0].skipped
+    finally:
+        h.close()
+
+
+class CorruptingSender(BucketSender):
+    """Announces a checksum the data does not have: what a flipped bit in transit looks like."""
+
+    def _checksum(self, buf):
+        return f"{(int(super()._checksum(buf), 16) ^ 1):016x}"
+
+
+def test_corrupt_bucket_wrong_version_and_bad_metadata_are_refused_and_the_group_survives(tmp_path):
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state, experts=(None,))
+    try:
+        good = h.pubs[1].sender
+        h.pubs[1].sender = CorruptingSender(h.pubs[1].group)
+        _, _, errors = h.update(1, bumped(state, 1))
+        assert isinstance(errors[0], WeightLoadError) and "fails its checksum" in str(errors[0])
+        assert "trainer rank 1" in str(errors[0])
+        h.pubs[1].sender = good
+
+        _, _, errors = h.update(2, bumped(state, 2), expect=7)  # the worker was told another version
+        assert isinstance(errors[0], WeightLoadError) and "header says version 2" in str(errors[0])
+
+        wrong = [TensorMeta(m.name, m.dtype, m.shape[::-1], 0) if m.name == "lm_head.weight" else m
+                 for m in h.announced]
+        _, _, errors = h.update(3, bumped(state, 3), announced=wrong)
+        assert isinstance(errors[0], WeightLoadError) and "tensor lm_head.weight: announced" in str(errors[0])
+
+        _, got, errors = h.update(4, bumped(state, 4))  # every refusal drained its buckets
+        assert errors == [None] and state_hashes(got[0][0]) == state_hashes(bumped(state, 4))
+    finally:
+        h.close()
+
+
+def test_senders_stop_once_the_orchestrator_is_done(tmp_path):
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state, senders=1, experts=(None,))
+    try:
+        h.paths.orchestrator_done.write_text("3")
+        out = h.pubs[0].publish(1, bumped(state, 1))
+        assert out.skipped and out.bytes == 0
+        assert h.handshake.offered()["version"] == 1
+    finally:
+        h.close()

@@ -1,0 +1,171 @@
+"""The embedded engine's weight-update routes, with SGLang's request and response fields.
+
+  /update_weights_from_disk        {model_path, weight_version, load_format, abort_all_requests, flush_cache}
+  /init_weights_update_group       {master_address, master_port, rank_offset, world_size, group_name, backend}
+  /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version, flush_cache,
+                                    abort_all_requests, load_format}
+  /destroy_weights_update_group    {group_name}
+
+Each answers ``{success, message}`` (the disk route adds ``num_paused_requests``, as SGLang
+does): 200 when applied, 400 with the reason when refused, in which case the engine keeps
+the weights and version it had. Our extension: an applied update also answers
+``weights_digest`` (checksums.state_digest of every parameter), so the orchestrator can
+check each update end to end against the trainer's digest. Protocols and who waits for whom: workers/weights/broadcast.py
+and workers/orchestrator/rollouts.py. Blocking work (joining the group, receiving, reading
+files) runs in ``asyncio.to_thread``; one update at a time per worker (an asyncio lock),
+so a second update waits for the first instead of interleaving with it.
+
+Wire format note: the buckets follow workers/weights/broadcast.py, not SGLang's per-tensor
+broadcast; ``load_format`` must be null or ``slurmrl_buckets``. The field names are SGLang's,
+so the orchestrator's client is the same for both engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+from aiohttp import web
+
+from workers.inference.engine import InferenceEngine
+from workers.inference.server import BadRequest, _bool, _int, _json, _version
+from workers.weights.base import TensorMeta, WeightLoadError
+from workers.weights.broadcast import BroadcastReceiver
+from workers.weights.checksums import state_digest, state_hashes
+from workers.weights.filesystem import check_fits
+from workers.weights.shards import BY_NAME
+
+log = logging.getLogger("slurmrl.inference")
+LOAD_FORMATS = (None, "slurmrl_buckets")
+
+
+def _str(body: dict, field: str) -> str:
+    v = body.get(field)
+    if not isinstance(v, str) or not v:
+        raise BadRequest(f"{field}: expected a non-empty string, got {v!r}"[:300])
+    return v
+
+
+def _refused(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": message, **extra}, status=400)
+
+
+def _announced(body: dict) -> list[TensorMeta]:
+    """SGLang's parallel names / dtypes / shapes lists as TensorMeta (nbytes unused: 0)."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise BadRequest("names, dtypes, shapes: expected three lists (one entry per tensor)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(f"names, dtypes, shapes: {len(names)}, {len(dtypes)}, {len(shapes)} entries; must be equal")
+    out = []
+    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
+        d = d.replace("torch.", "") if isinstance(d, str) else d
+        if not isinstance(n, str) or d not in BY_NAME:
+            raise BadRequest(f"names[{i}], dtypes[{i}]: expected a name and one of {sorted(BY_NAME)}, got {n!r}, {d!r}")
+        if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
+            raise BadRequest(f"shapes[{i}]: expected a list of non-negative ints, got {s!r}"[:300])
+        out.append(TensorMeta(n, d, tuple(s), 0))
+    return out
+
+
+def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[str, Any]]:
+    """(path, handler) pairs for make_app; ``timeout_s`` bounds joining and each receive."""
+    lock = asyncio.Lock()
+    group: dict[str, Optional[Any]] = {"receiver": None, "name": None}
+    device = next(engine.model.parameters()).device
+
+    def digest() -> str:  # our extension field: lets the orchestrator check every update end to end
+        return state_digest(state_hashes(engine.model.state_dict()))
+
+    async def update_weights_from_disk(request):
+        body = await _json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path: expected the path of a published weights/step_N directory")
+        version = _version(body, "weight_version")  # required: every token is tagged with it
+        if body.get("load_format") is not None and not isinstance(body["load_format"], str):
+            raise BadRequest("load_format: expected a string or null")
+        abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
+        _bool(body.get("flush_cache", True), "flush_cache")
+        async with lock:
+            try:
+                n = await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all=abort_all)
+            except WeightLoadError as e:
+                log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
+                return _refused(str(e), num_paused_requests=engine.num_running + engine.num_pending)
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
+                                  "num_paused_requests": n, "weights_digest": await asyncio.to_thread(digest)})
+
+    async def init_weights_update_group(request):
+        body = await _json(request)
+        kwargs = dict(master_address=_str(body, "master_address"),
+                      master_port=_int(body.get("master_port"), "master_port", 1, 65535),
+                      rank=_int(body.get("rank_offset"), "rank_offset", 0),
+                      world_size=_int(body.get("world_size"), "world_size", 2),
+                      group_name=_str(body, "group_name"), backend=body.get("backend", "nccl"))
+        if kwargs["backend"] not in ("gloo", "nccl"):
+            raise BadRequest(f"backend: {kwargs['backend']!r} is not one of 'gloo', 'nccl'")
+        if kwargs["rank"] >= kwargs["world_size"]:
+            raise BadRequest(f"rank_offset({kwargs['rank']}) must be < world_size({kwargs['world_size']})")
+        async with lock:
+            if group["receiver"] is not None:
+                return _refused(f"already in weight group {group['name']!r}: /destroy_weights_update_group first")
+            try:
+                group["receiver"] = await asyncio.to_thread(BroadcastReceiver, timeout_s=timeout_s, device=device,
+                                                            **kwargs)
+            except (TimeoutError, RuntimeError, ValueError) as e:
+                log.warning("could not join weight group %s: %s", kwargs["group_name"], e)
+                return _refused(str(e))
+            group["name"] = kwargs["group_name"]
+        log.info("joined weight group %s at %s:%d as rank %d of %d (%s)", group["name"], kwargs["master_address"],
+                 kwargs["master_port"], kwargs["rank"], kwargs["world_size"], kwargs["backend"])
+        return web.json_response({"success": True, "message": f"joined weight group {group['name']!r} as rank "
+                                                              f"{kwargs['rank']} of {kwargs['world_size']}"})
+
+    def receive_and_apply(receiver: BroadcastReceiver, version: int, announced: list[TensorMeta],
+                          abort_all: bool) -> str:
+        if abort_all:
+            engine.abort(None, wait=True)
+        state, nbytes, seconds = receiver.receive(version, announced)  # every bucket lands, or it raises
+        check_fits({n: {"shape": list(t.shape)} for n, t in state.items()}, engine.model.state_dict(),
+                   where=f"broadcast of v{version}")
+        n = engine.apply_weights(state, version, source=f"broadcast:{group['name']}")
+        msg = (f"received v{version}: {nbytes / 1e6:.1f} MB in {seconds:.3f}s "
+               f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), {n} requests in flight")
+        log.info("%s", msg)
+        return msg
+
+    async def update_weights_from_distributed(request):
+        body = await _json(request)
+        announced = _announced(body)
+        name = _str(body, "group_name")
+        version = _version(body, "weight_version")
+        abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
+        _bool(body.get("flush_cache", True), "flush_cache")
+        if body.get("load_format") not in LOAD_FORMATS:
+            raise BadRequest(f"load_format: {body.get('load_format')!r} is not one of {list(LOAD_FORMATS)}")
+        async with lock:
+            receiver = group["receiver"]
+            if receiver is None or group["name"] != name:
+                return _refused(f"not in weight group {name!r} (joined: {group['name']!r}): "
+                                f"/init_weights_update_group first")
+            try:
+                msg = await asyncio.to_thread(receive_and_apply, receiver, version, announced, abort_all)
+            except (WeightLoadError, TimeoutError) as e:
+                log.warning("refused broadcast v%d: %s (still serving v%d)", version, e, engine.weight_version)
+                return _refused(str(e))
+        return web.json_response({"success": True, "message": msg, "weights_digest": await asyncio.to_thread(digest)})
+
+    async def destroy_weights_update_group(request):
+        name = _str(await _json(request), "group_name")
+        async with lock:
+            if group["receiver"] is None or group["name"] != name:
+                return _refused(f"not in weight group {name!r} (joined: {group['name']!r})")
+            group["receiver"].close()
+            group["receiver"] = group["name"] = None
+        return web.json_response({"success": True, "message": f"left weight group {name!r}"})
+
+    return [("/update_weights_from_disk", update_weights_from_disk),
+            ("/init_weights_update_group", init_weights_update_group),
+            ("/update_weights_from_distributed", update_weights_from_distributed),
+            ("/destroy_weights_update_group", destroy_weights_update_group)]

@@ -1,0 +1,115 @@
+"""Marker files of the broadcast transport: how trainer and orchestrator agree on an update.
+
+No torch here: the orchestrator imports this module. Files live in
+``run_dir/weights/broadcast/`` and are replaced atomically (write temp, rename), so a
+reader sees an old or a new value, never half of one; ``cat`` shows where a run stands.
+
+  ``group.json``   trainer rank 0, once: where the group's TCPStore listens and what it
+                   carries: {master_address, master_port, world_size, num_senders,
+                   group_name, backend, names, dtypes, shapes} (the last three: SGLang's
+                   fields of /update_weights_from_distributed, in the senders' order).
+  ``offer.json``   trainer rank 0, after each optimizer step: {"version": V, "digest"},
+                   weights V are in the trainer's memory and it waits to send them
+                   (digest: checksums.state_digest of them with weights.verify, else null).
+  ``request.json`` orchestrator, after pausing every worker: {"version": V}, the workers
+                   are being told to receive V; trainer ranks start sending.
+  ``run_dir/DONE`` (the orchestrator's end marker) releases a trainer waiting for a request.
+
+:func:`receiver_rank_counts` says how many group ranks each inference server contributes
+(SGLang: one per TP rank, ``rank = rank_offset + tp_rank``), in ``inference_urls`` order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+BROADCAST_DIR = "broadcast"
+GROUP_FILE, OFFER_FILE, REQUEST_FILE = "group.json", "offer.json", "request.json"
+
+
+class Handshake:
+    """The three marker files above, for one run directory."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.dir = Path(run_dir) / "weights" / BROADCAST_DIR
+
+    def reset(self) -> None:
+        """Trainer rank 0 before forming a group: no marker of an earlier attempt survives."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, name: str, obj: Any) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, self.dir / name)
+
+    def _read(self, name: str) -> Optional[dict]:
+        try:
+            return json.loads((self.dir / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write_group(self, info: dict) -> None:
+        self._write(GROUP_FILE, info)
+
+    def read_group(self) -> Optional[dict]:
+        return self._read(GROUP_FILE)
+
+    def offer(self, version: int, digest: Optional[str] = None) -> None:
+        self._write(OFFER_FILE, {"version": int(version), "digest": digest})
+
+    def offered(self) -> Optional[dict]:
+        """{"version", "digest"} (digest: the whole-model state_digest, or None), or None."""
+        return self._read(OFFER_FILE)
+
+    def request(self, version: int) -> None:
+        self._write(REQUEST_FILE, {"version": int(version)})
+
+    def requested(self) -> Optional[int]:
+        got = self._read(REQUEST_FILE)
+        return None if got is None else int(got["version"])
+
+
+def state_digest(hashes: Mapping[str, str]) -> str:
+    """One digest of a whole model from its per-tensor xxh3 digests (names included, order-free).
+
+    The orchestrator compares the trainer's (offer.json, index.json) with the one each worker
+    reports after applying an update: equal means every parameter is bit-identical.
+    """
+    import xxhash
+
+    return f"{xxhash.xxh3_64_intdigest(''.join(f'{n}={h};' for n, h in sorted(hashes.items())).encode()):016x}"
+
+
+def index_digest(step_dir: Path) -> Optional[str]:
+    """:func:`state_digest` of a published step, from its index.json (None if unreadable)."""
+    try:
+        tensors = json.loads((Path(step_dir) / "index.json").read_text())["tensors"]
+        return state_digest({n: m["xxh3"] for n, m in tensors.items()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def receiver_rank_counts(cfg) -> list[int]:
+    """Group ranks per inference server (RunConfig ``cfg``), in the order of inference_urls.
+
+    Unified workers, or prefill servers then decode servers; each contributes its TP size
+    (the embedded engine: 1).
+    """
+    i = cfg.inference
+    if i.num_workers:
+        return [i.worker.tp] * i.num_workers
+    return [i.prefill.tp] * i.num_prefill_replicas + [i.decode.tp] * i.num_decode_replicas
+
+
+def rank_offsets(counts: list[int], num_senders: int) -> list[int]:
+    """First group rank of each server: the senders are ranks 0..num_senders-1."""
+    out, nxt = [], num_senders
+    for c in counts:
+        out.append(nxt)
+        nxt += c
+    return out
