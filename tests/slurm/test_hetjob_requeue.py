@@ -39,7 +39,7 @@ def test_usr1_requeues_the_whole_hetjob(slurm_cluster, tmp_path):
         assert restarts
         # A requeued job waits cred_expire+1 s (11 s here) before it may start again. Forcing
         # StartTime=now races with that: slurmctld then kills it ("Job credential revoked").
-        wait_until("the second run of the batch script", 90, lambda: f"job {job_id} (restart 1)" in log.read_text())
+        wait_until("the second run of the batch script", 300, lambda: f"job {job_id} (restart 1)" in log.read_text())
         text = log.read_text()
         first = text[: text.index(f"job {job_id} (restart 1)")]
         assert "USR1: time limit or preemption in 30 s" in first and "exited with status" in first
