@@ -172,8 +172,9 @@ def test_broadcast_updates_over_http_are_exact_and_bad_ones_are_refused(servers)
 class CorruptingSender(BucketSender):
     """Announces checksums the data does not have (a flipped bit in transit)."""
 
-    def _checksum(self, buf):
-        return f"{(int(super()._checksum(buf), 16) ^ 1):016x}"
+    def _pack(self, bucket, state, slot):
+        buf, checksum = super()._pack(bucket, state, slot)
+        return buf, f"{(int(checksum, 16) ^ 1):016x}"
 
 
 class _NoDisk:

@@ -143,8 +143,9 @@ def test_two_senders_reach_a_full_and_a_subset_receiver_bit_exactly(tmp_path, bu
 class CorruptingSender(BucketSender):
     """Announces a checksum the data does not have: what a flipped bit in transit looks like."""
 
-    def _checksum(self, buf):
-        return f"{(int(super()._checksum(buf), 16) ^ 1):016x}"
+    def _pack(self, bucket, state, slot):
+        buf, checksum = super()._pack(bucket, state, slot)
+        return buf, f"{(int(checksum, 16) ^ 1):016x}"
 
 
 def test_corrupt_bucket_wrong_version_and_bad_metadata_are_refused_and_the_group_survives(tmp_path):

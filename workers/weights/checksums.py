@@ -1,9 +1,12 @@
 """Checksums of tensors and flat buffers, cheap enough to run on every weight update.
 
 Why xxh3-64: measured here at ~16 GB/s on one core (xxh64: 8.5, xxh3-128: 11.8), and
-python-xxhash releases the GIL while it hashes, so a small thread pool hashes tensor i
-while the caller writes, reads or broadcasts tensor i+1 (benchmarks/weight_sync.py has
-the numbers). Digests are 16 hex characters, stored per tensor in a step's index.json.
+python-xxhash releases the GIL while it hashes. Where bytes stream through this process
+(shard files, packed send buckets) they are hashed chunk by chunk while still in cache
+(shards.py); where they land by themselves (a received bucket) or must be known before
+writing (delta mode), :class:`Hasher` hashes in a small thread pool while the next bucket
+or tensor moves. Digests are 16 hex characters, stored per tensor in a step's index.json;
+streaming and one-shot xxh3 give the same digest.
 
 CUDA buffers (the NCCL path of the broadcast) are not copied to the host to be hashed:
 :func:`buffer_checksum` computes a position-weighted 64-bit sum with torch ops on the

@@ -13,7 +13,7 @@ Publish protocol (every trainer rank calls :meth:`FilesystemPublisher.publish`; 
 the trainer group's collectives, bounded by its process-group timeout):
   1. rank 0 empties ``.step_N.tmp/``; gather #1 (everyone knows the dir exists);
   2. rank r writes its share (:func:`assign_shares`: by bytes, the same split every step)
-     to ``<shard>.partial``, hashing each tensor in threads while it writes, fsyncs,
+     to ``<shard>.partial``, hashing each chunk as it is written (shards.py), fsyncs,
      renames to ``<shard>``; gather #2 brings every rank's {name: shape, dtype, hash, file};
   3. rank 0 writes index.json, then STABLE, fsyncs, renames ``.step_N.tmp`` -> ``step_N``
      (readers never see a partial step), then prunes old steps in a background thread
@@ -106,12 +106,12 @@ class FilesystemPublisher(WeightPublisher):
         hashes: dict[str, str] = {}
         if full:
             to_write = tensors
-        else:  # the decision needs the hashes first: no overlap with the write here
+        else:  # the decision needs the hashes first (in threads; not overlapped with the write)
             hashes = {n: f.result() for n, f in self.hasher.hash_tensors(tensors).items()}
             to_write = [(n, t) for n, t in tensors if self._prev.get(n, ("", ""))[0] != hashes[n]]
         fname = shard_name(rank, world)
         if to_write:
-            hashes.update(write_shard(tmp / fname, to_write, self.hasher, {"format": "pt", "step": str(version)}))
+            hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}))
         written = {n for n, _ in to_write}
         entries = {m.name: {"shape": list(m.shape), "dtype": m.dtype, HASH_NAME: hashes[m.name],
                             "file": f"{final.name}/{fname}" if m.name in written else self._prev[m.name][1]}
@@ -199,9 +199,8 @@ class DiskReader:
     """Inference side: verify a published step and read it into a reusable staging buffer."""
 
     def __init__(self, num_threads: int = 2):
-        self.hasher = Hasher(num_threads)
         self.staging = Staging("cpu")
-        self._io = cf.ThreadPoolExecutor(2, thread_name_prefix="weights-read")
+        self._io = cf.ThreadPoolExecutor(num_threads, thread_name_prefix="weights-read")  # one shard per thread
 
     def load(self, step_dir: Path, expected: Optional[Mapping[str, torch.Tensor]] = None,
              known: Optional[Mapping[str, str]] = None) -> LoadedStep:
@@ -222,34 +221,33 @@ class DiskReader:
             check_fits(tensors, expected, where=str(step_dir))
         known = known or {}
         wanted = [n for n in tensors if known.get(n) != tensors[n][HASH_NAME]]
+        paths = {rel: Path(os.path.normpath(step_dir / rel)) for rel in set(weight_map.values())}
         by_file: dict[Path, dict] = {}
         for n in wanted:
-            by_file.setdefault(Path(os.path.normpath(step_dir / weight_map[n])), {})[n] = (
-                tensors[n]["dtype"], tensors[n]["shape"])
+            by_file.setdefault(paths[weight_map[n]], {})[n] = (tensors[n]["dtype"], tensors[n]["shape"])
         sizes = {f: aligned_size(meta_nbytes(*v) for v in want.values()) for f, want in by_file.items()}
         staging = self.staging.reserve(sum(sizes.values()))
         jobs, base = {}, 0
         for f, want in by_file.items():
-            jobs[f] = self._io.submit(read_tensors, f, want, staging, base, self.hasher)
+            jobs[f] = self._io.submit(read_tensors, f, want, staging, base)
             base += sizes[f]
-        state, futures = {}, {}
+        state, got = {}, {}
         try:
             for f, job in jobs.items():
-                views, hashes = job.result()
+                views, digests = job.result()
                 state.update(views)
-                futures.update({n: (f, h) for n, h in hashes.items()})
+                got.update({n: (f, d) for n, d in digests.items()})
         except (ShardError, ValueError) as e:
             raise WeightLoadError(str(e)) from e
-        for n, (f, fut) in futures.items():
-            if fut.result() != tensors[n][HASH_NAME]:
+        for n, (f, digest) in got.items():
+            if digest != tensors[n][HASH_NAME]:
                 raise WeightLoadError(f"tensor {n} in {f} fails its checksum (corrupt shard): "
-                                      f"{fut.result()} != {tensors[n][HASH_NAME]} in {INDEX}")
+                                      f"{digest} != {tensors[n][HASH_NAME]} in {INDEX}")
         return LoadedStep(state=state, hashes={n: m[HASH_NAME] for n, m in tensors.items()},
                           bytes=sum(nbytes(t) for t in state.values()), seconds=time.perf_counter() - t0,
                           num_skipped=len(tensors) - len(wanted))
 
     def close(self) -> None:
-        self.hasher.close()
         self._io.shutdown(wait=True)
 
 

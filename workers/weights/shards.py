@@ -3,15 +3,21 @@
 Why not ``safetensors.torch.save_file`` / ``load_file``: save_file serialises the whole
 shard into one bytes object before writing (a second copy of the model in memory and a
 memcpy on the critical path), and load_file reads whole files. Here a shard is written
-straight from the tensors' memory, a hash future per tensor running alongside, and read
-tensor by tensor into a caller-owned staging buffer, so a delta step can read only the
-tensors it needs and hashing overlaps the next read. The files are ordinary safetensors
+straight from the tensors' memory and read tensor by tensor into a caller-owned staging
+buffer (a delta step reads only the tensors it needs). The files are ordinary safetensors
 (8-byte little-endian header length, JSON header padded with spaces to 8 bytes, data with
 no holes): ``safetensors.torch.load_file`` reads them (tests check that).
 
-Tensors are laid out by element size, largest first, so every data offset is a multiple
-of its own element size without padding. Errors raise :class:`ShardError` naming the file
-and the reason (missing, unreadable header, truncated, tensor absent or mis-described).
+Hashing rides along: each 4 MiB chunk is fed to a streaming xxh3 right after it was
+written or read, while it is still in the CPU cache, so checksums cost no extra pass over
+memory. Measured here (115 MB, /dev/shm, 2 busy cores): reading 17 ms raw, 19.5 ms with
+inline hashing, 32 ms with a hash future per tensor on a 2-thread pool (which re-reads
+every tensor from DRAM and competes for the cores). Parallelism comes from shards: every
+trainer rank writes its own, and the reader reads files in parallel threads.
+
+Tensors are laid out by element size, largest first, so every data offset is a multiple of
+its own element size without padding. Errors raise :class:`ShardError` naming the file and
+the reason (missing, unreadable header, truncated, tensor absent or mis-described).
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from workers.weights.checksums import Hasher, byte_view, tensor_hash
+import xxhash
+
+from workers.weights.checksums import byte_view
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -32,9 +40,9 @@ FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 NAMES = {t: str(t).replace("torch.", "") for t in ST_DTYPES}
 """torch dtype -> the name index.json and SGLang's HTTP API use (``bfloat16``)."""
 BY_NAME = {v: k for k, v in NAMES.items()}
-CHUNK = 64 << 20
-"""Bytes per write/read syscall: one 1 GiB write took 9.2 s on this machine's disk where 64 MiB
-chunks took 1.4 s (dirty-page throttling inside one huge syscall); reads gained 3x likewise."""
+CHUNK = 4 << 20
+"""Bytes per write/read syscall and per hash update: small enough to stay in cache for the hash,
+large enough for the disk (one 1 GiB write took 9.2 s on this machine's disk, 64 MiB chunks 1.4 s)."""
 ALIGN = 64
 
 
@@ -65,12 +73,11 @@ def layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch
     return sorted(tensors, key=lambda nt: -nt[1].element_size())
 
 
-def write_shard(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], hasher: Hasher,
+def write_shard(path: Path, tensors: Sequence[tuple[str, torch.Tensor]],
                 metadata: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """Write ``tensors`` (contiguous, CPU) to ``path`` via ``path.partial`` + fsync + rename.
 
-    Returns {name: xxh3 digest}; the digests are computed by ``hasher`` while the bytes
-    are written (the write loop never waits for a hash until the file is complete).
+    Returns {name: xxh3 digest} (checksums.tensor_hash), computed chunk by chunk as written.
     """
     ordered = layout(tensors)
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
@@ -81,24 +88,27 @@ def write_shard(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], hasher:
         offset += nbytes(t)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    futures = {name: hasher.submit(tensor_hash, t) for name, t in ordered}
     tmp = path.with_name(path.name + ".partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    digests = {}
     try:
-        _write_all(fd, struct.pack("<Q", len(raw)) + raw)
-        for _, t in ordered:
-            _write_all(fd, byte_view(t))
+        _write_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), None)
+        for name, t in ordered:
+            h = xxhash.xxh3_64()
+            _write_all(fd, memoryview(byte_view(t)), h)
+            digests[name] = f"{h.intdigest():016x}"
         os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(tmp, path)
-    return {name: f.result() for name, f in futures.items()}
+    return digests
 
 
-def _write_all(fd: int, buf) -> None:
-    view = memoryview(buf).cast("B")
+def _write_all(fd: int, view: memoryview, h) -> None:
     while len(view):
         n = os.write(fd, view[:CHUNK])
+        if h is not None:
+            h.update(view[:n])  # just written: still in cache
         view = view[n:]
 
 
@@ -144,16 +154,16 @@ class Staging:
         return self.buf
 
 
-def read_tensors(path: Path, wanted: Mapping[str, tuple[str, list[int]]], staging: torch.Tensor, base: int,
-                 hasher: Hasher) -> tuple[dict[str, torch.Tensor], dict]:
+def read_tensors(path: Path, wanted: Mapping[str, tuple[str, list[int]]], staging: torch.Tensor,
+                 base: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read ``wanted`` {name: (dtype name, shape)} from one shard into ``staging[base:]``.
 
-    Returns ({name: tensor view}, {name: hash future}); each tensor's hash is submitted as
-    soon as its bytes are in, so hashing overlaps the following reads. Raises ShardError if
-    a wanted tensor is absent or the header disagrees with the expected dtype or shape.
+    Returns ({name: tensor view}, {name: xxh3 digest of the bytes read}), hashed chunk by
+    chunk as read. Raises ShardError if a wanted tensor is absent or the header disagrees
+    with the expected dtype or shape.
     """
     header, data_start = read_header(path)
-    out, futures = {}, {}
+    out, digests = {}, {}
     offset = base
     with open(path, "rb", buffering=0) as f:
         for name, (dtype_name, shape) in sorted(wanted.items(), key=lambda kv: header.get(kv[0], {}).get(
@@ -168,17 +178,17 @@ def read_tensors(path: Path, wanted: Mapping[str, tuple[str, list[int]]], stagin
             begin, end = h["data_offsets"]
             region = staging[offset: offset + end - begin]
             f.seek(data_start + begin)
-            view = memoryview(region.numpy())
+            view, h = memoryview(region.numpy()), xxhash.xxh3_64()
             while len(view):
                 n = f.readinto(view[:CHUNK])
                 if not n:
                     raise ShardError(f"shard {path} ended early while reading {name}")
+                h.update(view[:n])  # just read: still in cache
                 view = view[n:]
-            t = region.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
-            out[name] = t
-            futures[name] = hasher.submit(tensor_hash, t)
+            out[name] = region.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
+            digests[name] = f"{h.intdigest():016x}"
             offset += -(-(end - begin) // ALIGN) * ALIGN
-    return out, futures
+    return out, digests
 
 
 def aligned_size(sizes) -> int:
