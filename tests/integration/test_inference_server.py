@@ -9,7 +9,6 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from workers.common.inference_client import InferenceClient, InferenceError, wai
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.weights.filesystem import publish_step
+from tests.netutil import free_port
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +33,6 @@ TOKEN = "test-admin-token"
 MODEL = dict(vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_experts=8, top_k=2,
              expert_intermediate_size=64, max_position_embeddings=512)
 INIT_SEED = 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(run_dir: Path):

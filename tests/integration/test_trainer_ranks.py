@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from workers.common.config import (ClusterConfig, EnvConfig, ModelConfig, RunCon
 from workers.common.protocol import READY, STABLE, RunPaths, publish_dir
 from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
 from workers.weights.filesystem import load_step
+from tests.netutil import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dict(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
@@ -37,12 +37,6 @@ MODEL = dict(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=2, num_h
 METRIC_KEYS = {"step", "reward_mean", "max_staleness", "samples_dropped_stale", "mismatch_kl", "trainer_idle_frac",
                "tokens_per_s", "step_time_s", "loss", "grad_norm", "entropy", "weight_sync_s", "weight_sync_gbps",
                "aux_loss", "routing_disagreement", "time"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_replay: bool = True) -> RunPaths:

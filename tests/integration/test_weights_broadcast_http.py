@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from workers.weights.broadcast import BroadcastPublisher, BucketSender
 from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.filesystem import FilesystemPublisher
 from workers.weights.handshake import Handshake
+from tests.netutil import free_port
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +39,6 @@ TOKEN = "test-admin-token"
 MODEL = dict(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
              expert_intermediate_size=32, max_position_embeddings=64)
 WEIGHTS = WeightsConfig(transport="broadcast", bucket_size_mb=1, lone_tensor_mb=1, broadcast_timeout_s=30, verify=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_servers(paths: RunPaths, n: int) -> tuple[list[subprocess.Popen], list[str]]:

@@ -74,10 +74,6 @@ def test_block_mask_matches_per_sample_attention_and_blocks_gradients():
 
 @pytest.fixture(scope="module")
 def model():
-    import inspect
-    from workers.modeling.tiny_moe import TinyMoeForCausalLM
-    if "segment_ids" not in inspect.signature(TinyMoeForCausalLM.forward).parameters:
-        pytest.skip("this tiny_moe forward takes no segment_ids (block-diagonal attention) yet")
     cfg = TinyMoeConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
                         expert_intermediate_size=32, max_position_embeddings=64)
     return build_model(cfg, seed=3).eval()

@@ -17,6 +17,7 @@ W = "inference.worker.sglang"
 
 CASES = [
     # (overrides on top of a preset, a fragment the message must contain)
+    (KIMI + ["weights=broadcast"], "SGLang servers cannot receive; with inference.backend=sglang use weights.transport=filesystem"),
     (GLM5 + ["orchestrator.return_routed_experts=true"],
      "does not merge the prefill server's routed experts"),
     (GLM5 + ["trainer.router_replay=true"], "Use unified servers (inference.num_workers) for Router Replay"),

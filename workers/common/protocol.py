@@ -3,10 +3,13 @@
 Who writes what (every wait has a deadline that names the peer):
 
 - launcher      -> ``config/run.yaml`` (resolved config), ``admin_token`` (mode 600).
-- trainer rank0 -> ``weights/step_N/`` (N = number of optimizer steps taken; step_0 is the
-  initial model) = ``model.safetensors`` + ``index.json`` + ``STABLE`` written last. The
-  directory is first written as ``.step_N.tmp`` and renamed, so a reader that sees
-  ``step_N/STABLE`` sees complete files.
+- trainer ranks -> ``weights/step_N/`` (N = number of optimizer steps taken; step_0 is the
+  initial model): one safetensors shard per trainer rank, ``index.json`` (rank 0: file, shape,
+  dtype, xxh3 per tensor; delta steps point unchanged tensors at older steps) and ``STABLE``
+  written last (workers/weights/filesystem.py). The directory is first written as
+  ``.step_N.tmp`` and renamed, so a reader that sees ``step_N/STABLE`` sees complete files.
+  With ``weights.transport=broadcast`` only step_0 goes through here; later versions travel
+  over the weight group (workers/weights/broadcast.py, handshake.py markers).
 - orchestrator  -> ``rollouts/step_N/`` = ``batch.safetensors`` (tensors below) + ``meta.json``
   + ``READY`` last, same temp-dir-then-rename rule. Batch N trains step N.
 - trainer rank0 -> ``metrics.jsonl`` (one JSON object per step), ``tb/`` TensorBoard events.
@@ -16,7 +19,7 @@ Who writes what (every wait has a deadline that names the peer):
 
 Batch tensors (row = one sample, right-padded to T; token t is predicted from tokens < t):
   input_ids int64[B,T], attention_mask uint8[B,T], loss_mask uint8[B,T] (completion tokens),
-  inference_logprobs float32[B,T] (0 outside loss_mask), advantages float32[B],
+  inference_logprobs float32[B,T] (0 outside loss_mask), advantages float32[B] or [B,T],
   rewards float32[B], token_versions int32[B,T] (policy version that sampled each token,
   -1 on prompt/pad), routed_experts uint8|uint16[B,T,L,k] (optional; row t = experts used
   when token t was the *input*; rows the engine did not report are 0 and flagged 0 in

@@ -13,8 +13,11 @@ after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees com
 
 Who waits for whom: every rank waits for the orchestrator's batch (deadline
 trainer.batch_timeout_s); ranks wait for each other only inside collectives (the
-process-group timeout, batch_timeout_s + 60 s, since a rank may be that late). Nobody
-waits for inference: the orchestrator decides when workers load a published step.
+process-group timeout, batch_timeout_s + 60 s, since a rank may be that late). With the
+filesystem transport nobody waits for inference (the orchestrator decides when workers load
+a published step); with ``weights.transport=broadcast`` the senders wait for the
+orchestrator's request marker and then for the receivers inside the weight group
+(deadline weights.broadcast_timeout_s; protocol in workers/weights/broadcast.py).
 
 SIGTERM stops at once (nothing is finished or flushed beyond the last full metrics line;
 a half-written weights dir stays a ``.step_N.tmp`` that readers ignore): the process group
@@ -81,7 +84,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             metrics = MetricsWriter(paths)
             log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
                      f"{num_parameters(model.config) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
-                     f"published weights step 0 in {sync['weight_sync_s']:.3f}s")
+                     f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
         for step in range(start, tcfg.num_steps):
             idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s)

@@ -172,10 +172,7 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
     if w.transport == "filesystem":
         return fs
     if w.transport == "broadcast":
-        if cfg.inference.backend != "embedded":  # fail now, not after broadcast_timeout_s of silence
-            raise ValueError(f"weights.transport=broadcast speaks the embedded engine's bucket protocol "
-                             f"(workers/weights/broadcast.py); inference.backend={cfg.inference.backend!r} needs "
-                             f"weights.transport=filesystem")
+        # inference.backend=sglang with broadcast is refused by the plan (launcher/sglang_checks.py)
         from workers.weights.broadcast import BroadcastPublisher
         from workers.weights.handshake import receiver_rank_counts
 
