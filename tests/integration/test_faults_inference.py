@@ -9,7 +9,11 @@ from benchmarks.chaos import run_chaos
 
 
 def test_worker_killed_twice_nothing_lost_nothing_twice(tmp_path):
-    r = run_chaos(tmp_path / "run", num_steps=12, timeout_s=240, overrides=["trainer.simulated_step_delay_s=1.5"],
+    r = run_chaos(tmp_path / "run", num_steps=12, timeout_s=240, overrides=["trainer.simulated_step_delay_s=1.5",
+                         # every group spends ~1 s in its env after generating, so some are always in
+                         # flight when the worker dies (a kill while the staleness window is full and
+                         # nothing is in flight resubmits nothing, and this test wants resubmission)
+                         "env.latency=lognormal", "env.latency_median_s=1.0", "env.latency_p99_over_median=3"],
                   schedule=[(1, "inference[0]", "KILL"), (7, "inference[0]", "KILL")])  # steps slow: it comes back
     assert r["launcher_exit"] == 0 and r["finished"], r
     assert r["rollouts_lost"] == 0 and r["rollouts_trained_twice"] == 0, r["ledger"]
