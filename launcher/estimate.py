@@ -30,8 +30,9 @@ class ParamCount:
 
 def attention_params(m: ModelConfig) -> int:
     h = m.hidden_size
-    if m.attention == "mha":
-        return 4 * h * h
+    if m.attention == "mha":  # q and o: h x h; k and v: h x (kv heads x head dim) under GQA
+        kv = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
+        return 2 * h * h + 2 * h * kv
     qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
     q = h * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk_head + m.q_lora_rank  # down, up, norm
     kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # down (+ shared rope key), norm
@@ -56,17 +57,19 @@ def count_params(m: ModelConfig) -> ParamCount:
     moe_layer = attn + (m.num_experts + m.num_shared_experts) * expert_params(m) + router + 2 * h
     moe_active = attn + (m.top_k + m.num_shared_experts) * expert_params(m) + router + 2 * h
     dense_layer = attn + 3 * h * m.dense_intermediate_size + 2 * h
-    num_moe = m.num_layers - m.num_dense_layers
-    embed = 2 * m.vocab_size * h + h  # untied embedding + LM head, final norm
-    total = num_moe * moe_layer + m.num_dense_layers * dense_layer + embed
-    active = num_moe * moe_active + m.num_dense_layers * dense_layer + embed
+    num_dense = m.num_layers if m.num_experts == 0 else m.num_dense_layers  # num_experts=0: a dense model
+    num_moe = m.num_layers - num_dense
+    embed = (1 if m.tie_word_embeddings else 2) * m.vocab_size * h + h  # embedding (+ LM head), final norm
+    total = num_moe * moe_layer + num_dense * dense_layer + embed
+    active = num_moe * moe_active + num_dense * dense_layer + embed
     mtp = m.num_mtp_layers * (moe_layer + 2 * h * h + 2 * h)  # a MoE layer + its input projection, norms
     return ParamCount(total=total, active=active, mtp=mtp)
 
 
 def kv_bytes_per_token(m: ModelConfig, dtype: str) -> int:
     """KV cache of one token over all layers: MLA stores the latent + rope key, MHA full K and V."""
-    per_layer = (m.kv_lora_rank + m.qk_rope_head_dim) if m.attention == "mla" else 2 * m.hidden_size
+    kv_width = (m.num_kv_heads or m.num_heads) * (m.hidden_size // m.num_heads)  # GQA: kv heads only
+    per_layer = (m.kv_lora_rank + m.qk_rope_head_dim) if m.attention == "mla" else 2 * kv_width
     return m.num_layers * per_layer * DTYPE_BYTES[dtype]
 
 

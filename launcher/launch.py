@@ -18,6 +18,7 @@ from typing import Optional
 
 from launcher.estimate import human
 from launcher.plan import JobPlan, build_plan
+from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.render import render_script, sbatch_command
 from launcher.run_dir import choose_run_dir, create_run_dir
 from workers.common.config import RunConfig
@@ -42,6 +43,7 @@ class Prepared:
 
 def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     plan = build_plan(cfg)  # every user mistake raises here, before anything is written
+    cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
     root = root or choose_run_dir(cfg)
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))
     script = None
@@ -94,6 +96,7 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
         else:
             print(f"[slurmrl] dry run: resolved config in {paths.run_config}; nothing started", flush=True)
         return 0
+    ensure_converted(prep.cfg)  # once per cache dir, before any role needs the checkpoint
     if prep.plan.backend == "local":
         from launcher.local_backend import LocalBackend
 

@@ -22,12 +22,15 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from launcher.sglang_checks import SGLangStep, check_sglang, sglang_steps
 from workers.common.config import RunConfig
+from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
+from workers.common.pretrained import fact_mismatches
 from workers.common.topology import PORT_SERVERS
+from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
 from workers.preflight.checks import limit_errors
 
 BYTE_CHAT_VOCAB = 264  # = workers/orchestrator/envs/chat.py VOCAB_SIZE (8 specials + 256 bytes)
 ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols, "code_repair": lambda e: BYTE_CHAT_VOCAB,
-             "verifiers": lambda e: BYTE_CHAT_VOCAB}
+             "verifiers": lambda e: BYTE_CHAT_VOCAB, "reverse_text": lambda e: 0}  # reverse_text: the model's own
 MULTI_TURN_ENVS = ("code_repair", "verifiers")
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
@@ -108,9 +111,18 @@ def check_choices(cfg: RunConfig) -> None:
 
 def check_model(cfg: RunConfig) -> None:
     m = cfg.model
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k",
-                "expert_intermediate_size", "max_position_embeddings"):
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
         _positive(f"model.{key}", getattr(m, key))
+    _positive("model.num_kv_heads", m.num_kv_heads, allow_zero=True)
+    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+        raise PlanError(f"model.num_kv_heads({m.num_kv_heads}) must divide model.num_heads({m.num_heads})")
+    if m.pretrained:
+        check_pretrained(cfg)
+    if m.num_experts == 0:
+        check_dense_model(cfg)
+    else:
+        for key in ("num_experts", "top_k", "expert_intermediate_size"):
+            _positive(f"model.{key}", getattr(m, key))
     if m.attention == "mha":
         if m.hidden_size % m.num_heads:
             raise PlanError(f"model.num_heads({m.num_heads}) must divide model.hidden_size({m.hidden_size})")
@@ -119,7 +131,7 @@ def check_model(cfg: RunConfig) -> None:
     else:
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _positive(f"model.{key}", getattr(m, key))
-    if m.top_k > m.num_experts:
+    if m.num_experts and m.top_k > m.num_experts:
         raise PlanError(f"model.top_k({m.top_k}) must be <= model.num_experts({m.num_experts})")
     if m.num_experts > 65535:
         raise PlanError(f"model.num_experts({m.num_experts}) must fit uint16 routed-expert records")
@@ -127,6 +139,33 @@ def check_model(cfg: RunConfig) -> None:
         raise PlanError(f"model.num_dense_layers({m.num_dense_layers}) must be in [0, model.num_layers({m.num_layers}))")
     if m.num_dense_layers and m.dense_intermediate_size <= 0:
         raise PlanError(f"model.dense_intermediate_size must be > 0 with model.num_dense_layers={m.num_dense_layers}")
+
+
+def check_dense_model(cfg: RunConfig) -> None:
+    """model.num_experts=0: every layer a dense MLP; nothing routes, so nothing can be replayed."""
+    m = cfg.model
+    if m.top_k != 0:
+        raise PlanError(f"model.top_k({m.top_k}) must be 0 for a dense model (model.num_experts=0)")
+    _positive("model.dense_intermediate_size", m.dense_intermediate_size)
+    if m.num_dense_layers:
+        raise PlanError(f"model.num_dense_layers({m.num_dense_layers}) must be 0 when model.num_experts=0 "
+                        f"(every layer is dense already)")
+    if cfg.trainer.router_replay:
+        raise PlanError("trainer.router_replay=true needs a MoE model; model.num_experts=0 is dense")
+    if cfg.orchestrator.return_routed_experts:
+        raise PlanError("orchestrator.return_routed_experts=true needs a MoE model; set it false for a dense model")
+    if cfg.launcher.trainer.ep != 1:
+        raise PlanError(f"launcher.trainer.ep({cfg.launcher.trainer.ep}) must be 1 for a dense model (no experts)")
+
+
+def check_pretrained(cfg: RunConfig) -> None:
+    """model.pretrained: a known source whose architecture facts the preset repeats exactly."""
+    m = cfg.model
+    if m.pretrained not in PRETRAINED_SOURCES:
+        raise PlanError(f"model.pretrained={m.pretrained!r} is unknown; choose one of {sorted(PRETRAINED_SOURCES)}")
+    wrong = fact_mismatches(m.pretrained, m)
+    if wrong:
+        raise PlanError(f"model preset {m.name} does not describe the checkpoint it loads: " + "; ".join(wrong))
 
 
 def check_env_latency(cfg: RunConfig) -> None:
@@ -155,6 +194,9 @@ def check_env(cfg: RunConfig) -> None:
     if e.name in MULTI_TURN_ENVS:
         check_multi_turn_env(cfg)
         return
+    if e.name == "reverse_text":
+        check_reverse_text_env(cfg)
+        return
     _positive("env.min_digits", e.min_digits)
     if e.max_digits < e.min_digits:
         raise PlanError(f"env.max_digits({e.max_digits}) must be >= env.min_digits({e.min_digits})")
@@ -163,6 +205,22 @@ def check_env(cfg: RunConfig) -> None:
     if longest > cfg.model.max_position_embeddings:
         raise PlanError(f"model.max_position_embeddings({cfg.model.max_position_embeddings}) < longest episode "
                         f"({longest} tokens for env.max_digits={e.max_digits})")
+
+
+def check_reverse_text_env(cfg: RunConfig) -> None:
+    """reverse_text tokenizes with a pretrained model's tokenizer and chat template."""
+    e = cfg.env
+    if not cfg.model.pretrained:
+        raise PlanError(f"env=reverse_text uses a pretrained model's tokenizer and chat template, but model "
+                        f"{cfg.model.name} has none (model.pretrained is empty); use model=smollm2_135m")
+    _positive("env.min_words", e.min_words)
+    if not e.min_words <= e.max_words <= len(REVERSE_TEXT_WORDS):
+        raise PlanError(f"env.max_words({e.max_words}) must be in [env.min_words({e.min_words}), "
+                        f"{len(REVERSE_TEXT_WORDS)} (words in the list)]")
+    _positive("env.max_new_tokens", e.max_new_tokens)
+    if e.max_new_tokens >= cfg.model.max_position_embeddings:
+        raise PlanError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
+                        f"({cfg.model.max_position_embeddings}): the prompt needs room too")
 
 
 def check_multi_turn_env(cfg: RunConfig) -> None:

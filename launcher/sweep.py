@@ -24,6 +24,7 @@ from typing import Optional
 from launcher import submit
 from launcher.launch import Prepared, announce, launch, prepare, submit_prepared, write
 from launcher.plan import PlanError
+from launcher.pretrained import ensure_converted
 from launcher.run_dir import choose_run_dir
 from workers.common.config import RunConfig
 
@@ -71,6 +72,7 @@ def run_all(points: Optional[list[Point]] = None) -> int:
         return max(codes)
     jobs = []
     for p in points:
+        ensure_converted(p.prepared.cfg)  # model.pretrained: once, before the first job needs it
         write(p.prepared)
         announce(p.prepared)
         jobs.append((p, submit_prepared(p.prepared)))

@@ -133,13 +133,17 @@ class ModelConfig:
     hidden_size: int = 128
     """Residual stream width."""
     num_layers: int = 4
-    """Decoder layers (every one is MoE)."""
+    """Decoder layers (every one is MoE, or every one dense when num_experts=0)."""
     num_heads: int = 4
     """Attention heads; must divide hidden_size."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention, Llama's ``num_key_value_heads``); 0: num_heads.
+    Must divide num_heads."""
     num_experts: int = 8
-    """Routed experts per MoE layer."""
+    """Routed experts per MoE layer; 0 makes a dense model (every layer a SwiGLU MLP of
+    dense_intermediate_size, no router: Router Replay and routed experts do not apply)."""
     top_k: int = 2
-    """Experts chosen per token."""
+    """Experts chosen per token (0 for a dense model)."""
     expert_intermediate_size: int = 256
     """Hidden width of each expert's SwiGLU MLP."""
     max_position_embeddings: int = 512
@@ -149,7 +153,19 @@ class ModelConfig:
     num_dense_layers: int = 0
     """Leading layers with a dense MLP instead of MoE (DeepSeek/GLM ``first_k_dense_replace``)."""
     dense_intermediate_size: int = 0
-    """Hidden width of the dense layers' SwiGLU MLP (used when num_dense_layers > 0)."""
+    """Hidden width of the dense layers' SwiGLU MLP (num_dense_layers > 0, or num_experts=0)."""
+    tie_word_embeddings: bool = False
+    """The output projection is the input embedding (no ``lm_head.weight`` of its own)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    pretrained: str = ""
+    """Start from a pretrained checkpoint instead of the seeded init: a name of
+    workers/modeling/pretrained.py SOURCES (``smollm2_135m``); "" = random init from init_seed."""
+    pretrained_dir: str = ""
+    """Where the converted checkpoint (safetensors + tokenizer) lives; "" lets the launcher pin
+    $SLURMRL_CACHE (default ~/.cache/slurmrl)/pretrained/<pretrained>. Must be visible to every node."""
     num_shared_experts: int = 0
     """Always-active experts per MoE layer, besides the routed ones."""
     attention: str = "mha"
@@ -458,6 +474,15 @@ class EnvConfig:
     """Size of the sandbox's private /tmp (tmpfs)."""
     verifiers_env: str = ""
     """env=verifiers: module name of an environment written for the ``verifiers`` package."""
+    # ---- reverse_text (a pretrained model's tokenizer and chat template) ----
+    min_words: int = 3
+    """reverse_text: fewest words of a prompt's text."""
+    max_words: int = 5
+    """reverse_text: most words of a prompt's text."""
+    max_new_tokens: int = 24
+    """reverse_text: generation budget of the answer (stop token: the chat template's end of turn)."""
+    system_prompt: str = ""
+    """reverse_text: system message of the chat ("" keeps the model template's default)."""
 
 
 

@@ -81,9 +81,12 @@ class TinyMoeConfig:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    num_experts: int = 8
+    num_kv_heads: int = 0  # grouped-query attention; 0 = num_heads
+    num_experts: int = 8  # 0 = dense: every layer a SwiGLU MLP (HF Llama names), no router
     top_k: int = 2
     expert_intermediate_size: int = 256
+    dense_intermediate_size: int = 0  # the dense MLP's width (num_experts=0)
+    tie_word_embeddings: bool = False  # logits = h @ embed_tokens.weight^T; no lm_head module
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -92,6 +95,14 @@ class TinyMoeConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def is_dense(self) -> bool:
+        return self.num_experts == 0
 
 
 @dataclasses.dataclass
@@ -151,23 +162,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: TinyMoeConfig):
         super().__init__()
-        h, self.nh, self.hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        h, self.nh, self.hd, self.nkv = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.kv_heads
         self.q_proj = nn.Linear(h, h, bias=False)
-        self.k_proj = nn.Linear(h, h, bias=False)
-        self.v_proj = nn.Linear(h, h, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(h, h, bias=False)
 
     def forward(self, x, cos, sin, attn_mask, cache: Optional[KVCache], layer: int):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
             if cache.keys[layer] is not None:
                 k = torch.cat([cache.keys[layer], k], dim=2)
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
+        if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF Llama's repeat_kv)
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         if attn_mask is None:  # fast path: no pads before any valid key, no cache (flash attention)
             if CAUSAL_SDPA_BACKENDS is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -318,7 +332,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoeBlock(cfg)
+        # A dense layer's MLP is one SwiGLU block named like HF Llama's (mlp.gate_proj ...).
+        self.mlp = Expert(cfg.hidden_size, cfg.dense_intermediate_size) if cfg.is_dense else MoeBlock(cfg)
 
 
 class TinyMoeModel(nn.Module):
@@ -334,7 +349,9 @@ class TinyMoeForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = TinyMoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied: no module of its own, so state_dict()/named_parameters() hold the matrix once
+        # (as HF checkpoints with tie_word_embeddings do) and its gradient sums both uses.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> "TinyMoeForCausalLM":
@@ -390,13 +407,20 @@ class TinyMoeForCausalLM(nn.Module):
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None if mask is None else mask[:, None], cache, i)
+            if self.config.is_dense:
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                continue
             forced = None if forced_experts is None else forced_experts[:, :, i]
             y, idx, aux, load = layer.mlp(layer.post_attention_layernorm(x), forced, valid, forced_mask)
             x = x + y
             aux_total = aux_total + aux
             routed.append(idx)
             loads.append(load)
-        logits = self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
+        if not routed:  # dense: no MoE layer, an empty routing record [B, T, 0, 0]
+            return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
+                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev))
         return ModelOutput(
             logits=logits,
             aux_loss=aux_total / len(self.model.layers),

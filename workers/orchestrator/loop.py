@@ -45,7 +45,7 @@ class Orchestrator:
         self.cfg, self.topo = cfg, topo
         self.paths = RunPaths(topo.run_dir)
         self.log = get_logger("orchestrator", 0)
-        self.env = make_env(cfg.env, seed=cfg.seed)
+        self.env = make_env(cfg.env, seed=cfg.seed, model=cfg.model)
         o = cfg.orchestrator
         self.group_size = o.num_samples_per_prompt
         self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step,

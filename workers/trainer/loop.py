@@ -36,7 +36,8 @@ import torch
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.protocol import RunPaths
 from workers.common.topology import Topology
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model, num_parameters
+from workers.common.pretrained import require_prepared
+from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
@@ -70,7 +71,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                              f"in this process's environment: the launcher started the wrong number of ranks")
         tp, ep = parallel_degrees(cfg)
         dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
-        full = build_model(model_config(cfg), cfg.model.init_seed, dtype_of(tcfg)).to(dims.device)
+        full = initial_model(cfg).to(dims.device)
         model = ShardedMoeForCausalLM(full, dims)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
@@ -194,6 +195,17 @@ def model_config(cfg: RunConfig) -> TinyMoeConfig:
     """ModelConfig -> TinyMoeConfig by field name (the model's own defaults fill the rest)."""
     names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
     return TinyMoeConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items() if k in names})
+
+
+def initial_model(cfg: RunConfig) -> TinyMoeForCausalLM:
+    """Step-0 weights: the seeded init, or the converted pretrained checkpoint (model.pretrained)."""
+    if not cfg.model.pretrained:
+        return build_model(model_config(cfg), cfg.model.init_seed, dtype_of(cfg.trainer))
+    from workers.modeling.convert import load_state_dict  # safetensors only; no transformers needed
+
+    model = TinyMoeForCausalLM(model_config(cfg))
+    model.load_state_dict(load_state_dict(require_prepared(cfg.model)), strict=True)
+    return model.to(dtype_of(cfg.trainer))
 
 
 def dtype_of(tcfg: TrainerConfig) -> torch.dtype:

@@ -26,7 +26,8 @@ from torch import nn
 from workers.modeling.tiny_moe import TinyMoeForCausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
-from workers.trainer.tensor_parallel import TensorParallelAttention, VocabParallelHead, vocab_parallel_logprobs
+from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
+                                             vocab_parallel_logprobs)
 
 #: parameter-name suffix -> dim split over TP (absent: replicated over TP)
 _TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1, "lm_head.weight": 0,
@@ -42,17 +43,26 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
         self.config, self.dims = full.config, dims
         tp_group, ep_group = dims.get_group("tp"), dims.get_group("ep")
         self.model = full.model
+        if full.config.is_dense and dims.ep > 1:
+            raise ValueError(f"expert parallel ep({dims.ep}) > 1 needs a MoE model; model.num_experts=0 is dense")
         for layer in self.model.layers:
             layer.self_attn = TensorParallelAttention(layer.self_attn, tp_group, dims.tp_rank, dims.tp)
-            layer.mlp = ExpertParallelMoeBlock(layer.mlp, ep_group=ep_group, ep=dims.ep, ep_rank=dims.ep_rank,
-                                               tp_group=tp_group, tp=dims.tp, tp_rank=dims.tp_rank)
-        self.lm_head = VocabParallelHead(full.lm_head, tp_group, dims.tp_rank, dims.tp)
+            if full.config.is_dense:
+                layer.mlp = TensorParallelMlp(layer.mlp, tp_group, dims.tp_rank, dims.tp)
+            else:
+                layer.mlp = ExpertParallelMoeBlock(layer.mlp, ep_group=ep_group, ep=dims.ep, ep_rank=dims.ep_rank,
+                                                   tp_group=tp_group, tp=dims.tp, tp_rank=dims.tp_rank)
+        # Tied embeddings: the replicated embedding gives every TP rank the full logits, so the
+        # log-probs need no vocabulary-parallel reduction (token_logprobs passes no group).
+        self.lm_head = None if full.lm_head is None else VocabParallelHead(full.lm_head, tp_group, dims.tp_rank, dims.tp)
         self.placement = {name: placement(name) for name, _ in self.named_parameters()}
 
     # -- scoring ---------------------------------------------------------------------
     def token_logprobs(self, local_logits: torch.Tensor, input_ids: torch.Tensor,
                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``loss.token_logprobs`` for vocab-parallel logits (this rank's vocabulary slice)."""
+        if self.lm_head is None:  # tied: full logits on every rank
+            return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=0, group=None)
         return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=self.lm_head.vocab_start,
                                        group=self.dims.get_group("tp"))
 
@@ -105,8 +115,11 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
                 out[name] = _gather(get(p), _TP_DIM[_suffix(name)], tp_group)
             elif self.placement[name] == "replicated":
                 out[name] = get(p).clone()
-        out["lm_head.weight"] = out["lm_head.weight"][: self.config.vocab_size]
+        if "lm_head.weight" in out:
+            out["lm_head.weight"] = out["lm_head.weight"][: self.config.vocab_size]
         for i, layer in enumerate(self.model.layers):
+            if self.config.is_dense:
+                continue
             keys = list(layer.mlp.experts.keys())  # this rank's global expert ids, ascending
             for proj in EXPERT_PROJS:
                 stack = torch.stack([get(getattr(layer.mlp.experts[k], proj).weight) for k in keys])

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.modeling.tiny_moe import Attention
+from workers.modeling.tiny_moe import Attention, Expert
 
 PAD_LOGIT = -1.0e4
 
@@ -95,9 +95,9 @@ class TensorParallelAttention(Attention):
 
     def __init__(self, full: Attention, group: Optional[dist.ProcessGroup], rank: int, size: int):
         nn.Module.__init__(self)
-        if full.nh % size:
-            raise ValueError(f"tensor parallel tp({size}) must divide num_heads({full.nh})")
-        self.nh, self.hd, self.group = full.nh // size, full.hd, group
+        if full.nh % size or full.nkv % size:
+            raise ValueError(f"tensor parallel tp({size}) must divide num_heads({full.nh}) and num_kv_heads({full.nkv})")
+        self.nh, self.hd, self.nkv, self.group = full.nh // size, full.hd, full.nkv // size, group
         self.q_proj, self.k_proj, self.v_proj = (shard_linear(getattr(full, n), 0, rank, size)
                                                  for n in ("q_proj", "k_proj", "v_proj"))
         self.o_proj = shard_linear(full.o_proj, 1, rank, size)
@@ -105,6 +105,22 @@ class TensorParallelAttention(Attention):
     def forward(self, x, cos, sin, attn_mask, cache, layer):
         partial = super().forward(copy_to(x, self.group), cos, sin, attn_mask, cache, layer)
         return reduce_from(partial, self.group)
+
+
+class TensorParallelMlp(nn.Module):
+    """A dense layer's SwiGLU MLP (HF Llama names) split over the group: gate/up column
+    parallel, down row parallel, partial outputs summed (f -> gate/up -> down -> g)."""
+
+    def __init__(self, full: Expert, group: Optional[dist.ProcessGroup], rank: int, size: int):
+        super().__init__()
+        self.group = group
+        self.gate_proj = shard_linear(full.gate_proj, 0, rank, size)
+        self.up_proj = shard_linear(full.up_proj, 0, rank, size)
+        self.down_proj = shard_linear(full.down_proj, 1, rank, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to(x, self.group)
+        return reduce_from(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.group)
 
 
 class VocabParallelHead(nn.Module):
