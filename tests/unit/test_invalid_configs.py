@@ -60,6 +60,19 @@ CASES = [
     ("env.max_digits=1", "env.max_digits"),
     ("model.max_position_embeddings=8", "model.max_position_embeddings"),
     ("inference.backend=sglang", "inference.backend"),  # sglang needs GPUs: not with cluster=local
+    # dense and pretrained models, reverse_text (issue 13)
+    ("model=smollm2_135m model.hidden_size=512", "model.hidden_size"),
+    ("model=smollm2_135m model.tie_word_embeddings=false", "model.tie_word_embeddings"),
+    ("model.pretrained=gpt2", "model.pretrained"),
+    ("env=reverse_text", "model.pretrained"),
+    ("model=tiny_dense trainer.router_replay=true", "trainer.router_replay"),
+    ("model=tiny_dense model.top_k=2", "model.top_k"),
+    ("model=tiny_dense model.dense_intermediate_size=0", "model.dense_intermediate_size"),
+    ("model=tiny_dense launcher.trainer.ep=2 trainer.num_ranks=2", "launcher.trainer.ep"),
+    ("model.num_kv_heads=3", "model.num_kv_heads"),
+    ("experiment=smollm2_reverse_text env.max_words=99", "env.max_words"),
+    ("experiment=smollm2_reverse_text env.num_examples=5", "env.num_examples"),
+    ("experiment=smollm2_reverse_text env.max_new_tokens=0", "env.max_new_tokens"),
     # fault tolerance (issue 9)
     ("launcher.max_restarts=-1", "launcher.max_restarts"),
     ("trainer.checkpoint_every_steps=-5", "trainer.checkpoint_every_steps"),

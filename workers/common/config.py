@@ -355,7 +355,8 @@ class OrchestratorConfig:
     each token's reward-to-go minus the group mean at that position (needs an env with
     per-token rewards; sums to the same episode reward, far less credit-assignment noise)."""
     return_routed_experts: bool = True
-    """Ask inference for the experts each token used (for Router Replay and metrics)."""
+    """Ask inference for the experts each token used (for Router Replay and metrics); a dense
+    model (model.num_experts=0) has none, so nothing is asked whatever this says."""
     long_episode_policy: str = "drop"
     """What a batch does with a group whose oldest tokens are beyond max_off_policy_steps:
     ``drop`` it (counted in samples_dropped_stale; single-turn default), ``truncate`` its
@@ -483,6 +484,8 @@ class EnvConfig:
     """reverse_text: generation budget of the answer (stop token: the chat template's end of turn)."""
     system_prompt: str = ""
     """reverse_text: system message of the chat ("" keeps the model template's default)."""
+    num_examples: int = 2
+    """reverse_text: worked examples, given as earlier user/assistant turns (0..2)."""
 
 
 

@@ -376,6 +376,7 @@ class TinyMoeForCausalLM(nn.Module):
         forced_experts: Optional[torch.Tensor] = None,
         forced_mask: Optional[torch.Tensor] = None,
         segment_ids: Optional[torch.Tensor] = None,
+        logits_mask: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
@@ -385,6 +386,9 @@ class TinyMoeForCausalLM(nn.Module):
         NaN (a fully masked softmax row would poison later layers through 0 * NaN).
         ``segment_ids`` [B, T] (sequence packing, full-sequence forwards only): a query attends
         only to keys of its own segment; pass per-segment ``position_ids`` with it.
+        ``logits_mask`` [B, T] bool: compute logits only there, returned flat ``[N, V]`` in
+        row-major order. The trainer needs them only where they predict a loss token; on RL
+        batches with long prompts that is a small fraction of the lm_head FLOPs and logit bytes.
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -417,6 +421,8 @@ class TinyMoeForCausalLM(nn.Module):
             routed.append(idx)
             loads.append(load)
         h = self.model.norm(x)
+        if logits_mask is not None:
+            h = h[logits_mask]
         logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
         if not routed:  # dense: no MoE layer, an empty routing record [B, T, 0, 0]
             return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),

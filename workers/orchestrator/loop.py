@@ -242,16 +242,17 @@ class Orchestrator:
 
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
+        routed = o.return_routed_experts and self.cfg.model.num_experts > 0  # a dense model routes nothing
         if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
             task = asyncio.create_task(run_episode_group(
                 self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
-                num_samples=self.group_size, temperature=o.temperature, return_routed_experts=o.return_routed_experts,
+                num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
                 started_version=self.version, meter=self.meter, latency=self.latency))
         else:
             task = asyncio.create_task(run_group(
                 self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
                 num_samples=self.group_size, temperature=o.temperature,
-                return_routed_experts=o.return_routed_experts, started_version=self.version,
+                return_routed_experts=routed, started_version=self.version,
                 latency=self.latency, meter=self.meter))
         self.inflight[task] = worker
         self.group_of[task] = (gid, env_task)

@@ -27,7 +27,7 @@ from workers.modeling.tiny_moe import TinyMoeForCausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
-                                             vocab_parallel_logprobs)
+                                             vocab_parallel_logprobs, vocab_parallel_target_logprobs)
 
 #: parameter-name suffix -> dim split over TP (absent: replicated over TP)
 _TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1, "lm_head.weight": 0,
@@ -65,6 +65,13 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
             return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=0, group=None)
         return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=self.lm_head.vocab_start,
                                        group=self.dims.get_group("tp"))
+
+    def target_logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p and entropy of ``targets [N]`` under logits ``[N, V_local]`` computed only at the
+        positions the loss needs (forward's ``logits_mask``)."""
+        start, group = (0, None) if self.lm_head is None else (self.lm_head.vocab_start, self.dims.get_group("tp"))
+        return vocab_parallel_target_logprobs(local_logits, targets, temperature, vocab_start=start, group=group)
 
     # -- gradients ---------------------------------------------------------------------
     def sync_grads(self) -> None:

@@ -52,10 +52,13 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
         positions, segments = packing.position_ids, packing.segment_ids
         if forced is not None:
             forced, forced_mask = packing.pack(forced), packing.pack(forced_mask, False)
+    need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
+    if packing is not None:
+        need = packing.pack(need, False)
     with capture_gate_logits(model) as gates:
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
-                    forced_mask=forced_mask, segment_ids=segments)
-    logp, entropy = model.token_logprobs(out.logits, ids, batch.temperature)
+                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
+    logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
     if cfg.is_dense:  # no router: empty statistics, routing records [B, T, 0, 0]
         prob_sums = counts = out.expert_load
         own = routed = out.routed_experts
@@ -66,6 +69,16 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
     return RowForward(logp=logp, entropy=entropy, routed=routed, own=own, prob_sums=prob_sums, counts=counts)
+
+
+def scatter_logprobs(model: ShardedMoeForCausalLM, logits: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` log p(token t) and entropy from logits computed only at ``need`` (position t-1
+    predicts token t), zero elsewhere: the layout of ``loss.token_logprobs``."""
+    at = torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)  # the predicted tokens' positions
+    logp, entropy = model.target_logprobs(logits, ids[at], temperature)
+    zeros = torch.zeros(ids.shape, dtype=logp.dtype, device=ids.device)
+    return zeros.masked_scatter(at, logp), zeros.masked_scatter(at, entropy)
 
 
 def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: TrainerConfig,

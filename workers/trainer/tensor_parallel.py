@@ -151,7 +151,17 @@ class VocabParallelHead(nn.Module):
 def vocab_parallel_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *,
                             vocab_start: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``loss.token_logprobs`` (``[B, T]`` log p(input_ids) and entropy, column 0
-    zero) from this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``.
+    zero) from this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``."""
+    logp, entropy = vocab_parallel_target_logprobs(local_logits[:, :-1], input_ids[:, 1:], temperature,
+                                                   vocab_start=vocab_start, group=group)
+    pad = logp.new_zeros(logp.shape[0], 1)
+    return torch.cat([pad, logp], dim=1), torch.cat([pad.detach(), entropy], dim=1)
+
+
+def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Tensor, temperature: float, *,
+                                   vocab_start: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy (no grad) for logits ``[..., V_local]`` and targets ``[...]``
+    (any leading shape: rows x positions, or the flat positions the trainer selected).
 
     log p(y) = z_y - m - log sum_v exp(z_v - m) with m the global max (detached: any constant
     gives the same value and gradient); sum-exp and z_y are summed over the group with
@@ -159,8 +169,8 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor,
     """
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     work = torch.promote_types(local_logits.dtype, torch.float32)
-    z = local_logits[:, :-1].to(work) / temperature  # [B, T-1, V_local]
-    target = input_ids[:, 1:] - vocab_start
+    z = local_logits.to(work) / temperature  # [..., V_local]
+    target = target - vocab_start
     mine = (target >= 0) & (target < z.shape[-1])
     m = z.detach().max(-1).values
     if group is not None:
@@ -175,5 +185,4 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor,
         if group is not None:
             dist.all_reduce(pz, group=group)
         entropy = torch.log(sum_exp) + m - pz / sum_exp
-    pad = logp.new_zeros(logp.shape[0], 1)
-    return torch.cat([pad, logp], dim=1), torch.cat([pad.detach(), entropy.detach()], dim=1)
+    return logp, entropy.detach()

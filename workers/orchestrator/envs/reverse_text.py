@@ -5,9 +5,11 @@ built with the model's OWN tokenizer and chat template, so the task reads like a
 request, and the answer is decoded back to text before it is scored.
 
 Why word order and not characters: a 135M model sees text as sub-word tokens, so reversing
-the letters of a word asks it to spell tokens it never saw spelled; reversing the order of a
-few common words is the same kind of verifiable "reverse a short text" task, one the model
-can already do sometimes, which is what RL needs (reward variance within a group).
+the letters of a word asks it to spell tokens it never saw spelled (measured: no exact answer
+in 96 samples, mean similarity 0.22); reversing the order of a few one-token words is the
+same kind of verifiable "reverse a short text" task, one the model can already do sometimes
+(5-12% exact with two worked examples), which is what RL needs: reward variance within a
+group. Copying the text unchanged scores ~0.5, a correct reversal 1.0, other orders ~0.6.
 
 Reward: ``difflib.SequenceMatcher(answer, target).ratio()`` = 2 * matched characters /
 (len(answer) + len(target)), in [0, 1]: partial credit for partly right orders, and chatter
@@ -22,12 +24,14 @@ import random
 from workers.common.config import EnvConfig
 from workers.common.pretrained import require_prepared
 
-#: Common short English words (each a single token or two for a Llama-style BPE).
-WORDS = ("apple", "river", "stone", "cloud", "green", "music", "light", "table", "paper", "dream", "house",
-         "water", "horse", "bread", "chair", "night", "smile", "glass", "tiger", "ocean", "money", "plant",
-         "train", "watch", "sugar", "beach", "phone", "heart", "storm", "field", "piano", "lemon", "candle",
-         "winter", "garden", "silver", "window", "forest", "rocket", "yellow")
-PROMPT = "Reverse the order of these words: {text}\nAnswer with the reversed words only."
+#: One-token English words (SmolLM2's BPE), so the task is about order, not spelling.
+WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "book", "fish", "bird", "milk", "rain", "door",
+         "star", "car", "hat", "cup", "box", "pen")
+PROMPT = "Reverse the word order: {text}"
+#: Worked examples given as earlier chat turns. Measured on the base model (3 words, T=1.0, 96
+#: samples): none -> mean similarity ~0.2 and rambling; two example turns -> ~0.6, 5% exact,
+#: answers ~5 tokens long. Examples written into the user message instead did not help.
+EXAMPLES = (("one two three", "three two one"), ("sky car tea", "tea car sky"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,8 @@ class ReverseTextEnv:
         if not 1 <= cfg.min_words <= cfg.max_words <= len(WORDS):
             raise ValueError(f"need 1 <= env.min_words({cfg.min_words}) <= env.max_words({cfg.max_words}) "
                              f"<= {len(WORDS)} (the word list)")
+        if not 0 <= cfg.num_examples <= len(EXAMPLES):
+            raise ValueError(f"env.num_examples({cfg.num_examples}) must be in [0, {len(EXAMPLES)}]")
         if tokenizer is None:
             if model is None or not model.pretrained:
                 raise ValueError("env=reverse_text needs a pretrained model's tokenizer: set model.pretrained "
@@ -67,9 +73,11 @@ class ReverseTextEnv:
         self.stop_token_ids = (int(tokenizer.eos_token_id),)
 
     def prompt_ids(self, text: str) -> list[int]:
-        messages = [{"role": "user", "content": PROMPT.format(text=text)}]
-        if self.cfg.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+        for question, answer in EXAMPLES[: self.cfg.num_examples]:
+            messages += [{"role": "user", "content": PROMPT.format(text=question)},
+                         {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": PROMPT.format(text=text)})
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
