@@ -160,7 +160,8 @@ DEEPSEEK_V3 = dict(name="deepseek_v3", vocab_size=129280, hidden_size=7168, num_
                    num_experts=256, top_k=8, expert_intermediate_size=2048, max_position_embeddings=163840,
                    num_dense_layers=3, dense_intermediate_size=18432, num_shared_experts=1, attention="mla",
                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   num_indexer_heads=0, indexer_head_dim=0, num_mtp_layers=1)
+                   num_indexer_heads=0, indexer_head_dim=0, num_mtp_layers=1,
+                   num_kv_heads=0, tie_word_embeddings=False)
 ANCHOR_DECODE_NODES = 9  # LMSYS 2025-05-05: 3 prefill + 9 decode nodes; decode EP72
 ANCHOR_DECODE_EXPERTS_PER_GPU = 4  # 256 + 32 redundant experts over 72 GPUs
 ANCHOR_PREFILL_NODES = 4  # EP32 prefill in the same blog (its 4-node prefill benchmark)
