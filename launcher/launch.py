@@ -86,6 +86,8 @@ def announce(prep: Prepared) -> None:
 
 def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
     prep = prepare(cfg)
+    if not cfg.launcher.dry_run:
+        ensure_converted(prep.cfg)  # model.pretrained: once per cache dir, before the run dir exists
     paths = write(prep)
     announce(prep)
     if cfg.launcher.dry_run:
@@ -96,7 +98,6 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
         else:
             print(f"[slurmrl] dry run: resolved config in {paths.run_config}; nothing started", flush=True)
         return 0
-    ensure_converted(prep.cfg)  # once per cache dir, before any role needs the checkpoint
     if prep.plan.backend == "local":
         from launcher.local_backend import LocalBackend
 
