@@ -24,6 +24,7 @@ import torch
 from workers.modeling.convert import model_config_of
 from workers.modeling.tiny_moe import TinyMoeForCausalLM
 from workers.trainer.loss import loss_relevant_inputs, token_logprobs
+from workers.trainer.step import scatter_logprobs
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -36,12 +37,20 @@ def step_full(model, ids, loss_mask) -> float:
     return time.perf_counter() - t0
 
 
+class OneRank:
+    """What ``step.scatter_logprobs`` needs of the trainer's model, for one rank (no process group)."""
+
+    @staticmethod
+    def target_logprobs(logits, targets, temperature):
+        return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=0, group=None)
+
+
 def step_selected(model, ids, loss_mask) -> float:
+    """The trainer's path (workers/trainer/step.py forward_rows): logits only where scored."""
     t0 = time.perf_counter()
     need = loss_relevant_inputs(loss_mask)
-    at = torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)
-    logp, _ = vocab_parallel_target_logprobs(model(ids, logits_mask=need).logits, ids[at], 1.0, vocab_start=0, group=None)
-    logp.sum().backward()
+    logp, _ = scatter_logprobs(OneRank, model(ids, logits_mask=need).logits, ids, need, 1.0)
+    (logp * loss_mask).sum().backward()
     return time.perf_counter() - t0
 
 

@@ -88,14 +88,11 @@ def run(cfg_overrides: list[str], steps: int, root: Path) -> tuple[Path, float]:
 
 
 def final_weights(run_dir: Path, steps: int) -> dict:
-    from safetensors.torch import load_file
+    """The run's last published step, read and checksum-verified as a worker would."""
+    from workers.common.protocol import RunPaths
+    from workers.weights.filesystem import load_step
 
-    step_dir = run_dir / "weights" / f"step_{steps:06d}"
-    weight_map = json.loads((step_dir / "index.json").read_text())["weight_map"]
-    state: dict = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(load_file(str(step_dir / shard)))
-    return {name: state[name] for name in weight_map}
+    return load_step(RunPaths(run_dir).weights(steps))
 
 
 def plot(records: list[dict], path: Path, before: dict, after: dict) -> None:

@@ -7,3 +7,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def gloo_dims(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1):
+    """Join a real gloo group of ``world`` processes on ``port`` and return the trainer's
+    ParallelDims over it (dp = world / (tp * ep)); the caller destroys the process group."""
+    import torch
+    import torch.distributed as dist
+
+    from workers.trainer.parallel import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims = ParallelDims(rank=rank, world_size=world, dp=world // (tp * ep), tp=tp, ep=ep, backend="gloo",
+                        device=torch.device("cpu"), group=dist.group.WORLD)
+    dims.groups = dims.new_groups()
+    return dims

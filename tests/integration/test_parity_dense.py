@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.netutil import free_port
+from tests.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import policy_loss, token_logprobs
-from workers.trainer.parallel import ParallelDims
 from workers.trainer.sharded_model import ShardedMoeForCausalLM
 from workers.trainer.step import backward_step
 
@@ -54,11 +53,8 @@ def reference() -> dict:
 
 def _worker(rank: int, world: int, port: int, tp: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims = gloo_dims(rank, world, port, tp=tp)
     try:
-        dims = ParallelDims(rank=rank, world_size=world, dp=world // tp, tp=tp, ep=1, backend="gloo",
-                            device=torch.device("cpu"), group=dist.group.WORLD)
-        dims.groups = dims.new_groups()
         model = ShardedMoeForCausalLM(build_model(CFG, SEED), dims)
         stats = backward_step(model, shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards), TCFG, dims)
         grads = model.full_grad_dict()

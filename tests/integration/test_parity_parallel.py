@@ -26,7 +26,7 @@ from workers.common.config import TrainerConfig
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
-from workers.trainer.parallel import ParallelDims
+from tests.netutil import gloo_dims
 from workers.trainer.sharded_model import ShardedMoeForCausalLM
 from workers.trainer.step import backward_step, capture_gate_logits
 
@@ -82,11 +82,8 @@ def reference(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
 
 def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConfig, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     try:
-        dims = ParallelDims(rank=rank, world_size=world, dp=world // (tp * ep), tp=tp, ep=ep, backend="gloo",
-                            device=torch.device("cpu"), group=dist.group.WORLD)
-        dims.groups = dims.new_groups()
         model = ShardedMoeForCausalLM(build_model(CFG, SEED), dims)
         shard = shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards)
         stats = backward_step(model, shard, cfg, dims)

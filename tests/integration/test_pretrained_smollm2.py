@@ -49,14 +49,13 @@ def test_conversion_matches_transformers_and_is_complete(converted):
 
 
 def test_one_generate_and_one_train_step(cfg, tmp_path):
-    from tests.netutil import free_port
+    from tests.netutil import free_port, gloo_dims
     from workers.common.pretrained import require_prepared
     from workers.inference.engine import GenRequest, InferenceEngine, model_from_config
     from workers.modeling.convert import load_state_dict
     from workers.orchestrator.envs.reverse_text import ReverseTextEnv
     from workers.trainer.batch import RolloutBatch
     from workers.trainer.loop import initial_model
-    from workers.trainer.parallel import ParallelDims
     from workers.trainer.sharded_model import ShardedMoeForCausalLM
     from workers.trainer.step import train_step
 
@@ -87,11 +86,8 @@ def test_one_generate_and_one_train_step(cfg, tmp_path):
                          advantages=rewards - rewards.mean() + torch.tensor([0.5, -0.5, 0.25, -0.25]), rewards=rewards,
                          token_versions=torch.zeros(4, width, dtype=torch.int32), routed_experts=None,
                          routed_mask=None, meta={"temperature": 1.0, "step": 0})
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dims = gloo_dims(0, 1, free_port())
     try:
-        dims = ParallelDims(rank=0, world_size=1, dp=1, tp=1, ep=1, backend="gloo", device=torch.device("cpu"),
-                            group=dist.group.WORLD)
-        dims.groups = dims.new_groups()
         model = ShardedMoeForCausalLM(initial_model(cfg), dims)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

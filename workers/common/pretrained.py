@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def fact_mismatches(name: str, model_cfg) -> list[str]:
     out = []
     for key, want in source(name).facts.items():
         got = getattr(model_cfg, key)
-        if (abs(float(got) - float(want)) > 1e-9 * max(1.0, abs(float(want)))) if isinstance(want, float) else got != want:
+        if not (math.isclose(got, want, rel_tol=1e-9) if isinstance(want, float) else got == want):
             out.append(f"model.{key}({got}) != {name}'s {want}")
     return out
 

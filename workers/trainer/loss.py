@@ -145,6 +145,8 @@ def load_balance_loss(prob_sums: torch.Tensor, counts: torch.Tensor, num_valid_t
     model's own ``ModelOutput.aux_loss``.
     """
     num_layers, num_experts = prob_sums.shape
+    if num_layers == 0:  # a dense model: nothing to balance
+        return prob_sums.new_zeros(())
     n = max(float(num_valid_tokens), 1.0)
     frac = counts.to(prob_sums.dtype).detach() / (n * top_k)
     return num_experts * (frac * prob_sums / n).sum() / num_layers
@@ -156,7 +158,11 @@ def router_stats(gate_logits: Sequence[torch.Tensor], routed: torch.Tensor, vali
 
     ``gate_logits[l]`` is layer l's router output ``[B*T, E]``; ``routed [B, T, L, k]`` the
     experts actually used (the forced ones under Router Replay, as in the model's own loss).
+    No gate logits (a dense model): both ``[0, 0]``.
     """
+    if not gate_logits:
+        empty = torch.zeros(0, 0, device=valid.device)
+        return empty, empty
     v = valid.reshape(-1).to(torch.float32)
     prob_sums = torch.stack([(F.softmax(g.float(), dim=-1) * v[:, None]).sum(0) for g in gate_logits])
     onehot = F.one_hot(routed.long(), num_experts).to(torch.float32)  # [B, T, L, k, E]
@@ -164,7 +170,8 @@ def router_stats(gate_logits: Sequence[torch.Tensor], routed: torch.Tensor, vali
     return prob_sums, counts.detach()
 
 
-def own_topk(gate_logits: Sequence[torch.Tensor], top_k: int, shape: tuple[int, int]) -> torch.Tensor:
+def own_topk(gate_logits: Sequence[torch.Tensor], top_k: int, shape: tuple[int, int],
+             device: torch.device | None = None) -> torch.Tensor:
     """The experts this model's router would pick at every layer: ``[B, T, L, k]``.
 
     Same rule as ``MoeBlock.route`` (top-k of softmax probabilities). Under Router Replay
@@ -172,6 +179,8 @@ def own_topk(gate_logits: Sequence[torch.Tensor], top_k: int, shape: tuple[int, 
     disagreement given identical inputs, not disagreement compounded across layers.
     """
     b, t = shape
+    if not gate_logits:  # a dense model: [B, T, 0, 0], like its forward's routed_experts
+        return torch.zeros(b, t, 0, 0, dtype=torch.long, device=device)
     picks = [F.softmax(g.detach().float(), dim=-1).topk(top_k, dim=-1).indices.view(b, t, top_k) for g in gate_logits]
     return torch.stack(picks, dim=2)
 

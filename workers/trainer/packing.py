@@ -13,10 +13,11 @@ Pure functions of tensors: no process group, no I/O, no model. Two layouts:
   with ``trainer.pack_sequences=true`` (workers/trainer/step.py)::
 
       p = plan_packing(batch.attention_mask)
+      need = p.pack(loss_relevant_inputs(batch.loss_mask), False)  # logits only where they are scored
       out = model(p.pack(ids), position_ids=p.position_ids, attention_mask=p.attention_mask,
                   segment_ids=p.segment_ids,                       # block-diagonal attention
-                  forced_experts=p.pack(forced), forced_mask=p.pack(forced_mask, False))
-      logp = p.unpack_shifted(model.token_logprobs(out.logits, p.pack(ids), temperature))  # [B, T]
+                  forced_experts=p.pack(forced), forced_mask=p.pack(forced_mask, False), logits_mask=need)
+      logp = p.unpack_shifted(scatter_logprobs(model, out.logits, p.pack(ids), need, temperature))  # [B, T]
       routed = p.unpack(out.routed_experts)                        # loss and metrics stay in row layout
 
 * stream — ``pack_batch(fields, attention_mask, token_budget=N)`` -> list of

@@ -65,5 +65,6 @@ def expert_load_metrics(counts: torch.Tensor) -> dict[str, float]:
     for i, row in enumerate(share):
         out[f"expert_load_max_l{i}"] = float(row.max() * num_experts)
         out[f"expert_load_min_l{i}"] = float(row.min() * num_experts)
-    out["expert_load_max"] = max((out[f"expert_load_max_l{i}"] for i in range(len(share))), default=float("nan"))
+    if len(share):  # a dense model (no MoE layer) has no load to report
+        out["expert_load_max"] = max(out[f"expert_load_max_l{i}"] for i in range(len(share)))
     return out

@@ -27,7 +27,7 @@ from workers.modeling.tiny_moe import TinyMoeForCausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
-                                             vocab_parallel_logprobs, vocab_parallel_target_logprobs)
+                                             vocab_parallel_target_logprobs)
 
 #: parameter-name suffix -> dim split over TP (absent: replicated over TP)
 _TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1, "lm_head.weight": 0,
@@ -53,19 +53,11 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
                 layer.mlp = ExpertParallelMoeBlock(layer.mlp, ep_group=ep_group, ep=dims.ep, ep_rank=dims.ep_rank,
                                                    tp_group=tp_group, tp=dims.tp, tp_rank=dims.tp_rank)
         # Tied embeddings: the replicated embedding gives every TP rank the full logits, so the
-        # log-probs need no vocabulary-parallel reduction (token_logprobs passes no group).
+        # log-probs need no vocabulary-parallel reduction (target_logprobs passes no group).
         self.lm_head = None if full.lm_head is None else VocabParallelHead(full.lm_head, tp_group, dims.tp_rank, dims.tp)
         self.placement = {name: placement(name) for name, _ in self.named_parameters()}
 
     # -- scoring ---------------------------------------------------------------------
-    def token_logprobs(self, local_logits: torch.Tensor, input_ids: torch.Tensor,
-                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``loss.token_logprobs`` for vocab-parallel logits (this rank's vocabulary slice)."""
-        if self.lm_head is None:  # tied: full logits on every rank
-            return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=0, group=None)
-        return vocab_parallel_logprobs(local_logits, input_ids, temperature, vocab_start=self.lm_head.vocab_start,
-                                       group=self.dims.get_group("tp"))
-
     def target_logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor,
                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log p and entropy of ``targets [N]`` under logits ``[N, V_local]`` computed only at the

@@ -59,12 +59,8 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
                     forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
     logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    if cfg.is_dense:  # no router: empty statistics, routing records [B, T, 0, 0]
-        prob_sums = counts = out.expert_load
-        own = routed = out.routed_experts
-    else:
-        prob_sums, counts = router_stats(gates, out.routed_experts, attention, cfg.num_experts)
-        own, routed = own_topk(gates, cfg.top_k, tuple(ids.shape)), out.routed_experts
+    prob_sums, counts = router_stats(gates, out.routed_experts, attention, cfg.num_experts)  # dense: no gates, [0, 0]
+    own, routed = own_topk(gates, cfg.top_k, tuple(ids.shape), ids.device), out.routed_experts
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -104,7 +100,7 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
                                num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
                                ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
                                entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
-    aux_loss = fwd.logp.new_zeros(()) if mcfg.is_dense else load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
+    aux_loss = load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
     loss = pg_loss + tcfg.aux_loss_coef * aux_loss
     for p in model.parameters():
         p.grad = None
@@ -118,8 +114,7 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
         extra["disagree"], extra["slots"] = routing_disagreement(fwd.own, shard.routed_experts, slots)
     stats = reduce_stats(dims, tok, pg_loss=pg_loss.item(), aux_loss=aux_loss.item(), aux_coef=tcfg.aux_loss_coef,
                          grad_norm=grad_norm, extra=extra)
-    if not mcfg.is_dense:
-        stats.update(expert_load_metrics(counts))
+    stats.update(expert_load_metrics(counts))
     return stats
 
 

@@ -11,9 +11,10 @@ A column-parallel linear (output features split) opens a region, a row-parallel 
 an expert MLP = gate/up column -> down row, closed after the EP combine.
 
 The lm_head is column-parallel over the (padded) vocabulary and never gathered:
-:func:`vocab_parallel_logprobs` computes log p(target) and the entropy from the local
-vocabulary slice with three all-reduces of ``[B, T]`` tensors (max, sum of exp, target
-logit), as Megatron's vocab-parallel cross-entropy does.
+:func:`vocab_parallel_target_logprobs` computes log p(target) and the entropy from the local
+vocabulary slice with three all-reduces of ``[N]`` tensors (max, sum of exp, target logit),
+as Megatron's vocab-parallel cross-entropy does; N counts only the positions that predict a
+loss token (the forward's ``logits_mask``).
 
 Every function is a no-op when the group is None (tp == 1): one code path for all degrees.
 """
@@ -148,20 +149,11 @@ class VocabParallelHead(nn.Module):
         return logits
 
 
-def vocab_parallel_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *,
-                            vocab_start: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``loss.token_logprobs`` (``[B, T]`` log p(input_ids) and entropy, column 0
-    zero) from this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``."""
-    logp, entropy = vocab_parallel_target_logprobs(local_logits[:, :-1], input_ids[:, 1:], temperature,
-                                                   vocab_start=vocab_start, group=group)
-    pad = logp.new_zeros(logp.shape[0], 1)
-    return torch.cat([pad, logp], dim=1), torch.cat([pad.detach(), entropy], dim=1)
-
-
 def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Tensor, temperature: float, *,
                                    vocab_start: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy (no grad) for logits ``[..., V_local]`` and targets ``[...]``
-    (any leading shape: rows x positions, or the flat positions the trainer selected).
+    (any leading shape; the trainer passes the flat positions it selected: ``step.scatter_logprobs``).
+    With ``group=None`` and ``vocab_start=0`` this is ``loss.token_logprobs`` on full logits.
 
     log p(y) = z_y - m - log sum_v exp(z_v - m) with m the global max (detached: any constant
     gives the same value and gradient); sum-exp and z_y are summed over the group with

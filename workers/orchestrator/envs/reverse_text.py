@@ -79,7 +79,7 @@ class ReverseTextEnv:
                          {"role": "assistant", "content": answer}]
         messages.append({"role": "user", "content": PROMPT.format(text=text)})
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
