@@ -25,9 +25,11 @@ from launcher.launch import launch
 from launcher.plan import PlanError
 from launcher.run_dir import RunDirError
 from launcher.submit import SubmitError
+from workers.common.config import ConfigError, conform_sections
+from workers.common.registry import UnknownEntry
 
-register()
-USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError)
+PLUGINS = register()  # SLURMRL_PLUGINS and entry points, before Hydra composes
+USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError, ConfigError, UnknownEntry)
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
@@ -35,7 +37,8 @@ def hydra_app(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     try:
         reject_unknown_keys(cfg)
-        run_cfg = OmegaConf.to_object(cfg)
+        run_cfg = conform_sections(OmegaConf.to_object(cfg))
+        run_cfg.plugins = list(dict.fromkeys([*PLUGINS, *run_cfg.plugins]))  # roles import the same ones
         if hc.mode == RunMode.MULTIRUN:  # prepare only; sweep.run_all submits once every point planned
             sweep.collect(run_cfg, num=hc.job.num, overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir)
             return

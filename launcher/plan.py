@@ -153,8 +153,8 @@ def check_dense_model(cfg: RunConfig) -> None:
                         f"(every layer is dense already)")
     if cfg.trainer.router_replay:
         raise PlanError("trainer.router_replay=true needs a MoE model; model.num_experts=0 is dense")
-    if cfg.launcher.trainer.ep != 1:
-        raise PlanError(f"launcher.trainer.ep({cfg.launcher.trainer.ep}) must be 1 for a dense model (no experts)")
+    if cfg.trainer.parallel.ep != 1:
+        raise PlanError(f"trainer.parallel.ep({cfg.trainer.parallel.ep}) must be 1 for a dense model (no experts)")
 
 
 def check_pretrained(cfg: RunConfig) -> None:

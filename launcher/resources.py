@@ -142,33 +142,22 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
         if ranks % lt.num_nodes:
             raise PlanError(f"trainer.num_ranks({ranks}) must be a multiple of launcher.trainer.num_nodes({lt.num_nodes})")
         tpn = ranks // lt.num_nodes
-    for key in ("tp", "pp", "ep"):
-        _need_positive(f"launcher.trainer.{key}", getattr(lt, key))
-    shard = lt.tp * lt.pp * lt.ep
-    what = f"trainer GPUs({ranks})" if gpn else f"trainer ranks({ranks})"
-    if lt.dp == -1:
-        if ranks % shard:
-            raise PlanError(f"launcher.trainer: tp({lt.tp}) * pp({lt.pp}) * ep({lt.ep}) = {shard} does not divide "
-                            f"{what}, so dp cannot be derived")
-        dp = ranks // shard
-    else:
-        dp = lt.dp
-        if shard * dp != ranks:
-            raise PlanError(f"launcher.trainer: tp({lt.tp}) * pp({lt.pp}) * ep({lt.ep}) * dp({dp}) = {shard * dp} "
-                            f"!= {what}")
+    par = cfg.trainer.parallel
+    try:
+        d = par.resolve(ranks)  # the one check of tp * pp * ep * dp (the trainer ranks call it too)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     m = cfg.model
-    if m.num_experts % lt.ep:
-        raise PlanError(f"launcher.trainer.ep({lt.ep}) must divide model.num_experts({m.num_experts})")
-    if m.num_heads % lt.tp:
-        raise PlanError(f"launcher.trainer.tp({lt.tp}) must divide model.num_heads({m.num_heads})")
-    if gpn and lt.tp > gpn:
-        raise PlanError(f"launcher.trainer.tp({lt.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
+    if m.num_experts % par.ep:
+        raise PlanError(f"trainer.parallel.ep({par.ep}) must divide model.num_experts({m.num_experts})")
+    if m.num_heads % par.tp:
+        raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.num_heads({m.num_heads})")
+    if gpn and par.tp > gpn:
+        raise PlanError(f"trainer.parallel.tp({par.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
                         f"inside a node (NVLink)")
-    if lt.pp > m.num_layers:
-        raise PlanError(f"launcher.trainer.pp({lt.pp}) > model.num_layers({m.num_layers})")
     if check_fit:
         _check_cpus(cfg, "trainer", "launcher.trainer.num_cpus_per_task", tpn, lt.num_cpus_per_task)
-    dims = TrainerDims(tp=lt.tp, pp=lt.pp, ep=lt.ep, dp=dp, num_ranks=ranks, num_nodes=lt.num_nodes,
+    dims = TrainerDims(**d, num_ranks=ranks, num_nodes=lt.num_nodes,
                        num_gpus_per_node=gpn, num_experts=m.num_experts)
     role = RolePlan(role="trainer", num_procs=ranks, module="workers.trainer", num_nodes=lt.num_nodes,
                     num_tasks_per_node=tpn, num_cpus_per_task=lt.num_cpus_per_task, num_gpus_per_node=gpn,

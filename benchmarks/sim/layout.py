@@ -98,7 +98,7 @@ def with_split(cfg: RunConfig, *, prefill: tuple[int, int], decode: tuple[int, i
                keep: Optional[RunConfig] = None) -> RunConfig:
     """A config with ``prefill=(replicas, nodes each)``, ``decode=(...)`` and trainer nodes (EP kept)."""
     gpn = cfg.cluster.num_gpus_per_node or GPUS_PER_NODE
-    inf, lt = cfg.inference, cfg.launcher.trainer
+    inf, lt, par = cfg.inference, cfg.launcher.trainer, cfg.trainer.parallel
 
     def server(layout, nodes: int):
         tp = nodes * gpn
@@ -106,10 +106,11 @@ def with_split(cfg: RunConfig, *, prefill: tuple[int, int], decode: tuple[int, i
                                    ep=min(tp, cfg.model.num_experts), dp_attention=tp)
 
     ranks = trainer_nodes * gpn
-    shard = lt.tp * lt.pp * lt.ep
+    shard = par.tp * par.pp * par.ep
     inference = dataclasses.replace(inf, num_prefill_replicas=prefill[0], prefill=server(inf.prefill, prefill[1]),
                                     num_decode_replicas=decode[0], decode=server(inf.decode, decode[1]))
-    trainer = dataclasses.replace(cfg.trainer, num_ranks=ranks)
+    trainer = dataclasses.replace(cfg.trainer, num_ranks=ranks, parallel=dataclasses.replace(
+        par, dp=ranks // shard if ranks % shard == 0 else -1))
     cluster = cfg.cluster
     need = 2 * PORT_SERVERS + 8 * (prefill[0] + decode[0])  # generous: the plan counts ~2-5 ports per server
     if need > cluster.port_span:  # a big job needs a wider port block per job (fewer concurrent jobs fit)
@@ -117,16 +118,15 @@ def with_split(cfg: RunConfig, *, prefill: tuple[int, int], decode: tuple[int, i
         cluster = dataclasses.replace(cluster, port_span=span,
                                       num_port_slots=min(cluster.num_port_slots, (65536 - cluster.port_min) // span))
     launcher = dataclasses.replace(cfg.launcher, num_gpu_nodes=prefill[0] * prefill[1] + decode[0] * decode[1] + trainer_nodes,
-                                   trainer=dataclasses.replace(lt, num_nodes=trainer_nodes,
-                                                               dp=ranks // shard if ranks % shard == 0 else -1))
+                                   trainer=dataclasses.replace(lt, num_nodes=trainer_nodes))
     return dataclasses.replace(cfg, inference=inference, trainer=trainer, launcher=launcher, cluster=cluster)
 
 
 def candidate_splits(cfg: RunConfig, total_nodes: int, *, replica_nodes: tuple[int, ...] = (2, 4),
                      max_candidates: int = 400) -> Iterator[tuple[RunConfig, JobPlan]]:
     """Every (prefill, decode, trainer) split of ``total_nodes`` GPU nodes that build_plan accepts."""
-    lt = cfg.launcher.trainer
-    step = max(1, lt.tp * lt.pp * lt.ep // (cfg.cluster.num_gpus_per_node or GPUS_PER_NODE))
+    par = cfg.trainer.parallel
+    step = max(1, par.tp * par.pp * par.ep // (cfg.cluster.num_gpus_per_node or GPUS_PER_NODE))
     seen = 0
     for t_nodes in range(step, total_nodes, step):
         rest = total_nodes - t_nodes

@@ -11,7 +11,7 @@ from tests.integration.test_local_run import SMALL, assert_no_children_left, met
 def test_dense_model_trains_through_the_whole_loop_with_tp2(tmp_path):
     run_dir = tmp_path / "dense"
     slurmrl([*SMALL, "model=tiny_dense", "orchestrator.max_off_policy_steps=0", "trainer.num_steps=3",
-             "trainer.num_ranks=2", "launcher.trainer.tp=2", f"launcher.run_dir={run_dir}"], tmp_path)
+             "trainer.num_ranks=2", "trainer.parallel.tp=2", f"launcher.run_dir={run_dir}"], tmp_path)
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert recs[0]["mismatch_kl"] < 1e-3, recs[0]["mismatch_kl"]  # engine and trainer: the same function

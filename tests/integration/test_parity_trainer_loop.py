@@ -15,8 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.integration.test_trainer_ranks import MODEL, free_port, make_batch, publish_batch, start_rank, wait_all
-from workers.common.config import (ClusterConfig, EnvConfig, LauncherConfig, ModelConfig, RunConfig, TrainerConfig,
-                                   TrainerLayout, WeightsConfig)
+from workers.common.config import (ClusterConfig, EnvConfig, ModelConfig, ParallelConfig, RunConfig, TrainerConfig,
+                                   WeightsConfig)
 from workers.common.protocol import RunPaths
 from workers.weights.filesystem import load_step
 
@@ -25,8 +25,8 @@ def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int) -
     paths = RunPaths(root).ensure()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), model=ModelConfig(**MODEL), env=EnvConfig(name="reverse_digits"),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=True,
-                                          batch_timeout_s=60.0),
-                    weights=WeightsConfig(keep_last=5), launcher=LauncherConfig(trainer=TrainerLayout(tp=tp, ep=ep)))
+                                          batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep)),
+                    weights=WeightsConfig(keep_last=5))
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return paths
 

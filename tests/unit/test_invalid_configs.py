@@ -68,7 +68,7 @@ CASES = [
     ("model=tiny_dense trainer.router_replay=true", "trainer.router_replay"),
     ("model=tiny_dense model.top_k=2", "model.top_k"),
     ("model=tiny_dense model.dense_intermediate_size=0", "model.dense_intermediate_size"),
-    ("model=tiny_dense launcher.trainer.ep=2 trainer.num_ranks=2", "launcher.trainer.ep"),
+    ("model=tiny_dense trainer.parallel.ep=2 trainer.num_ranks=2", "trainer.parallel.ep"),
     ("model.num_kv_heads=3", "model.num_kv_heads"),
     ("experiment=smollm2_reverse_text env.max_words=99", "env.max_words"),
     ("experiment=smollm2_reverse_text env.num_examples=5", "env.num_examples"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launcher.plan import build_plan
 from tests.unit.test_plan_slurm import compose, plan_error
 from workers.trainer.loop import parallel_degrees
 from workers.trainer.parallel import ParallelDims
@@ -45,16 +46,20 @@ def test_bare_dims_collectives_are_noops():
     assert p.grad is not None and p.grad.abs().sum() == 0  # unused parameters get zero grads
 
 
-def test_parallel_degrees_come_from_launcher_trainer():
-    cfg = compose(["trainer.num_ranks=4", "launcher.trainer.tp=2", "launcher.trainer.ep=2"])
+def test_parallel_degrees_come_from_trainer_parallel():
+    """One check (ParallelConfig.resolve) serves the plan and the ranks: same numbers, same message."""
+    cfg = compose(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2"])
     assert parallel_degrees(cfg) == (2, 2)
-    bad = compose(["trainer.num_ranks=4", "launcher.trainer.pp=2"])
+    bad = compose(["trainer.num_ranks=4", "trainer.parallel.pp=2"])
     with pytest.raises(ValueError, match=r"pp\(2\) > 1: the trainer has no pipeline parallelism"):
         parallel_degrees(bad)
     # the plan refuses the same mistakes before anything starts, with the numbers
-    msg = plan_error(["trainer.num_ranks=4", "launcher.trainer.tp=2", "launcher.trainer.ep=2", "launcher.trainer.dp=2"])
-    assert "tp(2) * pp(1) * ep(2) * dp(2) = 8 != trainer ranks(4)" in msg
-    assert "must divide model.num_experts(8)" in plan_error(["trainer.num_ranks=3", "launcher.trainer.ep=3"])
+    msg = plan_error(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2", "trainer.parallel.dp=2"])
+    assert "trainer.parallel: tp(2) * pp(1) * ep(2) * dp(2) = 8 != trainer.num_ranks(4)" in msg
+    assert "trainer.parallel.pp(2) > 1" in plan_error(["trainer.num_ranks=4", "trainer.parallel.pp=2"])
+    assert "trainer dims: tp(2) x pp(1) x ep(2) x dp(1) = 4 ranks" in "\n".join(
+        build_plan(compose(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2"])).summary())
+    assert "must divide model.num_experts(8)" in plan_error(["trainer.num_ranks=3", "trainer.parallel.ep=3"])
 
 
 @pytest.mark.parametrize("name,where", [

@@ -65,10 +65,10 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
 
 
 def test_parallel_dims_mismatch_prints_the_numbers():
-    msg = plan_error([*GLM5, "launcher.trainer.dp=4"])
-    assert "launcher.trainer: tp(1) * pp(1) * ep(64) * dp(4) = 256 != trainer GPUs(128)" in msg
-    msg = plan_error([*TINY_SLURM, "launcher.trainer.tp=3"])
-    assert "does not divide trainer ranks(1)" in msg
+    msg = plan_error([*GLM5, "trainer.parallel.dp=4"])
+    assert "trainer.parallel: tp(1) * pp(1) * ep(64) * dp(4) = 256 != trainer.num_ranks(128)" in msg
+    msg = plan_error([*TINY_SLURM, "trainer.parallel.tp=3"])
+    assert "does not divide trainer.num_ranks(1)" in msg
 
 
 def test_dp_is_derived():
@@ -77,14 +77,14 @@ def test_dp_is_derived():
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["trainer.num_ranks=3", "launcher.trainer.ep=3"], "launcher.trainer.ep(3) must divide model.num_experts(8)"),
+    (["trainer.num_ranks=3", "trainer.parallel.ep=3"], "trainer.parallel.ep(3) must divide model.num_experts(8)"),
     ([*GLM5, "trainer.num_ranks=120"], "trainer.num_ranks(120) != launcher.trainer.num_nodes(16) x cluster.num_gpus_per_node(8)"),
     ([*GLM5, "launcher.num_gpu_nodes=32"], "launcher.num_gpu_nodes(32) != GPU nodes planned: prefill(4) + decode(8) + trainer(16) = 28"),
     ([*GLM5, "inference.prefill.tp=8"], "inference.prefill.tp(8) must equal the GPUs of one replica"),
     ([*GLM5, "inference.decode.ep=24"], "inference.decode.ep(24) must divide inference.decode.tp(32)"),
     ([*GLM5, "inference.num_workers=2"], "inference.num_workers(2) must be 0 with prefill/decode replicas"),
-    ([*GLM5, "launcher.trainer.tp=16", "launcher.trainer.ep=8", "launcher.trainer.dp=1"], "launcher.trainer.tp(16) > cluster.num_gpus_per_node(8)"),
-    ([*GLM5, "launcher.trainer.num_nodes=8", "trainer.num_ranks=64", "launcher.trainer.dp=1",
+    ([*GLM5, "trainer.parallel.tp=16", "trainer.parallel.ep=8", "trainer.parallel.dp=1"], "trainer.parallel.tp(16) > cluster.num_gpus_per_node(8)"),
+    ([*GLM5, "launcher.trainer.num_nodes=8", "trainer.num_ranks=64", "trainer.parallel.dp=1",
       "launcher.num_gpu_nodes=0"], "trainer does not fit"),
     ([*TINY_SLURM, "inference.num_prefill_replicas=1", "inference.num_decode_replicas=1", "inference.num_workers=0"],
      "need inference.backend=sglang"),

@@ -52,9 +52,9 @@ def test_local_slurm_dry_run(tmp_path):
 
 
 def test_bad_input_fails_before_writing(tmp_path):
-    res = slurmrl(["cluster=local_slurm", "launcher.trainer.ep=3", "trainer.num_ranks=3"], tmp_path)
+    res = slurmrl(["cluster=local_slurm", "trainer.parallel.ep=3", "trainer.num_ranks=3"], tmp_path)
     assert res.returncode == 2
-    assert "launcher.trainer.ep(3) must divide model.num_experts(8)" in res.stderr
+    assert "trainer.parallel.ep(3) must divide model.num_experts(8)" in res.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -9,7 +9,7 @@ Per step N (batch N trains step N and yields weights version N+1):
   and appends the metrics record.
 Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
 after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees come from
-``launcher.trainer.tp / ep / dp`` (the plan checks tp * pp * ep * dp == trainer.num_ranks).
+``trainer.parallel`` (ParallelConfig.resolve checks tp * pp * ep * dp == trainer.num_ranks).
 
 Who waits for whom: every rank waits for the orchestrator's batch (deadline
 trainer.batch_timeout_s); ranks wait for each other only inside collectives (the
@@ -176,19 +176,9 @@ def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
 
 
 def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
-    """(tp, ep) from ``launcher.trainer`` (the Slurm plan's source of the same numbers).
-
-    dp follows as num_ranks / (tp * ep); an explicit ``launcher.trainer.dp`` must agree (the
-    plan refuses a mismatch before anything starts; this repeats it for hand-started ranks).
-    """
-    lt = cfg.launcher.trainer
-    if lt.pp != 1:
-        raise ValueError(f"launcher.trainer.pp({lt.pp}) > 1: the trainer has no pipeline parallelism; use tp/ep/dp")
-    ranks = cfg.trainer.num_ranks
-    if ranks % (lt.tp * lt.ep) or (lt.dp != -1 and lt.tp * lt.ep * lt.dp != ranks):
-        raise ValueError(f"launcher.trainer: tp({lt.tp}) * ep({lt.ep}) * dp({lt.dp}) does not make "
-                         f"trainer.num_ranks({ranks})")
-    return lt.tp, lt.ep
+    """(tp, ep) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
+    d = cfg.trainer.parallel.resolve(cfg.trainer.num_ranks)
+    return d["tp"], d["ep"]
 
 
 def model_config(cfg: RunConfig) -> TinyMoeConfig:

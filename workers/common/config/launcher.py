@@ -1,0 +1,58 @@
+"""Launcher section: what the login-node side does, and Slurm resources of the CPU roles."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclasses.dataclass(kw_only=True)
+class RoleResources:
+    """Slurm resources of a single-task CPU role (orchestrator, router)."""
+
+    num_cpus_per_task: int = 1
+    """CPUs of the task (--cpus-per-task)."""
+    mem_gb: int = 0
+    """Memory of the task's node in GB (0: the cluster default)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerLayout:
+    """Trainer placement on Slurm: nodes and resources (the parallel layout is ``trainer.parallel``)."""
+
+    num_nodes: int = 1
+    """Nodes of the trainer component; on GPU clusters one rank per GPU."""
+    num_cpus_per_task: int = 1
+    """CPUs per trainer rank."""
+    mem_gb: int = 0
+    """Memory per trainer node in GB (0: the cluster default)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LauncherConfig:
+    dry_run: bool = False
+    """Render configs (and the sbatch script) and print the submit command; start nothing."""
+    run_dir: Optional[str] = None
+    """Explicit run directory; None creates runs_root/<experiment>-<timestamp>."""
+    shutdown_grace_s: float = 10.0
+    """On Ctrl-C or a dead role: seconds between SIGTERM and SIGKILL for each child."""
+    max_restarts: int = 0
+    """Local backend: times each process (inference worker, trainer rank, orchestrator) is
+    restarted after a non-zero exit before the run stops; 0 keeps fail-fast. They resume from
+    the trainer checkpoint / orchestrator ledger; a respawned worker loads the newest weights."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
+    follow: bool = True
+    """Slurm: after sbatch, print per-step progress until the job ends; False submits and returns."""
+    num_gpu_nodes: int = 0
+    """Expected GPU nodes of the whole job (0: no check); the plan refuses components that differ."""
+    orchestrator: RoleResources = field(default_factory=RoleResources)
+    """Slurm resources of the orchestrator task."""
+    router: RoleResources = field(default_factory=RoleResources)
+    """Slurm resources of the router task (sglang-router; absent with embedded inference)."""
+    trainer: TrainerLayout = field(default_factory=TrainerLayout)
+    """Nodes and parallel dimensions of the trainer ranks."""

@@ -1,0 +1,54 @@
+"""Orchestrator section: rollout scheduling, staleness, advantages, health checks."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclasses.dataclass(kw_only=True)
+class OrchestratorConfig:
+    max_off_policy_steps: int = 2
+    """A batch for step s takes only samples with s - policy_version <= this; 0 is synchronous."""
+    max_inflight_rollouts: int = 64
+    """Most generation requests outstanding over all inference workers."""
+    num_prompts_per_step: int = 16
+    """Distinct prompts in one trainer batch."""
+    num_samples_per_prompt: int = 4
+    """Samples per prompt; advantages are relative to the prompt's group."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores with the same one)."""
+    request_timeout_s: float = 120.0
+    """HTTP deadline of one generate call."""
+    weight_update_timeout_s: float = 120.0
+    """Deadline for a worker to load new weights."""
+    advantage: str = "token_rtg"
+    """``sequence``: reward minus group mean, same for every token (GRPO). ``token_rtg``:
+    each token's reward-to-go minus the group mean at that position (needs an env with
+    per-token rewards; sums to the same episode reward, far less credit-assignment noise)."""
+    return_routed_experts: bool = True
+    """Ask inference for the experts each token used (for Router Replay and metrics); a dense
+    model (model.num_experts=0) has none, so nothing is asked whatever this says."""
+    long_episode_policy: str = "drop"
+    """What a batch does with a group whose oldest tokens are beyond max_off_policy_steps:
+    ``drop`` it (counted in samples_dropped_stale; single-turn default), ``truncate`` its
+    too-old tokens out of the loss (they stay as context; counted in tokens_truncated_stale),
+    or ``keep`` it whole when its newest turn is within the window (TIS corrects; counted in
+    tokens_kept_stale). Long multi-turn episodes span many weight updates: drop wastes them."""
+    num_spare_groups: int = 0
+    """Groups started beyond what the next batches need, so a few long-tail episodes never
+    hold a batch back (batches take whichever groups finish first)."""
+    health_check_interval_s: float = 2.0
+    """Seconds between health checks of every inference worker (dead ones: probes for revival)."""
+    health_check_timeout_s: float = 10.0
+    """Deadline of one health check (/health_generate: a 1-token generation on a busy engine)."""
+    num_health_misses: int = 2
+    """Consecutive failed health checks after which a worker is dead: no new groups, its
+    in-flight groups resubmitted elsewhere (a refused connection marks it dead at once)."""
+
+    def __post_init__(self) -> None:
+        for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"orchestrator.{key}({getattr(self, key)}) must be > 0")

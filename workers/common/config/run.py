@@ -1,0 +1,115 @@
+"""The whole run's config: one section per role or axis, and how a resolved run.yaml is loaded.
+
+Four sections are chosen by a plugin entry (workers/common/registry.py SECTIONS): ``model`` by
+``model.family``, ``weights`` by ``weights.transport``, ``env`` by ``env.name``, ``inference`` by
+``inference.backend``. Their fields are typed ``Any`` here and get the entry's own schema when
+composed (Hydra group options extend the registered schema) or loaded (:func:`load_run_config`),
+so a field the chosen entry does not use is refused with its name, never dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+from workers.common.config.cluster import ClusterConfig
+from workers.common.config.launcher import LauncherConfig
+from workers.common.config.orchestrator import OrchestratorConfig
+from workers.common.config.trainer import TrainerConfig
+from workers.common.plugins import load_plugins
+from workers.common.registry import SECTIONS
+
+
+class ConfigError(ValueError):
+    """A config section does not fit the schema its entry chose; the message names the key."""
+
+
+def _default(section: str, name: str):
+    return lambda: SECTIONS[section][1].get(name).config()
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    experiment: str = "tiny_local"
+    """Name of the experiment bundle."""
+    seed: int = 0
+    """Global seed (sampling, data order)."""
+    preflight: bool = False
+    """Slurm: check every node's GPUs and the collective bandwidth as the job's first step and stop
+    the job with a report before any role starts (limits: ``cluster.preflight``)."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules to import before the config is loaded (they register models, transports, envs or
+    backends); the launcher adds ``SLURMRL_PLUGINS`` here so every role imports the same ones."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: Any = MISSING
+    """Schema chosen by ``model.family`` (workers/models)."""
+    inference: Any = field(default_factory=_default("inference", "embedded"))
+    """Schema chosen by ``inference.backend`` (workers/inference)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    weights: Any = field(default_factory=_default("weights", "filesystem"))
+    """Schema chosen by ``weights.transport`` (workers/weights)."""
+    env: Any = MISSING
+    """Schema chosen by ``env.name`` (workers/orchestrator/envs)."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+def section_schema(section: str, name: str) -> type:
+    return SECTIONS[section][1].get(name).config
+
+
+def structure_section(section: str, node: Any) -> DictConfig:
+    """``node`` (a dict, DictConfig or dataclass) on the schema its entry chooses; a field the
+    schema does not have raises ConfigError naming ``section.field`` and the schema's fields."""
+    key, registry = SECTIONS[section]
+    if dataclasses.is_dataclass(node):
+        node = OmegaConf.structured(node)
+    elif not isinstance(node, DictConfig):
+        node = OmegaConf.create(node)
+    name = node.get(key) if OmegaConf.is_dict(node) and not OmegaConf.is_missing(node, key) and key in node else None
+    if name is None:
+        raise ConfigError(f"{section}.{key} is required; choose one of {registry.names()}")
+    schema = registry.get(name).config
+    if OmegaConf.get_type(node) is schema:
+        return node
+    names = {f.name for f in dataclasses.fields(schema)}
+    unused = [k for k in node.keys() if k not in names]
+    if unused:
+        raise ConfigError(f"{section}.{unused[0]} is not used by {registry.axis} {name!r} ({schema.__name__}); "
+                          f"its fields: {sorted(names)}")
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), node)
+    except ConfigKeyError as e:  # a nested unknown key
+        raise ConfigError(f"{section}: {e}") from None
+
+
+def conform_sections(cfg: RunConfig) -> RunConfig:
+    """Re-type each plugin section whose entry name was changed after composing (say
+    ``model=tiny_moe model.family=llama``); refuses fields the new entry does not use."""
+    changes = {}
+    for section, (key, _registry) in SECTIONS.items():
+        obj = getattr(cfg, section)
+        if type(obj) is not section_schema(section, getattr(obj, key)):
+            changes[section] = OmegaConf.to_object(structure_section(section, OmegaConf.to_container(
+                OmegaConf.structured(obj))))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def load_run_config(path: str) -> RunConfig:
+    """Load a resolved run.yaml onto the schema (type-checked), returning the dataclass.
+
+    Imports the run's plugins first, so sections chosen by a plugin's entry load too."""
+    raw = OmegaConf.load(path)
+    load_plugins(list(raw.get("plugins") or []))
+    for section in SECTIONS:
+        if section in raw:
+            raw[section] = structure_section(section, raw[section])
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else cfg)

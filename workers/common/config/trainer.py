@@ -1,0 +1,111 @@
+"""Trainer section: optimisation, loss, checkpoints and the parallel layout (``trainer/`` Hydra group)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """How trainer ranks split the model: tp * pp * ep * dp == trainer.num_ranks, checked once here.
+
+    Read by the launcher (placement, the plan summary) and by every trainer rank (its groups);
+    both call :meth:`resolve`, so a layout that passes the plan is the one the ranks build.
+    """
+
+    tp: int = 1
+    """Tensor parallel size (inside a node: NVLink); divides model.num_heads."""
+    pp: int = 1
+    """Pipeline parallel stages; the trainer has none yet, so anything but 1 is refused at plan time."""
+    ep: int = 1
+    """Expert parallel size: routed experts are split over ep ranks; divides model.num_experts."""
+    dp: int = -1
+    """Data-parallel replicas of each (tp, pp, ep) shard; -1 derives num_ranks / (tp * pp * ep)."""
+
+    def resolve(self, num_ranks: int) -> dict[str, int]:
+        """``{tp, pp, ep, dp}`` with dp derived; ValueError with the numbers when they do not make num_ranks."""
+        for key in ("tp", "pp", "ep"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.pp != 1:
+            raise ValueError(f"trainer.parallel.pp({self.pp}) > 1: the trainer has no pipeline parallelism yet; "
+                             f"use tp / ep / dp")
+        shard = self.tp * self.pp * self.ep
+        if self.dp == -1:
+            if num_ranks % shard:
+                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) = {shard} does "
+                                 f"not divide trainer.num_ranks({num_ranks}), so dp cannot be derived")
+            dp = num_ranks // shard
+        else:
+            dp = self.dp
+            if dp < 1 or shard * dp != num_ranks:
+                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) * dp({dp}) = "
+                                 f"{shard * dp} != trainer.num_ranks({num_ranks})")
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": dp}
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    num_ranks: int = 1
+    """Trainer processes (gloo locally, NCCL on GPUs); split tp x pp x ep x dp by trainer.parallel."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer ranks."""
+    num_steps: int = 400
+    """Trainer steps of the run; each consumes one batch and publishes weights v=step+1."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    dtype: str = "float32"
+    """Training compute dtype."""
+    aux_loss_coef: float = 0.01
+    """Weight of the MoE load-balancing loss."""
+    ratio_cap: float = 2.0
+    """Truncated importance sampling: per-token ratio pi_train/pi_inference is capped here."""
+    ratio_mask_low: float = 0.2
+    """Tokens whose ratio is below this are masked out of the loss."""
+    ratio_mask_high: float = 5.0
+    """Tokens whose ratio is above this are masked out of the loss."""
+    router_replay: bool = False
+    """Router Replay (R3): force the experts inference chose (the batch's routed_experts) in the
+    trainer forward; gate weights still come from the trainer's router, so it still learns."""
+    replay_unreported: str = "recompute"
+    """Router Replay at positions inference did not report (routed_mask 0: prefix-cache hits, the
+    last sampled token): ``recompute`` routes them with the trainer's own router; ``mask`` also drops
+    from the loss every token predicted from such a position (strict, never trains on a guess)."""
+    ratio_level: str = "token"
+    """What ratio_cap / ratio_mask_low / ratio_mask_high apply to: ``token`` (each token's own
+    ratio: TIS / MIS), ``sequence`` (the product over a row's loss tokens, the exact sequence-level
+    IS ratio) or ``geometric`` (its per-token geometric mean, length-normalised as in GSPO). The two
+    row levels cap or mask every token of a row together."""
+    pack_sequences: bool = False
+    """Pack rows into fewer, fuller rows for the forward (block-diagonal attention, per-sequence
+    positions; routed experts move with their tokens); the loss is computed back in row layout."""
+    batch_timeout_s: float = 600.0
+    """Deadline for the orchestrator's next batch before the trainer gives up."""
+    num_threads: int = 1
+    """torch intra-op threads per trainer rank."""
+    simulated_step_delay_s: float = 0.0
+    """Benchmarks/tests only: sleep this long per step to emulate a large, slow trainer."""
+    checkpoint_every_steps: int = 10
+    """Write a checkpoint (model, optimizer, RNG, step) after every this many steps; 0: only on
+    SIGUSR1/SIGTERM. A restarted trainer resumes from the newest COMPLETE one."""
+    num_checkpoints_kept: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
+
+    def __post_init__(self) -> None:
+        # Checked here so a typo fails in the launcher (which builds this dataclass), not on a rank.
+        for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
+                             ("replay_unreported", ("recompute", "mask"))):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
+        if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
+            raise ValueError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
+                             f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")
