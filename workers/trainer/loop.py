@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from workers.common.config import RunConfig, TrainerConfig
+from workers.common.dtypes import check_name, torch_dtype
 from workers.common.protocol import RunPaths
 from workers.common.topology import Topology
 from workers.common.pretrained import require_prepared
@@ -49,7 +50,6 @@ from workers.weights.base import WeightPublisher, make_publisher
 
 TRAINER_DONE = "TRAINER_DONE"
 EXIT_SIGTERM = 128 + signal.SIGTERM
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class TrainerStopped(BaseException):
@@ -199,9 +199,7 @@ def initial_model(cfg: RunConfig) -> TinyMoeForCausalLM:
 
 
 def dtype_of(tcfg: TrainerConfig) -> torch.dtype:
-    if tcfg.dtype not in DTYPES:
-        raise ValueError(f"trainer.dtype={tcfg.dtype!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[tcfg.dtype]
+    return torch_dtype(check_name("trainer.dtype", tcfg.dtype), "trainer.dtype")
 
 
 _STOPPING: list[bool] = []  # non-empty once SIGTERM arrived

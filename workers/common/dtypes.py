@@ -1,0 +1,46 @@
+"""The one dtype table: config names -> torch dtypes, safetensors codes and byte sizes.
+
+Why one table: the trainer, the embedded engine, the weight shards and the planner each used to keep
+their own copy, and a name accepted by one was refused by another. Importing this module does not
+import torch (the launcher uses :data:`COMPUTE_DTYPES` and :func:`itemsize`); :func:`torch_dtype`
+imports it when called.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+#: dtype name (torch's, without ``torch.``) -> (safetensors code, bytes per element)
+TABLE: dict[str, tuple[str, float]] = {
+    "float64": ("F64", 8), "float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2),
+    "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1), "uint8": ("U8", 1),
+    "bool": ("BOOL", 1), "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1)}
+COMPUTE_DTYPES = ("float32", "bfloat16")
+"""What ``trainer.dtype`` and ``inference.dtype`` accept (the plan checks both)."""
+
+
+def check_name(key: str, name: str, choices=COMPUTE_DTYPES) -> str:
+    """``name`` if it is one of ``choices``; ValueError naming the config key otherwise."""
+    if name not in choices:
+        raise ValueError(f"{key}={name!r} is not supported; choose one of {list(choices)}")
+    return name
+
+
+def itemsize(name: str) -> float:
+    return TABLE[check_name("dtype", name, tuple(TABLE))][1]
+
+
+def safetensors_code(name: str) -> str:
+    return TABLE[check_name("dtype", name, tuple(TABLE))][0]
+
+
+def torch_dtype(name: str, key: str = "dtype") -> Any:
+    """The torch dtype called ``name`` (``bfloat16`` -> torch.bfloat16); ValueError naming ``key``."""
+    import torch
+
+    check_name(key, name, tuple(TABLE))
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch dtype -> its name in this table (``torch.bfloat16`` -> ``bfloat16``)."""
+    return str(dtype).replace("torch.", "")
