@@ -58,7 +58,7 @@ bench-smollm2: install-pretrained
 run: install
 	$(VENV)/bin/slurmrl experiment=tiny_local $(ARGS)
 
-test: install install-sglang
+test: install install-sglang lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install install-sglang
@@ -66,6 +66,10 @@ test-fast: install install-sglang
 
 bench: install
 	$(PY) -m benchmarks $(ARGS)
+
+# Pyflakes-level checks (pyproject.toml [tool.ruff]); part of `make test`.
+lint: install
+	$(VENV)/bin/ruff check launcher workers tests benchmarks
 
 clean-runs:
 	rm -rf runs

@@ -27,7 +27,7 @@ from workers.common.pretrained import fact_mismatches
 from workers.common.topology import PORT_SERVERS
 from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
 from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
-from workers.preflight.checks import limit_errors
+from workers.preflight.limits import limit_errors
 
 BYTE_CHAT_VOCAB = 264  # = workers/orchestrator/envs/chat.py VOCAB_SIZE (8 specials + 256 bytes)
 ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols, "code_repair": lambda e: BYTE_CHAT_VOCAB,

@@ -10,17 +10,10 @@ produce a :class:`CollectiveResult`, so one :func:`evaluate` judges both.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
-from workers.preflight.checks import Finding
+from workers.preflight.limits import BUSBW_FACTOR, COLLECTIVES, Finding  # noqa: F401  (re-exported)
 
-BUSBW_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "alltoall": lambda n: (n - 1) / n,
-    "sendrecv": lambda n: 1.0,
-}
-COLLECTIVES = tuple(BUSBW_FACTOR)
 
 
 def busbw(collective: str, algbw: float, num_ranks: int) -> float:

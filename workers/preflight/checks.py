@@ -24,32 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from workers.common.config import PreflightConfig
+from workers.preflight.limits import KEY, Finding, limit_errors  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from workers.preflight.bandwidth import CollectiveResult
 
-KEY = "cluster.preflight"
 HARMLESS_CLOCK_REASONS = {"gpu_idle", "applications_clocks_setting", "sync_boost", "display_clock_setting"}
 MEMORY_TOLERANCE = 0.95
 """NVML's total memory may be a little under the marketing number (H200: 140.4 GiB for "141 GB")."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    level: str
-    """``fail`` (stops the job) or ``warn``."""
-    check: str
-    """Short name: gpu_count, gpu_name, memory, ecc, retired_pages, row_remap, clocks, nvlink, nvml, versions,
-    report, busbw, wrong, truncated, benchmark."""
-    where: str
-    """Node (and het group / component), or the component for bandwidth findings."""
-    gpu: Optional[str]
-    """``GPU i (pci bus id, uuid)``, or None for node-wide findings."""
-    message: str
-
-    def line(self) -> str:
-        gpu = f" {self.gpu}" if self.gpu else ""
-        return f"{self.level.upper()} {self.where}{gpu}: {self.check}: {self.message}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,29 +165,6 @@ def _disagreement(what: str, check: str, by_node: dict[str, Any]) -> list[Findin
 
 def failed(findings: Iterable[Finding]) -> bool:
     return any(f.level == "fail" for f in findings)
-
-
-def limit_errors(limits: PreflightConfig, *, component_names: Iterable[str]) -> list[str]:
-    """User mistakes in ``cluster.preflight``, for the plan to raise before anything is submitted."""
-    from workers.preflight.bandwidth import COLLECTIVES  # bandwidth imports Finding from here
-    from workers.preflight.gpu import THROTTLE_BITS
-
-    errors = []
-    for key, names, valid in (("collectives", limits.collectives, COLLECTIVES),
-                              ("min_busbw_gbps", limits.min_busbw_gbps, COLLECTIVES),
-                              ("min_busbw_gbps_intra_node", limits.min_busbw_gbps_intra_node, COLLECTIVES),
-                              ("fail_on_throttle", limits.fail_on_throttle, tuple(THROTTLE_BITS)),
-                              ("expect_gpus_per_node", limits.expect_gpus_per_node, tuple(component_names))):
-        bad = sorted(set(names) - set(valid))
-        if bad:
-            errors.append(f"{KEY}.{key} has unknown names {bad}; choose from {list(valid)}")
-    if not 0 < limits.min_bytes <= limits.max_bytes or limits.size_factor < 2:
-        errors.append(f"need 0 < {KEY}.min_bytes({limits.min_bytes}) <= {KEY}.max_bytes({limits.max_bytes}) "
-                      f"and {KEY}.size_factor({limits.size_factor}) >= 2")
-    if limits.timeout_s <= 0 or limits.num_iters <= 0 or limits.num_warmup_iters < 0:
-        errors.append(f"{KEY}.timeout_s({limits.timeout_s}) and num_iters({limits.num_iters}) must be > 0, "
-                      f"num_warmup_iters({limits.num_warmup_iters}) >= 0")
-    return errors
 
 
 # --- reports -------------------------------------------------------------------------------------

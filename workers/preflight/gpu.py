@@ -15,13 +15,9 @@ import socket
 import time
 from typing import Any, Callable, Optional
 
+from workers.preflight.limits import THROTTLE_BITS
+
 GIB = float(1 << 30)
-THROTTLE_BITS = {
-    # nvmlClocksEventReason* (formerly nvmlClocksThrottleReason*) bit values of the NVML ABI.
-    "gpu_idle": 0x1, "applications_clocks_setting": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
-    "sync_boost": 0x10, "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40,
-    "hw_power_brake_slowdown": 0x80, "display_clock_setting": 0x100,
-}
 MAX_NVLINKS = 18
 """NVLinks queried per GPU (Hopper has 18; NVML_NVLINK_MAX_LINKS may be larger in new bindings)."""
 _SILENT = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")

@@ -24,25 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from numbers import Number
 from typing import Any, Optional
 
+from workers.common import logs
 from workers.common.protocol import RunPaths
-
-LOGGER_NAME = "slurmrl.trainer"
 
 
 def get_logger(rank: int) -> logging.Logger:
-    """``trainer[rank]`` logger; rank 0 logs INFO, other ranks only warnings and errors."""
-    log = logging.getLogger(f"{LOGGER_NAME}.{rank}")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    return log
+    """``trainer[rank]`` logger (workers/common/logs.py: rank 0 logs INFO, other ranks warnings and errors)."""
+    return logs.get_logger("trainer", rank)
 
 
 def _clean(value: Any) -> Any:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import MISSING
 

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Optional
 
-from omegaconf import MISSING
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,0 +1,118 @@
+"""The import graph of launcher/ and workers/: no cycles, and the launcher reaches roles only through registries.
+
+Why a test: cycles crept in three times (an interface module holding its factory, a server and its
+routes importing each other's private helpers, a report module and the bandwidth judge), and each
+one made an import order matter. Edges are read from the source (ast), lazy imports inside
+functions included; only ``if TYPE_CHECKING:`` blocks are left out (they never run).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("launcher", "workers")
+#: What launcher/ may import from workers/: the common protocols/configs/registries (which reach
+#: the plugin homes by name) and the pure preflight limits. Never a role's code.
+LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of this repo that ``name`` imports (a ``from pkg import sub`` counts as ``pkg.sub``)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for sub in child.orelse:
+                    visit(sub)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = name.split(".") if is_pkg else name.split(".")[:-1]
+                    parent = parent[: len(parent) - (child.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                for a in child.names:
+                    sub = f"{base}.{a.name}"
+                    out.add(sub if sub in modules else base)
+            visit(child)
+
+    visit(tree)
+    return {m for m in out if m in modules and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    found = cycles(graph())
+    assert not found, "import cycles (break each by moving the shared part to its own module):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_launcher_reaches_roles_only_through_registries():
+    bad = sorted((name, dep) for name, deps in graph().items() if name.startswith("launcher")
+                 for dep in deps if dep.startswith("workers") and not dep.startswith(LAUNCHER_MAY_IMPORT))
+    assert not bad, f"launcher imports role internals: {bad}"
