@@ -3,10 +3,15 @@
 These tests never skip: CI must exercise real Slurm, so a missing cluster is an error.
 If no cluster answers, `slurm_cluster` starts one with tests/slurm/cluster.sh (which
 installs Slurm if needed) and stops it again at the end of the session.
-"""
 
+Also the helpers every Slurm test shares (the CLI as a subprocess, sacct polling, waits with a deadline).
+"""
+from __future__ import annotations
+
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,3 +91,58 @@ def slurm_cluster():
             res = _cluster_sh("stop", timeout=120)
             if res.returncode != 0:
                 print(f"warning: `{CLUSTER_SH} stop` failed:\n{res.stdout}\n{res.stderr}")
+
+
+# ---- shared helpers -----------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
+SMALL = ["experiment=tiny_local", "orchestrator.num_prompts_per_step=4"]
+
+
+def slurmrl(args: list[str], tmp_path: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
+    cmd = [sys.executable, "-m", "launcher", *flags, f"cluster.runs_root={tmp_path / 'runs'}",
+           *(a for a in args if not a.startswith("-"))]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    print(res.stdout[-4000:], res.stderr[-4000:])
+    return res
+
+
+def sacct(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["sacct", "-j", job_id, "--format=JobID,State", "-P", "-n"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return {a: b.split()[0] for a, b in (line.split("|", 1) for line in out.splitlines() if "|" in line)}
+
+
+def sacct_final(job_id: str, num_parts: int, num_steps: int, timeout: float = 60) -> dict[str, str]:
+    """sacct rows once every part, the batch step and num_steps srun steps are recorded, final.
+
+    sacct lags slurmctld by seconds for hetjobs (tests/slurm/README.md), hence the poll.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = sacct(job_id)
+        parts = [f"{job_id}+{k}" for k in range(num_parts)]
+        steps = [r for r in rows if "." in r and not r.endswith((".batch", ".extern"))]
+        if (all(p in rows for p in parts) and f"{job_id}+0.batch" in rows and len(steps) == num_steps
+                and not ACTIVE.intersection(rows.values())):
+            return rows
+        if time.monotonic() > deadline:
+            pytest.fail(f"sacct did not record job {job_id} completely within {timeout}s: {rows}", pytrace=False)
+        time.sleep(0.5)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wait_until(what, timeout, probe):
+    """Poll probe() until it returns a truthy value; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}", pytrace=False)
+        time.sleep(0.2)

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.slurm.conftest import wait_until
+
 pytestmark = pytest.mark.slurm
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
@@ -24,18 +26,6 @@ def sh(*cmd, timeout=30):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     return res.stdout
-
-
-def wait_until(what, timeout, probe):
-    """Poll probe() until it returns a truthy value; fail after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}", pytrace=False)
-        time.sleep(0.2)
 
 
 def sbatch(script):

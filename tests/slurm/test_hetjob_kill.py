@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from launcher import submit
-from tests.slurm.test_cluster_smoke import wait_until
-from tests.slurm.test_hetjob_run import SMALL, sacct_final, slurmrl
+from tests.slurm.conftest import wait_until
+from tests.slurm.conftest import SMALL, sacct_final, slurmrl
 
 pytestmark = pytest.mark.slurm
 

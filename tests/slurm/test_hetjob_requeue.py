@@ -16,8 +16,8 @@ import time
 import pytest
 
 from launcher import submit
-from tests.slurm.test_cluster_smoke import wait_until
-from tests.slurm.test_hetjob_run import REPO, SMALL, slurmrl
+from tests.slurm.conftest import wait_until
+from tests.slurm.conftest import REPO, SMALL, slurmrl
 
 pytestmark = pytest.mark.slurm
 

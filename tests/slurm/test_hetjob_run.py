@@ -7,58 +7,16 @@ metrics.jsonl a local run writes (same fields, one record per step, reward logge
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.slurm.conftest import REPO, SMALL, metrics, sacct_final, slurmrl
+
 pytestmark = pytest.mark.slurm
-
-REPO = Path(__file__).resolve().parents[2]
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
-SMALL = ["experiment=tiny_local", "orchestrator.num_prompts_per_step=4"]
-
-
-def slurmrl(args: list[str], tmp_path: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
-    flags = [a for a in args if a.startswith("-")]  # Hydra wants -m before the overrides
-    cmd = [sys.executable, "-m", "launcher", *flags, f"cluster.runs_root={tmp_path / 'runs'}",
-           *(a for a in args if not a.startswith("-"))]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    print(res.stdout[-4000:], res.stderr[-4000:])
-    return res
-
-
-def sacct(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["sacct", "-j", job_id, "--format=JobID,State", "-P", "-n"], capture_output=True,
-                         text=True, timeout=30).stdout
-    return {a: b.split()[0] for a, b in (line.split("|", 1) for line in out.splitlines() if "|" in line)}
-
-
-def sacct_final(job_id: str, num_parts: int, num_steps: int, timeout: float = 60) -> dict[str, str]:
-    """sacct rows once every part, the batch step and num_steps srun steps are recorded, final.
-
-    sacct lags slurmctld by seconds for hetjobs (tests/slurm/README.md), hence the poll.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = sacct(job_id)
-        parts = [f"{job_id}+{k}" for k in range(num_parts)]
-        steps = [r for r in rows if "." in r and not r.endswith((".batch", ".extern"))]
-        if (all(p in rows for p in parts) and f"{job_id}+0.batch" in rows and len(steps) == num_steps
-                and not ACTIVE.intersection(rows.values())):
-            return rows
-        if time.monotonic() > deadline:
-            pytest.fail(f"sacct did not record job {job_id} completely within {timeout}s: {rows}", pytrace=False)
-        time.sleep(0.5)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
 
 def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     run_dir = tmp_path / "slurm_run"

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.slurm.test_hetjob_run import SMALL, slurmrl
+from tests.slurm.conftest import SMALL, slurmrl
 
 pytestmark = pytest.mark.slurm
 ROLE_LOGS = ("orchestrator_0.log", "inference_0.log", "trainer_0.log")

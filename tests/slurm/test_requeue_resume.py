@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from tests.slurm.test_cluster_smoke import wait_until
-from tests.slurm.test_hetjob_run import REPO, SMALL, slurmrl
+from tests.slurm.conftest import wait_until
+from tests.slurm.conftest import REPO, SMALL, slurmrl
 from workers.orchestrator.ledger import read_ledger
 
 pytestmark = pytest.mark.slurm

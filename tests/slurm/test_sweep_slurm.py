@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_hetjob_run import SMALL, metrics, sacct_final, slurmrl
+from tests.slurm.conftest import SMALL, metrics, sacct_final, slurmrl
 from workers.common.config import load_run_config
 
 pytestmark = pytest.mark.slurm
