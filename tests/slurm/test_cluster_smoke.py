@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-from tests.slurm.conftest import wait_until
+from tests.slurm.conftest import ACTIVE, wait_until
 
 pytestmark = pytest.mark.slurm
 
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"}
 
 
 def sh(*cmd, timeout=30):
