@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from workers.common.config import EnvConfig
 from workers.common.inference_client import GenerateResult
 from workers.orchestrator.batch_builder import build_batch_arrays
 from workers.orchestrator.buffer import RolloutBuffer
-from workers.orchestrator.envs.base import MultiTurnEnv, StepResult
+from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult
 from workers.orchestrator.envs.chat import ASSISTANT, BOS, EOT, TOOL, ByteTokenizer, ChatTemplate
 from workers.orchestrator.episodes import env_batch_metrics, run_episode, run_episode_group
 
@@ -64,7 +63,7 @@ class EchoEnv(MultiTurnEnv):
     name = "echo"
 
     def __init__(self, step_delay_s=0.0, **kw):
-        cfg = EnvConfig(name="echo", **{"max_turns": 4, "max_new_tokens_per_turn": 16, "max_episode_tokens": 400, **kw})
+        cfg = MultiTurnEnvConfig(name="echo", **{"max_turns": 4, "max_new_tokens_per_turn": 16, "max_episode_tokens": 400, **kw})
         super().__init__(cfg, seed=0)
         self.template = ChatTemplate()
         self.stop_token_ids = self.template.stop_token_ids
