@@ -32,13 +32,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from workers.common.config import EnvConfig
 from workers.common.protocol import RunPaths
 from workers.inference.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutGroup, Sample
-from workers.orchestrator.envs.reverse_digits import ReverseDigitsEnv
+from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig, ReverseDigitsEnv
 from workers.trainer.batch import RolloutBatch, load_batch
 from workers.trainer.loss import loss_relevant_inputs, policy_loss, routing_disagreement
 from workers.trainer.parallel import ParallelDims
@@ -61,7 +60,7 @@ def sample(master: TinyMoeForCausalLM, *, num_prompts: int, new_tokens: int, see
     cfg = master.config
     engine_model = TinyMoeForCausalLM(cfg).to(torch.bfloat16)
     engine_model.load_state_dict(master.state_dict())  # rounds the fp32 master to bf16, as a weight update does
-    env = ReverseDigitsEnv(EnvConfig(name="reverse_digits", min_digits=3, max_digits=8), seed=seed)
+    env = ReverseDigitsEnv(ReverseDigitsConfig(min_digits=3, max_digits=8), seed=seed)
     tasks = [env.sample_task() for _ in range(num_prompts)]
     # No stop token: every sample has new_tokens tokens, so both models are scored on as many.
     reqs = [GenRequest(input_ids=list(t.prompt_ids), temperature=1.0, max_new_tokens=new_tokens,

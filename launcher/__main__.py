@@ -57,7 +57,10 @@ def main() -> None:
         from launcher.submit import command_line
 
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
-    hydra_app()
+    try:
+        hydra_app()
+    except SystemExit as e:  # Hydra exits 1 when composing fails (an unknown key or option): a user error too
+        sys.exit(2 if e.code == 1 and not HydraConfig.initialized() else e.code)
     try:
         sys.exit(sweep.run_all())
     except USER_ERRORS as e:

@@ -24,15 +24,10 @@ from launcher.sglang_checks import SGLangStep, check_sglang, sglang_steps
 from workers.common.config import RunConfig
 from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
+from workers.common.registry import ENVS
 from workers.common.topology import PORT_SERVERS
-from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
-from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
 from workers.preflight.limits import limit_errors
 
-BYTE_CHAT_VOCAB = 264  # = workers/orchestrator/envs/chat.py VOCAB_SIZE (8 specials + 256 bytes)
-ENV_VOCAB = {"reverse_digits": lambda e: 4 + e.num_symbols, "code_repair": lambda e: BYTE_CHAT_VOCAB,
-             "verifiers": lambda e: BYTE_CHAT_VOCAB, "reverse_text": lambda e: 0}  # reverse_text: the model's own
-MULTI_TURN_ENVS = ("code_repair", "verifiers")
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
     "inference.backend": ("embedded", "sglang"),
@@ -167,83 +162,20 @@ def check_pretrained(cfg: RunConfig) -> None:
         raise PlanError(f"model preset {m.name} does not describe the checkpoint it loads: " + "; ".join(wrong))
 
 
-def check_env_latency(cfg: RunConfig) -> None:
-    e = cfg.env
-    if e.latency not in ("none", "lognormal", "pareto"):
-        raise PlanError(f"env.latency={e.latency!r} is not supported; choose one of ['none', 'lognormal', 'pareto']")
-    if e.latency != "none":
-        _positive("env.latency_median_s", e.latency_median_s)
-        if e.latency_p99_over_median < 1:
-            raise PlanError(f"env.latency_p99_over_median({e.latency_p99_over_median}) must be >= 1 (p99 >= median)")
-
-
 def check_env(cfg: RunConfig) -> None:
-    e = cfg.env
-    check_env_latency(cfg)
-    if e.name not in ENV_VOCAB:
-        raise PlanError(f"env.name={e.name!r} is unknown; choose one of {sorted(ENV_VOCAB)}")
-    need = ENV_VOCAB[e.name](e)
-    if need > cfg.model.vocab_size:
-        raise PlanError(f"model.vocab_size({cfg.model.vocab_size}) is smaller than env {e.name}'s vocabulary ({need})")
+    """The env's own checks (latency, vocabulary or tokenizer, its fields) through its spec
+    (workers/orchestrator/envs/spec.py), and the orchestrator's episode policies."""
     policies = ("drop", "truncate", "keep")
     if cfg.orchestrator.long_episode_policy not in policies:
         raise PlanError(f"orchestrator.long_episode_policy={cfg.orchestrator.long_episode_policy!r}; choose one of "
                         f"{list(policies)}")
     _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
-    if e.name in MULTI_TURN_ENVS:
-        check_multi_turn_env(cfg)
-        return
-    if e.name == "reverse_text":
-        check_reverse_text_env(cfg)
-        return
-    _positive("env.min_digits", e.min_digits)
-    if e.max_digits < e.min_digits:
-        raise PlanError(f"env.max_digits({e.max_digits}) must be >= env.min_digits({e.min_digits})")
-    _positive("env.num_symbols", e.num_symbols)
-    longest = 2 + e.max_digits + e.max_digits + 1
-    if longest > cfg.model.max_position_embeddings:
-        raise PlanError(f"model.max_position_embeddings({cfg.model.max_position_embeddings}) < longest episode "
-                        f"({longest} tokens for env.max_digits={e.max_digits})")
-
-
-def check_reverse_text_env(cfg: RunConfig) -> None:
-    """reverse_text tokenizes with a pretrained model's tokenizer and chat template."""
-    e = cfg.env
-    if not cfg.model.pretrained:
-        raise PlanError(f"env=reverse_text uses a pretrained model's tokenizer and chat template, but model "
-                        f"{cfg.model.name} has none (model.pretrained is empty); use model=smollm2_135m")
-    _positive("env.min_words", e.min_words)
-    if not e.min_words <= e.max_words <= len(REVERSE_TEXT_WORDS):
-        raise PlanError(f"env.max_words({e.max_words}) must be in [env.min_words({e.min_words}), "
-                        f"{len(REVERSE_TEXT_WORDS)} (words in the list)]")
-    _positive("env.max_new_tokens", e.max_new_tokens)
-    if not 0 <= e.num_examples <= len(REVERSE_TEXT_EXAMPLES):
-        raise PlanError(f"env.num_examples({e.num_examples}) must be in [0, {len(REVERSE_TEXT_EXAMPLES)}]")
-    if e.max_new_tokens >= cfg.model.max_position_embeddings:
-        raise PlanError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
-                        f"({cfg.model.max_position_embeddings}): the prompt needs room too")
-
-
-def check_multi_turn_env(cfg: RunConfig) -> None:
-    """Episode and sandbox limits of code_repair / verifiers."""
-    e = cfg.env
-    for key in ("max_turns", "max_new_tokens_per_turn", "max_episode_tokens", "max_observation_bytes",
-                "max_concurrent_env_steps", "num_functions", "num_tests_per_function", "sandbox_cpu_s",
-                "sandbox_memory_mb", "sandbox_file_size_kb", "sandbox_num_procs", "sandbox_tmp_mb"):
-        _positive(f"env.{key}", getattr(e, key))
-    _positive("env.episode_timeout_s", e.episode_timeout_s)
-    _positive("env.sandbox_timeout_s", e.sandbox_timeout_s)
-    if e.max_episode_tokens > cfg.model.max_position_embeddings:
-        raise PlanError(f"env.max_episode_tokens({e.max_episode_tokens}) > model.max_position_embeddings"
-                        f"({cfg.model.max_position_embeddings}): an episode must fit the model's context")
-    if e.max_new_tokens_per_turn >= e.max_episode_tokens:
-        raise PlanError(f"env.max_new_tokens_per_turn({e.max_new_tokens_per_turn}) must be < env.max_episode_tokens"
-                        f"({e.max_episode_tokens}): the prompt needs room too")
-    modes = ("auto", "namespaces", "userns", "rlimits")
-    if e.sandbox_mode not in modes:
-        raise PlanError(f"env.sandbox_mode={e.sandbox_mode!r}; choose one of {list(modes)}")
-    if e.name == "verifiers" and not e.verifiers_env:
-        raise PlanError("env=verifiers needs env.verifiers_env (the module name of a verifiers environment)")
+    try:
+        ENVS.get(cfg.env.name).check(cfg)
+    except PlanError:
+        raise
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def check_loop(cfg: RunConfig) -> int:

@@ -1,12 +1,12 @@
 """reverse_digits: deterministic prompts, reward = fraction of correct positions."""
 from workers.common.config import EnvConfig
 from workers.orchestrator.envs import make_env
-from workers.orchestrator.envs.reverse_digits import EOS
+from workers.orchestrator.envs.reverse_digits import EOS, ReverseDigitsConfig
 import pytest
 
 
 def env(**kw):
-    return make_env(EnvConfig(name="reverse_digits", **kw), seed=0)
+    return make_env(ReverseDigitsConfig(**kw), seed=0)
 
 
 def test_prompts_are_deterministic_from_seed():

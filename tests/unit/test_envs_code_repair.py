@@ -6,16 +6,16 @@ import random
 
 import pytest
 
-from workers.common.config import EnvConfig
 from workers.orchestrator.envs import make_env
 from workers.orchestrator.envs.chat import EOT, ByteTokenizer
+from workers.orchestrator.envs.code_repair import CodeRepairConfig
 from workers.orchestrator.envs.code_tasks import make_task
 
 TOK = ByteTokenizer()
 
 
 def env(tmp_path, **kw):
-    return make_env(EnvConfig(name="code_repair", sandbox_scratch_root=str(tmp_path / "scratch"), sandbox_cpu_s=1,
+    return make_env(CodeRepairConfig(sandbox_scratch_root=str(tmp_path / "scratch"), sandbox_cpu_s=1,
                               sandbox_timeout_s=3.0, max_observation_bytes=2048, **kw), seed=0)
 
 
@@ -136,14 +136,23 @@ def test_printed_fake_passes_do_not_count(tmp_path):
 
 
 def test_verifiers_env_is_visibly_unimplemented():
+    from workers.orchestrator.envs.verifiers_adapter import VerifiersConfig
     with pytest.raises(NotImplementedError, match="verifiers 0.4.0"):
-        make_env(EnvConfig(name="verifiers", verifiers_env="x"), seed=0)
+        make_env(VerifiersConfig(verifiers_env="x"), seed=0)
 
 
-def test_plan_vocab_matches_the_chat_template():
-    from launcher.plan import BYTE_CHAT_VOCAB
+def test_plan_refuses_verifiers_saying_what_is_missing():
+    from launcher.plan import PlanError, build_plan
+    from tests.unit.test_plan_slurm import compose
+    for overrides in (["env=verifiers"], ["experiment=tiny_code_repair", "env=verifiers", "env.verifiers_env=x"]):
+        with pytest.raises(PlanError, match="env=verifiers is not implemented: .*missing here: a verifiers Client"):
+            build_plan(compose(overrides))
+
+
+def test_plan_vocab_is_the_chat_templates():
+    from workers.common.registry import ENVS
     from workers.orchestrator.envs.chat import VOCAB_SIZE
-    assert BYTE_CHAT_VOCAB == VOCAB_SIZE
+    assert ENVS.get("code_repair").vocab_size(CodeRepairConfig()) == VOCAB_SIZE
 
 
 def test_plan_refuses_bad_multi_turn_settings():

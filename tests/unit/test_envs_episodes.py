@@ -13,11 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from workers.common.config import EnvConfig
 from workers.common.inference_client import GenerateResult
 from workers.orchestrator.batch_builder import build_batch_arrays
 from workers.orchestrator.buffer import RolloutBuffer
-from workers.orchestrator.envs.base import MultiTurnEnv, StepResult
+from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult
 from workers.orchestrator.envs.chat import ASSISTANT, BOS, EOT, TOOL, ByteTokenizer, ChatTemplate
 from workers.orchestrator.episodes import env_batch_metrics, run_episode, run_episode_group
 
@@ -64,7 +63,7 @@ class EchoEnv(MultiTurnEnv):
     name = "echo"
 
     def __init__(self, step_delay_s=0.0, **kw):
-        cfg = EnvConfig(name="echo", **{"max_turns": 4, "max_new_tokens_per_turn": 16, "max_episode_tokens": 400, **kw})
+        cfg = MultiTurnEnvConfig(name="echo", **{"max_turns": 4, "max_new_tokens_per_turn": 16, "max_episode_tokens": 400, **kw})
         super().__init__(cfg, seed=0)
         self.template = ChatTemplate()
         self.stop_token_ids = self.template.stop_token_ids
@@ -220,3 +219,52 @@ def test_spare_groups_are_started_beyond_what_the_batches_need():
     assert groups_to_launch(**base) == 2
     assert groups_to_launch(**base, spare=3) == 5  # a long-tail group no longer holds the next batch back
     assert groups_to_launch(**{**base, "weight_version": -5}, spare=3) == 0  # nothing usable: no spares either
+
+
+class IdsClient:
+    """Answers each generate call with the next scripted token ids (and records the call)."""
+
+    def __init__(self, answers, finish="stop"):
+        self.answers, self.finish, self.calls = list(answers), finish, []
+
+    async def generate(self, input_ids, *, temperature, max_new_tokens, stop_token_ids=(), return_routed_experts=False,
+                       rid=None, timeout_s=None):
+        self.calls.append(dict(input_ids=list(input_ids), max_new_tokens=max_new_tokens, stop=list(stop_token_ids)))
+        out = self.answers[(len(self.calls) - 1) % len(self.answers)]
+        full = list(input_ids) + out
+        routed = np.stack([routing_row(t, full[t]) for t in range(len(full) - 1)]) if return_routed_experts else None
+        return GenerateResult(output_ids=list(out), output_logprobs=[-0.1] * len(out), token_versions=[3] * len(out),
+                              weight_version=3, finish_reason=self.finish, routed_experts=routed, rid=rid,
+                              prompt_tokens=len(input_ids))
+
+
+def test_single_turn_env_is_one_generate_call_scored_once():
+    """reverse_digits through the one runner: the sample the single-turn path used to build
+    (prompt, answer, env.score, env.token_rewards, routed rows), one call, no env metrics."""
+    from workers.orchestrator.envs.reverse_digits import EOS, ReverseDigitsConfig, ReverseDigitsEnv
+    env = ReverseDigitsEnv(ReverseDigitsConfig(min_digits=3, max_digits=3), seed=0)
+    task = env.sample_task()
+    right = list(task.target_ids) + [EOS]
+    answers = [right, [right[0], 0, right[2], EOS], right + right[:2], [EOS]]
+    client = IdsClient(answers)
+    group = asyncio.run(run_episode_group(client, env, task, group_id=0, worker=0, num_samples=4, temperature=1.0,
+                                          return_routed_experts=True, started_version=0))
+    assert [c["input_ids"] for c in client.calls] == [list(task.prompt_ids)] * 4
+    assert all(c["max_new_tokens"] == env.max_new_tokens and c["stop"] == [EOS] for c in client.calls)
+    for s, ans in zip(group.samples, answers):
+        assert s.prompt_ids == list(task.prompt_ids) and s.completion_ids == ans
+        assert s.reward == env.score(task, ans) and s.token_rewards == env.token_rewards(task, ans)
+        assert s.token_versions == [3] * len(ans) and s.routed_experts.shape[0] == len(task.prompt_ids) + len(ans) - 1
+    assert [s.reward for s in group.samples][:2] == [1.0, pytest.approx(2 / 3)]
+    assert group.env_metrics == {} and env_batch_metrics([group]) == {}
+    group.assign_advantages("token_rtg")
+    assert all(s.token_advantages is not None for s in group.samples)
+
+
+def test_single_turn_aborted_answer_earns_nothing():
+    from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig, ReverseDigitsEnv
+    env = ReverseDigitsEnv(ReverseDigitsConfig(min_digits=3, max_digits=3), seed=0)
+    task = env.sample_task()
+    s = asyncio.run(run_episode(IdsClient([list(task.target_ids)], finish="abort"), env, task, episode_id="e",
+                                temperature=1.0, return_routed_experts=False))
+    assert s.finish_reason == "abort" and s.reward == 0.0 and s.token_rewards == [0.0, 0.0, 0.0]

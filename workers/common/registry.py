@@ -89,8 +89,8 @@ MODELS: Registry = Registry("model family", "model.family", "model", {
 TRANSPORTS: Registry = Registry("weight transport", "weights.transport", "weights", {
     "filesystem": "workers.weights.builtin", "broadcast": "workers.weights.builtin"})
 ENVS: Registry = Registry("environment", "env.name", "env", {
-    "reverse_digits": "workers.orchestrator.envs.builtin", "code_repair": "workers.orchestrator.envs.builtin",
-    "verifiers": "workers.orchestrator.envs.builtin", "reverse_text": "workers.orchestrator.envs.builtin"})
+    "reverse_digits": "workers.orchestrator.envs.reverse_digits", "code_repair": "workers.orchestrator.envs.code_repair",
+    "verifiers": "workers.orchestrator.envs.verifiers_adapter", "reverse_text": "workers.orchestrator.envs.reverse_text"})
 BACKENDS: Registry = Registry("inference backend", "inference.backend", "inference", {
     "embedded": "workers.inference.builtin", "sglang": "workers.inference.builtin"})
 

@@ -1,4 +1,8 @@
-"""Multi-turn rollouts: run episodes of a MultiTurnEnv against an inference worker.
+"""Rollouts: run episodes of any env (envs/base.py protocol) against an inference worker.
+
+Every env goes through here: a single-turn env (reverse_digits) is an episode of one turn
+whose step scores the answer, so its sample is prompt + answer with the env's reward (and its
+per-token rewards, for orchestrator.advantage=token_rtg), exactly one generate call.
 
 One episode (``run_episode``)::
 
@@ -9,6 +13,7 @@ One episode (``run_episode``)::
         res = await session.step(out.ids)                # tools, sandbox: may take long
         next turn: history += res.observation_ids;  sample += them (loss 0, version -1)
     reward = sum of step rewards (+ final_reward() when a limit ended it)
+    token_rewards = each turn's step.token_rewards (0 on env tokens), when every step gave them
 
 Invariants the trainer relies on (tests/unit/test_envs_episodes.py checks each):
   * every generate call's input is the previous call's input + its output + the new
@@ -45,6 +50,8 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
 
     ``latency`` (envs.latency.LatencyModel, env.latency=...) adds a simulated heavy-tailed wait
     to every env step, counted as env time: long-tail tools without a real slow tool.
+    Per-token rewards: each step's ``token_rewards`` on its turn's tokens, 0 on env tokens and on
+    a turn no step saw, ``final_reward`` on the last token; None once a step gives none.
     """
     limits = env.limits
     session = env.session(task, episode_id)
@@ -55,6 +62,7 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
     logprobs: list[float] = []
     versions: list[int] = []
     routed: Optional[list[np.ndarray]] = [] if return_routed_experts else None
+    token_rewards: Optional[list[float]] = []  # parallel to ids while every step gives per-token rewards
     num_routed, reward, turns, finish = 0, 0.0, 0, "max_turns"
     infos: list[dict] = []
     try:
@@ -75,6 +83,8 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
             mask += [0] * len(pending)
             logprobs += [0.0] * len(pending)
             versions += [-1] * len(pending)
+            if token_rewards is not None:
+                token_rewards += [0.0] * len(pending)
             history += pending
             res = await _generate(client, history, env, temperature=temperature,
                                   max_new_tokens=min(limits.max_new_tokens_per_turn, budget),
@@ -84,6 +94,8 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
             mask += [1] * len(turn)
             logprobs += list(res.output_logprobs)
             versions += list(res.token_versions)
+            if token_rewards is not None:
+                token_rewards += [0.0] * len(turn)
             history += turn
             turns += 1
             if routed is not None:
@@ -102,6 +114,10 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
                     if meter is not None:
                         meter.env_wait_s += waited
             reward += step.reward
+            if token_rewards is not None and step.token_rewards is not None and len(step.token_rewards) == len(turn):
+                token_rewards[len(token_rewards) - len(turn):] = [float(r) for r in step.token_rewards]
+            else:
+                token_rewards = None
             infos.append(step.info)
             if step.done:
                 finish = "done"
@@ -109,7 +125,13 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
             pending = list(step.observation_ids)
         if finish != "done":
             with watch:
-                reward += await session.final_reward()
+                final = await session.final_reward()
+            reward += final
+            if token_rewards is not None and final:
+                if token_rewards:
+                    token_rewards[-1] += final
+                else:
+                    token_rewards = None
     finally:
         await session.close()
     info = {"turns": turns, "env_s": watch.total, "episode_s": time.monotonic() - t0, "finish": finish,
@@ -118,7 +140,7 @@ async def run_episode(client: InferenceClient, env, task, *, episode_id: str, te
             **{k: v for k, v in getattr(session, "metrics", {}).items() if k not in ("env_s", "tool_errors")}}
     return Sample(prompt_ids=prompt, completion_ids=ids, completion_logprobs=logprobs, token_versions=versions,
                   reward=float(reward), finish_reason=finish, completion_mask=mask, env_info=info,
-                  routed_experts=np.concatenate(routed) if routed else None)
+                  token_rewards=token_rewards, routed_experts=np.concatenate(routed) if routed else None)
 
 
 async def _generate(client: InferenceClient, history: list[int], env, *, temperature: float, max_new_tokens: int,
@@ -136,17 +158,19 @@ async def _generate(client: InferenceClient, history: list[int], env, *, tempera
 async def run_episode_group(client: InferenceClient, env, task, *, group_id: int, worker: int, num_samples: int,
                             temperature: float, return_routed_experts: bool, started_version: int,
                             meter=None, latency=None) -> RolloutGroup:
-    """``num_samples`` concurrent episodes of one task (one group: advantages are relative to it)."""
+    """``num_samples`` concurrent episodes of one task on one worker (one group: advantages are
+    relative to it; sticky: the samples share the prompt's prefix cache). ``meter`` records when
+    inference had work. Envs with ``episode_metrics`` tag the group for env_batch_metrics."""
     samples = await asyncio.gather(*(
         run_episode(client, env, task, episode_id=f"g{group_id}-s{i}", temperature=temperature,
                     return_routed_experts=return_routed_experts, meter=meter, latency=latency)
         for i in range(num_samples)))
     return RolloutGroup(group_id=group_id, task_id=task.task_id, samples=list(samples), worker=worker,
-                        started_version=started_version, env_metrics={"env": env.name})
+                        started_version=started_version, env_metrics={"env": env.name} if env.episode_metrics else {})
 
 
 def env_batch_metrics(groups: list[RolloutGroup]) -> dict[str, Any]:
-    """Per-env metrics of one batch, keyed ``env/<name>/<metric>`` (only multi-turn groups)."""
+    """Per-env metrics of one batch, keyed ``env/<name>/<metric>`` (groups of envs with ``episode_metrics``)."""
     by_env: dict[str, list[Sample]] = {}
     for g in groups:
         if "env" in g.env_metrics:

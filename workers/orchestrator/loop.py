@@ -30,12 +30,11 @@ from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
 from workers.orchestrator.envs import make_env
-from workers.orchestrator.envs.base import is_multi_turn
 from workers.orchestrator.envs.latency import LatencyModel
 from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
 from workers.orchestrator.faults import WorkerPool
 from workers.orchestrator.ledger import Ledger
-from workers.orchestrator.rollouts import (BusyMeter, WeightUpdateError, join_weight_group, run_group, update_all_workers,
+from workers.orchestrator.rollouts import (BusyMeter, WeightUpdateError, join_weight_group, update_all_workers,
                                            update_all_workers_distributed)
 from workers.weights.handshake import Handshake, index_digest, receiver_rank_counts
 
@@ -243,17 +242,11 @@ class Orchestrator:
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
         routed = o.return_routed_experts and self.cfg.model.num_experts > 0  # a dense model routes nothing
-        if is_multi_turn(self.env):  # episodes.py: turns, tools, sandbox (+ simulated latency per env step)
-            task = asyncio.create_task(run_episode_group(
-                self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
-                num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
-                started_version=self.version, meter=self.meter, latency=self.latency))
-        else:
-            task = asyncio.create_task(run_group(
-                self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
-                num_samples=self.group_size, temperature=o.temperature,
-                return_routed_experts=routed, started_version=self.version,
-                latency=self.latency, meter=self.meter))
+        # episodes.py, for every env: turns, tools, sandbox (+ simulated latency per env step)
+        task = asyncio.create_task(run_episode_group(
+            self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
+            num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
+            started_version=self.version, meter=self.meter, latency=self.latency))
         self.inflight[task] = worker
         self.group_of[task] = (gid, env_task)
 

@@ -1,25 +1,19 @@
-"""Task environments. ``make_env(cfg.env)`` picks one by name; unknown names list the choices.
+"""Task environments: one module per env, each registering an ``EnvSpec`` in ``ENVS``.
 
-Single-turn envs (reverse_digits) expose ``sample_task``/``score``; multi-turn envs derive
-from envs.base.MultiTurnEnv and run through workers/orchestrator/episodes.py.
+``ENVS`` (workers/common/registry.py) maps ``env.name`` to the env's spec (envs/spec.py): its
+config schema, its plan check, its tokenizer needs and ``make``. Every env speaks one protocol
+(envs/base.py) that the episode runner (workers/orchestrator/episodes.py) drives: single-turn
+envs (reverse_digits, reverse_text) are sessions whose first step ends the episode.
+
+This package's ``__init__`` imports no env: looking a name up imports only that env's module.
 """
 from __future__ import annotations
 
-from workers.common.config import EnvConfig
-from workers.orchestrator.envs.code_repair import CodeRepairEnv
-from workers.orchestrator.envs.reverse_digits import ReverseDigitsEnv
-from workers.orchestrator.envs.reverse_text import ReverseTextEnv
-from workers.orchestrator.envs.verifiers_adapter import VerifiersEnv
+from typing import Any
 
-ENVS = {"reverse_digits": ReverseDigitsEnv, "code_repair": CodeRepairEnv, "verifiers": VerifiersEnv,
-        "reverse_text": ReverseTextEnv}
-#: Envs that tokenize with the model's own tokenizer (a pretrained model): they get ``model``.
-MODEL_TOKENIZER_ENVS = ("reverse_text",)
+from workers.common.registry import ENVS
 
 
-def make_env(cfg: EnvConfig, *, seed: int, model=None):
-    if cfg.name not in ENVS:
-        raise ValueError(f"env.name={cfg.name!r} is unknown; choose one of {sorted(ENVS)}")
-    if cfg.name in MODEL_TOKENIZER_ENVS:
-        return ENVS[cfg.name](cfg, seed=seed, model=model)
-    return ENVS[cfg.name](cfg, seed=seed)
+def make_env(cfg: Any, *, seed: int, model: Any = None):
+    """The env object of ``cfg`` (an env config); an unknown ``cfg.name`` lists the choices."""
+    return ENVS.get(cfg.name).make(cfg, seed=seed, model=model)

@@ -1,33 +1,75 @@
-"""The multi-turn environment interface the orchestrator drives (episodes.py runs it).
+"""The one env protocol the orchestrator drives (episodes.py runs it), for every env.
 
-    env = make_env(cfg.env, seed=...)          # one per orchestrator: task stream, shared limits
-    task = env.sample_task()                   # deterministic from the seed
+    env = ENVS.get(cfg.env.name).make(cfg.env, seed=..., model=cfg.model)   # one per orchestrator
+    task = env.sample_task()                   # deterministic from the seed; has ``task_id``
     session = env.session(task, episode_id)    # one per episode: scratch state
     prompt_ids = await session.reset()         # first observation = the whole first prompt
-    loop:
-        turn_ids = <generate from history>     # the model's turn, token ids as sampled
-        res = await session.step(turn_ids)     # StepResult(observation_ids, reward, done, info)
+    loop (at most env.limits.max_turns turns):
+        turn_ids = <generate from history>     # the model's turn, token ids as sampled,
+                                               # stopping at env.stop_token_ids
+        res = await session.step(turn_ids)     # StepResult(observation_ids, reward, done, info,
+                                               #            token_rewards)
         history += turn_ids + res.observation_ids   (only if not res.done)
-    reward += await session.final_reward()     # when a limit (turns, tokens, time) ended it early
+    reward += await session.final_reward()     # when a limit (turns, tokens, time) or an
+                                               # aborted request ended it before ``done``
     await session.close()
+
+Two base classes speak it:
+  * :class:`MultiTurnEnv` (code_repair): sessions with tools, a sandbox, several turns;
+    ``MultiTurnEnvConfig`` holds the episode limits. Its groups report ``env/<name>/...``
+    metrics (``episode_metrics = True``).
+  * :class:`SingleTurnEnv` (reverse_digits, reverse_text): a subclass writes ``sample_task``
+    (a task with ``prompt_ids``), ``score`` and optionally ``token_rewards``; its sessions end
+    at the first step, so an episode is exactly one generate call of ``max_new_tokens`` on the
+    task's prompt, scored once. An aborted answer is never shown to the env: it earns 0.
 
 Why sessions: episodes of one group run concurrently and each owns state (a scratch
 project, a test-result cache); the env object holds only what episodes share (the task
 stream, the sandbox, the env-step concurrency limit). Observations are token ids, not
 text, so the env alone decides the chat template and the runner can keep the history an
 exact prefix of every next prompt without re-tokenizing anything.
-
-Single-turn envs (reverse_digits: ``sample_task`` + ``score``) keep their own path in
-rollouts.run_group; ``is_multi_turn`` tells the loop which one to use.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import sys
 import time
 from typing import Any, Optional, Protocol
 
 from workers.common.config import EnvConfig
+from workers.orchestrator.envs.spec import positive
+
+
+@dataclasses.dataclass(kw_only=True)
+class MultiTurnEnvConfig(EnvConfig):
+    """Episode limits of multi-turn envs (enforced by the runner, episodes.py)."""
+
+    max_turns: int = 4
+    """Most model turns of one episode; the episode is then scored as it stands."""
+    max_new_tokens_per_turn: int = 96
+    """Generation budget of one model turn (stop token: end of turn)."""
+    max_episode_tokens: int = 512
+    """Prompt + every turn + every observation of an episode; must fit model.max_position_embeddings."""
+    episode_timeout_s: float = 300.0
+    """Wall-clock budget of one episode (generation + env steps); past it no new turn starts."""
+    max_concurrent_env_steps: int = 2
+    """Env steps (sandbox runs) running at once in this env; episodes beyond it wait, generation goes on."""
+
+
+def check_multi_turn(cfg: Any) -> None:
+    """Plan-time check of the episode limits (``cfg``: the run config)."""
+    e = cfg.env
+    for key in ("max_turns", "max_new_tokens_per_turn", "max_episode_tokens", "max_concurrent_env_steps"):
+        positive(f"env.{key}", getattr(e, key))
+    positive("env.episode_timeout_s", e.episode_timeout_s)
+    if e.max_episode_tokens > cfg.model.max_position_embeddings:
+        raise ValueError(f"env.max_episode_tokens({e.max_episode_tokens}) > model.max_position_embeddings"
+                         f"({cfg.model.max_position_embeddings}): an episode must fit the model's context")
+    if e.max_new_tokens_per_turn >= e.max_episode_tokens:
+        raise ValueError(f"env.max_new_tokens_per_turn({e.max_new_tokens_per_turn}) must be < env.max_episode_tokens"
+                         f"({e.max_episode_tokens}): the prompt needs room too")
 
 
 @dataclasses.dataclass
@@ -39,6 +81,9 @@ class StepResult:
     done: bool = False
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Per-step facts for metrics: ``tool``, ``tool_error``, ``sandbox_timeout``, ``env_s``."""
+    token_rewards: Optional[list[float]] = None
+    """Optional: the reward of each token of the turn, summing to ``reward`` (reward-to-go
+    advantages, orchestrator.advantage=token_rtg); None: one reward for the whole episode."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +96,15 @@ class EpisodeLimits:
     timeout_s: float
 
     @classmethod
-    def from_config(cls, cfg: EnvConfig) -> "EpisodeLimits":
+    def from_config(cls, cfg: MultiTurnEnvConfig) -> "EpisodeLimits":
         return cls(max_turns=cfg.max_turns, max_new_tokens_per_turn=cfg.max_new_tokens_per_turn,
                    max_episode_tokens=cfg.max_episode_tokens, timeout_s=cfg.episode_timeout_s)
+
+    @classmethod
+    def single_turn(cls, max_new_tokens: int) -> "EpisodeLimits":
+        """One turn of ``max_new_tokens``, no token or time budget beyond it."""
+        return cls(max_turns=1, max_new_tokens_per_turn=max_new_tokens, max_episode_tokens=sys.maxsize,
+                   timeout_s=math.inf)
 
 
 class EnvSession(Protocol):
@@ -66,13 +117,32 @@ class EnvSession(Protocol):
     async def close(self) -> None: ...
 
 
-class MultiTurnEnv:
+class Env:
+    """What the orchestrator needs of every env (module docstring: the protocol)."""
+
+    name = "env"
+    episode_metrics = False
+    """Report per-batch ``env/<name>/...`` metrics (turns, env time, finish reasons) for its groups."""
+    limits: EpisodeLimits
+    stop_token_ids: tuple[int, ...] = ()
+
+    def sample_task(self):
+        raise NotImplementedError
+
+    def session(self, task, episode_id: str) -> EnvSession:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        return {}
+
+
+class MultiTurnEnv(Env):
     """Base class of multi-turn envs: task stream, stop tokens, limits, env-step slots."""
 
     name = "multi_turn"
-    is_multi_turn = True
+    episode_metrics = True
 
-    def __init__(self, cfg: EnvConfig, *, seed: int):
+    def __init__(self, cfg: MultiTurnEnvConfig, *, seed: int):
         self.cfg = cfg
         self.seed = seed
         self.limits = EpisodeLimits.from_config(cfg)
@@ -87,18 +157,48 @@ class MultiTurnEnv:
             self._slots = asyncio.Semaphore(max(1, self.cfg.max_concurrent_env_steps))
         return self._slots
 
-    def sample_task(self):
+
+class SingleTurnEnv(Env):
+    """Base class of single-turn envs: one answer to ``task.prompt_ids``, scored by ``score``.
+
+    A subclass sets ``max_new_tokens`` and ``stop_token_ids`` and writes ``sample_task`` and
+    ``score`` (and ``token_rewards`` for per-token credit)."""
+
+    max_new_tokens: int
+
+    @property
+    def limits(self) -> EpisodeLimits:
+        return EpisodeLimits.single_turn(self.max_new_tokens)
+
+    def score(self, task, completion_ids: list[int]) -> float:
         raise NotImplementedError
 
-    def session(self, task, episode_id: str) -> EnvSession:
-        raise NotImplementedError
+    def token_rewards(self, task, completion_ids: list[int]) -> Optional[list[float]]:
+        """Reward of each completion token (summing to ``score``); None: only the total."""
+        return None
 
-    def state(self) -> dict:
-        return {}
+    def session(self, task, episode_id: str) -> "SingleTurnSession":
+        return SingleTurnSession(self, task)
 
 
-def is_multi_turn(env: Any) -> bool:
-    return bool(getattr(env, "is_multi_turn", False))
+class SingleTurnSession:
+    """Prompt = the task's prompt; the first step scores the answer and ends the episode."""
+
+    def __init__(self, env: SingleTurnEnv, task):
+        self.env, self.task = env, task
+
+    async def reset(self) -> list[int]:
+        return list(self.task.prompt_ids)
+
+    async def step(self, turn_ids: list[int]) -> StepResult:
+        return StepResult(observation_ids=[], reward=self.env.score(self.task, turn_ids), done=True,
+                          token_rewards=self.env.token_rewards(self.task, turn_ids))
+
+    async def final_reward(self) -> float:
+        return 0.0  # no answer was scored (the request was aborted)
+
+    async def close(self) -> None:
+        pass
 
 
 class Stopwatch:

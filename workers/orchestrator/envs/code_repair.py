@@ -16,6 +16,9 @@ it stands. File tools run here, as the orchestrator's user, so every path is che
 stay inside the episode's scratch directory (no absolute paths, no ``..``, no symlinks);
 only test execution runs untrusted code, and it runs in the sandbox (envs/sandbox.py).
 Scores are cached by project content, so unchanged projects cost no sandbox run.
+
+This module is the env's whole home: its config (the schema of ``env=code_repair``), its plan
+check, its vocabulary (the byte chat template, envs/chat.py) and the env; the spec is at the bottom.
 """
 from __future__ import annotations
 
@@ -28,14 +31,16 @@ import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from workers.common.config import EnvConfig
-from workers.orchestrator.envs.base import MultiTurnEnv, StepResult, Stopwatch
+from workers.common.registry import ENVS
+from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.code_tasks import Task, make_task
 from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits
+from workers.orchestrator.envs.spec import EnvSpec, positive
 from workers.orchestrator.envs.tools import ToolCall, ToolCallError, ToolSpec, parse_patch, parse_tool_call, usage
 
 TOOLS = {t.name: t for t in (
@@ -47,12 +52,64 @@ TOOLS = {t.name: t for t in (
 )}
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
 MAX_FILES, MAX_FILE_BYTES, SCORE_CACHE = 32, 16384, 4096
+SANDBOX_MODES = ("auto", "namespaces", "userns", "rlimits")
+
+
+@dataclass(kw_only=True)
+class CodeRepairConfig(MultiTurnEnvConfig):
+    name: str = "code_repair"
+    """Task name."""
+    max_observation_bytes: int = 256
+    """Tool output shown to the model is cut to this many bytes (long logs would eat the context)."""
+    num_functions: int = 1
+    """Buggy functions per generated project (each with its own tests)."""
+    num_tests_per_function: int = 3
+    """Test functions per function; reward = fraction of all tests passing."""
+    include_tool_help: bool = False
+    """Describe the tool-call format in the first prompt (for models that can read it; the tiny
+    model cannot, and the help would cost ~400 tokens of its context)."""
+    sandbox_mode: str = "auto"
+    """auto | namespaces (root) | userns (unprivileged) | rlimits (weak fallback); see envs/sandbox.py."""
+    sandbox_python: str = "/usr/bin/python3"
+    """Interpreter that runs the tests inside the sandbox (its prefix is bind-mounted read-only)."""
+    sandbox_scratch_root: Optional[str] = None
+    """Node-local directory for per-episode scratch projects; None: $TMPDIR/slurmrl-sandbox."""
+    sandbox_cpu_s: int = 2
+    """CPU seconds of one test run (RLIMIT_CPU)."""
+    sandbox_memory_mb: int = 256
+    """Address space of each sandboxed process in MiB (RLIMIT_AS)."""
+    sandbox_file_size_kb: int = 1024
+    """Largest file a sandboxed process may write, KiB (RLIMIT_FSIZE)."""
+    sandbox_num_procs: int = 16
+    """Processes of the sandbox's uid (RLIMIT_NPROC): a fork bomb stops here."""
+    sandbox_timeout_s: float = 10.0
+    """Wall-clock deadline of one test run; past it every process of the run is killed."""
+    sandbox_tmp_mb: int = 16
+    """Size of the sandbox's private /tmp (tmpfs)."""
+
+
+def check_sandbox(run_cfg: Any) -> None:
+    e = run_cfg.env
+    for key in ("sandbox_cpu_s", "sandbox_memory_mb", "sandbox_file_size_kb", "sandbox_num_procs", "sandbox_tmp_mb"):
+        positive(f"env.{key}", getattr(e, key))
+    positive("env.sandbox_timeout_s", e.sandbox_timeout_s)
+    if e.sandbox_mode not in SANDBOX_MODES:
+        raise ValueError(f"env.sandbox_mode={e.sandbox_mode!r}; choose one of {list(SANDBOX_MODES)}")
+
+
+def check(run_cfg: Any) -> None:
+    """Episode limits, project size and sandbox limits."""
+    e = run_cfg.env
+    for key in ("max_observation_bytes", "num_functions", "num_tests_per_function"):
+        positive(f"env.{key}", getattr(e, key))
+    check_multi_turn(run_cfg)
+    check_sandbox(run_cfg)
 
 
 class CodeRepairEnv(MultiTurnEnv):
     name = "code_repair"
 
-    def __init__(self, cfg: EnvConfig, *, seed: int):
+    def __init__(self, cfg: CodeRepairConfig, *, seed: int):
         super().__init__(cfg, seed=seed)
         if cfg.num_functions < 1 or cfg.num_tests_per_function < 1:
             raise ValueError(f"env.num_functions({cfg.num_functions}) and env.num_tests_per_function"
@@ -227,3 +284,8 @@ class CodeRepairSession:
         for rel in self._files():
             h.update(rel.encode() + b"\0" + (self.dir / rel).read_bytes() + b"\0")
         return h.hexdigest()
+
+
+ENVS.register(EnvSpec(name="code_repair", config=CodeRepairConfig, vocab_size=lambda cfg: VOCAB_SIZE, env_check=check,
+                      make=lambda cfg, *, seed, model=None: CodeRepairEnv(cfg, seed=seed),
+                      summary="fix a tiny buggy Python project with tools; tests run in a sandbox"))

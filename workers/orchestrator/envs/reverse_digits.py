@@ -8,16 +8,52 @@ Token layout (``vocab_size`` >= 4 + num_symbols):
   PAD=0 BOS=1 SEP=2 EOS=3, digit d -> 4 + d
   prompt     = BOS d1 .. dn SEP
   completion = dn .. d1 EOS   (the engine stops at EOS or after n_max + 1 tokens)
+
+This module is the env's whole home: its config (the schema of ``env=reverse_digits``), its
+plan check, its vocabulary (``vocab_size``) and the env; the spec is registered at the bottom.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 from workers.common.config import EnvConfig
+from workers.common.registry import ENVS
+from workers.orchestrator.envs.base import SingleTurnEnv
+from workers.orchestrator.envs.spec import EnvSpec, positive
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_DIGIT = 4
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReverseDigitsConfig(EnvConfig):
+    name: str = "reverse_digits"
+    """Task name."""
+    min_digits: int = 3
+    """Shortest digit string of a prompt."""
+    max_digits: int = 4
+    """Longest digit string of a prompt."""
+    num_symbols: int = 10
+    """Distinct digit symbols (0..num_symbols-1)."""
+
+
+def vocab_size(cfg: ReverseDigitsConfig) -> int:
+    """PAD BOS SEP EOS + one token per digit symbol."""
+    return FIRST_DIGIT + cfg.num_symbols
+
+
+def check(run_cfg: Any) -> None:
+    e = run_cfg.env
+    positive("env.min_digits", e.min_digits)
+    if e.max_digits < e.min_digits:
+        raise ValueError(f"env.max_digits({e.max_digits}) must be >= env.min_digits({e.min_digits})")
+    positive("env.num_symbols", e.num_symbols)
+    longest = 2 + e.max_digits + e.max_digits + 1
+    if longest > run_cfg.model.max_position_embeddings:
+        raise ValueError(f"model.max_position_embeddings({run_cfg.model.max_position_embeddings}) < longest episode "
+                         f"({longest} tokens for env.max_digits={e.max_digits})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,16 +63,18 @@ class Task:
     target_ids: tuple[int, ...]
 
 
-class ReverseDigitsEnv:
+class ReverseDigitsEnv(SingleTurnEnv):
     """Single-turn env: ``sample_task`` -> prompt; ``score`` completion -> reward in [0, 1]."""
 
-    def __init__(self, cfg: EnvConfig, *, seed: int):
+    name = "reverse_digits"
+
+    def __init__(self, cfg: ReverseDigitsConfig, *, seed: int):
         if not 1 <= cfg.min_digits <= cfg.max_digits:
             raise ValueError(f"env.min_digits({cfg.min_digits}) must be in 1..env.max_digits({cfg.max_digits})")
         self.cfg = cfg
         self.rng = random.Random(seed * 1_000_003 + cfg.seed)
         self.next_id = 0
-        self.vocab_size = FIRST_DIGIT + cfg.num_symbols
+        self.vocab_size = vocab_size(cfg)
         self.max_new_tokens = cfg.max_digits + 1
         self.stop_token_ids = (EOS,)
 
@@ -71,3 +109,8 @@ class ReverseDigitsEnv:
 
     def state(self) -> dict:
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}
+
+
+ENVS.register(EnvSpec(name="reverse_digits", config=ReverseDigitsConfig, vocab_size=vocab_size, env_check=check,
+                      make=lambda cfg, *, seed, model=None: ReverseDigitsEnv(cfg, seed=seed),
+                      summary="reverse a digit string; per-token partial credit"))

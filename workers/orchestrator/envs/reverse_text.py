@@ -14,15 +14,22 @@ group. Copying the text unchanged scores ~0.5, a correct reversal 1.0, other ord
 Reward: ``difflib.SequenceMatcher(answer, target).ratio()`` = 2 * matched characters /
 (len(answer) + len(target)), in [0, 1]: partial credit for partly right orders, and chatter
 around the answer lowers it (the denominator grows), so "answer only" is learned too.
+
+This module is the env's whole home: its config (the schema of ``env=reverse_text``), its plan
+check, its tokenizer need (the model's own: ``vocab_size=None`` in its spec) and the env.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import random
+from typing import Any
 
 from workers.common.config import EnvConfig
 from workers.common.pretrained import require_prepared
+from workers.common.registry import ENVS
+from workers.orchestrator.envs.base import SingleTurnEnv
+from workers.orchestrator.envs.spec import EnvSpec, positive
 
 #: One-token English words (SmolLM2's BPE), so the task is about order, not spelling.
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "book", "fish", "bird", "milk", "rain", "door",
@@ -32,6 +39,38 @@ PROMPT = "Reverse the word order: {text}"
 #: samples): none -> mean similarity ~0.2 and rambling; two example turns -> ~0.6, 5% exact,
 #: answers ~5 tokens long. Examples written into the user message instead did not help.
 EXAMPLES = (("one two three", "three two one"), ("sky car tea", "tea car sky"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReverseTextConfig(EnvConfig):
+    name: str = "reverse_text"
+    """Task name."""
+    min_words: int = 3
+    """Fewest words of a prompt's text."""
+    max_words: int = 5
+    """Most words of a prompt's text."""
+    max_new_tokens: int = 24
+    """Generation budget of the answer (stop token: the chat template's end of turn)."""
+    system_prompt: str = ""
+    """System message of the chat ("" keeps the model template's default)."""
+    num_examples: int = 2
+    """Worked examples, given as earlier user/assistant turns (0..2)."""
+
+
+def check(run_cfg: Any) -> None:
+    """Word and example counts fit the lists; the answer budget leaves room for the prompt
+    (that the model is pretrained is the spec's tokenizer check)."""
+    e = run_cfg.env
+    positive("env.min_words", e.min_words)
+    if not e.min_words <= e.max_words <= len(WORDS):
+        raise ValueError(f"env.max_words({e.max_words}) must be in [env.min_words({e.min_words}), "
+                         f"{len(WORDS)} (words in the list)]")
+    positive("env.max_new_tokens", e.max_new_tokens)
+    if not 0 <= e.num_examples <= len(EXAMPLES):
+        raise ValueError(f"env.num_examples({e.num_examples}) must be in [0, {len(EXAMPLES)}]")
+    if e.max_new_tokens >= run_cfg.model.max_position_embeddings:
+        raise ValueError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
+                         f"({run_cfg.model.max_position_embeddings}): the prompt needs room too")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +86,13 @@ def similarity(answer: str, target: str) -> float:
     return difflib.SequenceMatcher(None, answer, target, autojunk=False).ratio()
 
 
-class ReverseTextEnv:
+class ReverseTextEnv(SingleTurnEnv):
     """Single-turn env over a pretrained model's tokenizer: ``sample_task`` -> chat prompt ids;
     ``score`` decodes the completion and compares it with the reversed text."""
 
     name = "reverse_text"
 
-    def __init__(self, cfg: EnvConfig, *, seed: int, model=None, tokenizer=None):
+    def __init__(self, cfg: ReverseTextConfig, *, seed: int, model=None, tokenizer=None):
         if not 1 <= cfg.min_words <= cfg.max_words <= len(WORDS):
             raise ValueError(f"need 1 <= env.min_words({cfg.min_words}) <= env.max_words({cfg.max_words}) "
                              f"<= {len(WORDS)} (the word list)")
@@ -97,3 +136,8 @@ class ReverseTextEnv:
 
     def state(self) -> dict:
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}
+
+
+ENVS.register(EnvSpec(name="reverse_text", config=ReverseTextConfig, vocab_size=None, env_check=check,
+                      make=lambda cfg, *, seed, model=None: ReverseTextEnv(cfg, seed=seed, model=model),
+                      summary="reverse the word order of a short text, in a pretrained model's chat template"))

@@ -25,22 +25,49 @@ What an adapter would take (no network is needed for local runtimes, so it is fe
      maps its turns to one Sample (model tokens loss 1, everything else 0), reward from
      its rubric; prefix consistency must then be asserted turn by turn, since verifiers
      re-renders the whole chat each turn.
-Selecting ``env.name=verifiers`` therefore fails at startup with this explanation.
+Selecting ``env=verifiers`` is therefore refused by the plan (``check``) with this explanation,
+before anything starts; the config schema exists so that configs can be written and checked.
 """
 from __future__ import annotations
 
-from workers.common.config import EnvConfig
+import dataclasses
+from typing import Any
 
-WHY = ("env.name=verifiers is not implemented: verifiers 0.4.0 pulls ~60 packages (transformers, openai, "
+from workers.common.registry import ENVS
+from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig
+from workers.orchestrator.envs.chat import VOCAB_SIZE
+from workers.orchestrator.envs.spec import EnvSpec
+
+WHY = ("env=verifiers is not implemented: verifiers 0.4.0 pulls ~60 packages (transformers, openai, "
        "anthropic, mcp, prime-sandboxes, ...) and owns the rollout loop through its own OpenAI/vLLM client; "
-       "see workers/orchestrator/envs/verifiers_adapter.py for what an adapter needs. Use env=code_repair.")
+       "missing here: a verifiers Client that forwards to our inference client, a Renderer for our chat "
+       "template, and a session mapping its turns to token ids (workers/orchestrator/envs/verifiers_adapter.py). "
+       "Use env=code_repair.")
 
 
-class VerifiersEnv:
-    """Placeholder that refuses to start (the plan accepts the name so configs can be written)."""
+@dataclasses.dataclass(kw_only=True)
+class VerifiersConfig(MultiTurnEnvConfig):
+    name: str = "verifiers"
+    """Task name."""
+    verifiers_env: str = ""
+    """Module name of an environment written for the ``verifiers`` package."""
 
-    is_multi_turn = True
+
+def check(run_cfg: Any) -> None:
+    """Refuses every config: there is no adapter yet (module docstring)."""
+    raise ValueError(f"{WHY} (env.verifiers_env={run_cfg.env.verifiers_env!r})")
+
+
+class VerifiersEnv(MultiTurnEnv):
+    """Placeholder that refuses to start (the plan refuses it first)."""
+
     name = "verifiers"
 
-    def __init__(self, cfg: EnvConfig, *, seed: int):
+    def __init__(self, cfg: VerifiersConfig, *, seed: int):
         raise NotImplementedError(f"{WHY} (env.verifiers_env={cfg.verifiers_env!r})")
+
+
+# check= (not env_check=): the refusal comes first, not after a vocabulary complaint.
+ENVS.register(EnvSpec(name="verifiers", config=VerifiersConfig, vocab_size=lambda cfg: VOCAB_SIZE, check=check,
+                      make=lambda cfg, *, seed, model=None: VerifiersEnv(cfg, seed=seed),
+                      summary="environments of the verifiers package (not implemented: refused by the plan)"))
