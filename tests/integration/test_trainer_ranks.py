@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from workers.common.config import (ClusterConfig, EnvConfig, ModelConfig, RunConfig, TrainerConfig, WeightsConfig)
 from workers.common.protocol import READY, STABLE, RunPaths, publish_dir
 from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
-from workers.weights.filesystem import load_step
+from workers.weights.filesystem.receiver import load_step
 from tests.netutil import free_port
 
 REPO = Path(__file__).resolve().parents[2]
