@@ -75,8 +75,8 @@ def _announced(body: dict) -> list[TensorMeta]:
 
 def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = None) -> list[tuple[str, Any]]:
     """(path, handler) pairs for make_app, served by ``weights.transport``'s receiver
-    (default: the filesystem transport's defaults)."""
-    weights = weights if weights is not None else TRANSPORTS.get("filesystem").config()
+    (no config: the default transport with its defaults)."""
+    weights = weights if weights is not None else WeightsConfig()
     lock = asyncio.Lock()
     device = next(engine.model.parameters()).device
     receiver = TRANSPORTS.get(weights.transport).receiver(weights, device=device)
