@@ -90,7 +90,7 @@ def run(cfg_overrides: list[str], steps: int, root: Path) -> tuple[Path, float]:
 def final_weights(run_dir: Path, steps: int) -> dict:
     """The run's last published step, read and checksum-verified as a worker would."""
     from workers.common.protocol import RunPaths
-    from workers.weights.filesystem import load_step
+    from workers.weights.filesystem.receiver import load_step
 
     return load_step(RunPaths(run_dir).weights(steps))
 

@@ -41,9 +41,11 @@ import torch
 import torch.distributed as dist
 
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
-from workers.weights.broadcast import BroadcastReceiver, BucketSender, join_as_sender
+from workers.weights.broadcast.publisher import BucketSender, join_as_sender
+from workers.weights.broadcast.receiver import BroadcastReceiver
 from workers.weights.checksums import state_hashes, tensor_hash
-from workers.weights.filesystem import DiskReader, FilesystemPublisher
+from workers.weights.filesystem.publisher import FilesystemPublisher
+from workers.weights.filesystem.receiver import DiskReader
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES_MB = (100, 1024)

@@ -26,14 +26,20 @@ from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
 from workers.common.registry import ENVS
 from workers.common.topology import PORT_SERVERS
+<<<<<<< HEAD
 from workers.preflight.limits import limit_errors
+=======
+from workers.weights.spec import check_transport as _transport_check
+from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
+from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
+from workers.preflight.checks import limit_errors
+>>>>>>> weights
 
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
     "inference.backend": ("embedded", "sglang"),
     "inference.dtype": ("float32", "bfloat16"),
     "trainer.dtype": ("float32", "bfloat16"),
-    "weights.transport": ("filesystem", "broadcast"),
     "orchestrator.advantage": ("sequence", "token_rtg"),
     "model.attention": ("mha", "mla"),
 }
@@ -209,6 +215,16 @@ def check_loop(cfg: RunConfig) -> int:
     return samples
 
 
+def check_transport(cfg: RunConfig) -> None:
+    """The weight transport's plan check (workers/weights/spec.py), reported as a PlanError."""
+    try:
+        _transport_check(cfg)
+    except PlanError:
+        raise
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 def check_cluster(cfg: RunConfig, num_servers: int) -> None:
     c = cfg.cluster
     if not TIME_LIMIT.match(c.time_limit):
@@ -265,6 +281,7 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     check_model(cfg)
     check_env(cfg)
     samples = check_loop(cfg)
+    check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
     if cfg.inference.backend != "embedded" and cfg.cluster.backend == "local":
         raise PlanError(f"inference.backend={cfg.inference.backend!r} needs GPUs; cluster=local runs only 'embedded'")

@@ -129,10 +129,6 @@ def check_routed_experts_pd(cfg: RunConfig, pd: bool) -> None:
 def check_sglang(cfg: RunConfig) -> None:
     """Every SGLang rule; called by build_plan when inference.backend=sglang."""
     i, s = cfg.inference, cfg.inference.sglang
-    if cfg.weights.transport == "broadcast":
-        raise PlanError("weights.transport=broadcast speaks the embedded engine's bucket protocol "
-                        "(workers/weights/broadcast.py), which SGLang servers cannot receive; with "
-                        "inference.backend=sglang use weights.transport=filesystem")
     if not s.model_path:
         raise PlanError("inference.sglang.model_path is empty: SGLang servers load the initial checkpoint from it "
                         "(a shared-filesystem path, e.g. ${cluster.shared_root}/models/<name>)")

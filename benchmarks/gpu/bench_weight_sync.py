@@ -25,7 +25,9 @@ import torch
 
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
 from workers.inference.engine import InferenceEngine
-from workers.weights.filesystem import load_step, publish_step, tensor_hash
+from workers.weights.checksums import tensor_hash
+from workers.weights.filesystem.publisher import publish_step
+from workers.weights.filesystem.receiver import load_step
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

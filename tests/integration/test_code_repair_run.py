@@ -41,7 +41,7 @@ def test_episode_routing_rows_match_the_engine_on_the_full_history(tmp_path, mon
     from workers.common.inference_client import InferenceClient, wait_until_ready
     from workers.modeling.tiny_moe import TinyMoeConfig, build_model
     from workers.orchestrator.episodes import run_episode
-    from workers.weights.filesystem import publish_step
+    from workers.weights.filesystem.publisher import publish_step
     from tests.unit.test_envs_episodes import EchoEnv
     from tests.integration import test_inference_server as tis
 

@@ -23,7 +23,7 @@ from tests.integration.test_inference_server import INIT_SEED, MODEL, TOKEN, sta
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout
 from workers.common.router_client import Router
-from workers.orchestrator.rollouts import update_all_workers
+from workers.weights.filesystem.coordinator import update_all_workers
 
 SHAPE = dict(num_layers=MODEL["num_layers"], top_k=MODEL["top_k"], num_experts=MODEL["num_experts"])
 
@@ -56,7 +56,7 @@ class FakeThread:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     from workers.modeling.tiny_moe import TinyMoeConfig, build_model
-    from workers.weights.filesystem import publish_step
+    from workers.weights.filesystem.publisher import publish_step
     run_dir = tmp_path_factory.mktemp("run")
     proc, url, paths = start_server(run_dir)
     model = build_model(TinyMoeConfig(**MODEL), seed=INIT_SEED)

@@ -29,7 +29,7 @@ from workers.common.config import (ClusterConfig, ModelConfig, RunConfig, Traine
 from workers.common.protocol import READY, STABLE, RunPaths, publish_dir
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
-from workers.weights.filesystem import load_step
+from workers.weights.filesystem.receiver import load_step
 from tests.netutil import free_port
 
 REPO = Path(__file__).resolve().parents[2]

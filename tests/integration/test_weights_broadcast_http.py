@@ -21,17 +21,27 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+<<<<<<< HEAD
 from workers.common.config import (ClusterConfig, InferenceConfig, ModelConfig, RunConfig, WeightsConfig)
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.protocol import RunPaths, wait_for
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.orchestrator.rollouts import WeightUpdateError, join_weight_group, update_all_workers_distributed
+=======
+from workers.common.config import ClusterConfig, EnvConfig, InferenceConfig, ModelConfig, RunConfig
+from workers.common.inference_client import InferenceClient, wait_until_ready
+from workers.common.protocol import RunPaths, wait_for
+from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.weights.broadcast import BroadcastWeightsConfig
+from workers.weights.broadcast.coordinator import join_weight_group, update_all_workers_distributed
+from workers.weights.coordinator import WeightUpdateError
+>>>>>>> weights
 from workers.weights.base import SoloPeers
-from workers.weights.broadcast import BroadcastPublisher, BucketSender
+from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
 from workers.weights.checksums import state_digest, state_hashes
-from workers.weights.filesystem import FilesystemPublisher
-from workers.weights.handshake import Handshake
+from workers.weights.filesystem.publisher import FilesystemPublisher
+from workers.weights.broadcast.handshake import Handshake
 from tests.netutil import free_port
 
 torch.set_num_threads(1)
@@ -39,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-admin-token"
 MODEL = dict(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
              expert_intermediate_size=32, max_position_embeddings=64)
-WEIGHTS = WeightsConfig(transport="broadcast", bucket_size_mb=1, lone_tensor_mb=1, broadcast_timeout_s=30, verify=True)
+WEIGHTS = BroadcastWeightsConfig(bucket_size_mb=1, lone_tensor_mb=1, broadcast_timeout_s=30, verify=True)
 
 
 def start_servers(paths: RunPaths, n: int) -> tuple[list[subprocess.Popen], list[str]]:

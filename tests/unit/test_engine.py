@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from workers.inference.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
-from workers.weights.filesystem import WeightLoadError, publish_step
+from workers.weights.base import WeightLoadError
+from workers.weights.filesystem.publisher import publish_step
 
 torch.set_num_threads(1)
 VOCAB = 32

@@ -15,15 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workers.common.config import WeightsConfig
+from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.common.protocol import RunPaths
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.weights.base import StorePeers, TensorMeta, WeightLoadError, expert_id
-from workers.weights.broadcast import BroadcastPublisher, BroadcastReceiver, BucketSender
+from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
+from workers.weights.broadcast.receiver import BroadcastReceiver
 from workers.weights.checksums import state_hashes
-from workers.weights.filesystem import FilesystemPublisher
-from workers.weights.group import make_plan
-from workers.weights.handshake import Handshake
+from workers.weights.filesystem.publisher import FilesystemPublisher
+from workers.weights.broadcast.group import make_plan
+from workers.weights.broadcast.handshake import Handshake
 
 torch.set_num_threads(1)
 CFG = TinyMoeConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
@@ -52,7 +53,7 @@ class Harness:
 
     def __init__(self, tmp_path, state, *, senders=2, experts=(None, None), bucket_mb=1):
         self.paths = RunPaths(tmp_path).ensure()
-        cfg = WeightsConfig(transport="broadcast", bucket_size_mb=bucket_mb, broadcast_timeout_s=20, verify=True)
+        cfg = BroadcastWeightsConfig(bucket_size_mb=bucket_mb, broadcast_timeout_s=20, verify=True)
         store = dist.HashStore()
         peers = [StorePeers(store, r, senders) for r in range(senders)]
         self.pubs = [BroadcastPublisher(self.paths, cfg, p, initial=FilesystemPublisher(

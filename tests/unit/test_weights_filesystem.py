@@ -19,8 +19,10 @@ from workers.inference.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.weights.base import SoloPeers, StorePeers, WeightLoadError, assign_shares, TensorMeta
 from workers.weights.checksums import state_hashes
-from workers.weights.filesystem import INDEX, DiskReader, FilesystemPublisher, load_step, prune, publish_step
-from workers.weights.handshake import index_digest, state_digest
+from workers.weights.filesystem.layout import INDEX, index_digest
+from workers.weights.filesystem.publisher import FilesystemPublisher, prune, publish_step
+from workers.weights.filesystem.receiver import DiskReader, load_step
+from workers.weights.digest import state_digest
 
 torch.set_num_threads(1)
 CFG = TinyMoeConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,

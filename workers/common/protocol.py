@@ -6,10 +6,10 @@ Who writes what (every wait has a deadline that names the peer):
 - trainer ranks -> ``weights/step_N/`` (N = number of optimizer steps taken; step_0 is the
   initial model): one safetensors shard per trainer rank, ``index.json`` (rank 0: file, shape,
   dtype, xxh3 per tensor; delta steps point unchanged tensors at older steps) and ``STABLE``
-  written last (workers/weights/filesystem.py). The directory is first written as
+  written last (workers/weights/filesystem/). The directory is first written as
   ``.step_N.tmp`` and renamed, so a reader that sees ``step_N/STABLE`` sees complete files.
   With ``weights.transport=broadcast`` only step_0 goes through here; later versions travel
-  over the weight group (workers/weights/broadcast.py, handshake.py markers).
+  over the weight group (workers/weights/broadcast/, its handshake.py markers).
 - orchestrator  -> ``rollouts/step_N/`` = ``batch.safetensors`` (tensors below) + ``meta.json``
   + ``READY`` last, same temp-dir-then-rename rule. Batch N trains step N.
 - trainer rank0 -> ``metrics.jsonl`` (one JSON object per step), ``tb/`` TensorBoard events.

@@ -87,7 +87,7 @@ MODELS: Registry = Registry("model family", "model.family", "model", {
     "deepseek_v3": "workers.models.builtin", "glm_moe_dsa": "workers.models.builtin",
     "nemotron_h": "workers.models.builtin"})
 TRANSPORTS: Registry = Registry("weight transport", "weights.transport", "weights", {
-    "filesystem": "workers.weights.builtin", "broadcast": "workers.weights.builtin"})
+    "filesystem": "workers.weights.filesystem", "broadcast": "workers.weights.broadcast"})
 ENVS: Registry = Registry("environment", "env.name", "env", {
     "reverse_digits": "workers.orchestrator.envs.reverse_digits", "code_repair": "workers.orchestrator.envs.code_repair",
     "verifiers": "workers.orchestrator.envs.verifiers_adapter", "reverse_text": "workers.orchestrator.envs.reverse_text"})

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, TinyMoeForCausalLM
-from workers.weights.filesystem import DiskReader
+from workers.weights.filesystem.receiver import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
 

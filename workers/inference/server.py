@@ -208,9 +208,9 @@ async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutpu
 
 
 def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0,
-             weight_timeout_s: float = 300.0) -> web.Application:
+             weights=None) -> web.Application:
     """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server.
-    ``weight_timeout_s`` bounds joining the weight group and each broadcast receive."""
+    ``weights`` (the run's weights config) picks the transport behind the weight routes."""
     cfg = engine.config
     expected_auth = f"Bearer {admin_token}"
 
@@ -304,7 +304,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
              ("/shutdown", shutdown)]
     from workers.inference.weight_routes import weight_routes  # late: it uses this module's parsers
 
-    posts += weight_routes(engine, timeout_s=weight_timeout_s)
+    posts += weight_routes(engine, weights)
     app["stop"] = asyncio.Event()
     admin_routes = {path for path, _ in posts if path != "/generate"}  # every state-changing route
     for path, fn in [("/health", health), ("/health_generate", health_generate), ("/get_model_info", get_model_info),
@@ -383,7 +383,7 @@ def run_server(cfg, topology) -> int:
         token = read_admin_token(paths)
         engine = build_engine(cfg, topology.rank, topology.run_dir).start()
         app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank,
-                       weight_timeout_s=cfg.weights.broadcast_timeout_s)
+                       weights=cfg.weights)
         asyncio.run(_serve(app, engine, topology.bind_host, topology.bind_port))
     except _Stopped as e:
         log.info("stopped by %s before serving", e)

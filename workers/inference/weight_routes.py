@@ -10,12 +10,17 @@ Each answers ``{success, message}`` (the disk route adds ``num_paused_requests``
 does): 200 when applied, 400 with the reason when refused, in which case the engine keeps
 the weights and version it had. Our extension: an applied update also answers
 ``weights_digest`` (checksums.state_digest of every parameter), so the orchestrator can
-check each update end to end against the trainer's digest. Protocols and who waits for whom: workers/weights/broadcast.py
-and workers/orchestrator/rollouts.py. Blocking work (joining the group, receiving, reading
-files) runs in ``asyncio.to_thread``; one update at a time per worker (an asyncio lock),
-so a second update waits for the first instead of interleaving with it.
+check each update end to end against the trainer's digest.
 
-Wire format note: the buckets follow workers/weights/broadcast.py, not SGLang's per-tensor
+What a route does with the parsed fields is the configured transport's business: each route
+calls the receiver that ``weights.transport`` registers (TRANSPORTS, workers/weights/spec.py)
+and copies the verified tensors it returns into the engine; a route the transport does not
+use is refused (400). Protocols and who waits for whom: workers/weights/<transport>/__init__.py.
+Blocking work (joining the group, receiving, reading files) runs in ``asyncio.to_thread``;
+one update at a time per worker (an asyncio lock), so a second update waits for the first
+instead of interleaving with it.
+
+Wire format note: the broadcast transport's buckets are its own, not SGLang's per-tensor
 broadcast; ``load_format`` must be null or ``slurmrl_buckets``. The field names are SGLang's,
 so the orchestrator's client is the same for both engines.
 """
@@ -27,12 +32,12 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from workers.common.config import WeightsConfig
+from workers.common.registry import TRANSPORTS
 from workers.inference.engine import InferenceEngine
 from workers.inference.server import BadRequest, _bool, _int, _json, _version
-from workers.weights.base import TensorMeta, WeightLoadError
-from workers.weights.broadcast import BroadcastReceiver
+from workers.weights.base import Received, TensorMeta, WeightLoadError
 from workers.weights.checksums import state_digest, state_hashes
-from workers.weights.filesystem import check_fits
 from workers.weights.shards import BY_NAME
 
 log = logging.getLogger("slurmrl.inference")
@@ -68,14 +73,26 @@ def _announced(body: dict) -> list[TensorMeta]:
     return out
 
 
-def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[str, Any]]:
-    """(path, handler) pairs for make_app; ``timeout_s`` bounds joining and each receive."""
+def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = None) -> list[tuple[str, Any]]:
+    """(path, handler) pairs for make_app, served by ``weights.transport``'s receiver
+    (no config: the default transport with its defaults)."""
+    weights = weights if weights is not None else WeightsConfig()
     lock = asyncio.Lock()
-    group: dict[str, Optional[Any]] = {"receiver": None, "name": None}
     device = next(engine.model.parameters()).device
+    receiver = TRANSPORTS.get(weights.transport).receiver(weights, device=device)
+    group: dict[str, Optional[str]] = {"name": None}  # the weight group joined (for the log and messages)
 
     def digest() -> str:  # our extension field: lets the orchestrator check every update end to end
         return state_digest(state_hashes(engine.model.state_dict()))
+
+    def load_and_apply(path: str, version: int, abort_all: bool) -> int:
+        if abort_all:
+            engine.abort(None, wait=True)
+        got: Received = receiver.load(path, expected=engine.model.state_dict(), known=engine.weight_hashes)
+        n = engine.apply_weights(got.state, version, source=path, hashes=got.hashes)
+        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
+                 version, path, got.bytes / 1e6, got.seconds, got.num_skipped, n)
+        return n
 
     async def update_weights_from_disk(request):
         body = await _json(request)
@@ -89,7 +106,7 @@ def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[st
         _bool(body.get("flush_cache", True), "flush_cache")
         async with lock:
             try:
-                n = await asyncio.to_thread(engine.update_weights_from_disk, path, version, abort_all=abort_all)
+                n = await asyncio.to_thread(load_and_apply, path, version, abort_all)
             except WeightLoadError as e:
                 log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
                 return _refused(str(e), num_paused_requests=engine.num_running + engine.num_pending)
@@ -108,11 +125,8 @@ def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[st
         if kwargs["rank"] >= kwargs["world_size"]:
             raise BadRequest(f"rank_offset({kwargs['rank']}) must be < world_size({kwargs['world_size']})")
         async with lock:
-            if group["receiver"] is not None:
-                return _refused(f"already in weight group {group['name']!r}: /destroy_weights_update_group first")
             try:
-                group["receiver"] = await asyncio.to_thread(BroadcastReceiver, timeout_s=timeout_s, device=device,
-                                                            **kwargs)
+                await asyncio.to_thread(receiver.join, **kwargs)
             except (TimeoutError, RuntimeError, ValueError) as e:
                 log.warning("could not join weight group %s: %s", kwargs["group_name"], e)
                 return _refused(str(e))
@@ -122,14 +136,12 @@ def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[st
         return web.json_response({"success": True, "message": f"joined weight group {group['name']!r} as rank "
                                                               f"{kwargs['rank']} of {kwargs['world_size']}"})
 
-    def receive_and_apply(receiver: BroadcastReceiver, version: int, announced: list[TensorMeta],
-                          abort_all: bool) -> str:
+    def receive_and_apply(version: int, announced: list[TensorMeta], name: str, abort_all: bool) -> str:
         if abort_all:
             engine.abort(None, wait=True)
-        state, nbytes, seconds = receiver.receive(version, announced)  # every bucket lands, or it raises
-        check_fits({n: {"shape": list(t.shape)} for n, t in state.items()}, engine.model.state_dict(),
-                   where=f"broadcast of v{version}")
-        n = engine.apply_weights(state, version, source=f"broadcast:{group['name']}")
+        got: Received = receiver.receive(version, announced, group_name=name, expected=engine.model.state_dict())
+        n = engine.apply_weights(got.state, version, source=f"broadcast:{name}", hashes=got.hashes)
+        nbytes, seconds = got.bytes, got.seconds
         msg = (f"received v{version}: {nbytes / 1e6:.1f} MB in {seconds:.3f}s "
                f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), {n} requests in flight")
         log.info("%s", msg)
@@ -145,12 +157,8 @@ def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[st
         if body.get("load_format") not in LOAD_FORMATS:
             raise BadRequest(f"load_format: {body.get('load_format')!r} is not one of {list(LOAD_FORMATS)}")
         async with lock:
-            receiver = group["receiver"]
-            if receiver is None or group["name"] != name:
-                return _refused(f"not in weight group {name!r} (joined: {group['name']!r}): "
-                                f"/init_weights_update_group first")
             try:
-                msg = await asyncio.to_thread(receive_and_apply, receiver, version, announced, abort_all)
+                msg = await asyncio.to_thread(receive_and_apply, version, announced, name, abort_all)
             except (WeightLoadError, TimeoutError) as e:
                 log.warning("refused broadcast v%d: %s (still serving v%d)", version, e, engine.weight_version)
                 return _refused(str(e))
@@ -159,10 +167,11 @@ def weight_routes(engine: InferenceEngine, *, timeout_s: float) -> list[tuple[st
     async def destroy_weights_update_group(request):
         name = _str(await _json(request), "group_name")
         async with lock:
-            if group["receiver"] is None or group["name"] != name:
-                return _refused(f"not in weight group {name!r} (joined: {group['name']!r})")
-            group["receiver"].close()
-            group["receiver"] = group["name"] = None
+            try:
+                receiver.leave(name)
+            except WeightLoadError as e:
+                return _refused(str(e))
+            group["name"] = None
         return web.json_response({"success": True, "message": f"left weight group {name!r}"})
 
     return [("/update_weights_from_disk", update_weights_from_disk),

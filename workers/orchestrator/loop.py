@@ -1,7 +1,8 @@
 """The orchestrator's loop: keep inference busy, hand the trainer fresh-enough batches.
 
     until every trainer step has its batch:
-        if the trainer published newer weights: pause -> load -> continue on every worker
+        if the trainer published newer weights: pause -> load or send -> verify -> continue
+            (the transport's coordinator, workers/weights/<transport>/coordinator.py)
         start as many prompt groups as the next batches can still use
         wait a moment for groups to finish; put them in the buffer
         while the buffer holds a batch for the next step: write it (stale groups dropped)
@@ -24,8 +25,8 @@ from workers.common.config import RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.logs import get_logger
 from workers.common.router_client import Router
-from workers.common.protocol import (LEDGER_FILE, RunPaths, latest_stable_step, read_admin_token, wait_for,
-                                     write_json_atomic)
+from workers.common.protocol import LEDGER_FILE, RunPaths, read_admin_token, write_json_atomic
+from workers.common.registry import TRANSPORTS
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
@@ -34,9 +35,7 @@ from workers.orchestrator.envs.latency import LatencyModel
 from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
 from workers.orchestrator.faults import WorkerPool
 from workers.orchestrator.ledger import Ledger
-from workers.orchestrator.rollouts import (BusyMeter, WeightUpdateError, join_weight_group, update_all_workers,
-                                           update_all_workers_distributed)
-from workers.weights.handshake import Handshake, index_digest, receiver_rank_counts
+from workers.orchestrator.rollouts import BusyMeter
 
 
 class Orchestrator:
@@ -57,11 +56,7 @@ class Orchestrator:
         self.next_group_id = 0
         self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
-        self.weight_update_s: Optional[float] = None
-        self.handshake = Handshake(self.paths.root)
-        self.weight_group: Optional[dict] = None  # group.json once workers joined (broadcast transport)
-        self.requested_version = 0
-        self.weight_verified = self.weight_mismatches = 0  # updates checked end to end (weights.verify)
+        self.weights = TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log)
         self.started = time.monotonic()
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
         self.meter = BusyMeter()
@@ -102,8 +97,7 @@ class Orchestrator:
         async with aiohttp.ClientSession() as session:
             self.clients, self.router = self.make_clients(token, session, timeout)
             await wait_until_ready(self.clients, self.cfg.inference.startup_timeout_s)
-            if self.cfg.weights.transport == "broadcast":
-                await self.join_weight_group()
+            await self.weights.start(self.clients)  # broadcast: every worker joins the weight group
             if self.router is not None:  # after the servers: the router's own check needs them up
                 await wait_until_ready([self.router.health], self.cfg.inference.startup_timeout_s)
             self.log.info("%d inference workers ready; training %d steps", len(self.clients), self.cfg.trainer.num_steps)
@@ -128,21 +122,9 @@ class Orchestrator:
         self.log.info("all %d batches written; done", self.next_step)
 
     async def maybe_update_weights(self) -> None:
-        if self.weight_group is not None:
-            return await self.maybe_broadcast_weights()
-        newest = latest_stable_step(self.paths.root / "weights")
-        if newest is None or newest <= self.version:
-            return
-        try:
-            live = self.pool.live_clients()
-            swap = await update_all_workers(live, str(self.paths.weights(newest)), newest)
-            self.weight_update_s, self.version = swap.seconds, newest
-            if self.cfg.weights.verify:
-                expected = await asyncio.to_thread(index_digest, self.paths.weights(newest))
-                self.verify_update(newest, live, swap.digests, expected)
-        except WeightUpdateError as e:  # keep serving old weights; the next poll retries the newest step
-            self.log.warning("%s", e)
-            await self.pool.check_live()  # a dead worker must not hold the version back
+        """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist."""
+        await self.weights.maybe_update(self.pool)
+        self.version = self.weights.version
 
     async def watch_workers(self) -> None:
         """Every ``orchestrator.health_check_interval_s``: health-check live workers (cancel the
@@ -161,43 +143,6 @@ class Orchestrator:
     def current_weights(self) -> tuple[int, Optional[str]]:
         d = self.paths.weights(self.version)
         return self.version, (str(d) if d.is_dir() else None)
-
-    async def join_weight_group(self) -> None:
-        """Broadcast transport: every worker joins trainer rank 0's group (weights/broadcast.py)."""
-        w = self.cfg.weights
-        info = await asyncio.to_thread(wait_for, self.handshake.read_group, timeout_s=w.broadcast_timeout_s,
-                                       what=f"{self.handshake.dir}/group.json", peer="trainer rank 0")
-        await join_weight_group(self.clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
-        self.weight_group = info
-        self.log.info("%d workers joined weight group %s (%s, world %d)", len(self.clients), info["group_name"],
-                      info["backend"], info["world_size"])
-
-    async def maybe_broadcast_weights(self) -> None:
-        """If the trainer offers newer weights: pause -> request -> receive -> continue."""
-        offer = self.handshake.offered()
-        if offer is None or offer["version"] <= self.requested_version:
-            return
-        v = self.requested_version = offer["version"]  # each version is sent once: a refusal waits for the next
-        try:
-            swap = await update_all_workers_distributed(self.clients, self.weight_group, v,
-                                                        request=lambda: self.handshake.request(v),
-                                                        timeout_s=self.cfg.weights.broadcast_timeout_s)
-            self.weight_update_s, self.version = swap.seconds, v
-            self.verify_update(v, self.clients, swap.digests, offer.get("digest"))
-        except WeightUpdateError as e:
-            self.log.warning("%s", e)
-
-    def verify_update(self, version: int, clients: list, digests: list, expected: Optional[str]) -> None:
-        """Count an update as verified when every worker's weights digest equals the trainer's."""
-        if expected is None or None in digests or self.cfg.trainer.dtype != self.cfg.inference.dtype:
-            return  # nothing to compare (SGLang workers, weights.verify off, or a dtype cast on the way)
-        bad = [c.base_url for c, d in zip(clients, digests) if d != expected]
-        if bad:
-            self.weight_mismatches += 1
-            self.log.error("weights v%d on %s differ from the trainer's (digest %s): not bit-identical", version,
-                           ", ".join(bad), expected)
-        else:
-            self.weight_verified += 1
 
 
     def launch_groups(self) -> None:
@@ -293,9 +238,9 @@ class Orchestrator:
                 "inference_tokens_per_s": self.inference_rate(),
                 "orchestrator_weight_version": self.version,
                 "inflight_groups": len(self.inflight),
-                "weight_update_s": self.weight_update_s,
-                "weight_updates_verified": self.weight_verified,
-                "weight_updates_mismatched": self.weight_mismatches,
+                "weight_update_s": self.weights.update_s,
+                "weight_updates_verified": self.weights.verified,
+                "weight_updates_mismatched": self.weights.mismatched,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
                 "inference_workers_live": len(self.pool.live()),

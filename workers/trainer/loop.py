@@ -17,7 +17,7 @@ process-group timeout, batch_timeout_s + 60 s, since a rank may be that late). W
 filesystem transport nobody waits for inference (the orchestrator decides when workers load
 a published step); with ``weights.transport=broadcast`` the senders wait for the
 orchestrator's request marker and then for the receivers inside the weight group
-(deadline weights.broadcast_timeout_s; protocol in workers/weights/broadcast.py).
+(deadline weights.broadcast_timeout_s). Each transport's protocol: workers/weights/<transport>/__init__.py.
 
 SIGTERM stops at once (nothing is finished or flushed beyond the last full metrics line;
 a half-written weights dir stays a ``.step_N.tmp`` that readers ignore): the process group
@@ -46,7 +46,8 @@ from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
 from workers.trainer.step import train_step
-from workers.weights.base import WeightPublisher, make_publisher
+from workers.common.registry import TRANSPORTS
+from workers.weights.base import WeightPublisher
 
 TRAINER_DONE = "TRAINER_DONE"
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -78,7 +79,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
         start = ckpt.load(model, optimizer)  # 0 unless a checkpoint exists (restart, Slurm requeue)
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
-        publisher = make_publisher(cfg, paths, topology, rank=dims.rank, world_size=dims.world_size, device=dims.device)
+        publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
+                                                                    world_size=dims.world_size, device=dims.device)
         weights = FullWeights(model.full_state_dict(to_rank=None))  # collective: every rank joins the gather
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
@@ -170,7 +172,7 @@ def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
     (step 0 still on disk): each rank sends its share once the orchestrator has paused the
     workers and asked for this version; waiting for that request is ``weight_sync_wait_s``
     (deadline weights.broadcast_timeout_s), the transfer ``weight_sync_s``. The protocols
-    and who waits for whom: workers/weights/filesystem.py and broadcast.py.
+    and who waits for whom: workers/weights/<transport>/__init__.py.
     """
     return publisher.publish(version, model.state_dict()).metrics()
 

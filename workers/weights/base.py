@@ -1,19 +1,16 @@
-"""The weight-exchange interface: trainer ranks publish, inference workers receive and apply.
+"""The weight-exchange interfaces (torch side) and what every transport shares.
 
-Two transports sit behind it, chosen by ``weights.transport``:
-
-- ``filesystem`` (:mod:`workers.weights.filesystem`): every trainer rank writes a share of
-  the tensors as safetensors into ``run_dir/weights/step_N/``; rank 0 adds index.json and
-  STABLE; workers load it on ``/update_weights_from_disk``.
-- ``broadcast`` (:mod:`workers.weights.broadcast`): trainer ranks 0..k-1 and every inference
-  rank form one torch.distributed group (gloo on CPU, NCCL on GPU); buckets travel on
-  ``/update_weights_from_distributed``. Step 0 still goes through the filesystem: workers
-  start from a checkpoint on disk, as SGLang servers do.
+Each transport is a package under workers/weights/ (``filesystem``, ``broadcast``, or a
+plugin's) registered in ``TRANSPORTS`` by ``weights.transport`` (workers/weights/spec.py);
+its protocol is written in that package's docstring. This module holds no transport: only
+the interfaces they implement and the pieces they share, so it imports none of them.
 
 Trainer side: every rank calls ``publisher.publish(version, state)`` with the full HF-named
 state dict and gets :class:`SyncStats` back (rank 0's go to metrics.jsonl as weight_sync_s,
-weight_sync_gbps, weight_bytes). Inference side: the transport returns verified tensors
-(or raises :class:`WeightLoadError`, old weights untouched) and the engine copies them in.
+weight_sync_gbps, weight_bytes). Inference side: a :class:`WeightReceiver` returns verified
+tensors as :class:`Received` (or raises :class:`WeightLoadError`, old weights untouched) and
+the engine copies them in. Every transport ships step 0 as a filesystem step
+(``weights/step_0``): workers boot from a checkpoint on disk, as SGLang servers do.
 """
 from __future__ import annotations
 
@@ -78,6 +75,56 @@ class WeightPublisher(abc.ABC):
         """Release threads and process groups (idempotent)."""
 
 
+@dataclasses.dataclass
+class Received:
+    """One update as a receiver verified it, ready to be copied into the model."""
+
+    state: dict[str, torch.Tensor]
+    """The tensors to apply (views into the receiver's staging buffer, valid until its next update)."""
+    hashes: Optional[dict[str, str]]
+    """Every parameter's digest once applied (None: not known, e.g. after a broadcast)."""
+    bytes: int
+    seconds: float
+    num_skipped: int = 0
+    """Tensors not read because the worker already holds them (filesystem delta steps)."""
+
+
+class WeightReceiver:
+    """Inference side of a transport: one per embedded worker, behind SGLang's weight routes
+    (workers/inference/weight_routes.py parses the HTTP fields and applies what comes back).
+
+    Each method blocks (the routes run it in a thread) and returns verified tensors, or raises
+    :class:`WeightLoadError` leaving nothing applied. A route the transport does not use is
+    refused with a message naming the transport (the route answers 400).
+    """
+
+    transport = "?"
+
+    def _unused(self, route: str) -> WeightLoadError:
+        return WeightLoadError(f"weights.transport={self.transport} does not use {route}")
+
+    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str]) -> Received:
+        """``/update_weights_from_disk``: read ``path``; ``known`` {name: hash} lists what the worker holds."""
+        raise self._unused("/update_weights_from_disk")
+
+    def join(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+             backend: str) -> None:
+        """``/init_weights_update_group``: become rank ``rank`` of the weight group (blocks until it formed)."""
+        raise self._unused("/init_weights_update_group")
+
+    def receive(self, version: int, announced: Sequence[TensorMeta], *, group_name: str,
+                expected: Mapping[str, torch.Tensor]) -> Received:
+        """``/update_weights_from_distributed``: receive ``version`` over the joined group."""
+        raise self._unused("/update_weights_from_distributed")
+
+    def leave(self, group_name: str) -> None:
+        """``/destroy_weights_update_group``."""
+        raise self._unused("/destroy_weights_update_group")
+
+    def close(self) -> None:
+        """Release threads and groups (idempotent)."""
+
+
 class Peers(abc.ABC):
     """The trainer ranks taking part in a publish, and the one collective publishing needs."""
 
@@ -133,6 +180,13 @@ class StorePeers(Peers):
         return [pickle.loads(self.store.get(k)) for k in keys]
 
 
+def peers_for(rank: int, world_size: int) -> Peers:
+    """The trainer's peers for publishing: its default group, or itself alone."""
+    peers: Peers = DistPeers() if world_size > 1 else SoloPeers()
+    assert (peers.rank, peers.world_size) == (rank, world_size), ((peers.rank, peers.world_size), (rank, world_size))
+    return peers
+
+
 def assign_shares(metas: Sequence[TensorMeta], num_ranks: int) -> list[list[TensorMeta]]:
     """Split tensors over ranks by bytes (largest first onto the lightest rank).
 
@@ -155,31 +209,15 @@ def expert_id(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> WeightPublisher:
-    """The configured transport's publisher for this trainer rank (call on every rank).
-
-    ``cfg`` is the RunConfig, ``paths`` its RunPaths, ``topology`` this rank's Topology
-    (its weights_group_addr / master_addr say where the broadcast group's store listens).
-    """
-    from workers.weights.filesystem import FilesystemPublisher
-
-    peers: Peers = DistPeers() if world_size > 1 else SoloPeers()
-    assert (peers.rank, peers.world_size) == (rank, world_size), ((peers.rank, peers.world_size), (rank, world_size))
-    w = cfg.weights
-    fs = FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
-                             full_every=w.delta_full_every, num_threads=w.num_hash_threads)
-    if w.transport == "filesystem":
-        return fs
-    if w.transport == "broadcast":
-        # inference.backend=sglang with broadcast is refused by the plan (launcher/sglang_checks.py)
-        from workers.weights.broadcast import BroadcastPublisher
-        from workers.weights.handshake import receiver_rank_counts
-
-        host, port = topology.master_addr, 0
-        if topology.weights_group_addr:
-            host, _, p = topology.weights_group_addr.rpartition(":")
-            port = int(p)
-        return BroadcastPublisher(paths, w, peers, initial=fs, host=host, port=port,
-                                  num_receivers=sum(receiver_rank_counts(cfg)), device=device)
-    raise ValueError(f"weights.transport={w.transport!r} is not one of ['filesystem', 'broadcast']")
+def check_fits(tensors: Mapping[str, Mapping], expected: Mapping[str, torch.Tensor], *, where: str) -> None:
+    """Names and shapes of an update ({name: {"shape": ...}}) against the model's parameters."""
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise WeightLoadError(f"{where} lacks {len(missing)} model tensors, e.g. {missing[:3]}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise WeightLoadError(f"{where} has {len(extra)} tensors the model does not, e.g. {extra[:3]}")
+    for name, cur in expected.items():
+        if list(tensors[name]["shape"]) != list(cur.shape):
+            raise WeightLoadError(f"tensor {name}: published shape {tuple(tensors[name]['shape'])} != model shape "
+                                  f"{tuple(cur.shape)} (in {where})")

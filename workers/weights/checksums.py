@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from workers.weights.handshake import state_digest  # noqa: F401  (torch-free home, re-exported)
+from workers.weights.digest import state_digest  # noqa: F401  (torch-free home, re-exported)
 
 HASH_NAME = "xxh3"
 """Key of the per-tensor digest in index.json."""

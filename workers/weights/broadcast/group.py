@@ -26,6 +26,17 @@ import torch
 import torch.distributed as dist
 
 from workers.weights.base import TensorMeta, expert_id
+from workers.weights.checksums import digest_int64
+
+MAGIC = 0x57474854  # "WGHT"
+HEADER_LEN = 6
+
+
+def make_header(version: int, bucket: Bucket, checksum: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([MAGIC, version, bucket.index, bucket.nbytes, *digest_int64(checksum)], dtype=torch.int64,
+                        device=device)
+"""Every bucket travels after its header: [MAGIC, version, bucket index, nbytes, checksum hi, lo]."""
+
 
 PLAN_KEY = "plan"
 """Put by trainer rank 0: {num_senders, bucket_bytes, lone_bytes}, what receivers need to derive the plan."""

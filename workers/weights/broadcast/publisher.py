@@ -1,33 +1,7 @@
-"""Broadcast weight transport: trainer ranks send buckets straight into inference memory.
+"""Broadcast transport, trainer side: senders pack buckets and broadcast them into inference memory.
 
-Who waits for whom (every wait has a deadline: ``weights.broadcast_timeout_s``, naming
-the peer):
-
-Setup, once (trainer rank 0 hosts the group's TCPStore):
-  T  every trainer rank publishes weights step 0 through the filesystem (workers boot
-     from it), then rank 0 opens the store, writes ``weights/broadcast/group.json``
-     (handshake.py); each sender puts its share's manifest on the store and waits for
-     every receiver to join.
-  O  the orchestrator, once every worker is ready, reads group.json and POSTs
-     ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
-     group_name, backend} to every worker at once; each worker (BroadcastReceiver) joins
-     the store, says which experts it holds, and answers once its backends exist.
-  all members compute the same bucket plan and create their backends (group.py).
-
-Per update V (after trainer step V-1):
-  T  rank 0 writes ``offer.json`` {V}; every sender waits for ``request.json`` == V (or the
-     orchestrator's DONE: nobody will receive any more, sending stops for the run).
-  O  sees the offer: ``/pause_generation`` (in_place) on every worker, writes request.json,
-     POSTs ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name,
-     weight_version: V, ...} to every worker at once, then ``/continue_generation``.
-  T  each sender, per bucket of its own (plan order): pack (zero-copy for a lone tensor),
-     checksum, broadcast the header [magic, V, bucket, nbytes, checksum] then the data.
-  W  the worker posts a receive for every bucket it needs into its preallocated staging
-     buffer, checks each header and checksum as the bucket lands (hashing in threads
-     while later buckets arrive), checks names/dtypes/shapes against the announced
-     metadata and its model, and only then copies into the model. Any failure drains
-     the remaining buckets (the senders are never left hanging) and refuses the update:
-     the worker keeps serving the weights it had.
+The protocol (setup, per-update handshake, who waits for whom) is in the package docstring
+(workers/weights/broadcast/__init__.py); the group and the bucket plan in group.py.
 """
 from __future__ import annotations
 
@@ -41,22 +15,13 @@ import torch.distributed as dist
 import xxhash
 
 from workers.common.protocol import PeerTimeout, RunPaths
-from workers.weights.base import Peers, SyncStats, TensorMeta, WeightLoadError, WeightPublisher, assign_shares
-from workers.weights.checksums import (Hasher, buffer_checksum, byte_view, digest_from_int64, digest_int64,
-                                       state_digest, state_hashes)
-from workers.weights.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, metas_from_json,
-                                   metas_to_json)
-from workers.weights.handshake import Handshake
-from workers.weights.shards import ALIGN, dtype_from_name
-
-MAGIC = 0x57474854  # "WGHT"
-HEADER_LEN = 6
-
-
-def _header(version: int, bucket: Bucket, checksum: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([MAGIC, version, bucket.index, bucket.nbytes, *digest_int64(checksum)], dtype=torch.int64,
-                        device=device)
-
+from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
+from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
+                                             metas_from_json, metas_to_json)
+from workers.weights.broadcast.handshake import Handshake, receiver_rank_counts
+from workers.weights.checksums import buffer_checksum, byte_view, state_digest, state_hashes
+from workers.weights.filesystem.publisher import filesystem_publisher
+from workers.weights.shards import dtype_from_name
 
 class BucketSender:
     """One sender's half of an update: its buckets, packed into two reusable send buffers."""
@@ -103,7 +68,7 @@ class BucketSender:
                 while any(p[0] == slot for p in pending):
                     self._finish(pending.popleft())
             buf, checksum = self._pack(b, state, slot)
-            header = _header(version, b, checksum, self.group.device)
+            header = make_header(version, b, checksum, self.group.device)
             works = [self.group.broadcast(header, b), self.group.broadcast(buf, b)]
             pending.append((slot, works, (header, buf), f"sending bucket {b.index} of v{version}"))
         while pending:
@@ -117,7 +82,7 @@ class BucketSender:
 
 
 class BroadcastPublisher(WeightPublisher):
-    """Trainer side (module docstring: the protocol). ``initial`` publishes step 0 to disk."""
+    """Trainer side (the package docstring has the protocol). ``initial`` publishes step 0 to disk."""
 
     def __init__(self, paths: RunPaths, cfg, peers: Peers, *, initial: WeightPublisher, host: str, port: int,
                  num_receivers: int, device: Optional[torch.device] = None):
@@ -213,93 +178,14 @@ def join_as_sender(store: dist.Store, *, rank: int, num_senders: int, world_size
     return group
 
 
-class BroadcastReceiver:
-    """Inference side: join on /init_weights_update_group, receive on /update_weights_from_distributed.
-
-    ``experts`` (None: all) are the routed experts this worker holds; buckets of other
-    experts are never sent to it. Construction blocks until the group is formed.
-    """
-
-    def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                 backend: str, timeout_s: float, device: torch.device | str = "cpu",
-                 experts: Optional[Sequence[int]] = None, num_threads: int = 2):
-        where = f"{master_address}:{master_port}"
-        try:
-            store = dist.TCPStore(master_address, int(master_port), None, False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-        except (RuntimeError, dist.DistError) as e:
-            raise TimeoutError(f"inference rank {rank}: cannot reach the weight group's store at {where} (trainer "
-                               f"rank 0) within {timeout_s:.0f}s: {str(e).strip().splitlines()[0]}") from e
-        self.group = WeightGroup(store, rank=rank, world_size=world_size, group_name=group_name, backend=backend,
-                                 device=torch.device(device), timeout_s=timeout_s, where=where)
-        self.group.put("receiver", {"experts": None if experts is None else sorted(int(e) for e in experts)})
-        k, bucket_bytes, lone_bytes = self.group.plan_config()
-        manifests = {r: metas_from_json(v) for r, v in self.group.collect("sender", range(k), who="trainer").items()}
-        holdings = {r: v["experts"] for r, v in self.group.collect("receiver", range(k, world_size),
-                                                                     who="inference").items()}
-        plan = self.group.form(manifests, holdings, bucket_bytes, lone_bytes)
-        self.mine = [b for b in plan if rank in b.receivers]
-        self.regions: dict[int, int] = {}
-        total = 0
-        for b in self.mine:
-            self.regions[b.index] = total
-            total += -(-b.nbytes // ALIGN) * ALIGN
-        self.staging = torch.empty(total, dtype=torch.uint8, device=self.group.device)  # preallocated once
-        self.hasher = Hasher(num_threads)
-        self.metas = {e.name: e for b in self.mine for e in b.entries}
-
-    def receive(self, version: int, announced: Optional[Sequence[TensorMeta]] = None) -> tuple[dict, int, float]:
-        """Receive weights ``version``; returns ({name: tensor view of staging}, bytes, seconds).
-
-        Raises WeightLoadError (after every posted bucket has landed) on a bad header, a
-        checksum mismatch or a tensor that disagrees with ``announced``.
-        """
-        t0 = time.perf_counter()
-        posted = []
-        for b in self.mine:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.group.device)
-            start = self.regions[b.index]
-            region = self.staging[start: start + b.nbytes].view(dtype_from_name(b.dtype))
-            posted.append((b, header, region, self.group.broadcast(header, b), self.group.broadcast(region, b)))
-        errors, checks = [], []
-        for b, header, region, wh, wd in posted:
-            self.group.wait(wh, f"receiving the header of bucket {b.index} of v{version} from trainer rank {b.sender}")
-            self.group.wait(wd, f"receiving bucket {b.index} of v{version} from trainer rank {b.sender}")
-            magic, v, idx, n, hi, lo = header.tolist()
-            if (magic, v, idx, n) != (MAGIC, version, b.index, b.nbytes):
-                errors.append(f"bucket {b.index} header says version {v}, bucket {idx}, {n} bytes; expected "
-                              f"version {version}, bucket {b.index}, {b.nbytes} bytes")
-            checks.append((b, digest_from_int64(hi, lo), self.hasher.submit(buffer_checksum, region)))
-        for b, want, fut in checks:
-            if fut.result() != want:
-                errors.append(f"bucket {b.index} ({len(b.entries)} {b.dtype} tensors from trainer rank {b.sender}, "
-                              f"e.g. {b.entries[0].name}) fails its checksum: {fut.result()} != {want} announced")
-        if announced is not None:
-            errors += self._check_announced(announced)
-        if errors:
-            raise WeightLoadError(f"broadcast of v{version} refused: " + "; ".join(errors[:3])
-                                  + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""))
-        state = {}
-        for b, _, region, _, _ in posted:
-            for e, off in zip(b.entries, b.offsets()):
-                n = 1
-                for d in e.shape:
-                    n *= d
-                state[e.name] = region[off: off + n].view(e.shape)
-        nbytes = sum(b.nbytes for b in self.mine)
-        return state, nbytes, time.perf_counter() - t0
-
-    def _check_announced(self, announced: Sequence[TensorMeta]) -> list[str]:
-        by_name = {m.name: m for m in announced}
-        errors = []
-        for name, m in self.metas.items():
-            a = by_name.get(name)
-            if a is None:
-                errors.append(f"tensor {name} arrived but /update_weights_from_distributed did not announce it")
-            elif (a.dtype, tuple(a.shape)) != (m.dtype, m.shape):
-                errors.append(f"tensor {name}: announced {a.dtype}{list(a.shape)}, sent {m.dtype}{list(m.shape)}")
-        return errors
-
-    def close(self) -> None:
-        self.group.close()
-        self.hasher.close()
+def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
+                   device: Optional[torch.device] = None) -> BroadcastPublisher:
+    """TransportSpec.publisher: step 0 through the filesystem, then the group hosted by rank 0
+    at ``topology.weights_group_addr`` (else master_addr on a free port)."""
+    peers = peers_for(rank, world_size)
+    host, port = topology.master_addr, 0
+    if topology.weights_group_addr:
+        host, _, p = topology.weights_group_addr.rpartition(":")
+        port = int(p)
+    return BroadcastPublisher(paths, cfg.weights, peers, initial=filesystem_publisher(cfg.weights, paths, peers),
+                              host=host, port=port, num_receivers=sum(receiver_rank_counts(cfg)), device=device)

@@ -10,7 +10,8 @@ reader sees an old or a new value, never half of one; ``cat`` shows where a run 
                    fields of /update_weights_from_distributed, in the senders' order).
   ``offer.json``   trainer rank 0, after each optimizer step: {"version": V, "digest"},
                    weights V are in the trainer's memory and it waits to send them
-                   (digest: checksums.state_digest of them with weights.verify, else null).
+                   (digest: workers/weights/digest.state_digest of them with weights.verify,
+                   else null).
   ``request.json`` orchestrator, after pausing every worker: {"version": V}, the workers
                    are being told to receive V; trainer ranks start sending.
   ``run_dir/DONE`` (the orchestrator's end marker) releases a trainer waiting for a request.
@@ -24,7 +25,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 BROADCAST_DIR = "broadcast"
 GROUP_FILE, OFFER_FILE, REQUEST_FILE = "group.json", "offer.json", "request.json"
@@ -72,26 +73,6 @@ class Handshake:
     def requested(self) -> Optional[int]:
         got = self._read(REQUEST_FILE)
         return None if got is None else int(got["version"])
-
-
-def state_digest(hashes: Mapping[str, str]) -> str:
-    """One digest of a whole model from its per-tensor xxh3 digests (names included, order-free).
-
-    The orchestrator compares the trainer's (offer.json, index.json) with the one each worker
-    reports after applying an update: equal means every parameter is bit-identical.
-    """
-    import xxhash
-
-    return f"{xxhash.xxh3_64_intdigest(''.join(f'{n}={h};' for n, h in sorted(hashes.items())).encode()):016x}"
-
-
-def index_digest(step_dir: Path) -> Optional[str]:
-    """:func:`state_digest` of a published step, from its index.json (None if unreadable)."""
-    try:
-        tensors = json.loads((Path(step_dir) / "index.json").read_text())["tensors"]
-        return state_digest({n: m["xxh3"] for n, m in tensors.items()})
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def receiver_rank_counts(cfg) -> list[int]:

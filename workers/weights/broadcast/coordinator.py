@@ -1,0 +1,87 @@
+"""Broadcast transport, orchestrator side: have every worker join the group, then drive updates.
+
+``start``: wait for ``group.json`` (trainer rank 0; deadline weights.broadcast_timeout_s),
+POST ``/init_weights_update_group`` to every worker at once. ``maybe_update``: when
+``offer.json`` names a version not yet requested: pause every worker -> write
+``request.json`` (the senders' cue) -> ``/update_weights_from_distributed`` on every worker
+at once -> continue -> compare each worker's digest with the offer's. A refusal is not
+retried: the next version is a full update again. Protocol: the package docstring.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional, Sequence
+
+from workers.common.protocol import wait_for
+from workers.weights.broadcast.handshake import Handshake, rank_offsets, receiver_rank_counts
+from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
+
+
+async def update_all_workers_distributed(clients: Sequence[Any], group: dict, version: int, *,
+                                         request: Callable[[], None], timeout_s: float) -> WeightSwap:
+    """pause(in_place) -> ``request()`` (the trainer's cue to send) -> receive -> continue.
+
+    ``group`` is the trainer's group.json (handshake.py): its names, dtypes and shapes are
+    announced to every worker with SGLang's fields. Every worker is asked to receive, even
+    one that failed to pause: the senders wait for all of them.
+    """
+    def receive(c):
+        return c.update_weights_from_distributed(names=group["names"], dtypes=group["dtypes"], shapes=group["shapes"],
+                                                 group_name=group["group_name"], weight_version=version,
+                                                 load_format="slurmrl_buckets", timeout_s=timeout_s)
+
+    return await swap_weights(clients, version, receive, before=request)
+
+
+async def join_weight_group(clients: Sequence[Any], group: dict, rank_counts: Sequence[int], *,
+                            timeout_s: float) -> None:
+    """/init_weights_update_group on every worker at once (each call returns once the group
+    exists, so all must be in flight together); worker i's rank_offset follows the senders."""
+    if group["world_size"] != group["num_senders"] + sum(rank_counts) or len(rank_counts) != len(clients):
+        raise WeightUpdateError(f"weight group world_size({group['world_size']}) != num_senders({group['num_senders']})"
+                                f" + inference ranks({sum(rank_counts)} over {len(rank_counts)} servers; "
+                                f"{len(clients)} clients): trainer and orchestrator disagree on the inference layout")
+    offsets = rank_offsets(list(rank_counts), group["num_senders"])
+    results = await asyncio.gather(*(c.init_weights_update_group(
+        master_address=group["master_address"], master_port=group["master_port"], rank_offset=off,
+        world_size=group["world_size"], group_name=group["group_name"], backend=group["backend"], timeout_s=timeout_s)
+        for c, off in zip(clients, offsets)), return_exceptions=True)
+    failures = [f"{c.base_url}: {r}" for c, r in zip(clients, results) if isinstance(r, BaseException)]
+    if failures:
+        raise WeightUpdateError(f"{len(failures)} worker(s) could not join weight group {group['group_name']!r}: "
+                                + "; ".join(failures))
+
+
+class BroadcastCoordinator(WeightCoordinator):
+    def __init__(self, cfg: Any, paths: Any, *, log: Any):
+        super().__init__(cfg, paths, log=log)
+        self.handshake = Handshake(paths.root)
+        self.group: Optional[dict] = None  # group.json once every worker joined
+        self.requested_version = 0
+        self.clients: list = []
+
+    async def start(self, clients: Sequence[Any]) -> None:
+        """Every worker joins trainer rank 0's group."""
+        w = self.cfg.weights
+        info = await asyncio.to_thread(wait_for, self.handshake.read_group, timeout_s=w.broadcast_timeout_s,
+                                       what=f"{self.handshake.dir}/group.json", peer="trainer rank 0")
+        await join_weight_group(clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
+        self.group, self.clients = info, list(clients)
+        self.log.info("%d workers joined weight group %s (%s, world %d)", len(clients), info["group_name"],
+                      info["backend"], info["world_size"])
+
+    async def maybe_update(self, pool: Any) -> None:
+        """If the trainer offers newer weights: pause -> request -> receive -> continue (every
+        group member, live or not: the senders wait for all of them)."""
+        offer = self.handshake.offered()
+        if self.group is None or offer is None or offer["version"] <= self.requested_version:
+            return
+        v = self.requested_version = offer["version"]  # each version is sent once: a refusal waits for the next
+        try:
+            swap = await update_all_workers_distributed(self.clients, self.group, v,
+                                                        request=lambda: self.handshake.request(v),
+                                                        timeout_s=self.cfg.weights.broadcast_timeout_s)
+            self.update_s, self.version = swap.seconds, v
+            self.verify(v, self.clients, swap.digests, offer.get("digest"))
+        except WeightUpdateError as e:
+            self.log.warning("%s", e)

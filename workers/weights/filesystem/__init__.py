@@ -1,0 +1,80 @@
+"""Filesystem weight transport (``weights.transport=filesystem``): trainer ranks publish
+``run_dir/weights/step_N/``, the orchestrator tells workers to load it.
+
+One step on disk (HF layout; ``model.safetensors`` when one rank writes)::
+
+    step_000007/model-00001-of-00002.safetensors   rank 0's share of the tensors
+    step_000007/model-00002-of-00002.safetensors   rank 1's share
+    step_000007/index.json   {"format", "step", "metadata": {"total_size"},
+                              "weight_map": {name: file, relative to this dir},
+                              "tensors": {name: {"shape", "dtype", "xxh3"}}}
+    step_000007/STABLE       written last
+
+Protocol for version V (T: trainer ranks, O: orchestrator, W: inference workers):
+  T  every rank calls publish(V) after its optimizer step (publisher.py; waits are the
+     trainer group's collectives, bounded by its process-group timeout):
+       1. rank 0 empties ``.step_V.tmp/``; gather #1 (everyone knows the dir exists);
+       2. rank r writes its share (base.assign_shares: by bytes, the same split every step)
+          to ``<shard>.partial``, hashing each chunk as it is written (shards.py), fsyncs,
+          renames to ``<shard>``; gather #2 brings every rank's {name: shape, dtype, hash, file};
+       3. rank 0 writes index.json, then STABLE, fsyncs, renames ``.step_V.tmp`` -> ``step_V``
+          (readers never see a partial step), then prunes old steps in a background thread
+          (the next publish, and close(), wait for it).
+     Nobody on the trainer side waits for inference.
+  O  each loop turn, if the newest STABLE step V is newer than what workers serve
+     (coordinator.py): ``/pause_generation`` in_place on every live worker ->
+     ``/update_weights_from_disk`` {model_path: weights/step_V, weight_version: V} on all
+     at once -> ``/continue_generation`` (also after a failure) -> with ``weights.verify``,
+     each worker's reported ``weights_digest`` against index.json's. Every call has the
+     client's deadline (orchestrator.request_timeout_s). A refusal keeps the old version;
+     the next turn retries the newest step.
+  W  (receiver.py, DiskReader) refuses a missing dir, a missing STABLE, an unreadable
+     index, a truncated, absent or mis-described shard, a checksum mismatch and a name or
+     shape that does not fit the model, naming the file and tensor; nothing is applied
+     then. Tensors whose hash equals what the worker holds are not read at all.
+Workers boot the same way: wait for any STABLE (inference.startup_timeout_s), load the newest.
+
+Delta mode (``weights.delta``): a rank writes only tensors whose hash changed since its
+previous publish; index.json then points unchanged tensors at the file that holds them,
+in an earlier step (``../step_000005/model-00001-of-00002.safetensors``). Every
+``delta_full_every`` steps (and after a restart) a full step cuts the chain. Retention keeps
+the newest ``keep_last`` steps plus every step one of them references, so a kept index
+never points at a deleted file; once a full step is among the kept ones, old steps go.
+
+This module is torch-free (the launcher reads it): the config, the check and the spec.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from workers.common.config.weights import WeightsConfig
+from workers.common.registry import TRANSPORTS
+from workers.weights.spec import TransportSpec, lazy
+
+
+@dataclasses.dataclass(kw_only=True)
+class FilesystemWeightsConfig(WeightsConfig):
+    """``weights/filesystem.yaml``: steps written as safetensors shards under run_dir/weights."""
+
+    transport: str = "filesystem"
+    """``filesystem``: this schema's transport."""
+    delta: bool = False
+    """Write only tensors whose checksum changed since the previous step; index.json points
+    unchanged ones at the earlier file (frozen layers then cost nothing per step)."""
+    delta_full_every: int = 10
+    """Delta mode: every this many steps a full step is written, bounding how far back a
+    step's files may lie (and so what retention must keep)."""
+
+
+def check(cfg) -> None:
+    """Plan-time: the delta chain must be cut at some point."""
+    if cfg.weights.delta_full_every < 1:
+        raise ValueError(f"weights.delta_full_every must be >= 1, got {cfg.weights.delta_full_every}")
+
+
+SPEC = TRANSPORTS.register(TransportSpec(
+    name="filesystem", config=FilesystemWeightsConfig, check=check,
+    summary="trainer ranks write run_dir/weights/step_N; workers load it on /update_weights_from_disk",
+    publisher=lazy("workers.weights.filesystem.publisher:make_publisher"),
+    coordinator=lazy("workers.weights.filesystem.coordinator:FilesystemCoordinator"),
+    receiver=lazy("workers.weights.filesystem.receiver:make_receiver")))

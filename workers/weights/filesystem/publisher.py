@@ -1,0 +1,161 @@
+"""Filesystem transport, trainer side: every rank writes its share of ``weights/step_N/``.
+
+The layout and the publish protocol (gathers, STABLE last, rename, delta mode, retention)
+are in the package docstring (workers/weights/filesystem/__init__.py).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from workers.common.protocol import STABLE, step_name
+from workers.weights.base import Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
+from workers.weights.checksums import HASH_NAME, Hasher, tensor_hash  # noqa: F401  (tensor_hash re-exported)
+from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
+from workers.weights.shards import nbytes, write_shard
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.contiguous() if t.device.type == "cpu" else t.to("cpu", copy=True).contiguous()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FilesystemPublisher(WeightPublisher):
+    """Trainer side (the package docstring has the protocol and delta mode)."""
+
+    def __init__(self, root: Path, *, peers: Peers, keep_last: int, delta: bool = False, full_every: int = 10,
+                 num_threads: int = 2):
+        assert keep_last >= 1 and full_every >= 1, (keep_last, full_every)
+        self.root, self.peers, self.keep_last = Path(root), peers, keep_last
+        self.delta, self.full_every = delta, full_every
+        self.hasher = Hasher(num_threads)
+        self._prev: dict[str, tuple[str, str]] = {}  # this rank's share: name -> (hash, file relative to root)
+        self._last_full: Optional[int] = None
+        # Deleting a GB-sized step costs as much as writing one (measured ~0.6 s/GB on tmpfs
+        # here), so rank 0 prunes off the critical path; the next publish waits for it.
+        self._pruner = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-prune")
+        self._pruning: Optional[cf.Future] = None
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+        t0 = time.perf_counter()
+        rank, world = self.peers.rank, self.peers.world_size
+        self.wait_pruned()
+        final = self.root / step_name(version)
+        tmp = self.root / f".{final.name}.tmp"
+        metas = [TensorMeta.of(n, t) for n, t in state.items()]
+        mine = assign_shares(metas, world)[rank]
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        if world > 1:
+            self.peers.all_gather_object(None)  # gather #1: the temp dir exists
+        tensors = [(m.name, _host(state[m.name])) for m in mine]
+        full = not self.delta or self._last_full is None or version - self._last_full >= self.full_every
+        hashes: dict[str, str] = {}
+        if full:
+            to_write = tensors
+        else:  # the decision needs the hashes first (in threads; not overlapped with the write)
+            hashes = {n: f.result() for n, f in self.hasher.hash_tensors(tensors).items()}
+            to_write = [(n, t) for n, t in tensors if self._prev.get(n, ("", ""))[0] != hashes[n]]
+        fname = shard_name(rank, world)
+        if to_write:
+            hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}))
+        written = {n for n, _ in to_write}
+        entries = {m.name: {"shape": list(m.shape), "dtype": m.dtype, HASH_NAME: hashes[m.name],
+                            "file": f"{final.name}/{fname}" if m.name in written else self._prev[m.name][1]}
+                   for m in mine}
+        moved = sum(nbytes(t) for _, t in to_write)
+        gathered = self.peers.all_gather_object((entries, moved))  # gather #2: every shard is on disk
+        if rank == 0:
+            merged = {k: v for e, _ in gathered for k, v in e.items()}
+            self._finish(version, tmp, final, metas, merged)
+        self._prev = {n: (e[HASH_NAME], e["file"]) for n, e in entries.items()}
+        if full:
+            self._last_full = version
+        return SyncStats(bytes=sum(b for _, b in gathered), seconds=time.perf_counter() - t0)
+
+    def _finish(self, version: int, tmp: Path, final: Path, metas: list[TensorMeta], entries: dict) -> None:
+        def rel(file: str) -> str:  # files are recorded relative to the weights root
+            return file.split("/", 1)[1] if file.startswith(final.name + "/") else "../" + file
+
+        index = {"format": FORMAT, "step": version, "metadata": {"total_size": sum(m.nbytes for m in metas)},
+                 "weight_map": {m.name: rel(entries[m.name]["file"]) for m in metas},
+                 "tensors": {m.name: {k: entries[m.name][k] for k in ("shape", "dtype", HASH_NAME)} for m in metas}}
+        for name, text in ((INDEX, json.dumps(index)), (STABLE, json.dumps({"time": time.time()}))):
+            with open(tmp / name, "w") as f:  # STABLE last: it vouches for everything before it
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._pruning = self._pruner.submit(prune, self.root, keep_last=self.keep_last, newest=version)
+
+    def wait_pruned(self) -> None:
+        """Wait for the previous publish's retention pass (it runs in the background)."""
+        if self._pruning is not None:
+            self._pruning.result()
+            self._pruning = None
+
+    def close(self) -> None:
+        self.wait_pruned()
+        self._pruner.shutdown(wait=True)
+        self.hasher.close()
+
+
+def prune(weights_root: Path, *, keep_last: int, newest: int) -> list[str]:
+    """Delete steps older than the newest ``keep_last`` that no kept step references.
+
+    Also removes temp dirs of steps older than ``newest`` (a rank died mid-publish).
+    Returns the names deleted.
+    """
+    steps = {d.name: int(d.name[5:]) for d in weights_root.iterdir() if d.name.startswith("step_")
+             and d.name[5:].isdigit()}
+    kept = {name for name, s in steps.items() if s > newest - keep_last}
+    for name in list(kept):
+        kept |= referenced_steps(weights_root / name)
+    gone = [name for name, s in steps.items() if name not in kept and s < newest]
+    gone += [d.name for d in weights_root.glob(".step_*.tmp") if d.name[6:-4].isdigit() and int(d.name[6:-4]) < newest]
+    for name in gone:
+        shutil.rmtree(weights_root / name, ignore_errors=True)
+    return sorted(gone)
+
+
+def publish_step(weights_root: Path, step: int, state: Mapping[str, torch.Tensor], *, keep_last: int) -> dict:
+    """One-rank publish (tools, tests, benchmarks): returns {bytes, seconds}."""
+    pub = FilesystemPublisher(Path(weights_root), peers=SoloPeers(), keep_last=keep_last)
+    try:
+        out = pub.publish(step, state)
+    finally:
+        pub.close()
+    return {"bytes": out.bytes, "seconds": out.seconds}
+
+
+def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
+                   device: Optional[torch.device] = None) -> FilesystemPublisher:
+    """TransportSpec.publisher: this trainer rank's publisher into ``run_dir/weights``."""
+    return filesystem_publisher(cfg.weights, paths, peers_for(rank, world_size))
+
+
+def filesystem_publisher(w, paths, peers: Peers) -> FilesystemPublisher:
+    """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too)."""
+    return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
+                               full_every=w.delta_full_every, num_threads=w.num_hash_threads)

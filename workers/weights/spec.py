@@ -1,0 +1,64 @@
+"""What a weight transport is, for everyone who reaches one through ``TRANSPORTS`` (torch-free).
+
+A transport is one package, ``workers/weights/<name>/``: its ``__init__`` holds the config
+schema, the plan-time check, the protocol (who does what, in which order, who waits for whom,
+deadlines) and registers a :class:`TransportSpec`; ``publisher.py`` (trainer side),
+``receiver.py`` (inference side) and ``coordinator.py`` (orchestrator side) hold the code.
+
+Nobody outside the transport's package names a transport: the trainer asks the spec for its
+publisher, the orchestrator for its coordinator, the embedded inference worker for its
+receiver, the launcher runs :func:`check_transport`. The spec's three factories import their
+module only when called (:func:`lazy`), so the launcher, which reads this module and the
+transports' ``__init__`` on the login node, never imports torch.
+
+Every transport meets the same interfaces: ``WeightPublisher`` and ``WeightReceiver``
+(workers/weights/base.py, torch) and ``WeightCoordinator`` (workers/weights/coordinator.py,
+torch-free, as the orchestrator is).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from workers.common.registry import TRANSPORTS, PluginSpec
+
+
+def lazy(target: str) -> Callable[..., Any]:
+    """``"package.module:name"`` -> a function that imports the module on its first call and
+    calls ``name`` with the same arguments (keeps role code out of the spec's imports)."""
+    module, _, name = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"lazy[{target}]"
+    return call
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransportSpec(PluginSpec):
+    """One weight transport (``weights.transport``); register it with ``TRANSPORTS.register``."""
+
+    publisher: Callable[..., Any]
+    """``publisher(run_cfg, paths, topology, *, rank, world_size, device=None) -> WeightPublisher``:
+    the trainer rank's side; every rank calls ``publish(version, state)`` (collective)."""
+    coordinator: Callable[..., Any]
+    """``coordinator(run_cfg, paths, *, log) -> WeightCoordinator``: the orchestrator's side
+    (``start(clients)`` once the workers are ready, ``maybe_update(pool)`` every loop turn)."""
+    receiver: Callable[..., Any]
+    """``receiver(weights_cfg, *, device) -> WeightReceiver``: the embedded inference worker's
+    side, behind SGLang's weight routes (workers/inference/weight_routes.py)."""
+    backends: tuple[str, ...] = ("embedded", "sglang")
+    """``inference.backend`` values whose servers this transport can update (checked at plan time)."""
+
+
+def check_transport(run_cfg: Any) -> None:
+    """Plan-time (pure): the transport's own check (it may say why a backend is out), then
+    whether it talks to ``inference.backend`` at all. Raises ValueError naming the key."""
+    spec: TransportSpec = TRANSPORTS.get(run_cfg.weights.transport)
+    if spec.check is not None:
+        spec.check(run_cfg)
+    if run_cfg.inference.backend not in spec.backends:
+        raise ValueError(f"weights.transport={spec.name} cannot update inference.backend="
+                         f"{run_cfg.inference.backend} servers; it talks to {list(spec.backends)}")
