@@ -26,14 +26,8 @@ from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
 from workers.common.registry import ENVS
 from workers.common.topology import PORT_SERVERS
-<<<<<<< HEAD
 from workers.preflight.limits import limit_errors
-=======
 from workers.weights.spec import check_transport as _transport_check
-from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
-from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
-from workers.preflight.checks import limit_errors
->>>>>>> weights
 
 CHOICES = {
     "cluster.backend": ("local", "slurm"),

@@ -24,12 +24,8 @@ from workers.common.config import ClusterConfig, InferenceConfig, ModelConfig, R
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
-<<<<<<< HEAD
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
-from workers.weights.filesystem import publish_step
-=======
 from workers.weights.filesystem.publisher import publish_step
->>>>>>> weights
 from tests.netutil import free_port
 
 torch.set_num_threads(1)

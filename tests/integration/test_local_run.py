@@ -6,7 +6,6 @@ planning, process management, HTTP, the file protocol and the training step toge
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

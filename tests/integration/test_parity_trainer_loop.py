@@ -18,12 +18,8 @@ from tests.integration.test_trainer_ranks import MODEL, free_port, make_batch, p
 from workers.common.config import (ClusterConfig, ModelConfig, ParallelConfig, RunConfig, TrainerConfig,
                                    WeightsConfig)
 from workers.common.protocol import RunPaths
-<<<<<<< HEAD
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
-from workers.weights.filesystem import load_step
-=======
 from workers.weights.filesystem.receiver import load_step
->>>>>>> weights
 
 
 def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int) -> RunPaths:

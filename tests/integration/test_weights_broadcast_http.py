@@ -21,22 +21,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-<<<<<<< HEAD
-from workers.common.config import (ClusterConfig, InferenceConfig, ModelConfig, RunConfig, WeightsConfig)
+from workers.common.config import ClusterConfig, InferenceConfig, ModelConfig, RunConfig
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.protocol import RunPaths, wait_for
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
-from workers.orchestrator.rollouts import WeightUpdateError, join_weight_group, update_all_workers_distributed
-=======
-from workers.common.config import ClusterConfig, EnvConfig, InferenceConfig, ModelConfig, RunConfig
-from workers.common.inference_client import InferenceClient, wait_until_ready
-from workers.common.protocol import RunPaths, wait_for
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.weights.broadcast.coordinator import join_weight_group, update_all_workers_distributed
 from workers.weights.coordinator import WeightUpdateError
->>>>>>> weights
 from workers.weights.base import SoloPeers
 from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
 from workers.weights.checksums import state_digest, state_hashes

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Optional
 
-from omegaconf import MISSING
 
 from workers.common.sglang_config import SGLangConfig, SGLangRoleConfig
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
-from typing import Any, Optional
 
 from omegaconf import MISSING
 
