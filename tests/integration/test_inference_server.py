@@ -20,7 +20,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workers.common.config import ClusterConfig, EnvConfig, InferenceConfig, ModelConfig, RunConfig
+from workers.common.config import ClusterConfig, EnvConfig, ModelConfig, RunConfig
+from workers.inference.embedded.config import EmbeddedInferenceConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
@@ -39,7 +40,7 @@ def start_server(run_dir: Path):
     port = free_port()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=EnvConfig(name="reverse_digits"),
                     model=ModelConfig(name="tiny_moe", init_seed=INIT_SEED, **MODEL),
-                    inference=InferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
+                    inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
     paths = RunPaths(run_dir).ensure()
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     paths.admin_token.write_text(TOKEN)

@@ -1,5 +1,5 @@
 """The plan refuses SGLang option combinations that SGLang rejects or silently rewrites
-(launcher/sglang_checks.py), naming the key and saying why; every SGLang preset plans."""
+(workers/inference/sglang/checks.py), naming the key and saying why; every SGLang preset plans."""
 from __future__ import annotations
 
 import pytest
@@ -61,8 +61,8 @@ def test_conflicts_are_refused_with_the_reason(overrides, fragment):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_sglang_preset_plans(name):
     p = build_plan(compose(PRESETS[name]))
-    assert p.sglang and p.sglang[-1].role == "router"
-    assert {s.role for s in p.sglang[:-1]} == {r.role for r in p.roles if r.server is not None}
+    assert p.backend_steps and p.backend_steps[-1].role == "router"
+    assert {s.role for s in p.backend_steps[:-1]} == {r.role for r in p.roles if r.server is not None}
 
 
 def test_deepep_normal_is_fine_on_prefill_and_with_cuda_graphs_off_on_decode():

@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from workers.inference.engine import InferenceEngine
-from workers.inference.server import BadRequest, _bool, _int, _json, _version
+from workers.inference.embedded.engine import InferenceEngine
+from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
 from workers.weights.base import TensorMeta, WeightLoadError
 from workers.weights.broadcast import BroadcastReceiver
 from workers.weights.checksums import state_digest, state_hashes
