@@ -231,7 +231,7 @@ def test_sigterm_by_pid_exits_cleanly(server):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     log = (paths.root / "inference.log").read_text()
-    assert f"inference[0] serving on {url}" in log and "Traceback" not in log
+    assert f"inference[0] INFO serving on {url}" in log and "Traceback" not in log
 
 
 def test_shutdown_route_exits_cleanly(tmp_path):
