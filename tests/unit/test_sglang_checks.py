@@ -68,3 +68,23 @@ def test_every_sglang_preset_plans(name):
 def test_deepep_normal_is_fine_on_prefill_and_with_cuda_graphs_off_on_decode():
     build_plan(compose(GLM5))  # prefill: normal
     build_plan(compose(GLM5 + [f"{D}.deepep_mode=normal", f"{D}.disable_cuda_graph=true"]))
+
+
+def test_the_orchestrator_side_of_the_sglang_spec():
+    """Generation goes through smg keyed per prompt group; the routing shape comes from cfg.model."""
+    import asyncio
+
+    import aiohttp
+
+    from workers.common.registry import BACKENDS
+
+    spec, cfg = BACKENDS.get("sglang"), compose(GLM5)
+    assert spec.needs_router and spec.uses_gpus and spec.supports_disaggregation and not spec.reports_routing_shape
+
+    async def make():
+        async with aiohttp.ClientSession() as session:
+            return spec.make_router(cfg, "http://router:1", "tok", session=session, timeout_s=5, shape=(1, 2, 3))
+    router = asyncio.run(make())
+    client = router.for_group(7)
+    assert client.routing_key == f"{cfg.experiment}-g7" and router.header == cfg.inference.sglang.router.routing_key_header
+    assert BACKENDS.get("embedded").make_router is None and BACKENDS.get("embedded").reports_routing_shape
