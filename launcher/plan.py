@@ -26,10 +26,10 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig
 from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
+from workers.common.registry import BACKENDS
 from workers.common.topology import PORT_SERVERS
 from workers.orchestrator.envs.reverse_text import EXAMPLES as REVERSE_TEXT_EXAMPLES
 from workers.orchestrator.envs.reverse_text import WORDS as REVERSE_TEXT_WORDS
-from workers.common.registry import BACKENDS
 from workers.preflight.checks import limit_errors
 
 if TYPE_CHECKING:
@@ -347,7 +347,8 @@ def check_backend(cfg: RunConfig):
         raise PlanError(f"inference.backend={backend.name!r} needs GPUs; cluster=local runs only {cpu}")
     if not isinstance(cfg.inference, backend.config):
         raise PlanError(f"inference.backend={backend.name!r} reads the {backend.config.__name__} schema but the "
-                        f"inference section is a {type(cfg.inference).__name__}: choose it with inference={backend.name}")
+                        f"inference section is a {type(cfg.inference).__name__}: choose it with "
+                        f"inference={backend.name}")
     return backend
 
 
