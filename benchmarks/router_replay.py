@@ -5,7 +5,7 @@
 
 Method, every piece the production one:
 1. One fp32 master per model (the seeded init the RL run starts from, or a published
-   weights/step_N). The embedded InferenceEngine (workers/inference/engine.py) holds a bf16
+   weights/step_N). The embedded InferenceEngine (workers/inference/embedded/engine.py) holds a bf16
    copy and samples completions of reverse_digits prompts at temperature 1 with
    ``return_routed_experts`` (continuous batching, KV cache: the real inference path).
 2. The samples become a trainer batch through the orchestrator's batch writer and the
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.common.protocol import RunPaths
-from workers.inference.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutGroup, Sample

@@ -32,6 +32,7 @@ from benchmarks.sim.layout import layout_from_plan
 from benchmarks.sim.workload import describe
 from launcher.plan import PlanError, build_plan
 from workers.common.config import RunConfig
+from workers.common.registry import BACKENDS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION = RESULTS / "simulate_calibration.json"
@@ -241,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = compose(args.overrides)
-        out = run_cluster(cfg, args) if cfg.inference.backend == "sglang" else run_local(cfg, args)
+        # GPU backends (SGLang) are simulated as a cluster of replicas; CPU ones (embedded) as local workers
+        gpu = BACKENDS.get(cfg.inference.backend).uses_gpus
+        out = run_cluster(cfg, args) if gpu else run_local(cfg, args)
     except PlanError as e:
         print(f"simulate: error: {e}", file=sys.stderr)
         return 2

@@ -30,10 +30,12 @@ from workers.common.registry import UnknownEntry
 
 PLUGINS = register()  # SLURMRL_PLUGINS and entry points, before Hydra composes
 USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError, ConfigError, UnknownEntry)
+COMPOSED = []  # set once Hydra composed the config: an exit 1 before that is Hydra refusing the overrides
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
+    COMPOSED.append(True)
     hc = HydraConfig.get()
     try:
         reject_unknown_keys(cfg)
@@ -59,8 +61,8 @@ def main() -> None:
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
     try:
         hydra_app()
-    except SystemExit as e:  # Hydra exits 1 when composing fails (an unknown key or option): a user error too
-        sys.exit(2 if e.code == 1 and not HydraConfig.initialized() else e.code)
+    except SystemExit as e:  # Hydra printed why it refused an override (unknown key, option or type): a user error
+        sys.exit(2 if e.code == 1 and not COMPOSED else e.code)
     try:
         sys.exit(sweep.run_all())
     except USER_ERRORS as e:

@@ -5,33 +5,37 @@ the sbatch renderer and the dry run. A user mistake raises :class:`PlanError` na
 config key and the numbers involved, before anything is started or written.
 
 Slurm placement: one heterogeneous-job component per role group, in this order:
-  0  control: orchestrator (+ sglang-router with SGLang inference), CPU only
+  0  control: orchestrator (+ the router of a backend that needs one, e.g. smg for SGLang), CPU only
   1+ servers: ``inference`` (unified workers) or ``prefill`` then ``decode``
   N  trainer ranks (one per GPU on GPU clusters)
 With the embedded engine there is no router: the orchestrator spreads requests over the
-workers itself, so the component is simply absent (not a no-op step).
+workers itself, so the component is simply absent (not a no-op step). The inference backend
+is reached only through its registry spec (workers/inference/spec.py): its checks, placement
+facts and command previews.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, server_memory, trainer_memory
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
-from launcher.sglang_checks import SGLangStep, check_sglang, sglang_steps
 from workers.common.config import RunConfig
 from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.common.pretrained import fact_mismatches
-from workers.common.registry import ENVS
+from workers.common.registry import BACKENDS, ENVS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
 
+if TYPE_CHECKING:
+    from workers.inference.spec import BackendStep
+
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
-    "inference.backend": ("embedded", "sglang"),
     "inference.dtype": ("float32", "bfloat16"),
     "trainer.dtype": ("float32", "bfloat16"),
     "orchestrator.advantage": ("sequence", "token_rtg"),
@@ -58,8 +62,10 @@ class JobPlan:
     """GPU memory estimates (GPU clusters with cluster.gpu_memory_gb set)."""
     preflight: bool = False
     """Run workers.preflight as the Slurm job's first step (top-level ``preflight=true``)."""
-    sglang: tuple[SGLangStep, ...] = ()
-    """inference.backend=sglang: each server role's and the router's command preview and step env."""
+    inference_backend: str = "embedded"
+    """``inference.backend`` (its spec: workers.common.registry.BACKENDS)."""
+    backend_steps: tuple[BackendStep, ...] = ()
+    """Each server role's and the router's command preview and step env (backends with ``plan_steps``)."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -86,9 +92,10 @@ class JobPlan:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
-            lines.append("router: none (embedded inference: the orchestrator balances over the workers itself)")
+            lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
+                         f"workers itself)")
         lines += [f"memory {m.what}: {m.detail}" for m in self.memory]
-        lines += [f"sglang {s.role}: {', '.join(s.features)}" for s in self.sglang]
+        lines += [f"{self.inference_backend} {s.role}: {', '.join(s.features)}" for s in self.backend_steps]
         return lines
 
 
@@ -270,6 +277,22 @@ def check_preflight(cfg: RunConfig, components: tuple[ComponentPlan, ...]) -> No
         raise PlanError("; ".join(errors))
 
 
+def check_backend(cfg: RunConfig):
+    """The spec of ``inference.backend``: known, given its own schema, and placeable on this cluster."""
+    try:
+        backend = BACKENDS.get(cfg.inference.backend)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if backend.uses_gpus and cfg.cluster.backend == "local":
+        cpu = [n for n in BACKENDS.names() if not BACKENDS.get(n).uses_gpus]
+        raise PlanError(f"inference.backend={backend.name!r} needs GPUs; cluster=local runs only {cpu}")
+    if not isinstance(cfg.inference, backend.config):
+        raise PlanError(f"inference.backend={backend.name!r} reads the {backend.config.__name__} schema but the "
+                        f"inference section is a {type(cfg.inference).__name__}: choose it with "
+                        f"inference={backend.name}")
+    return backend
+
+
 def build_plan(cfg: RunConfig) -> JobPlan:
     check_choices(cfg)
     check_model(cfg)
@@ -277,13 +300,15 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     samples = check_loop(cfg)
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
-    if cfg.inference.backend != "embedded" and cfg.cluster.backend == "local":
-        raise PlanError(f"inference.backend={cfg.inference.backend!r} needs GPUs; cluster=local runs only 'embedded'")
-    servers = plan_servers(cfg, check_fit=slurm)
-    if cfg.inference.backend == "sglang":
-        check_sglang(cfg)  # SGLang/smg option conflicts (launcher/sglang_checks.py)
+    backend = check_backend(cfg)
+    servers = plan_servers(cfg, backend, check_fit=slurm)
+    if backend.check is not None:
+        try:
+            backend.check(cfg)  # the backend's own option rules (e.g. workers/inference/sglang/checks.py)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     trainer, dims = plan_trainer(cfg, check_fit=slurm)
-    control = plan_control(cfg, check_fit=slurm)
+    control = plan_control(cfg, backend, check_fit=slurm)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
     check_cluster(cfg, sum(r.num_replicas for r in servers))
     gpu_nodes = sum(c.num_nodes for c in components if c.num_gpus_per_node)
@@ -295,5 +320,6 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
                    slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles),
-                   preflight=cfg.preflight, sglang=sglang_steps(cfg) if cfg.inference.backend == "sglang" else ())
+                   preflight=cfg.preflight, inference_backend=backend.name,
+                   backend_steps=backend.plan_steps(cfg) if backend.plan_steps else ())
 

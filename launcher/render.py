@@ -86,9 +86,11 @@ def command_lines(argv: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def sglang_of(plan: JobPlan, role: str) -> dict:
-    """Template variables of an SGLang step: command preview and the step's own environment."""
-    step = next((s for s in plan.sglang if s.role == role), None)
+def backend_step_of(plan: JobPlan, role: str) -> dict:
+    """Template variables of a backend's step (JobPlan.backend_steps): its command preview and own environment.
+
+    The preview's variable keeps its name ``sglang`` (sbatch_templates/README.md): admins' templates use it."""
+    step = next((s for s in plan.backend_steps if s.role == role), None)
     if step is None:
         return {"sglang": [], "env": []}
     return {"sglang": command_lines(step.argv), "env": list(step.env)}
@@ -111,7 +113,7 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
             "role": r.role, "het_group": r.het_group, "main": int(r.main), "num_tasks": r.num_procs,
             "num_nodes": r.num_nodes, "num_nodes_per_replica": r.num_nodes_per_replica, "module": r.module,
             "description": r.description, "srun": step_flags(r), "command": step_command(r),
-            "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE), **sglang_of(plan, r.role),
+            "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE), **backend_step_of(plan, r.role),
         })
     return {
         "experiment": plan.experiment,

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Optional
 
 from workers.common.config import RunConfig, ServerLayout
+from workers.common.registry import BACKENDS
 
 
 class PlanError(ValueError):
@@ -166,12 +167,13 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
     return role, dims
 
 
-def _server_kinds(cfg: RunConfig) -> list[tuple[str, int, ServerLayout, str]]:
+def _server_kinds(cfg: RunConfig, backend) -> list[tuple[str, int, ServerLayout, str]]:
     i = cfg.inference
     if i.num_prefill_replicas or i.num_decode_replicas:
-        if i.backend != "sglang":
-            raise PlanError(f"inference.num_prefill_replicas/num_decode_replicas need inference.backend=sglang "
-                            f"(got {i.backend!r}: the embedded engine serves both phases in one worker)")
+        if not backend.supports_disaggregation:
+            able = [n for n in BACKENDS.names() if BACKENDS.get(n).supports_disaggregation]
+            raise PlanError(f"inference.num_prefill_replicas/num_decode_replicas need inference.backend="
+                            f"{'|'.join(able)} (got {i.backend!r}: it serves both phases in one worker)")
         if not (i.num_prefill_replicas > 0 and i.num_decode_replicas > 0):
             raise PlanError(f"prefill/decode disaggregation needs both inference.num_prefill_replicas"
                             f"({i.num_prefill_replicas}) and inference.num_decode_replicas({i.num_decode_replicas}) > 0")
@@ -185,11 +187,12 @@ def _server_kinds(cfg: RunConfig) -> list[tuple[str, int, ServerLayout, str]]:
     return [("inference", i.num_workers, i.worker, "inference.worker")]
 
 
-def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
+def plan_servers(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
+    """Server roles of ``backend`` (its BackendSpec): GPU replicas sized by tp, or one CPU process each."""
     i, gpn_cluster = cfg.inference, cfg.cluster.num_gpus_per_node
     _need_positive("inference.num_cpus_per_task", i.num_cpus_per_task)
     out = []
-    for role, num, lay, key in _server_kinds(cfg):
+    for role, num, lay, key in _server_kinds(cfg, backend):
         count_key = "inference.num_workers" if role == "inference" else f"inference.num_{role}_replicas"
         for f in ("num_nodes_per_replica", "num_replicas_per_node", "tp", "ep", "dp_attention"):
             _need_positive(f"{key}.{f}", getattr(lay, f))
@@ -198,10 +201,10 @@ def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
             raise PlanError(f"{key}: num_nodes_per_replica({npr}) and num_replicas_per_node({rpn}) cannot both be > 1")
         if num % rpn:
             raise PlanError(f"{count_key}({num}) must be a multiple of {key}.num_replicas_per_node({rpn})")
-        gpn = gpn_cluster if i.backend == "sglang" else 0
-        if i.backend == "sglang":
+        gpn = gpn_cluster if backend.uses_gpus else 0
+        if backend.uses_gpus:
             if not gpn_cluster:
-                raise PlanError("inference.backend=sglang needs GPUs: cluster.num_gpus_per_node must be > 0")
+                raise PlanError(f"inference.backend={i.backend} needs GPUs: cluster.num_gpus_per_node must be > 0")
             if gpn_cluster % rpn:
                 raise PlanError(f"{key}.num_replicas_per_node({rpn}) must divide cluster.num_gpus_per_node({gpn_cluster})")
             replica_gpus = npr * gpn_cluster // rpn
@@ -209,8 +212,8 @@ def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
                 raise PlanError(f"{key}.tp({lay.tp}) must equal the GPUs of one replica: num_nodes_per_replica({npr}) "
                                 f"x cluster.num_gpus_per_node({gpn_cluster}) / num_replicas_per_node({rpn}) = {replica_gpus}")
         elif (lay.tp, lay.ep, lay.dp_attention, npr) != (1, 1, 1, 1):
-            raise PlanError(f"{key}: the embedded engine is one CPU process per worker; tp({lay.tp}), ep({lay.ep}), "
-                            f"dp_attention({lay.dp_attention}) and num_nodes_per_replica({npr}) must all be 1")
+            raise PlanError(f"{key}: inference.backend={i.backend} is one CPU process per worker; tp({lay.tp}), "
+                            f"ep({lay.ep}), dp_attention({lay.dp_attention}) and num_nodes_per_replica({npr}) must all be 1")
         if lay.tp % lay.ep:
             raise PlanError(f"{key}.ep({lay.ep}) must divide {key}.tp({lay.tp})")
         if cfg.model.num_experts % lay.ep:
@@ -220,7 +223,7 @@ def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
         if check_fit:
             _check_cpus(cfg, role, "inference.num_cpus_per_task", rpn, i.num_cpus_per_task)
         shape = (f"{npr} nodes" if npr > 1 else f"{rpn} per node") + (
-            f", tp{lay.tp} ep{lay.ep} dp-attn{lay.dp_attention}" if i.backend == "sglang" else "")
+            f", tp{lay.tp} ep{lay.ep} dp-attn{lay.dp_attention}" if backend.uses_gpus else "")
         out.append(RolePlan(role=role, num_procs=num * npr, module="workers.inference", num_nodes=num // rpn * npr,
                             num_tasks_per_node=rpn, num_cpus_per_task=i.num_cpus_per_task, num_gpus_per_node=gpn,
                             mem_gb=i.mem_gb, num_nodes_per_replica=npr, server=lay, config_key=key,
@@ -228,18 +231,18 @@ def plan_servers(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
     return out
 
 
-def plan_control(cfg: RunConfig, *, check_fit: bool) -> list[RolePlan]:
-    """Orchestrator, plus sglang-router when SGLang serves (the embedded engine needs none)."""
+def plan_control(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
+    """Orchestrator, plus the router of a backend that needs one (SGLang: smg; the embedded engine: none)."""
     lo, lr = cfg.launcher.orchestrator, cfg.launcher.router
     _need_positive("launcher.orchestrator.num_cpus_per_task", lo.num_cpus_per_task)
     roles = [RolePlan(role="orchestrator", num_procs=1, module="workers.orchestrator",
                       num_cpus_per_task=lo.num_cpus_per_task, mem_gb=lo.mem_gb, main=True,
                       config_key="launcher.orchestrator", description="orchestrator: 1 process")]
-    if cfg.inference.backend == "sglang":
+    if backend.needs_router:
         _need_positive("launcher.router.num_cpus_per_task", lr.num_cpus_per_task)
         roles.append(RolePlan(role="router", num_procs=1, module="workers.router", num_cpus_per_task=lr.num_cpus_per_task,
                               mem_gb=lr.mem_gb, config_key="launcher.router",
-                              description="router: sglang-router in front of the servers"))
+                              description=backend.router_description or f"router: {backend.name} router"))
     if check_fit:
         _check_cpus(cfg, "control component", "max num_cpus_per_task of orchestrator/router", len(roles),
                     max(r.num_cpus_per_task for r in roles))

@@ -18,7 +18,7 @@ from torch.nn.attention import sdpa_kernel
 
 import workers.modeling.tiny_moe as tm
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
-from workers.inference.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
 
 
 def prompts(vocab: int, n: int, max_len: int, seed: int) -> list[list[int]]:

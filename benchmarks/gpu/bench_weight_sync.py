@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
-from workers.inference.engine import InferenceEngine
+from workers.inference.embedded.engine import InferenceEngine
 from workers.weights.checksums import tensor_hash
 from workers.weights.filesystem.publisher import publish_step
 from workers.weights.filesystem.receiver import load_step

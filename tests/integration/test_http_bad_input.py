@@ -1,7 +1,7 @@
 """Bad input to every route of the embedded inference server: a 4xx with a reason naming the
 field, never a crash (the server answers /health_generate afterwards); oversized bodies are
 refused with 413; admin routes refuse a missing or wrong token. In-process: the real aiohttp
-app (workers/inference/server.make_app) over a real engine with a tiny random model."""
+app (workers/inference/embedded/server.make_app) over a real engine with a tiny random model."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +14,8 @@ from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
 from workers.common.config import ModelConfig
-from workers.inference.engine import InferenceEngine, model_from_config
-from workers.inference.server import MAX_BODY_BYTES, make_app
+from workers.inference.embedded.engine import InferenceEngine, model_from_config
+from workers.inference.embedded.server import MAX_BODY_BYTES, make_app
 
 torch.set_num_threads(1)
 TOKEN = "bad-input-token"

@@ -22,7 +22,7 @@ from tests.fakes.fake_sglang import FakeSGLangConfig, expected_routing, serve_fa
 from tests.integration.test_inference_server import INIT_SEED, MODEL, TOKEN, start_server
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout
-from workers.common.router_client import Router
+from workers.inference.sglang.router_client import Router
 from workers.weights.filesystem.coordinator import update_all_workers
 
 SHAPE = dict(num_layers=MODEL["num_layers"], top_k=MODEL["top_k"], num_experts=MODEL["num_experts"])

@@ -20,7 +20,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workers.common.config import ClusterConfig, InferenceConfig, ModelConfig, RunConfig
+from workers.common.config import ClusterConfig, ModelConfig, RunConfig
+from workers.inference.embedded.config import EmbeddedInferenceConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
@@ -40,7 +41,7 @@ def start_server(run_dir: Path):
     port = free_port()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
                     model=ModelConfig(name="tiny_moe", init_seed=INIT_SEED, **MODEL),
-                    inference=InferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
+                    inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
     paths = RunPaths(run_dir).ensure()
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     paths.admin_token.write_text(TOKEN)
@@ -231,7 +232,7 @@ def test_sigterm_by_pid_exits_cleanly(server):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     log = (paths.root / "inference.log").read_text()
-    assert f"inference[0] serving on {url}" in log and "Traceback" not in log
+    assert f"inference[0] INFO serving on {url}" in log and "Traceback" not in log
 
 
 def test_shutdown_route_exits_cleanly(tmp_path):

@@ -2,8 +2,8 @@
 
 Shared by the SGLang unit tests: for each preset, the plan's layout is turned into the
 environment Slurm would give each task (SLURMRL_LAYOUT from the renderer, per-group node
-lists, SLURM_PROCID), workers/common/topology.py reads it, and workers/inference/sglang.py
-and workers/router/argv.py build the argv. So the tests check the real path from
+lists, SLURM_PROCID), workers/common/topology.py reads it, and workers/inference/sglang/server.py
+and workers/inference/sglang/router.py build the argv. So the tests check the real path from
 config to command line, for every task of every role, not a hand-made placement.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from launcher.render import layout_of
 from tests.unit.test_plan_slurm import compose
 from workers.common.config import RunConfig
 from workers.common.topology import Topology, current_topology, port_base
-from workers.inference import sglang as sglang_server
-from workers.router import argv as router_argv
+from workers.inference.sglang import server as sglang_server
+from workers.inference.sglang import router as router_argv
 
 PRESETS = {
     "glm5_swe_28xh200": ["experiment=glm5_swe_28xh200", "cluster=h200_ib"],

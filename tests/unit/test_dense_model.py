@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from workers.inference.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, build_model
 
 torch.set_num_threads(1)

@@ -60,6 +60,8 @@ CASES = [
     ("env.max_digits=1", "env.max_digits"),
     ("model.max_position_embeddings=8", "model.max_position_embeddings"),
     ("inference.backend=sglang", "inference.backend"),  # sglang needs GPUs: not with cluster=local
+    ("inference=embedded inference.sglang.mem_fraction_static=0.5", "inference.sglang"),  # another backend's option
+    ("inference=sglang cluster=h200_ib inference.num_threads=2", "inference.num_threads"),
     # dense and pretrained models, reverse_text (issue 13)
     ("model=smollm2_135m model.hidden_size=512", "model.hidden_size"),
     ("model=smollm2_135m model.tie_word_embeddings=false", "model.tie_word_embeddings"),
@@ -97,6 +99,20 @@ def test_invalid_config_is_refused_naming_the_key(override, key, tmp_path):
     text = str(err.value) + str(getattr(err.value, "__cause__", "") or "")
     assert key in text, f"{override!r} was refused, but the message does not name {key!r}:\n{text}"
     assert not (tmp_path / "runs").exists(), "a run directory was written for an invalid config"
+
+
+def test_cli_refuses_another_backends_option_with_exit_2(tmp_path):
+    """Hydra refuses an override before the app runs; the CLI still answers 2 (a user error) naming the key."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    res = subprocess.run([sys.executable, "-m", "launcher", "inference=embedded",
+                          "inference.sglang.mem_fraction_static=0.5", "launcher.dry_run=true",
+                          f"cluster.runs_root={tmp_path / 'runs'}"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "inference.sglang" in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_table_is_large_enough():

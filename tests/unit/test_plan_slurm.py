@@ -88,7 +88,7 @@ def test_dp_is_derived():
       "launcher.num_gpu_nodes=0"], "trainer does not fit"),
     ([*TINY_SLURM, "inference.num_prefill_replicas=1", "inference.num_decode_replicas=1", "inference.num_workers=0"],
      "need inference.backend=sglang"),
-    ([*TINY_SLURM, "inference.worker.tp=2"], "inference.worker: the embedded engine"),
+    ([*TINY_SLURM, "inference.worker.tp=2"], "inference.worker: inference.backend=embedded is one CPU process"),
     ([*TINY_SLURM, "inference.num_workers=3", "inference.worker.num_replicas_per_node=2"],
      "inference.num_workers(3) must be a multiple of inference.worker.num_replicas_per_node(2)"),
     ([*TINY_SLURM, "trainer.num_ranks=8"], "cluster.num_cpus_per_node(4)"),

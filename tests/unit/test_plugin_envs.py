@@ -61,8 +61,8 @@ def test_launcher_writes_it_and_a_role_loads_it_back(tmp_path):
 
 
 def test_episode_runner_plays_it_against_the_embedded_server():
-    from workers.inference.engine import InferenceEngine, model_from_config
-    from workers.inference.server import make_app
+    from workers.inference.embedded.engine import InferenceEngine, model_from_config
+    from workers.inference.embedded.server import make_app
 
     torch.set_num_threads(1)
     cfg = compose(["env=count_up"])

@@ -26,8 +26,8 @@ from workers.common.config import conform_sections
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths
 from workers.common.registry import TRANSPORTS
-from workers.inference.engine import InferenceEngine
-from workers.inference.server import make_app
+from workers.inference.embedded.engine import InferenceEngine
+from workers.inference.embedded.server import make_app
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.weights.coordinator import WeightCoordinator
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.numpy import save_file
 
 from workers.common.config import TrainerConfig
-from workers.inference.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.modeling.tiny_moe import TinyMoeConfig, build_model
 from workers.trainer.batch import BatchFormatError, RolloutBatch, load_batch
 from workers.trainer.parallel import ParallelDims

@@ -1,5 +1,5 @@
 """SGLang and router command lines from config + topology (workers/inference/sglang*.py,
-workers/router/argv.py): placement flags per task, ports inside the job's range and never
+workers/inference/sglang/router.py): placement flags per task, ports inside the job's range and never
 shared on one host, the router agreeing with the servers on every port, per-role features
 and environment, and the exec that hides the admin token in its log line."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from tests.unit.sglang_cases import API_KEY, PRESETS, build, job_ports, router_task, server_tasks, value
-from workers.inference import sglang as sglang_server
+from workers.inference.sglang import server as sglang_server
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_step_environment_per_role(glm5):
 
 def test_features_name_what_each_role_turns_on():
     _, plan = build("glm5_swe_28xh200")
-    feats = {s.role: s.features for s in plan.sglang}
+    feats = {s.role: s.features for s in plan.backend_steps}
     assert "deepep normal" in feats["prefill"] and "CUDA graphs off" in feats["prefill"]
     assert "deepep low_latency" in feats["decode"] and "EPLB +32 redundant" in feats["decode"]
     assert feats["router"] == ("smg PD", "consistent_hashing")

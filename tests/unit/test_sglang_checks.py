@@ -1,5 +1,5 @@
 """The plan refuses SGLang option combinations that SGLang rejects or silently rewrites
-(launcher/sglang_checks.py), naming the key and saying why; every SGLang preset plans."""
+(workers/inference/sglang/checks.py), naming the key and saying why; every SGLang preset plans."""
 from __future__ import annotations
 
 import pytest
@@ -61,10 +61,30 @@ def test_conflicts_are_refused_with_the_reason(overrides, fragment):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_sglang_preset_plans(name):
     p = build_plan(compose(PRESETS[name]))
-    assert p.sglang and p.sglang[-1].role == "router"
-    assert {s.role for s in p.sglang[:-1]} == {r.role for r in p.roles if r.server is not None}
+    assert p.backend_steps and p.backend_steps[-1].role == "router"
+    assert {s.role for s in p.backend_steps[:-1]} == {r.role for r in p.roles if r.server is not None}
 
 
 def test_deepep_normal_is_fine_on_prefill_and_with_cuda_graphs_off_on_decode():
     build_plan(compose(GLM5))  # prefill: normal
     build_plan(compose(GLM5 + [f"{D}.deepep_mode=normal", f"{D}.disable_cuda_graph=true"]))
+
+
+def test_the_orchestrator_side_of_the_sglang_spec():
+    """Generation goes through smg keyed per prompt group; the routing shape comes from cfg.model."""
+    import asyncio
+
+    import aiohttp
+
+    from workers.common.registry import BACKENDS
+
+    spec, cfg = BACKENDS.get("sglang"), compose(GLM5)
+    assert spec.needs_router and spec.uses_gpus and spec.supports_disaggregation and not spec.reports_routing_shape
+
+    async def make():
+        async with aiohttp.ClientSession() as session:
+            return spec.make_router(cfg, "http://router:1", "tok", session=session, timeout_s=5, shape=(1, 2, 3))
+    router = asyncio.run(make())
+    client = router.for_group(7)
+    assert client.routing_key == f"{cfg.experiment}-g7" and router.header == cfg.inference.sglang.router.routing_key_header
+    assert BACKENDS.get("embedded").make_router is None and BACKENDS.get("embedded").reports_routing_shape

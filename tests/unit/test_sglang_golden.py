@@ -2,7 +2,7 @@
 
 The GLM-5 script is golden in test_render_golden.py; the Kimi-K2 and Nemotron-3-Ultra ones
 are here, rendered the same way. The README section "SGLang features per preset" is
-generated from the plans (JobPlan.sglang), so it cannot drift from what the scripts run.
+generated from the plans (JobPlan.backend_steps), so it cannot drift from what the scripts run.
 Refresh both after an intended change with
     SLURMRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_sglang_golden.py
 and review the diff like code.
@@ -76,7 +76,7 @@ def feature_table() -> str:
     detail = ["", "Per role, as the plan summary prints it:", "", "| preset | role | SGLang / smg features |",
               "|---|---|---|"]
     for name, overrides in TABLE_PRESETS.items():
-        for step in build_plan(compose(overrides)).sglang:
+        for step in build_plan(compose(overrides)).backend_steps:
             detail.append(f"| `{name}` | {step.role} | {', '.join(step.features)} |")
     return "\n".join(head + rows + detail)
 

@@ -9,11 +9,15 @@ import sys
 
 
 def get_logger(role: str, rank: int = 0, *, all_ranks: bool = False) -> logging.Logger:
+    """The role's logger; module loggers of the role's library code (``logging.getLogger("slurmrl.<role>")``,
+    made before the rank is known) print through the same handler from then on."""
     logger = logging.getLogger(f"slurmrl.{role}.{rank}")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {role}[{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
+    level = logging.INFO if (rank == 0 or all_ranks) else logging.WARNING
+    for lg in (logger, logging.getLogger(f"slurmrl.{role}")):
+        if not lg.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {role}[{rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+            lg.addHandler(handler)
+            lg.propagate = False
+        lg.setLevel(level)
     return logger

@@ -92,7 +92,7 @@ ENVS: Registry = Registry("environment", "env.name", "env", {
     "reverse_digits": "workers.orchestrator.envs.reverse_digits", "code_repair": "workers.orchestrator.envs.code_repair",
     "verifiers": "workers.orchestrator.envs.verifiers_adapter", "reverse_text": "workers.orchestrator.envs.reverse_text"})
 BACKENDS: Registry = Registry("inference backend", "inference.backend", "inference", {
-    "embedded": "workers.inference.builtin", "sglang": "workers.inference.builtin"})
+    "embedded": "workers.inference.embedded.spec", "sglang": "workers.inference.sglang.spec"})
 
 #: Config sections whose schema an entry chooses: section -> (field naming the entry, registry).
 SECTIONS: dict[str, tuple[str, Registry]] = {

@@ -1,23 +1,18 @@
-"""Entrypoint of an inference worker: ``python -m workers.inference`` (embedded engine or SGLang).
+"""Entrypoint of an inference server task: ``python -m workers.inference``.
 
-Started by the launcher (local process or srun step) with the SLURMRL_* environment;
-reads the resolved run config and serves SGLang's native HTTP API until SIGTERM.
+Started by the launcher (local process or srun step) with the SLURMRL_* environment; loads
+the resolved run config and hands the task to the backend ``inference.backend`` names
+(workers/inference/spec.py ``serve``): the embedded engine serves until SIGTERM, SGLang
+replaces this process.
 """
 import sys
 
-import torch
-
 from workers.common.config import load_run_config
-from workers.common.protocol import RunPaths, read_admin_token
+from workers.common.protocol import RunPaths
+from workers.common.registry import BACKENDS
 from workers.common.topology import current_topology
-from workers.inference.server import run_server
 
 if __name__ == "__main__":
     topology = current_topology()
-    paths = RunPaths(topology.run_dir)
-    cfg = load_run_config(str(paths.run_config))
-    if cfg.inference.backend == "sglang":  # GPU clusters: become the SGLang server (workers/inference/sglang.py)
-        from workers.inference.sglang import exec_server
-        exec_server(cfg, topology, api_key=read_admin_token(paths))
-    torch.set_num_threads(cfg.inference.num_threads)
-    sys.exit(run_server(cfg, topology))
+    cfg = load_run_config(str(RunPaths(topology.run_dir).run_config))
+    sys.exit(BACKENDS.get(cfg.inference.backend).serve(cfg, topology))

@@ -17,16 +17,15 @@ import asyncio
 import json
 import time
 from collections import deque
-from typing import Optional
+from typing import Any, Optional
 
 import aiohttp
 
 from workers.common.config import RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.logs import get_logger
-from workers.common.router_client import Router
 from workers.common.protocol import LEDGER_FILE, RunPaths, read_admin_token, write_json_atomic
-from workers.common.registry import TRANSPORTS
+from workers.common.registry import BACKENDS, TRANSPORTS
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
@@ -50,7 +49,7 @@ class Orchestrator:
                                     advantage=o.advantage, long_episode_policy=o.long_episode_policy)
         self.inflight: dict[asyncio.Task, int] = {}  # task -> worker index
         self.clients: list[InferenceClient] = []  # every server, directly: readiness and admin calls
-        self.router: Optional[Router] = None  # SGLang: generation goes through smg (router_client.py)
+        self.router: Optional[Any] = None  # a backend's router (spec.make_router; SGLang: smg): generation only
         self.version = 0
         self.next_step = 0
         self.next_group_id = 0
@@ -165,19 +164,19 @@ class Orchestrator:
             self.next_group_id += 1
 
     def make_clients(self, token: str, session: aiohttp.ClientSession, timeout: float
-                     ) -> tuple[list[InferenceClient], Optional[Router]]:
-        """One client per server (admin, readiness); with SGLang also the router for generation.
+                     ) -> tuple[list[InferenceClient], Optional[Any]]:
+        """One client per server (admin, readiness); with a router (SGLang: smg) also its generation client.
 
-        SGLang's /get_model_info does not report the routing shape, so it comes from cfg.model.
+        A backend whose /get_model_info lacks the routing shape (SGLang's) gets it from cfg.model.
         """
-        m, sglang = self.cfg.model, self.cfg.inference.backend == "sglang"
-        shape = (m.num_layers, m.top_k, m.num_experts) if sglang else (None, None, None)
+        m, backend = self.cfg.model, BACKENDS.get(self.cfg.inference.backend)
+        shape = (None, None, None) if backend.reports_routing_shape else (m.num_layers, m.top_k, m.num_experts)
         clients = [InferenceClient(u, token, session=session, timeout_s=timeout, num_layers=shape[0], top_k=shape[1],
                                    num_experts=shape[2]) for u in self.topo.inference_urls]
         router = None
-        if sglang and self.topo.router_url:
-            router = Router(self.topo.router_url, token, header=self.cfg.inference.sglang.router.routing_key_header,
-                            prefix=self.cfg.experiment, session=session, timeout_s=timeout, shape=shape)
+        if backend.make_router is not None and self.topo.router_url:
+            router = backend.make_router(self.cfg, self.topo.router_url, token, session=session, timeout_s=timeout,
+                                         shape=shape)
         return clients, router
 
     def generation_client(self, worker: int, gid: int) -> InferenceClient:

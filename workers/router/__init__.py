@@ -1,1 +1,1 @@
-"""Router role: smg (the SGLang Model Gateway) in front of the SGLang servers."""
+"""Router role: the inference backend's router (smg for SGLang), started through the backend's spec."""

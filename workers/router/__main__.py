@@ -1,17 +1,20 @@
 """Entrypoint of the router role: ``python -m workers.router`` (one task, control component).
 
-Loads the resolved run config and the Topology, then replaces itself by smg with the argv
-of workers/router/argv.py (exec: Slurm's SIGTERM reaches the router directly).
+Loads the resolved run config and the Topology, then hands the task to the inference backend
+(``serve_router`` of its spec; SGLang's replaces this process by smg, so Slurm's SIGTERM
+reaches the router directly). The plan starts this role only for backends that need a router.
 """
 import sys
 
 from workers.common.config import load_run_config
-from workers.common.protocol import RunPaths, read_admin_token
+from workers.common.protocol import RunPaths
+from workers.common.registry import BACKENDS
 from workers.common.topology import current_topology
-from workers.router.argv import exec_router
 
 if __name__ == "__main__":
     topology = current_topology()
-    paths = RunPaths(topology.run_dir)
-    cfg = load_run_config(str(paths.run_config))
-    sys.exit(exec_router(cfg, topology, api_key=read_admin_token(paths)))
+    cfg = load_run_config(str(RunPaths(topology.run_dir).run_config))
+    backend = BACKENDS.get(cfg.inference.backend)
+    if backend.serve_router is None:
+        sys.exit(f"router: inference.backend={backend.name} has no router (the plan starts none for it)")
+    sys.exit(backend.serve_router(cfg, topology))

@@ -91,7 +91,7 @@ class Received:
 
 class WeightReceiver:
     """Inference side of a transport: one per embedded worker, behind SGLang's weight routes
-    (workers/inference/weight_routes.py parses the HTTP fields and applies what comes back).
+    (workers/inference/embedded/weight_routes.py parses the HTTP fields and applies what comes back).
 
     Each method blocks (the routes run it in a thread) and returns verified tensors, or raises
     :class:`WeightLoadError` leaving nothing applied. A route the transport does not use is

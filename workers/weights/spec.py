@@ -48,7 +48,7 @@ class TransportSpec(PluginSpec):
     (``start(clients)`` once the workers are ready, ``maybe_update(pool)`` every loop turn)."""
     receiver: Callable[..., Any]
     """``receiver(weights_cfg, *, device) -> WeightReceiver``: the embedded inference worker's
-    side, behind SGLang's weight routes (workers/inference/weight_routes.py)."""
+    side, behind SGLang's weight routes (workers/inference/embedded/weight_routes.py)."""
     backends: tuple[str, ...] = ("embedded", "sglang")
     """``inference.backend`` values whose servers this transport can update (checked at plan time)."""
 

@@ -1,11 +1,18 @@
-"""Inference section: servers, their layouts and backend options (``inference/`` Hydra group)."""
+"""Inference section: what every backend's servers share (``inference/`` Hydra group).
+
+Each backend extends :class:`InferenceConfig` in its own package with its own options
+(workers/inference/embedded/config.py, workers/inference/sglang/config.py); ``inference.backend``
+picks the schema (workers/common/registry.py BACKENDS), so an option the chosen backend does
+not have is refused with its name.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
 
+from omegaconf import MISSING
 
-from workers.common.sglang_config import SGLangConfig, SGLangRoleConfig
+
 
 @dataclasses.dataclass(kw_only=True)
 class ServerLayout:
@@ -21,28 +28,24 @@ class ServerLayout:
     """Expert-parallel size inside a replica (SGLang --ep-size); divides tp and model.num_experts."""
     dp_attention: int = 1
     """Data-parallel attention groups inside a replica (SGLang --attn-dp-size)."""
-    sglang: SGLangRoleConfig = field(default_factory=SGLangRoleConfig)
-    """SGLang options of this role (DeepEP mode, EPLB, HiCache, CUDA graphs); ignored by the embedded engine."""
 
 
 @dataclasses.dataclass(kw_only=True)
 class InferenceConfig:
-    backend: str = "embedded"
-    """``embedded`` (tiny-model server in this repo) or ``sglang``."""
+    """Fields every backend reads; a backend's schema subclasses this (and may subclass the layouts)."""
+
+    backend: str = MISSING
+    """Which backend serves: ``embedded`` (tiny-model server in this repo), ``sglang``, or a plugin's."""
     num_workers: int = 2
     """Inference server processes; the orchestrator spreads rollouts over them."""
     max_batch_size: int = 64
     """Most sequences one worker decodes together."""
     dtype: str = "float32"
     """Compute dtype of the engine: float32 | bfloat16."""
-    device: str = "cpu"
-    """Torch device of the embedded engine: ``cpu``, ``cuda`` or ``cuda:N`` (one GPU may be shared with the trainer)."""
     host: str = "127.0.0.1"
     """Address the servers bind to (never 0.0.0.0 by default)."""
     startup_timeout_s: float = 120.0
     """Deadline for a worker to load the step-0 weights and answer /health."""
-    num_threads: int = 1
-    """torch intra-op threads per worker (2 cores are shared by all roles locally)."""
     worker: ServerLayout = field(default_factory=ServerLayout)
     """Layout of each of the ``num_workers`` unified (prefill + decode) servers."""
     num_prefill_replicas: int = 0
@@ -57,5 +60,3 @@ class InferenceConfig:
     """Slurm CPUs of one server task (one task per replica and node)."""
     mem_gb: int = 0
     """Slurm memory per node of the server components in GB (0: the cluster default)."""
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    """Options shared by every SGLang server and the router (inference.backend=sglang)."""

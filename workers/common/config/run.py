@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from workers.common.config.cluster import ClusterConfig
+from workers.common.config.inference import InferenceConfig
 from workers.common.config.launcher import LauncherConfig
 from workers.common.config.orchestrator import OrchestratorConfig
 from workers.common.config.trainer import TrainerConfig
@@ -46,8 +47,9 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: Any = MISSING
     """Schema chosen by ``model.family`` (workers/models)."""
-    inference: Any = field(default_factory=_default("inference", "embedded"))
-    """Schema chosen by ``inference.backend`` (workers/inference)."""
+    inference: Any = field(default_factory=lambda: InferenceConfig(backend="embedded"))
+    """Schema chosen by ``inference.backend`` (workers/inference); the default is the shared base class, so
+    Hydra can merge any backend's schema (a subclass of it) onto it."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     weights: Any = field(default_factory=_default("weights", "filesystem"))

@@ -1,9 +1,9 @@
 """SGLang server tasks: where this task sits, its command line, and the exec into SGLang.
 
 How it is run: the Slurm step of a server role runs ``python -m workers.inference`` on
-every task; with ``inference.backend=sglang`` that entry calls :func:`exec_server`, which
-replaces the process by ``python -m sglang.launch_server`` with the argv of
-workers/inference/sglang_args.py. One task per node of a replica: the head (node rank 0)
+every task; with ``inference.backend=sglang`` that entry asks this backend's spec to serve
+(spec.py), which calls :func:`exec_server`: it replaces the process by
+``python -m sglang.launch_server`` with the argv of args.py. One task per node of a replica: the head (node rank 0)
 serves HTTP; the others join through --dist-init-addr (the head's dist-init port) and
 --node-rank, all derived from workers/common/topology.py, never from bash.
 
@@ -22,9 +22,9 @@ import sys
 from typing import Mapping, Optional
 
 from workers.common.config import RunConfig
-from workers.common.sglang_ports import extra_ports
 from workers.common.topology import Topology
-from workers.inference.sglang_args import Placement, role_layout, server_argv, server_env
+from workers.inference.sglang.args import Placement, role_layout, server_argv, server_env
+from workers.inference.sglang.ports import extra_ports
 
 
 def role_urls(topo: Topology, role: str) -> tuple[str, ...]:

@@ -19,18 +19,19 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import json
 import logging
 import signal
-import sys
 import uuid
 from typing import Any, Optional
 
 from aiohttp import web
 
+from workers.common.logs import get_logger
 from workers.common.protocol import (STABLE, WEIGHTS_DIR, PeerTimeout, RunPaths, latest_stable_step, read_admin_token,
                                      wait_for)
-from workers.inference.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
+from workers.inference.embedded.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
+from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
+from workers.inference.embedded.weight_routes import weight_routes
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -42,24 +43,6 @@ NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty"
 IGNORED_SAMPLING = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                    "return_routed_experts", "routed_experts_start_len", "rid", "stream", "return_text_in_logprobs"}
-
-
-class BadRequest(ValueError):
-    """A client mistake; the message names the field."""
-
-
-def _int(v: Any, field: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{field}: expected an integer, got {type(v).__name__} {v!r}"[:300])
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise BadRequest(f"{field}: {v} is outside [{lo}, {hi}]")
-    return v
-
-
-def _bool(v: Any, field: str) -> bool:
-    if not isinstance(v, bool):
-        raise BadRequest(f"{field}: expected true/false, got {v!r}"[:300])
-    return v
 
 
 def _sampling(sp: Any, field: str, vocab_size: int) -> dict:
@@ -170,24 +153,6 @@ async def _errors(request: web.Request, handler):
         return _error(500, f"{type(e).__name__}: {e}")
 
 
-async def _json(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}  # SGLang clients post some routes bodiless
-    except ValueError as e:
-        raise BadRequest(f"body: not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body: expected a JSON object")
-    return body
-
-
-def _version(body: dict, field: str) -> int:
-    v = body.get(field)
-    if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    raise BadRequest(f"{field}: expected an integer (as a number or a string), got {v!r}"[:300])
-
-
 async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutput]:
     loop = asyncio.get_running_loop()
     futs = [loop.create_future() for _ in reqs]
@@ -208,9 +173,10 @@ async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutpu
 
 
 def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0,
-             weights=None) -> web.Application:
+             weights=None, extra_info: Optional[dict] = None) -> web.Application:
     """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server.
-    ``weights`` (the run's weights config) picks the transport behind the weight routes."""
+    ``weights`` (the run's weights config) picks the transport behind the weight routes; ``extra_info``:
+    more fields of /get_model_info (a backend built on this server reports its own options there)."""
     cfg = engine.config
     expected_auth = f"Bearer {admin_token}"
 
@@ -248,7 +214,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         return {"model_path": engine.model_path, "tokenizer_path": None, "is_generation": True,
                 "model_name": model_name, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                 "top_k": cfg.top_k, "vocab_size": cfg.vocab_size, "weight_version": str(engine.weight_version),
-                "max_position_embeddings": cfg.max_position_embeddings}
+                "max_position_embeddings": cfg.max_position_embeddings, **(extra_info or {})}
 
     async def get_model_info(request):
         return web.json_response(model_info())
@@ -302,8 +268,6 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
              ("/continue_generation", continue_generation), ("/flush_cache", flush_cache),
              ("/abort_request", abort_request), ("/update_weight_version", update_weight_version),
              ("/shutdown", shutdown)]
-    from workers.inference.weight_routes import weight_routes  # late: it uses this module's parsers
-
     posts += weight_routes(engine, weights)
     app["stop"] = asyncio.Event()
     admin_routes = {path for path, _ in posts if path != "/generate"}  # every state-changing route
@@ -369,13 +333,13 @@ def _stop_on_signal(signum, frame):
     raise _Stopped(signal.Signals(signum).name)
 
 
-def run_server(cfg, topology) -> int:
+def run_server(cfg, topology, *, extra_info: Optional[dict] = None) -> int:
     """Wait for weights, load the newest stable step as its version, serve until SIGTERM/SIGINT or /shutdown.
 
     A stop signal is a request, not a failure: exit 0 with one log line, in either phase.
+    ``extra_info``: more /get_model_info fields (see make_app).
     """
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s inference[{topology.rank}] %(message)s")
+    get_logger("inference", topology.rank, all_ranks=True)  # also prints this package's module loggers
     paths = RunPaths(topology.run_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop installs its own handlers
         signal.signal(sig, _stop_on_signal)
@@ -383,7 +347,7 @@ def run_server(cfg, topology) -> int:
         token = read_admin_token(paths)
         engine = build_engine(cfg, topology.rank, topology.run_dir).start()
         app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank,
-                       weights=cfg.weights)
+                       weights=cfg.weights, extra_info=extra_info)
         asyncio.run(_serve(app, engine, topology.bind_host, topology.bind_port))
     except _Stopped as e:
         log.info("stopped by %s before serving", e)

@@ -1,4 +1,6 @@
-"""Config + Topology -> the exact smg command line (``python -m smg.launch_router ...``).
+"""The router task of the SGLang backend: config + Topology -> the exact smg command line
+(``python -m smg.launch_router ...``), and the exec into it (``python -m workers.router`` asks
+this backend's spec, which calls :func:`exec_router`).
 
 Why smg: it is the SGLang Model Gateway, the router SGLang documents for RL rollouts
 (docs/advanced_features/sglang_for_rl.md, "Load Balancing Router"); the package was
@@ -15,7 +17,7 @@ Sticky routing: the orchestrator sends the episode's routing key in the header n
 ``--routing-key-headers``; ``consistent_hashing`` maps one key to one worker, so every turn
 of a multi-turn episode lands on the server holding its prefix in the radix cache.
 Only generation goes through the router; admin calls (pause, weight updates) go to each
-server directly (workers/orchestrator/loop.py).
+server directly (workers/orchestrator/loop.py; the client side is router_client.py).
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ import sys
 from typing import Optional
 
 from workers.common.config import RunConfig
-from workers.common.sglang_ports import extra_ports, url_port
 from workers.common.topology import Topology
+from workers.inference.sglang.ports import extra_ports, url_port
 
 ROUTER_MODULE = "smg.launch_router"
 

@@ -2,7 +2,7 @@
 
 Pure functions of the resolved config and a :class:`Placement` (where this task sits: its
 role, replica, node rank, addresses and ports, all derived from workers/common/topology.py
-by workers/inference/sglang.py). No torch and no sglang import: the launcher renders the
+by server.py). No torch and no sglang import: the launcher renders the
 same argv into the sbatch script's comments, and tests/unit/test_sglang_parser.py feeds
 every generated argv to SGLang 0.5.23's own argument parser (ServerArgs.add_cli_args),
 so a flag name that does not exist in the pinned version fails CI.
@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from workers.common.config import InferenceConfig, RunConfig, ServerLayout
-from workers.common.sglang_config import SGLangConfig, SGLangRoleConfig
+from workers.common.config import RunConfig
+from workers.common.dtypes import check_name
+from workers.inference.sglang.config import SGLangConfig, SGLangInferenceConfig, SGLangRoleConfig, SGLangServerLayout
 
 SGLANG_MODULE = "sglang.launch_server"
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 DISAGGREGATION_MODE = {"inference": None, "prefill": "prefill", "decode": "decode"}
 
 
@@ -48,7 +48,7 @@ class Placement:
     """--engine-info-bootstrap-port: its default (6789) collides when servers share a node."""
 
 
-def role_layout(inf: InferenceConfig, role: str) -> ServerLayout:
+def role_layout(inf: SGLangInferenceConfig, role: str) -> SGLangServerLayout:
     return {"inference": inf.worker, "prefill": inf.prefill, "decode": inf.decode}[role]
 
 
@@ -64,10 +64,10 @@ def opt(name: str, value: object) -> list[str]:
     return flag(name) if value is True else flag(name, value)
 
 
-def model_args(s: SGLangConfig, inf: InferenceConfig, served_name: str) -> list[str]:
+def model_args(s: SGLangConfig, inf: SGLangInferenceConfig, served_name: str) -> list[str]:
     """Model, dtype and quantization. Token ids in and out: the orchestrator tokenizes itself."""
     out = flag("model-path", s.model_path) + flag("served-model-name", served_name)
-    out += flag("dtype", DTYPES[inf.dtype]) + flag("skip-tokenizer-init")
+    out += flag("dtype", check_name("inference.dtype", inf.dtype)) + flag("skip-tokenizer-init")
     out += opt("trust-remote-code", s.trust_remote_code)
     out += opt("quantization", s.quantization)
     if s.kv_cache_dtype != "auto":
@@ -79,7 +79,7 @@ def model_args(s: SGLangConfig, inf: InferenceConfig, served_name: str) -> list[
     return out
 
 
-def placement_args(lay: ServerLayout, p: Placement) -> list[str]:
+def placement_args(lay: SGLangServerLayout, p: Placement) -> list[str]:
     """HTTP address, parallel sizes, and the multi-node rendezvous."""
     out = flag("host", p.host) + flag("port", p.port)
     out += flag("tp-size", lay.tp)
@@ -108,7 +108,7 @@ def disaggregation_args(s: SGLangConfig, r: SGLangRoleConfig, p: Placement) -> l
     return out
 
 
-def moe_args(s: SGLangConfig, r: SGLangRoleConfig, lay: ServerLayout) -> list[str]:
+def moe_args(s: SGLangConfig, r: SGLangRoleConfig, lay: SGLangServerLayout) -> list[str]:
     """Expert parallelism: DeepEP all-to-all, its mode, DeepGEMM experts, EPLB."""
     out: list[str] = []
     if r.moe_a2a_backend != "none":
@@ -127,7 +127,7 @@ def moe_args(s: SGLangConfig, r: SGLangRoleConfig, lay: ServerLayout) -> list[st
     return out
 
 
-def memory_args(s: SGLangConfig, r: SGLangRoleConfig, inf: InferenceConfig) -> list[str]:
+def memory_args(s: SGLangConfig, r: SGLangRoleConfig, inf: SGLangInferenceConfig) -> list[str]:
     """Memory pool, batch limits, CUDA graphs, hierarchical KV cache."""
     out = opt("mem-fraction-static", s.mem_fraction_static) + opt("page-size", s.page_size)
     out += flag("max-running-requests", r.max_running_requests or inf.max_batch_size)

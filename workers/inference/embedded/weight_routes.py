@@ -34,8 +34,8 @@ from aiohttp import web
 
 from workers.common.config import WeightsConfig
 from workers.common.registry import TRANSPORTS
-from workers.inference.engine import InferenceEngine
-from workers.inference.server import BadRequest, _bool, _int, _json, _version
+from workers.inference.embedded.engine import InferenceEngine
+from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
 from workers.weights.base import Received, TensorMeta, WeightLoadError
 from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.shards import BY_NAME

@@ -1,11 +1,11 @@
-"""SGLang options of the inference config: job-wide, per server role, and the router.
+"""The SGLang backend's schema (``inference=sglang``): job-wide options, per server role, and the router.
 
 Why a file of its own: SGLang has hundreds of flags; we model the ones an RL deployment of
 a large MoE needs (prefill/decode disaggregation, wide expert parallelism with DeepEP,
 FP8 with DeepGEMM, hierarchical KV cache, routed-expert return, CUDA graphs) as typed,
 documented fields, and keep ``extra_args`` as the escape hatch. Every field maps to a
 flag of the SGLang version pinned in setup.cfg's ``[sglang]`` extra (0.5.23); the mapping
-is workers/inference/sglang_args.py and tests/unit/test_sglang_parser.py parses the result
+is workers/inference/sglang/args.py and tests/unit/test_sglang_parser.py parses the result
 with SGLang's own argument parser. The router is smg (the SGLang Model Gateway, formerly
 ``sglang-router``), pinned in the same extra.
 
@@ -13,13 +13,16 @@ Where they live: ``inference.sglang`` (:class:`SGLangConfig`) is shared by every
 ``inference.worker.sglang`` / ``inference.prefill.sglang`` / ``inference.decode.sglang``
 (:class:`SGLangRoleConfig`) differ per role, e.g. DeepEP ``normal`` for prefill and
 ``low_latency`` for decode. Cross-option conflicts are refused by the plan
-(launcher/sglang_checks.py), never silently fixed here.
+(workers/inference/sglang/checks.py), never silently fixed here. :class:`SGLangInferenceConfig`
+is the whole ``inference`` section with these options.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
 from typing import Optional
+
+from workers.common.config.inference import InferenceConfig, ServerLayout
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -134,6 +137,30 @@ class SGLangConfig:
     """More ``--flag value`` items for every server (after the role's own)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of the SGLang steps on top of the defaults (NCCL, NVSHMEM for DeepEP, CUDA graph
-    options; see workers/inference/sglang_args.py: server_env)."""
+    options; see workers/inference/sglang/args.py: server_env)."""
     router: RouterConfig = field(default_factory=RouterConfig)
     """The router in front of the servers."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SGLangServerLayout(ServerLayout):
+    """A server role's layout plus its SGLang options (``inference.worker`` / ``prefill`` / ``decode``)."""
+
+    sglang: SGLangRoleConfig = field(default_factory=SGLangRoleConfig)
+    """SGLang options of this role (DeepEP mode, EPLB, HiCache, CUDA graphs)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SGLangInferenceConfig(InferenceConfig):
+    """The ``inference`` section with SGLang servers (GPU clusters) behind smg."""
+
+    backend: str = "sglang"
+    """``sglang``: this schema's backend."""
+    worker: SGLangServerLayout = field(default_factory=SGLangServerLayout)
+    """Layout and SGLang options of each of the ``num_workers`` unified (prefill + decode) servers."""
+    prefill: SGLangServerLayout = field(default_factory=SGLangServerLayout)
+    """Layout and SGLang options of each prefill server."""
+    decode: SGLangServerLayout = field(default_factory=SGLangServerLayout)
+    """Layout and SGLang options of each decode server."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options shared by every SGLang server and the router."""

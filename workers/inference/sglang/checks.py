@@ -1,6 +1,7 @@
 """Plan checks for inference.backend=sglang: refuse option combinations SGLang rejects or
 silently rewrites, before a 28-node job waits in the queue to find out; and the per-step
-command previews the sbatch script shows (:func:`sglang_steps`).
+command previews the sbatch script shows (:func:`sglang_steps`). The launcher reaches both
+only through this backend's spec (spec.py: ``check`` and ``plan_steps``).
 
 Each rule cites where SGLang 0.5.23 (or smg 1.13.0) decides it, so the message can say
 why. Pure: no sglang import (the launcher runs on login nodes without it); the flag names
@@ -8,14 +9,14 @@ themselves are checked against SGLang's own parser in tests/unit/test_sglang_par
 """
 from __future__ import annotations
 
-import dataclasses
-
-from launcher.resources import PlanError
-from workers.common.config import RunConfig, ServerLayout
-from workers.common.sglang_ports import ports_needed
-from workers.inference import sglang as sglang_server
-from workers.inference.sglang_args import features, server_env
-from workers.router import argv as router_argv
+from workers.common.config import RunConfig
+from workers.inference.sglang import router as router_argv
+from workers.inference.sglang import server as sglang_server
+from workers.inference.sglang.args import features, server_env
+from workers.inference.sglang.config import SGLangServerLayout
+from workers.inference.sglang.ports import ports_needed
+from workers.inference.spec import BackendConfigError as PlanError  # the launcher shows it as its PlanError
+from workers.inference.spec import BackendStep
 
 A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
@@ -35,14 +36,14 @@ def _choice(key: str, value: object, choices: tuple) -> None:
         raise PlanError(f"{key}={value!r} is not supported; choose one of {list(choices)}")
 
 
-def server_roles(cfg: RunConfig) -> list[tuple[str, ServerLayout, str]]:
+def server_roles(cfg: RunConfig) -> list[tuple[str, SGLangServerLayout, str]]:
     i = cfg.inference
     if i.num_prefill_replicas or i.num_decode_replicas:
         return [("prefill", i.prefill, "inference.prefill"), ("decode", i.decode, "inference.decode")]
     return [("inference", i.worker, "inference.worker")]
 
 
-def check_role(cfg: RunConfig, role: str, lay: ServerLayout, key: str) -> None:
+def check_role(cfg: RunConfig, role: str, lay: SGLangServerLayout, key: str) -> None:
     r, k = lay.sglang, f"{key}.sglang"
     _choice(f"{k}.moe_a2a_backend", r.moe_a2a_backend, A2A_BACKENDS)
     _choice(f"{k}.deepep_mode", r.deepep_mode, DEEPEP_MODES)
@@ -127,7 +128,7 @@ def check_routed_experts_pd(cfg: RunConfig, pd: bool) -> None:
 
 
 def check_sglang(cfg: RunConfig) -> None:
-    """Every SGLang rule; called by build_plan when inference.backend=sglang."""
+    """Every SGLang rule: this backend's ``check`` (build_plan calls it when inference.backend=sglang)."""
     i, s = cfg.inference, cfg.inference.sglang
     if not s.model_path:
         raise PlanError("inference.sglang.model_path is empty: SGLang servers load the initial checkpoint from it "
@@ -155,28 +156,16 @@ def check_sglang(cfg: RunConfig) -> None:
     if cfg.cluster.port_span < need:
         raise PlanError(f"cluster.port_span({cfg.cluster.port_span}) < {need} ports this SGLang job needs "
                         f"(topology's server ports, SGLang's derived ZMQ ports and a bootstrap + engine-info port "
-                        f"per server for {num_servers} servers; workers/common/sglang_ports.py)")
+                        f"per server for {num_servers} servers; workers/inference/sglang/ports.py)")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SGLangStep:
-    """What the sbatch script shows and exports for one SGLang role (server or router)."""
-
-    role: str
-    argv: tuple[str, ...]
-    """Replica 0's head command, placeholders (``<node>``, ``<http_port>``) for what Slurm decides."""
-    env: tuple[tuple[str, str], ...]
-    """Exported to the step's tasks only (NVSHMEM for DeepEP, CUDA graph / HiCache settings)."""
-    features: tuple[str, ...]
-    """SGLang features this role turns on (README table, plan summary)."""
-
-
-def sglang_steps(cfg: RunConfig) -> tuple[SGLangStep, ...]:
-    """One entry per server role plus the router, in het-group order."""
-    out = [SGLangStep(role=role, argv=tuple(sglang_server.preview(cfg, role)), env=tuple(server_env(cfg, role).items()),
+def sglang_steps(cfg: RunConfig) -> tuple[BackendStep, ...]:
+    """One entry per server role plus the router, in het-group order (env: NVSHMEM for DeepEP,
+    CUDA graph / HiCache settings; features: the README table and the plan summary)."""
+    out = [BackendStep(role=role, argv=tuple(sglang_server.preview(cfg, role)), env=tuple(server_env(cfg, role).items()),
                       features=tuple(features(cfg, role))) for role, _, _ in server_roles(cfg)]
     pd = out[0].role == "prefill"
-    out.append(SGLangStep(role="router", argv=tuple(router_argv.preview(cfg)), env=(),
+    out.append(BackendStep(role="router", argv=tuple(router_argv.preview(cfg)), env=(),
                           features=("smg PD" if pd else "smg", cfg.inference.sglang.router.prefill_policy if pd
                                     else cfg.inference.sglang.router.policy)))
     return tuple(out)

@@ -4,7 +4,8 @@ Why: with SGLang the orchestrator sends ``/generate`` to the router, which picks
 (and, with prefill/decode disaggregation, one prefill + one decode server and the KV
 bootstrap between them). Admin calls never go through it: pause, weight updates and
 readiness go to every server directly, so each server's answer is seen and a server that
-fails is named (workers/orchestrator/loop.py).
+fails is named (workers/orchestrator/loop.py). The orchestrator gets a :class:`Router` from this
+backend's spec (``make_router``), never by importing this module.
 
 Sticky routing: every request of a prompt group carries the same routing key in the header
 smg reads (``inference.sglang.router.routing_key_header``, default ``x-smg-routing-key``);

@@ -12,7 +12,7 @@ topology port plus the derived ZMQ ones:
 
     server i of N:  bootstrap = base + 16 + 2N + 2i,   engine info = bootstrap + 1
 
-The server (workers/inference/sglang.py) and the router (workers/router) both compute it
+The server (server.py) and the router (router.py) of this package both compute it
 from the server's HTTP URL, so they always agree; the plan checks the range holds it.
 """
 from __future__ import annotations

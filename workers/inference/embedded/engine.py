@@ -31,12 +31,12 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
+from workers.common.dtypes import check_name, torch_dtype
 from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
 
 
@@ -406,6 +406,5 @@ def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> TinyMoeForC
     """Model skeleton from a ModelConfig (weights come from a published step) on ``device``."""
     names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
     tcfg = TinyMoeConfig(**{n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)})
-    if dtype not in DTYPES:
-        raise ValueError(f"inference.dtype={dtype!r}: choose one of {sorted(DTYPES)}")
-    return TinyMoeForCausalLM(tcfg).to(device=device, dtype=DTYPES[dtype])
+    check_name("inference.dtype", dtype)
+    return TinyMoeForCausalLM(tcfg).to(device=device, dtype=torch_dtype(dtype))

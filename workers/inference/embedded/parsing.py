@@ -1,0 +1,48 @@
+"""Request-body checks shared by the embedded server's routes (server.py, weight_routes.py).
+
+Why a module of its own: both route modules parse SGLang's JSON fields the same way and
+answer 400 with the field named; keeping the helpers here lets weight_routes.py use them
+without importing server.py, which imports weight_routes.py (no import cycle).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from aiohttp import web
+
+
+class BadRequest(ValueError):
+    """A client mistake; the message names the field."""
+
+
+def _int(v: Any, field: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{field}: expected an integer, got {type(v).__name__} {v!r}"[:300])
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"{field}: {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _bool(v: Any, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{field}: expected true/false, got {v!r}"[:300])
+    return v
+
+
+async def _json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}  # SGLang clients post some routes bodiless
+    except ValueError as e:
+        raise BadRequest(f"body: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    return body
+
+
+def _version(body: dict, field: str) -> int:
+    v = body.get(field)
+    if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise BadRequest(f"{field}: expected an integer (as a number or a string), got {v!r}"[:300])

@@ -1,0 +1,24 @@
+"""Registers the embedded backend: one CPU process per worker, no router, no plan steps.
+
+Torch-free at import (the launcher reads the spec); the engine and server are imported when
+a server task starts (:func:`serve`).
+"""
+from __future__ import annotations
+
+from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.inference.spec import BackendSpec, register
+
+
+def serve(cfg, topology) -> int:
+    """The server task: load the newest stable weights, serve SGLang's HTTP API until SIGTERM."""
+    import torch
+
+    from workers.inference.embedded.server import run_server
+
+    torch.set_num_threads(cfg.inference.num_threads)
+    return run_server(cfg, topology)
+
+
+SPEC = register(BackendSpec(
+    name="embedded", config=EmbeddedInferenceConfig, serve=serve,
+    summary="the tiny-model engine of this repo behind SGLang's HTTP API (CPU or one GPU per worker)"))

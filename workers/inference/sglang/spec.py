@@ -1,0 +1,43 @@
+"""Registers the SGLang backend: GPU servers, prefill/decode disaggregation, smg as the router.
+
+Torch- and sglang-free at import: the launcher reads ``check`` and ``plan_steps`` on the login
+node. Server and router tasks exec into SGLang / smg (server.py, router.py); the orchestrator
+gets its router client through ``make_router`` (router_client.py).
+"""
+from __future__ import annotations
+
+from workers.common.protocol import RunPaths, read_admin_token
+from workers.inference.sglang.checks import check_sglang, sglang_steps
+from workers.inference.sglang.config import SGLangInferenceConfig
+from workers.inference.spec import BackendSpec, register
+
+
+def serve(cfg, topology) -> int:
+    """Become this task's SGLang server (exec: never returns)."""
+    from workers.inference.sglang.server import exec_server
+
+    exec_server(cfg, topology, api_key=read_admin_token(RunPaths(topology.run_dir)))
+    return 1  # not reached: exec_server replaces the process
+
+
+def serve_router(cfg, topology) -> int:
+    """Become smg in front of the job's servers (exec: never returns)."""
+    from workers.inference.sglang.router import exec_router
+
+    exec_router(cfg, topology, api_key=read_admin_token(RunPaths(topology.run_dir)))
+    return 1  # not reached
+
+
+def make_router(cfg, url: str, admin_token: str, *, session, timeout_s: float, shape):
+    """Generation through smg, keyed per prompt group (router_client.py)."""
+    from workers.inference.sglang.router_client import Router
+
+    return Router(url, admin_token, header=cfg.inference.sglang.router.routing_key_header, prefix=cfg.experiment,
+                  session=session, timeout_s=timeout_s, shape=shape)
+
+
+SPEC = register(BackendSpec(
+    name="sglang", config=SGLangInferenceConfig, check=check_sglang, serve=serve, uses_gpus=True,
+    supports_disaggregation=True, needs_router=True, router_description="router: sglang-router in front of the servers",
+    serve_router=serve_router, plan_steps=sglang_steps, reports_routing_shape=False, make_router=make_router,
+    summary="SGLang servers on GPU nodes behind smg (prefill/decode disaggregation, DeepEP, HiCache)"))
