@@ -81,4 +81,4 @@ if __name__ == "__main__":  # the server entry; the registering copy is the impo
     sys.exit(main(sys.argv[1:]))
 else:
     SPEC = register(BackendSpec(name=NAME, config=FakeEmbeddedCliConfig, check=check, serve=serve,
-                                summary="test only: the embedded engine started through its own command"))
+                                serves_api_of=("embedded",), summary="test only: the embedded engine started through its own command"))

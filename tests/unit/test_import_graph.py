@@ -13,8 +13,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("launcher", "workers")
 #: What launcher/ may import from workers/: the common protocols/configs/registries (which reach
-#: the plugin homes by name) and the pure preflight limits. Never a role's code.
-LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits")
+#: the plugin homes by name), each axis's pure spec interface, and the pure preflight limits.
+#: Never a role's code, never a plugin home directly.
+LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits", "workers.models.spec", "workers.weights.spec",
+                       "workers.inference.spec", "workers.orchestrator.envs.spec")
 
 
 def module_name(path: Path) -> str:

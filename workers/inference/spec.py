@@ -91,6 +91,9 @@ class BackendSpec(PluginSpec):
     make_router: Optional[Callable[..., RoutedGeneration]] = None
     """``make_router(run_cfg, url, admin_token, *, session, timeout_s, shape)``: the orchestrator's
     generation client for the router at ``url`` (``shape``: (num_layers, top_k, num_experts) or Nones)."""
+    serves_api_of: tuple[str, ...] = ()
+    """Other backends whose server this one runs unchanged (a wrapper around the embedded server says
+    ``("embedded",)``): weight transports that talk to those talk to this one too."""
 
 
 def backend_of(run_cfg: Any) -> BackendSpec:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from workers.common.registry import TRANSPORTS, PluginSpec
+from workers.common.registry import BACKENDS, TRANSPORTS, PluginSpec
 
 
 def lazy(target: str) -> Callable[..., Any]:
@@ -49,8 +49,10 @@ class TransportSpec(PluginSpec):
     receiver: Callable[..., Any]
     """``receiver(weights_cfg, *, device) -> WeightReceiver``: the embedded inference worker's
     side, behind SGLang's weight routes (workers/inference/embedded/weight_routes.py)."""
-    backends: tuple[str, ...] = ("embedded", "sglang")
-    """``inference.backend`` values whose servers this transport can update (checked at plan time)."""
+    backends: Optional[tuple[str, ...]] = None
+    """``inference.backend`` values whose servers this transport can update (checked at plan time);
+    None: every backend (SGLang's ``/update_weights_from_disk``, which all of them serve). A backend
+    that runs another's server unchanged (BackendSpec.serves_api_of) counts as that one."""
 
 
 def check_transport(run_cfg: Any) -> None:
@@ -59,6 +61,7 @@ def check_transport(run_cfg: Any) -> None:
     spec: TransportSpec = TRANSPORTS.get(run_cfg.weights.transport)
     if spec.check is not None:
         spec.check(run_cfg)
-    if run_cfg.inference.backend not in spec.backends:
+    backend = BACKENDS.get(run_cfg.inference.backend)
+    if spec.backends is not None and not {backend.name, *backend.serves_api_of} & set(spec.backends):
         raise ValueError(f"weights.transport={spec.name} cannot update inference.backend="
                          f"{run_cfg.inference.backend} servers; it talks to {list(spec.backends)}")
