@@ -21,10 +21,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workers.common.config import (ClusterConfig, EnvConfig, InferenceConfig, ModelConfig, RunConfig, WeightsConfig)
+from workers.common.config import (ClusterConfig, EnvConfig, InferenceConfig, RunConfig, WeightsConfig)
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.protocol import RunPaths, wait_for
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.orchestrator.rollouts import WeightUpdateError, join_weight_group, update_all_workers_distributed
 from workers.weights.base import SoloPeers
 from workers.weights.broadcast import BroadcastPublisher, BucketSender
@@ -43,7 +43,7 @@ WEIGHTS = WeightsConfig(transport="broadcast", bucket_size_mb=1, lone_tensor_mb=
 
 def start_servers(paths: RunPaths, n: int) -> tuple[list[subprocess.Popen], list[str]]:
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=EnvConfig(name="reverse_digits"),
-                    model=ModelConfig(name="tiny_moe", init_seed=5, **MODEL), weights=WEIGHTS,
+                    model=TinyMoeConfig(name="tiny_moe", init_seed=5, **MODEL), weights=WEIGHTS,
                     inference=InferenceConfig(num_workers=n, max_batch_size=8, startup_timeout_s=60))
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     paths.admin_token.write_text(TOKEN)

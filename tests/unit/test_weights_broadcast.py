@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from workers.common.config import WeightsConfig
 from workers.common.protocol import RunPaths
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.base import StorePeers, TensorMeta, WeightLoadError, expert_id
 from workers.weights.broadcast import BroadcastPublisher, BroadcastReceiver, BucketSender
 from workers.weights.checksums import state_hashes

@@ -22,7 +22,7 @@ import difflib
 import random
 
 from workers.common.config import EnvConfig
-from workers.common.pretrained import require_prepared
+from workers.models.pretrained import require_prepared
 
 #: One-token English words (SmolLM2's BPE), so the task is about order, not spelling.
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "book", "fish", "bird", "milk", "rain", "door",
@@ -63,7 +63,7 @@ class ReverseTextEnv:
             if model is None or not model.pretrained:
                 raise ValueError("env=reverse_text needs a pretrained model's tokenizer: set model.pretrained "
                                  "(e.g. model=smollm2_135m)")
-            from workers.modeling.convert import load_tokenizer  # transformers: only this env needs it
+            from workers.models.pretrained import load_tokenizer  # transformers: only this env needs it
 
             tokenizer = load_tokenizer(require_prepared(model))
         self.cfg, self.tokenizer = cfg, tokenizer
