@@ -30,10 +30,12 @@ from workers.common.registry import UnknownEntry
 
 PLUGINS = register()  # SLURMRL_PLUGINS and entry points, before Hydra composes
 USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError, ConfigError, UnknownEntry)
+_COMPOSED: list[bool] = []  # non-empty once Hydra composed the config and called hydra_app
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
+    _COMPOSED.append(True)
     hc = HydraConfig.get()
     try:
         reject_unknown_keys(cfg)
@@ -57,7 +59,12 @@ def main() -> None:
         from launcher.submit import command_line
 
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
-    hydra_app()
+    try:
+        hydra_app()
+    except SystemExit as e:  # Hydra refused the command line (a key the schema lacks, a wrong type): exit 2 as
+        if e.code == 1 and not _COMPOSED:  # for every other config mistake; its message is on stderr already
+            sys.exit(2)
+        raise
     try:
         sys.exit(sweep.run_all())
     except USER_ERRORS as e:
