@@ -13,8 +13,8 @@ Steps (each printed as it happens; the GGUF dequantization is the slow one, ~15-
   4. ``model.safetensors``, the tokenizer files and ``manifest.json`` (written last) go to a
      temporary sibling directory that is renamed into place: readers never see half of it.
 
-Loading (trainer, tests, envs): workers/models/pretrained.py :func:`load_state_dict` and
-:func:`load_tokenizer` (re-exported here).
+Loading (trainer, tests, envs): workers/models/pretrained.py ``load_state_dict`` and
+``load_tokenizer``.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ from safetensors.torch import save_file
 
 from workers.models.llama.config import LlamaConfig
 from workers.models.pretrained import (FORMAT_VERSION, MANIFEST, WEIGHTS_FILE, PretrainedMissing, default_dir,
-                                       find_gguf, import_transformers, is_prepared, load_state_dict,  # noqa: F401
-                                       load_tokenizer, source)
+                                       find_gguf, import_transformers, is_prepared, source)
 from workers.models.tiny_moe.model import TinyMoeForCausalLM
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Reverse these words: red green blue"
