@@ -4,7 +4,7 @@
 
 Why: an RL row is a long prompt plus a short completion, and only the completion's tokens are
 scored, yet a plain forward computes ``[B, T, V]`` logits (and their softmax and gradient) at
-every position. ``forward(..., logits_mask=...)`` (workers/modeling/tiny_moe.py, used by
+every position. ``forward(..., logits_mask=...)`` (workers/models/tiny_moe/model.py, used by
 workers/trainer/step.py) computes them only at the positions that predict a loss token.
 
 Both variants run side by side in one process, alternating, on SmolLM2-135M's shape (random
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from workers.modeling.convert import model_config_of
-from workers.modeling.tiny_moe import TinyMoeForCausalLM
+from workers.models.llama.convert import model_config_of
+from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.loss import loss_relevant_inputs, token_logprobs
 from workers.trainer.step import scatter_logprobs
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from workers.common.protocol import RunPaths
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
-from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
+from workers.models.tiny_moe.model import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutGroup, Sample
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig, ReverseDigitsEnv

@@ -45,6 +45,7 @@ def compose(overrides: list[str]) -> RunConfig:
     from launcher.config_store import register
 
     register()
+    overrides = ["launcher.dry_run=true", *overrides]  # planned, never started: plan-only model families are fine
     with initialize_config_module("hydra_conf", version_base=None):
         return OmegaConf.to_object(hydra_compose("config", overrides=overrides))
 

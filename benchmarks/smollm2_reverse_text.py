@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     cfg = compose(args.overrides)
-    from workers.common.pretrained import require_prepared
-    from workers.modeling.convert import load_state_dict
+    from workers.models.pretrained import require_prepared
+    from workers.models.pretrained import load_state_dict
 
     initial = load_state_dict(require_prepared(cfg.model))
     longer = cfg.env.max_words + 1  # generalisation: one word more than any training prompt

@@ -30,12 +30,12 @@ from workers.common.registry import UnknownEntry
 
 PLUGINS = register()  # SLURMRL_PLUGINS and entry points, before Hydra composes
 USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError, ConfigError, UnknownEntry)
-COMPOSED = []  # set once Hydra composed the config: an exit 1 before that is Hydra refusing the overrides
+_COMPOSED: list[bool] = []  # non-empty once Hydra composed the config and called hydra_app
 
 
 @hydra.main(version_base=None, config_path="../hydra_conf", config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
-    COMPOSED.append(True)
+    _COMPOSED.append(True)
     hc = HydraConfig.get()
     try:
         reject_unknown_keys(cfg)
@@ -61,8 +61,10 @@ def main() -> None:
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
     try:
         hydra_app()
-    except SystemExit as e:  # Hydra printed why it refused an override (unknown key, option or type): a user error
-        sys.exit(2 if e.code == 1 and not COMPOSED else e.code)
+    except SystemExit as e:  # Hydra refused the command line (a key the schema lacks, a wrong type): exit 2 as
+        if e.code == 1 and not _COMPOSED:  # for every other config mistake; its message is on stderr already
+            sys.exit(2)
+        raise
     try:
         sys.exit(sweep.run_all())
     except USER_ERRORS as e:

@@ -24,10 +24,9 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig
-from workers.common.pretrained import SOURCES as PRETRAINED_SOURCES
-from workers.common.pretrained import fact_mismatches
-from workers.common.registry import BACKENDS, ENVS
+from workers.common.registry import BACKENDS, ENVS, MODELS
 from workers.common.topology import PORT_SERVERS
+from workers.models.checks import check_base
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
 
@@ -39,7 +38,6 @@ CHOICES = {
     "inference.dtype": ("float32", "bfloat16"),
     "trainer.dtype": ("float32", "bfloat16"),
     "orchestrator.advantage": ("sequence", "token_rtg"),
-    "model.attention": ("mha", "mla"),
 }
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
 
@@ -113,60 +111,17 @@ def check_choices(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig) -> None:
-    m = cfg.model
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-        _positive(f"model.{key}", getattr(m, key))
-    _positive("model.num_kv_heads", m.num_kv_heads, allow_zero=True)
-    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
-        raise PlanError(f"model.num_kv_heads({m.num_kv_heads}) must divide model.num_heads({m.num_heads})")
-    if m.pretrained:
-        check_pretrained(cfg)
-    if m.num_experts == 0:
-        check_dense_model(cfg)
-    else:
-        for key in ("num_experts", "top_k", "expert_intermediate_size"):
-            _positive(f"model.{key}", getattr(m, key))
-    if m.attention == "mha":
-        if m.hidden_size % m.num_heads:
-            raise PlanError(f"model.num_heads({m.num_heads}) must divide model.hidden_size({m.hidden_size})")
-        if (m.hidden_size // m.num_heads) % 2:
-            raise PlanError(f"model.hidden_size/num_heads = {m.hidden_size // m.num_heads} must be even (rotary embedding)")
-    else:
-        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _positive(f"model.{key}", getattr(m, key))
-    if m.num_experts and m.top_k > m.num_experts:
-        raise PlanError(f"model.top_k({m.top_k}) must be <= model.num_experts({m.num_experts})")
-    if m.num_experts > 65535:
-        raise PlanError(f"model.num_experts({m.num_experts}) must fit uint16 routed-expert records")
-    if not 0 <= m.num_dense_layers < m.num_layers:
-        raise PlanError(f"model.num_dense_layers({m.num_dense_layers}) must be in [0, model.num_layers({m.num_layers}))")
-    if m.num_dense_layers and m.dense_intermediate_size <= 0:
-        raise PlanError(f"model.dense_intermediate_size must be > 0 with model.num_dense_layers={m.num_dense_layers}")
-
-
-def check_dense_model(cfg: RunConfig) -> None:
-    """model.num_experts=0: every layer a dense MLP; nothing routes, so nothing can be replayed."""
-    m = cfg.model
-    if m.top_k != 0:
-        raise PlanError(f"model.top_k({m.top_k}) must be 0 for a dense model (model.num_experts=0)")
-    _positive("model.dense_intermediate_size", m.dense_intermediate_size)
-    if m.num_dense_layers:
-        raise PlanError(f"model.num_dense_layers({m.num_dense_layers}) must be 0 when model.num_experts=0 "
-                        f"(every layer is dense already)")
-    if cfg.trainer.router_replay:
-        raise PlanError("trainer.router_replay=true needs a MoE model; model.num_experts=0 is dense")
-    if cfg.trainer.parallel.ep != 1:
-        raise PlanError(f"trainer.parallel.ep({cfg.trainer.parallel.ep}) must be 1 for a dense model (no experts)")
-
-
-def check_pretrained(cfg: RunConfig) -> None:
-    """model.pretrained: a known source whose architecture facts the preset repeats exactly."""
-    m = cfg.model
-    if m.pretrained not in PRETRAINED_SOURCES:
-        raise PlanError(f"model.pretrained={m.pretrained!r} is unknown; choose one of {sorted(PRETRAINED_SOURCES)}")
-    wrong = fact_mismatches(m.pretrained, m)
-    if wrong:
-        raise PlanError(f"model preset {m.name} does not describe the checkpoint it loads: " + "; ".join(wrong))
+    """The checks every family shares (workers/models/checks.py), then the family's own (its spec);
+    a family that only plans is refused unless launcher.dry_run=true."""
+    spec = MODELS.get(cfg.model.family)
+    try:
+        check_base(cfg, spec)
+        if spec.check is not None:
+            spec.check(cfg)
+    except PlanError:
+        raise
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def check_env(cfg: RunConfig) -> None:

@@ -2,7 +2,7 @@
 written, pin the cache directory into the config, and convert once before roles start.
 
 No torch here (launcher/ never imports it): the conversion runs as a child process,
-``python -m workers.modeling.convert`` (workers/modeling/convert.py), whose progress lines
+``python -m <source's converter>`` (workers/models/llama/convert.py for SmolLM2), whose progress lines
 stream to this terminal. It runs on the node that launches (login node or this machine) and
 writes to ``model.pretrained_dir``, which must be on a filesystem the compute nodes mount.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from launcher.resources import PlanError
 from workers.common.config import RunConfig
-from workers.common.pretrained import PretrainedMissing, default_dir, find_gguf, is_prepared
+from workers.models.pretrained import PretrainedMissing, default_dir, find_gguf, is_prepared, source
 
 
 def pin_pretrained_dir(cfg: RunConfig) -> RunConfig:
@@ -40,7 +40,7 @@ def ensure_converted(cfg: RunConfig) -> None:
     if not m.pretrained or is_prepared(m.pretrained, Path(m.pretrained_dir)):
         return
     print(f"[slurmrl] converting {m.pretrained} into {m.pretrained_dir} (once; later runs reuse it)", flush=True)
-    cmd = [sys.executable, "-m", "workers.modeling.convert", m.pretrained, "--dir", m.pretrained_dir]
+    cmd = [sys.executable, "-m", source(m.pretrained).converter, m.pretrained, "--dir", m.pretrained_dir]
     proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.nn.attention import sdpa_kernel
 
-import workers.modeling.tiny_moe as tm
+import workers.models.tiny_moe.layers as tm
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 
@@ -81,7 +81,7 @@ def decode_profile(model, ps: list[list[int]], device, steps: int = 3) -> str:
     """Top kernels of a few decode forwards at the benchmark's batch (KV cache after a prefill)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.modeling.tiny_moe import KVCache
+    from workers.models.tiny_moe.model import KVCache
 
     ids = torch.tensor([p[: min(map(len, ps))] for p in ps], device=device)
     cache = KVCache(model.config.num_layers)

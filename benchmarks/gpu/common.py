@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM
+from workers.models.tiny_moe.model import TinyMoeConfig, TinyMoeForCausalLM
 
 H200_BF16_PEAK = 989e12
 """Dense bf16 peak of the H100/H200 SXM datasheet, the MFU denominator of the issue."""

@@ -17,7 +17,7 @@ import re
 import torch
 from torch import nn
 
-from workers.modeling.tiny_moe import TinyMoeForCausalLM
+from workers.models.tiny_moe.model import TinyMoeForCausalLM
 
 
 def hf_config(cfg):

@@ -156,8 +156,8 @@ class Assumptions:
 
 # The published anchors describe DeepSeek-V3 serving; these are its architecture facts
 # (DeepSeek-V3 technical report / HF config.json) needed to turn throughput into efficiency.
-DEEPSEEK_V3 = dict(name="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
-                   num_experts=256, top_k=8, expert_intermediate_size=2048, max_position_embeddings=163840,
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,  # context 163840
+                   num_experts=256, top_k=8, expert_intermediate_size=2048,
                    num_dense_layers=3, dense_intermediate_size=18432, num_shared_experts=1, attention="mla",
                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                    num_indexer_heads=0, indexer_head_dim=0, num_mtp_layers=1,

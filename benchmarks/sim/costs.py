@@ -18,20 +18,22 @@ attends to at most ``dsa_topk`` keys, while the FP8 indexer scans the whole pref
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Sequence
 
 from benchmarks.sim.assumptions import (ANCHOR_DECODE_EXPERTS_PER_GPU, ANCHOR_DECODE_NODES, ANCHOR_PREFILL_NODES,
                                         DEEPSEEK_V3, Assumptions)
 from launcher.estimate import attention_params, count_params, expert_params
+from workers.models.facts import Architecture, architecture
 
 GPUS_PER_NODE = 8
 
 
 class ModelFacts:
-    """FLOPs and bytes per token of one architecture (a ModelConfig or any object with its fields)."""
+    """FLOPs and bytes per token of one architecture (a model section of any family, or its
+    workers.models.facts.Architecture)."""
 
     def __init__(self, m, a: Assumptions):
+        m = architecture(m)
         self.m, self.a = m, a
         p = count_params(m)
         self.active, self.total = p.active, p.total + p.mtp
@@ -264,7 +266,7 @@ def derive_efficiencies(a: Assumptions) -> tuple[float, float]:
     H100 HBM (3.35 TB/s), FP8 weights and dispatch, bf16 combine and EP72 across 9 nodes.
     """
     s, hw = a.serving, a.hw
-    v3 = ModelFacts(types.SimpleNamespace(**DEEPSEEK_V3), a.with_changes({"serving.dsa_topk": 10**9}))
+    v3 = ModelFacts(Architecture(**DEEPSEEK_V3), a.with_changes({"serving.dsa_topk": 10**9}))
     ctx = s.anchor_decode_ctx
     per_req = v3.prefill_flops(ctx, 0)
     eff_prefill = s.anchor_prefill_tok_s_node / ctx * per_req / (GPUS_PER_NODE * hw.fp8_tflops * 1e12)

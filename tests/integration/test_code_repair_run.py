@@ -39,7 +39,7 @@ def test_tiny_code_repair_run_reports_per_env_metrics(tmp_path):
 def test_episode_routing_rows_match_the_engine_on_the_full_history(tmp_path, monkeypatch):
     from tests.integration.test_inference_server import start_server
     from workers.common.inference_client import InferenceClient, wait_until_ready
-    from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+    from workers.models.tiny_moe.model import TinyMoeConfig, build_model
     from workers.orchestrator.episodes import run_episode
     from workers.weights.filesystem.publisher import publish_step
     from tests.unit.test_envs_episodes import EchoEnv

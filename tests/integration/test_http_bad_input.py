@@ -13,14 +13,14 @@ import torch
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
-from workers.common.config import ModelConfig
 from workers.inference.embedded.engine import InferenceEngine, model_from_config
 from workers.inference.embedded.server import MAX_BODY_BYTES, make_app
+from workers.models.tiny_moe.config import TinyMoeConfig
 
 torch.set_num_threads(1)
 TOKEN = "bad-input-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-MODEL = ModelConfig(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_experts=4, top_k=2,
+MODEL = TinyMoeConfig(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_experts=4, top_k=2,
                     expert_intermediate_size=32, max_position_embeddings=64)
 NOT_JSON, ARRAY = b"{not json", b"[1, 2]"
 

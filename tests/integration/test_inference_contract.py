@@ -55,7 +55,7 @@ class FakeThread:
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+    from workers.models.tiny_moe.model import TinyMoeConfig, build_model
     from workers.weights.filesystem.publisher import publish_step
     run_dir = tmp_path_factory.mktemp("run")
     proc, url, paths = start_server(run_dir)

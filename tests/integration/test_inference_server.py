@@ -20,11 +20,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workers.common.config import ClusterConfig, ModelConfig, RunConfig
-from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.common.config import ClusterConfig, RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout, RunPaths
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.filesystem.publisher import publish_step
 from tests.netutil import free_port
@@ -40,7 +40,7 @@ INIT_SEED = 5
 def start_server(run_dir: Path):
     port = free_port()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
-                    model=ModelConfig(name="tiny_moe", init_seed=INIT_SEED, **MODEL),
+                    model=TinyMoeConfig(name="tiny_moe", init_seed=INIT_SEED, **MODEL),
                     inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
     paths = RunPaths(run_dir).ensure()
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

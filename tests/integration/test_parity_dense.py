@@ -12,13 +12,14 @@ import torch.multiprocessing as mp
 
 from tests.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.llama.config import LlamaConfig
+from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import policy_loss, token_logprobs
 from workers.trainer.sharded_model import ShardedMoeForCausalLM
 from workers.trainer.step import backward_step
 
-CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=0, top_k=0,
+CFG = LlamaConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     dense_intermediate_size=48, tie_word_embeddings=True, max_position_embeddings=32)
 SEED = 3
 TCFG = TrainerConfig(lr=1e-2, grad_clip=0.05, router_replay=False)

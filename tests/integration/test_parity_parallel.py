@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.common.config import TrainerConfig
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
 from tests.netutil import gloo_dims

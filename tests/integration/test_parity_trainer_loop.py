@@ -15,8 +15,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.integration.test_trainer_ranks import MODEL, free_port, make_batch, publish_batch, start_rank, wait_all
-from workers.common.config import (ClusterConfig, ModelConfig, ParallelConfig, RunConfig, TrainerConfig,
+from workers.common.config import (ClusterConfig, ParallelConfig, RunConfig, TrainerConfig,
                                    WeightsConfig)
+from workers.models.tiny_moe.config import TinyMoeConfig
 from workers.common.protocol import RunPaths
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.filesystem.receiver import load_step
@@ -24,7 +25,7 @@ from workers.weights.filesystem.receiver import load_step
 
 def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int) -> RunPaths:
     paths = RunPaths(root).ensure()
-    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=ModelConfig(**MODEL), env=ReverseDigitsConfig(),
+    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**MODEL), env=ReverseDigitsConfig(),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=True,
                                           batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep)),
                     weights=WeightsConfig(keep_last=5))

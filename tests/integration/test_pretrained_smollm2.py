@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from workers.modeling.convert import convert
+    from workers.models.llama.convert import convert
 
     torch.set_num_threads(2)
     return convert("smollm2_135m", tmp_path_factory.mktemp("cache") / "smollm2_135m")
@@ -39,7 +39,7 @@ def cfg(converted):
 
 
 def test_conversion_matches_transformers_and_is_complete(converted):
-    from workers.common.pretrained import is_prepared
+    from workers.models.pretrained import is_prepared
 
     manifest = json.loads((converted / "manifest.json").read_text())
     assert is_prepared("smollm2_135m", converted)
@@ -50,9 +50,8 @@ def test_conversion_matches_transformers_and_is_complete(converted):
 
 def test_one_generate_and_one_train_step(cfg, tmp_path):
     from tests.netutil import free_port, gloo_dims
-    from workers.common.pretrained import require_prepared
     from workers.inference.embedded.engine import GenRequest, InferenceEngine, model_from_config
-    from workers.modeling.convert import load_state_dict
+    from workers.models.pretrained import load_state_dict, require_prepared
     from workers.orchestrator.envs.reverse_text import ReverseTextEnv
     from workers.trainer.batch import RolloutBatch
     from workers.trainer.loop import initial_model

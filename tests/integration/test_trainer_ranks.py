@@ -25,7 +25,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
-from workers.common.config import (ClusterConfig, ModelConfig, RunConfig, TrainerConfig, WeightsConfig)
+from workers.common.config import (ClusterConfig, RunConfig, TrainerConfig, WeightsConfig)
+from workers.models.tiny_moe.config import TinyMoeConfig
 from workers.common.protocol import READY, STABLE, RunPaths, publish_dir
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
@@ -42,7 +43,7 @@ METRIC_KEYS = {"step", "reward_mean", "max_staleness", "samples_dropped_stale", 
 
 def write_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_replay: bool = True) -> RunPaths:
     paths = RunPaths(root).ensure()
-    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=ModelConfig(**MODEL), env=ReverseDigitsConfig(),
+    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**MODEL), env=ReverseDigitsConfig(),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=router_replay,
                                           batch_timeout_s=60.0),
                     weights=WeightsConfig(keep_last=5))

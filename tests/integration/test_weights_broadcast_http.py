@@ -21,11 +21,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workers.common.config import ClusterConfig, ModelConfig, RunConfig
-from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.common.config import ClusterConfig, RunConfig
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.protocol import RunPaths, wait_for
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.weights.broadcast.coordinator import join_weight_group, update_all_workers_distributed
@@ -47,7 +47,7 @@ WEIGHTS = BroadcastWeightsConfig(bucket_size_mb=1, lone_tensor_mb=1, broadcast_t
 
 def start_servers(paths: RunPaths, n: int) -> tuple[list[subprocess.Popen], list[str]]:
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
-                    model=ModelConfig(name="tiny_moe", init_seed=5, **MODEL), weights=WEIGHTS,
+                    model=TinyMoeConfig(name="tiny_moe", init_seed=5, **MODEL), weights=WEIGHTS,
                     inference=EmbeddedInferenceConfig(num_workers=n, max_batch_size=8, startup_timeout_s=60))
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     paths.admin_token.write_text(TOKEN)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
-from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, build_model
+from workers.models.llama.config import LlamaConfig
+from workers.models.tiny_moe.model import KVCache, build_model
 
 torch.set_num_threads(1)
-CFG = TinyMoeConfig(vocab_size=40, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, num_experts=0, top_k=0,
+CFG = LlamaConfig(vocab_size=40, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                     dense_intermediate_size=96, tie_word_embeddings=True, max_position_embeddings=64,
                     rope_theta=100000.0, rms_norm_eps=1e-5)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.base import WeightLoadError
 from workers.weights.filesystem.publisher import publish_step
 
@@ -206,9 +206,8 @@ def test_pause_abort_finishes_in_flight_requests(model):
 
 
 def test_bfloat16_engine_from_config_keeps_float32_logprobs(model):
-    from workers.common.config import ModelConfig
     from workers.inference.embedded.engine import model_from_config
-    mc = ModelConfig(name="tiny_moe", **{f: getattr(CFG, f) for f in ("vocab_size", "hidden_size", "num_layers",
+    mc = TinyMoeConfig(name="tiny_moe", **{f: getattr(CFG, f) for f in ("vocab_size", "hidden_size", "num_layers",
                      "num_heads", "num_experts", "top_k", "expert_intermediate_size", "max_position_embeddings")})
     with pytest.raises(ValueError, match="float32"):
         model_from_config(mc, "float16")

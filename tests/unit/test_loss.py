@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.loss import (load_balance_loss, loss_relevant_inputs, own_topk, policy_loss, router_stats,
                                   routing_disagreement, token_logprobs)
 

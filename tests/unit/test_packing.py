@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.packing import PackingError, pack_batch, pack_rows, plan_micro_batches, plan_packing
 
 torch.set_num_threads(1)

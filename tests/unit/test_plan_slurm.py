@@ -20,7 +20,11 @@ register()
 
 
 def compose(overrides: list[str]) -> RunConfig:
-    """The resolved RunConfig for these overrides, as the CLI composes it."""
+    """The resolved RunConfig for these overrides, as the CLI composes it, planned as a dry run
+    (``launcher.dry_run=true`` unless the overrides say otherwise: the GLM-5, Kimi K2 and Nemotron
+    presets name families that only plan, refused when a run would start)."""
+    if not any(o.startswith("launcher.dry_run=") for o in overrides):
+        overrides = ["launcher.dry_run=true", *overrides]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return OmegaConf.to_object(hydra_compose("config", overrides=overrides))
 

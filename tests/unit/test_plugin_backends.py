@@ -22,10 +22,11 @@ from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
 from tests.netutil import free_port
 from tests.unit.test_plan_slurm import compose
-from workers.common.config import ClusterConfig, EnvConfig, ModelConfig, RunConfig
+from workers.common.config import ClusterConfig, RunConfig
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.protocol import RunPaths
 from workers.common.registry import BACKENDS
+from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "plugin-test-token"
@@ -56,12 +57,12 @@ def write_run(run_dir: Path, port: int, greeting: str) -> RunPaths:
     """A run dir as the launcher leaves it for a server task: run.yaml (naming the plugin), token, step-0 weights."""
     import torch
 
-    from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+    from workers.models.tiny_moe.model import TinyMoeConfig, build_model
     from workers.weights.filesystem.publisher import publish_step
 
     torch.set_num_threads(1)
-    cfg = RunConfig(cluster=ClusterConfig(name="local"), env=EnvConfig(name="reverse_digits"),
-                    model=ModelConfig(name="tiny_moe", **MODEL), plugins=[plugin.ENTRY],
+    cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
+                    model=TinyMoeConfig(name="tiny_moe", **MODEL), plugins=[plugin.ENTRY],
                     inference=plugin.FakeEmbeddedCliConfig(greeting=greeting, max_batch_size=4, startup_timeout_s=60))
     paths = RunPaths(run_dir).ensure()
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

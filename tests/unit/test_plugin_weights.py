@@ -28,7 +28,7 @@ from workers.common.protocol import RunPaths
 from workers.common.registry import TRANSPORTS
 from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.server import make_app
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.coordinator import WeightCoordinator
 
 register()  # the plugin's schema becomes the Hydra option weights/fake_copy

@@ -10,7 +10,7 @@ import pytest
 from launcher.plan import PlanError
 from launcher.pretrained import pin_pretrained_dir
 from tests.unit.test_plan_slurm import compose
-from workers.common import pretrained
+from workers.models import pretrained
 from workers.orchestrator.envs.reverse_text import similarity
 
 
@@ -45,7 +45,7 @@ def test_a_finished_conversion_needs_no_wheel_and_is_pinned(monkeypatch, tmp_pat
 
 def test_unconverted_directory_is_an_error_that_says_how_to_convert(tmp_path):
     cfg = compose(["experiment=smollm2_reverse_text", f"model.pretrained_dir={tmp_path}"])
-    with pytest.raises(FileNotFoundError, match="python -m workers.modeling.convert smollm2_135m"):
+    with pytest.raises(FileNotFoundError, match="python -m workers.models.llama.convert smollm2_135m"):
         pretrained.require_prepared(cfg.model)
 
 

@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 
 from workers.common.config import TrainerConfig
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import BatchFormatError, RolloutBatch, load_batch
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT, expert_load_metrics, mask_unreported

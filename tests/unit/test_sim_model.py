@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import types
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from benchmarks.sim.layout import candidate_splits, fit_memory, layout_from_plan
 from benchmarks.sim.system import System
 from benchmarks.sim.workload import SweWorkload, draws, heavy_tail
 from benchmarks.simulate import compose
+from workers.models.facts import Architecture
 from launcher.plan import build_plan
 
 
@@ -35,7 +35,7 @@ def test_anchors_are_reproduced():
     256 sequences/GPU on EP72 comes back out of decode_step with the derived efficiency."""
     a = Assumptions()
     eff_p, eff_d = derive_efficiencies(a)
-    v3 = ModelFacts(types.SimpleNamespace(**DEEPSEEK_V3), a.with_changes({"serving.dsa_topk": 10**9}))
+    v3 = ModelFacts(Architecture(**DEEPSEEK_V3), a.with_changes({"serving.dsa_topk": 10**9}))
     ctx = a.serving.anchor_decode_ctx
     tok_s_node = 8 * a.hw.fp8_tflops * 1e12 * eff_p / (v3.prefill_flops(ctx, 0) / ctx)
     assert tok_s_node == pytest.approx(a.serving.anchor_prefill_tok_s_node)

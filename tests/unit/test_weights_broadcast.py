@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.common.protocol import RunPaths
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.base import StorePeers, TensorMeta, WeightLoadError, expert_id
 from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
 from workers.weights.broadcast.receiver import BroadcastReceiver

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
-from workers.modeling.tiny_moe import TinyMoeConfig, build_model
+from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.base import SoloPeers, StorePeers, WeightLoadError, assign_shares, TensorMeta
 from workers.weights.checksums import state_hashes
 from workers.weights.filesystem.layout import INDEX, index_digest

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.modeling.tiny_moe import Expert, MoeBlock
+from workers.models.tiny_moe.layers import Expert
+from workers.models.tiny_moe.moe import MoeBlock
 from workers.trainer.tensor_parallel import copy_to, reduce_from, shard_linear
 
 

@@ -25,7 +25,6 @@ is destroyed and the process exits with 143 (128 + SIGTERM).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import time
@@ -36,9 +35,9 @@ import torch
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.dtypes import check_name, torch_dtype
 from workers.common.protocol import RunPaths
+from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
-from workers.common.pretrained import require_prepared
-from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM, build_model, num_parameters
+from workers.models.spec import resolve
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
@@ -46,7 +45,6 @@ from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
 from workers.trainer.step import train_step
-from workers.common.registry import TRANSPORTS
 from workers.weights.base import WeightPublisher
 
 TRAINER_DONE = "TRAINER_DONE"
@@ -73,7 +71,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         tp, ep = parallel_degrees(cfg)
         dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
         full = initial_model(cfg).to(dims.device)
-        model = ShardedMoeForCausalLM(full, dims)
+        model = parallelize(cfg, full, dims)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
@@ -81,12 +79,13 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
         publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
                                                                     world_size=dims.world_size, device=dims.device)
-        weights = FullWeights(model.full_state_dict(to_rank=None))  # collective: every rank joins the gather
+        to_hf = MODELS.get(cfg.model.family).to_hf  # published weights carry HF names
+        weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))  # collective: every rank joins the gather
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths)
             log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
-                     f"{num_parameters(model.config) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
+                     f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
         for step in range(start, tcfg.num_steps):
@@ -106,7 +105,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
-            weights = FullWeights(model.full_state_dict(to_rank=None))
+            weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))
             sync = publish_weights(publisher, step + 1, weights)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
@@ -183,21 +182,20 @@ def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
     return d["tp"], d["ep"]
 
 
-def model_config(cfg: RunConfig) -> TinyMoeConfig:
-    """ModelConfig -> TinyMoeConfig by field name (the model's own defaults fill the rest)."""
-    names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
-    return TinyMoeConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items() if k in names})
+def initial_model(cfg: RunConfig):
+    """Step-0 weights, as the model family makes them (``ModelSpec.init``: the seeded init, or the
+    converted pretrained checkpoint of model.pretrained)."""
+    return MODELS.get(cfg.model.family).init(cfg.model, dtype_of(cfg.trainer))
 
 
-def initial_model(cfg: RunConfig) -> TinyMoeForCausalLM:
-    """Step-0 weights: the seeded init, or the converted pretrained checkpoint (model.pretrained)."""
-    if not cfg.model.pretrained:
-        return build_model(model_config(cfg), cfg.model.init_seed, dtype_of(cfg.trainer))
-    from workers.modeling.convert import load_state_dict  # safetensors only; no transformers needed
+def parallelize(cfg: RunConfig, full, dims: ParallelDims) -> ShardedMoeForCausalLM:
+    """This rank's shard of ``full`` under the family's sharding plan (``ModelSpec.parallelize``)."""
+    return resolve(MODELS.get(cfg.model.family).parallelize)(full, dims)
 
-    model = TinyMoeForCausalLM(model_config(cfg))
-    model.load_state_dict(load_state_dict(require_prepared(cfg.model)), strict=True)
-    return model.to(dtype_of(cfg.trainer))
+
+def num_parameters(cfg: RunConfig) -> int:
+    """Parameters of the full model (built on the meta device: nothing allocated)."""
+    return sum(p.numel() for p in MODELS.get(cfg.model.family).build(cfg.model, device="meta").parameters())
 
 
 def dtype_of(tcfg: TrainerConfig) -> torch.dtype:

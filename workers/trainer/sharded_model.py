@@ -1,5 +1,9 @@
 """The trainer's model: tiny_moe with its modules swapped for TP / EP shards, HF names kept.
 
+This is the sharding plan (``ModelSpec.parallelize``) of the families built on tiny_moe's torch
+code, ``tiny_moe`` and the dense ``llama`` (workers/models/*/spec.py); the trainer reaches it
+through the registry, so a family with other modules names its own plan there.
+
 Built from the full seeded model (every rank builds it, then keeps its slices), so any
 (tp, ep, dp) starts from bit-identical weights. ``TinyMoeForCausalLM.forward`` runs
 unchanged: only ``self_attn``, ``mlp`` and ``lm_head`` are replaced by their parallel
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.modeling.tiny_moe import TinyMoeForCausalLM
+from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,

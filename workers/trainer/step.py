@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from workers.common.config import TrainerConfig
-from workers.modeling.tiny_moe import TinyMoeForCausalLM
+from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
                                   router_stats, routing_disagreement)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.modeling.tiny_moe import Attention, Expert
+from workers.models.tiny_moe.layers import Attention, Expert
 
 PAD_LOGIT = -1.0e4
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.common.dtypes import check_name, torch_dtype
-from workers.modeling.tiny_moe import KVCache, TinyMoeConfig, TinyMoeForCausalLM
+from workers.common.registry import MODELS
+from workers.models.tiny_moe.model import KVCache, TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
@@ -98,7 +99,7 @@ class InferenceEngine:
     def __init__(self, model: TinyMoeForCausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
         assert max_batch_size >= 1, max_batch_size
         self.model = model.eval()
-        self.config: TinyMoeConfig = model.config
+        self.config = model.config  # the family's model section
         self.max_batch_size = max_batch_size
         self.max_seq_len = self.config.max_position_embeddings
         self.device = next(model.parameters()).device  # batches, sampling and the KV cache live here
@@ -403,8 +404,6 @@ def _trim_left(cache: KVCache) -> None:
 
 
 def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> TinyMoeForCausalLM:
-    """Model skeleton from a ModelConfig (weights come from a published step) on ``device``."""
-    names = {f.name for f in dataclasses.fields(TinyMoeConfig)}
-    tcfg = TinyMoeConfig(**{n: getattr(model_cfg, n) for n in names if hasattr(model_cfg, n)})
+    """Model skeleton of ``model_cfg``'s family (``ModelSpec.build``; weights come from a published step)."""
     check_name("inference.dtype", dtype)
-    return TinyMoeForCausalLM(tcfg).to(device=device, dtype=torch_dtype(dtype))
+    return MODELS.get(model_cfg.family).build(model_cfg, device=device, dtype=torch_dtype(dtype))

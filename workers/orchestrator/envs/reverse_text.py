@@ -26,8 +26,8 @@ import random
 from typing import Any
 
 from workers.common.config import EnvConfig
-from workers.common.pretrained import require_prepared
 from workers.common.registry import ENVS
+from workers.models.pretrained import require_prepared
 from workers.orchestrator.envs.base import SingleTurnEnv
 from workers.orchestrator.envs.spec import EnvSpec, positive
 
@@ -102,7 +102,7 @@ class ReverseTextEnv(SingleTurnEnv):
             if model is None or not model.pretrained:
                 raise ValueError("env=reverse_text needs a pretrained model's tokenizer: set model.pretrained "
                                  "(e.g. model=smollm2_135m)")
-            from workers.modeling.convert import load_tokenizer  # transformers: only this env needs it
+            from workers.models.pretrained import load_tokenizer  # transformers: only this env needs it
 
             tokenizer = load_tokenizer(require_prepared(model))
         self.cfg, self.tokenizer = cfg, tokenizer

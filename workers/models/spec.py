@@ -1,0 +1,74 @@
+"""ModelSpec: what a model family registers in workers.common.registry.MODELS (key ``model.family``).
+
+A family's home is ``workers/models/<family>/``; its ``spec.py`` registers one ModelSpec when
+imported. The launcher uses only the torch-free parts (``config``, ``check``, ``arch``); the
+trainer and the embedded engine build through ``build`` / ``init`` and shard through
+``parallelize``, each importing the family's torch code lazily. Nothing else names a family.
+
+The interface (every callable takes the family's own config dataclass, ``model_cfg``):
+
+- ``config``: the schema of the ``model`` section (subclass of workers.common.config.ModelConfig).
+- ``check(run_cfg)``: plan-time, pure; raises ValueError naming the key (the plan adds the
+  checks shared by every family first: :func:`workers.models.checks.check_base`).
+- ``arch(model_cfg) -> Architecture``: plan facts (params, active params, MTP, KV bytes per
+  token) through workers/models/facts.py. Every family has one, buildable or not.
+- ``build(model_cfg, *, device=None, dtype=None) -> nn.Module``: the model with uninitialised
+  weights (``device="meta"`` works: no allocation); None for families that only plan.
+- ``init(model_cfg, dtype) -> nn.Module``: the step-0 weights (seeded init from
+  ``model_cfg.init_seed``, or a converted pretrained checkpoint), on CPU.
+- ``to_hf(state) / from_hf(state)``: this family's parameter names <-> Hugging Face names
+  (published weights and checkpoints use HF names). Identity where the modules use HF names.
+- ``parallelize``: ``"module:callable"``, the trainer's sharding plan ``(full_model, dims) ->
+  sharded model`` (which parameters are TP-split, replicated or expert-owned); resolved by the
+  trainer with :func:`resolve`.
+- ``router_hook``: the forward keyword through which Router Replay forces experts (int64
+  ``[B, T, num_layers, top_k]``, with ``forced_mask [B, T]``); None: no router (dense), so
+  ``trainer.router_replay`` and routed-expert records do not apply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Optional
+
+from workers.common.registry import PluginSpec
+from workers.models.facts import Architecture, ParamCount
+
+
+def identity(state: dict) -> dict:
+    return state
+
+
+def resolve(ref: str) -> Any:
+    """The object a ``"package.module:attribute"`` reference names (imports the module)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec(PluginSpec):
+    arch: Callable[[Any], Architecture]
+    """Plan facts of a config of this family (see workers/models/facts.py)."""
+    build: Optional[Callable[..., Any]] = None
+    """``build(model_cfg, *, device=None, dtype=None)``: the torch module, weights uninitialised."""
+    init: Optional[Callable[[Any, Any], Any]] = None
+    """``init(model_cfg, dtype)``: the step-0 model (seeded or pretrained weights), on CPU."""
+    to_hf: Callable[[dict], dict] = identity
+    """State dict in this family's names -> Hugging Face names."""
+    from_hf: Callable[[dict], dict] = identity
+    """State dict in Hugging Face names -> this family's names."""
+    parallelize: str = ""
+    """``"module:callable"`` of the trainer's sharding plan, ``(full_model, dims) -> sharded model``."""
+    router_hook: Optional[str] = None
+    """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
+
+    @property
+    def buildable(self) -> bool:
+        """False for families that only plan (facts and checks, no torch code yet)."""
+        return self.build is not None
+
+    def params(self, model_cfg) -> ParamCount:
+        return self.arch(model_cfg).params()
+
+    def kv_bytes_per_token(self, model_cfg, dtype_bytes: float) -> int:
+        return self.arch(model_cfg).kv_bytes_per_token(dtype_bytes)

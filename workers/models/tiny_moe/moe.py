@@ -1,0 +1,166 @@
+"""The routed Mixture-of-Experts MLP of tiny_moe: top-k router, experts, balance loss, and the
+grouped-GEMM fast path (no host sync) next to the per-expert reference loop.
+
+Gate weights always come from this model's router, also when Router Replay forces the experts
+(``forced``), so router gradients flow. Expert parameters keep HF Qwen3-MoE names
+(``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block subclasses MoeBlock.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.tiny_moe import layers
+from workers.models.tiny_moe.layers import Expert
+
+
+class _GatherSlots(torch.autograd.Function):
+    """``x[tok_of]`` (each token once per routed slot, grouped by expert). Backward gathers by
+    the inverse permutation and sums each token's k slots: no atomic index_add."""
+
+    @staticmethod
+    def forward(ctx, x, tok_of, inv, k):
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, tok_of)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv).view(inv.numel() // ctx.k, ctx.k, -1).sum(1), None, None, None
+
+
+class _UnpermuteSum(torch.autograd.Function):
+    """``out[t] = sum of y over token t's k slots`` (y in expert order); backward is a gather."""
+
+    @staticmethod
+    def forward(ctx, y, tok_of, inv, k):
+        ctx.save_for_backward(tok_of)
+        return y.index_select(0, inv).view(inv.numel() // k, k, -1).sum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tok_of,) = ctx.saved_tensors
+        return g.index_select(0, tok_of), None, None, None
+
+
+class MoeBlock(nn.Module):
+    """Top-k router + experts. Gate weights always come from this model's router."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+
+    def route(self, x: torch.Tensor, forced: Optional[torch.Tensor], forced_mask: Optional[torch.Tensor] = None):
+        """Returns (indices [N,k], weights [N,k], probs [N,E]) for flat tokens x [N,H].
+
+        ``forced`` [N,k] replaces the top-k choice (Router Replay); where ``forced_mask``
+        [N] is False the router's own top-k is kept (tokens inference did not report).
+        """
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        idx = probs.topk(self.top_k, dim=-1).indices
+        if forced is not None:
+            forced = forced.long()
+            idx = forced if forced_mask is None else torch.where(forced_mask.bool()[:, None], forced, idx)
+        weights = probs.gather(-1, idx)
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+        return idx, weights, probs
+
+    def forward(self, x: torch.Tensor, forced: Optional[torch.Tensor], valid: Optional[torch.Tensor],
+                forced_mask: Optional[torch.Tensor] = None):
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        idx, weights, probs = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
+                                         None if forced_mask is None else forced_mask.reshape(-1))
+        if layers.fast(flat) and self._grouped_ok(flat):
+            out = self._experts_grouped(flat, idx, weights)
+        else:
+            out = self._experts_loop(flat, idx, weights)
+        aux, frac = self.balance(idx, probs, valid)
+        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac
+
+    def balance(self, idx: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]):
+        """Switch-Transformer balance loss over valid tokens, E * sum_e f_e * P_e, and f [E].
+
+        Separate so the trainer's expert-parallel block (same routing, experts on other
+        ranks) returns the very same loss and load.
+        """
+        vmask = torch.ones(idx.shape[0], device=idx.device) if valid is None else valid.reshape(-1).float()
+        n = vmask.sum().clamp_min(1.0)
+        if layers.fast(idx):  # the same counts without one_hot's host sync (it checks the index range)
+            onehot = torch.zeros(idx.shape[0], self.num_experts, device=idx.device).scatter_add_(
+                1, idx, torch.ones(idx.shape, device=idx.device))
+        else:
+            onehot = F.one_hot(idx, self.num_experts).float().sum(1)  # [N, E]
+        frac = (onehot * vmask[:, None]).sum(0) / (n * self.top_k)
+        mean_prob = (probs * vmask[:, None]).sum(0) / n
+        aux = self.num_experts * (frac.detach() * mean_prob).sum()
+        return aux, frac.detach()
+
+    def _experts_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference: one index_select / matmul / index_add per expert (host sync per expert)."""
+        out = torch.zeros_like(flat)
+        for e in range(self.num_experts):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            y = self.experts[e](flat.index_select(0, rows))
+            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out
+
+    def _grouped_ok(self, flat: torch.Tensor) -> bool:
+        """Grouped GEMM needs bf16 operands and plain nn.Linear experts (not swapped modules)."""
+        e0 = self.experts[0]
+        return (hasattr(F, "grouped_mm") and flat.dtype == torch.bfloat16
+                and all(type(getattr(e0, n)) is nn.Linear and getattr(e0, n).weight.dtype == torch.bfloat16
+                        for n in ("gate_proj", "up_proj", "down_proj")))
+
+    def _experts_grouped(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sort token slots by expert, two grouped GEMMs over all experts, no host sync.
+
+        Same function as the loop up to summation order: each token's k expert outputs are
+        summed in one reduction (fp32 accumulate) instead of k bf16 index_adds. The expert
+        weights are stacked per call ([E, 2I, H] and [E, H, I]); their gradients flow back to
+        the per-expert parameters, whose names stay the HF Qwen3-MoE ones.
+        """
+        n, h = flat.shape
+        k = self.top_k
+        expert_ids = idx.reshape(-1)  # [N*k], slot s belongs to token s // k
+        order = expert_ids.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, expert_ids, torch.ones_like(expert_ids))  # bincount would sync to size its output
+        offs = counts.cumsum(0).to(torch.int32)
+        tok_of = order // k
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        xs = _GatherSlots.apply(flat, tok_of, inv, k)  # [N*k, H] grouped by expert
+        w_gate_up, w_down = self._stacked_weights()
+        gate_up = F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [N*k, 2I]
+        g, u = gate_up.chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [N*k, H]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+        return _UnpermuteSum.apply(y, tok_of, inv, k)
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E, 2I, H] gate|up, [E, H, I] down). Without autograd (inference) the stack is kept
+        until a weight changes (in-place copies bump ``_version``), so decode steps do not
+        re-copy every expert; with autograd it is rebuilt so gradients reach the parameters.
+        Update weights with ``param.copy_`` (as the engine does), not through ``param.data``,
+        whose writes bypass the version counter."""
+        # Straight through _modules/_parameters: nn.Module.__getattr__ costs ~2 us a lookup, x 192 a layer.
+        ws = [e._modules[n]._parameters["weight"] for e in self.experts._modules.values()
+              for n in ("gate_proj", "up_proj", "down_proj")]
+        cacheable = not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
+        key = tuple((w.data_ptr(), w._version) for w in ws) if cacheable else None
+        cached = self.__dict__.get("_stack_cache")
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        stacked = (torch.stack([torch.cat([ws[i], ws[i + 1]]) for i in range(0, len(ws), 3)]),
+                   torch.stack(ws[2::3]))
+        self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
+        return stacked
