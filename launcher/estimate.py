@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.models.facts import ParamCount, architecture  # noqa: F401  (ParamCount re-exported)
+from workers.models.spec import ParamCount, architecture  # noqa: F401  (ParamCount re-exported)
 
 TRAIN_BYTES_PER_PARAM = 16
 """bf16 weights (2) + bf16 grads (2) + fp32 master weights, Adam m and v (4 + 4 + 4)."""

@@ -26,7 +26,6 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig
 from workers.common.registry import BACKENDS, ENVS, MODELS
 from workers.common.topology import PORT_SERVERS
-from workers.models.checks import check_base
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
 
@@ -113,11 +112,8 @@ def check_choices(cfg: RunConfig) -> None:
 def check_model(cfg: RunConfig) -> None:
     """The checks every family shares (workers/models/checks.py), then the family's own (its spec);
     a family that only plans is refused unless launcher.dry_run=true."""
-    spec = MODELS.get(cfg.model.family)
     try:
-        check_base(cfg, spec)
-        if spec.check is not None:
-            spec.check(cfg)
+        MODELS.get(cfg.model.family).plan_check(cfg)
     except PlanError:
         raise
     except ValueError as e:

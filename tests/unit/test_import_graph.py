@@ -14,9 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("launcher", "workers")
 #: What launcher/ may import from workers/: the common protocols/configs/registries (which reach
 #: the plugin homes by name), each axis's pure spec interface, and the pure preflight limits.
-#: Never a role's code, never a plugin home directly.
+#: Never a role's code, never a plugin home directly. ``workers.models.pretrained`` is the table of
+#: checkpoint sources the launcher converts once on the login node (torch-free).
 LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits", "workers.models.spec", "workers.weights.spec",
-                       "workers.inference.spec", "workers.orchestrator.envs.spec")
+                       "workers.inference.spec", "workers.orchestrator.envs.spec", "workers.models.pretrained")
 
 
 def module_name(path: Path) -> str:

@@ -32,7 +32,7 @@ import importlib
 from typing import Any, Callable, Optional
 
 from workers.common.registry import PluginSpec
-from workers.models.facts import Architecture, ParamCount
+from workers.models.facts import Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
 
 
 def identity(state: dict) -> dict:
@@ -66,6 +66,15 @@ class ModelSpec(PluginSpec):
     def buildable(self) -> bool:
         """False for families that only plan (facts and checks, no torch code yet)."""
         return self.build is not None
+
+    def plan_check(self, run_cfg) -> None:
+        """Plan time (pure): what every family shares (workers/models/checks.py), then the family's own
+        ``check``; a family that only plans is refused unless launcher.dry_run=true. ValueError names the key."""
+        from workers.models.checks import check_base
+
+        check_base(run_cfg, self)
+        if self.check is not None:
+            self.check(run_cfg)
 
     def params(self, model_cfg) -> ParamCount:
         return self.arch(model_cfg).params()
