@@ -11,8 +11,8 @@ import asyncio
 import aiohttp
 import numpy as np
 
-from tests.integration.test_inference_server import TOKEN
-from tests.integration.test_local_run import assert_no_children_left, metrics, slurmrl
+from tests.integration.conftest import TOKEN
+from tests.integration.conftest import assert_no_children_left, metrics, slurmrl
 
 ENV_KEYS = ("episode_turns_mean", "episode_turns_max", "env_time_s_mean", "env_time_s_max", "sandbox_timeouts",
             "sandbox_runs", "tool_errors_per_turn", "reward_mean", "episode_tokens_max")
@@ -37,12 +37,12 @@ def test_tiny_code_repair_run_reports_per_env_metrics(tmp_path):
 
 
 def test_episode_routing_rows_match_the_engine_on_the_full_history(tmp_path, monkeypatch):
-    from tests.integration.test_inference_server import start_server
+    from tests.integration.conftest import start_server
     from workers.common.inference_client import InferenceClient, wait_until_ready
     from workers.models.tiny_moe.model import TinyMoeConfig, build_model
     from workers.orchestrator.episodes import run_episode
     from workers.weights.filesystem.publisher import publish_step
-    from tests.unit.test_envs_episodes import EchoEnv
+    from tests.conftest import EchoEnv
     from tests.integration import test_inference_server as tis
 
     monkeypatch.setattr(tis, "MODEL", {**tis.MODEL, "vocab_size": 264})  # byte-level chat tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.test_local_run import SMALL, assert_no_children_left, metrics, slurmrl
+from tests.integration.conftest import SMALL, assert_no_children_left, metrics, slurmrl
 
 
 def test_dense_model_trains_through_the_whole_loop_with_tp2(tmp_path):

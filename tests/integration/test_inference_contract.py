@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.fakes.fake_sglang import FakeSGLangConfig, expected_routing, serve_fake_sglang
-from tests.integration.test_inference_server import INIT_SEED, MODEL, TOKEN, start_server
+from tests.integration.conftest import INIT_SEED, SERVER_MODEL as MODEL, TOKEN, start_server
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.protocol import PeerTimeout
 from workers.inference.sglang.router_client import Router

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,40 +15,16 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from workers.common.config import ClusterConfig, RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
-from workers.common.protocol import PeerTimeout, RunPaths
-from workers.inference.embedded.config import EmbeddedInferenceConfig
+from workers.common.protocol import PeerTimeout
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
-from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.filesystem.publisher import publish_step
 from tests.netutil import free_port
+from tests.integration.conftest import TOKEN, SERVER_MODEL as MODEL, INIT_SEED, start_server
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "test-admin-token"
-MODEL = dict(vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_experts=8, top_k=2,
-             expert_intermediate_size=64, max_position_embeddings=512)
-INIT_SEED = 5
-
-
-def start_server(run_dir: Path):
-    port = free_port()
-    cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
-                    model=TinyMoeConfig(name="tiny_moe", init_seed=INIT_SEED, **MODEL),
-                    inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
-    paths = RunPaths(run_dir).ensure()
-    paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    paths.admin_token.write_text(TOKEN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RANK", "WORLD_SIZE"))}
-    env.update(SLURMRL_ROLE="inference", SLURMRL_RUN_DIR=str(run_dir), SLURMRL_LOCAL="1", RANK="0",
-               SLURMRL_INFERENCE_URLS=f"http://127.0.0.1:{port}", PYTHONPATH=str(REPO))
-    log = open(run_dir / "inference.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "workers.inference"], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}", paths
 
 
 @pytest.fixture(scope="module")

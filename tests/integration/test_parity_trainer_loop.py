@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.integration.test_trainer_ranks import MODEL, free_port, make_batch, publish_batch, start_rank, wait_all
+from tests.integration.conftest import RANKS_MODEL as MODEL, make_batch, publish_batch, start_rank, wait_all
+
+from tests.netutil import free_port
 from workers.common.config import (ClusterConfig, ParallelConfig, RunConfig, TrainerConfig,
                                    WeightsConfig)
 from workers.models.tiny_moe.config import TinyMoeConfig

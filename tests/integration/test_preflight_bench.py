@@ -20,7 +20,7 @@ import pytest
 from workers.preflight import bench
 from workers.preflight.bandwidth import BUSBW_FACTOR, evaluate
 from workers.preflight.nccl_tests import run_test
-from tests.unit.test_preflight_nccl_parse import ALL_REDUCE
+from tests.conftest import ALL_REDUCE
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["min_bytes=65536", "max_bytes=262144", "num_iters=3", "num_warmup_iters=1"]

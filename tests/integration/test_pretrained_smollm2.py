@@ -32,7 +32,7 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cfg(converted):
-    from tests.unit.test_plan_slurm import compose
+    from tests.conftest import compose
 
     c = compose(["experiment=smollm2_reverse_text", f"model.pretrained_dir={converted}"])
     return dataclasses.replace(c, model=dataclasses.replace(c.model, max_position_embeddings=256))

@@ -13,7 +13,7 @@ import functools
 
 from launcher.plan import JobPlan, build_plan
 from launcher.render import layout_of
-from tests.unit.test_plan_slurm import compose
+from tests.conftest import compose
 from workers.common.config import RunConfig
 from workers.common.topology import Topology, current_topology, port_base
 from workers.inference.sglang import server as sglang_server

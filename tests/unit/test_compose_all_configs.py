@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.plan import build_plan
-from tests.unit.test_plan_slurm import CONF_DIR, compose
+from tests.conftest import CONF_DIR, compose
 
 ROOT = Path(CONF_DIR)
 YAMLS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.yaml"))

@@ -143,7 +143,7 @@ def test_verifiers_env_is_visibly_unimplemented():
 
 def test_plan_refuses_verifiers_saying_what_is_missing():
     from launcher.plan import PlanError, build_plan
-    from tests.unit.test_plan_slurm import compose
+    from tests.conftest import compose
     for overrides in (["env=verifiers"], ["experiment=tiny_code_repair", "env=verifiers", "env.verifiers_env=x"]):
         with pytest.raises(PlanError, match="env=verifiers is not implemented: .*missing here: a verifiers Client"):
             build_plan(compose(overrides))
@@ -157,7 +157,7 @@ def test_plan_vocab_is_the_chat_templates():
 
 def test_plan_refuses_bad_multi_turn_settings():
     from launcher.plan import PlanError, build_plan
-    from tests.unit.test_plan_slurm import compose
+    from tests.conftest import compose
     base = ["experiment=tiny_code_repair"]
     assert build_plan(compose(base)).roles
     for bad, fragment in [("orchestrator.long_episode_policy=maybe", "long_episode_policy"),

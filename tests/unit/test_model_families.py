@@ -11,8 +11,8 @@ import torch
 
 from launcher.estimate import count_params
 from launcher.plan import PlanError, build_plan
-from tests.unit.test_plan_slurm import compose
-from tests.unit.test_render_dry_run import slurmrl
+from tests.conftest import compose
+from tests.unit.conftest import slurmrl
 from workers.common.registry import MODELS
 from workers.models.facts import architecture
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from launcher.plan import build_plan
-from tests.unit.test_plan_slurm import compose, plan_error
+from tests.conftest import compose, plan_error
 from workers.trainer.loop import parallel_degrees
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.sharded_model import placement

@@ -16,7 +16,7 @@ SCRIPT = f"""
 import importlib, sys
 for m in {MODULES!r}:
     importlib.import_module("launcher." + m)
-from tests.unit.test_plan_slurm import GLM5, plan
+from tests.conftest import GLM5, plan
 from launcher.render import render_script
 render_script(plan(GLM5), run_dir="/r", python="/p", workdir="/w", script_path="/r/s")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "safetensors"))

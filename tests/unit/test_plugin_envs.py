@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 import tests.plugins.envs_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
-from tests.unit.test_plan_slurm import compose
+from tests.conftest import compose
 from workers.common.inference_client import InferenceClient
 from workers.common.registry import ENVS
 from workers.orchestrator.batch_builder import build_batch_arrays

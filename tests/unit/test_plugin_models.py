@@ -13,8 +13,8 @@ import tests.plugins.models_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
 from tests.netutil import free_port, gloo_dims
-from tests.unit.test_plan_slurm import compose
-from tests.unit.test_render_dry_run import slurmrl
+from tests.conftest import compose
+from tests.unit.conftest import slurmrl
 from workers.common.config import load_run_config
 from workers.common.registry import MODELS
 

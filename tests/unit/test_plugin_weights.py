@@ -21,7 +21,7 @@ import tests.plugins.weights_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
 from tests.netutil import free_port
-from tests.unit.test_plan_slurm import compose
+from tests.conftest import compose
 from workers.common.config import conform_sections
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from launcher.plan import PlanError
-from tests.unit.test_plan_slurm import GLM5, TINY_SLURM, compose, plan, plan_error
-from tests.unit.test_render_golden import render, srun_steps
+from tests.conftest import GLM5, TINY_SLURM, compose, plan, plan_error
+from tests.unit.conftest import render, srun_steps
 
 PREFLIGHT_CALL = '"$SLURMRL_PYTHON" -m workers.preflight job --run-dir "$SLURMRL_RUN_DIR"'
 

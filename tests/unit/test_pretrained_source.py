@@ -9,7 +9,7 @@ import pytest
 
 from launcher.plan import PlanError
 from launcher.pretrained import pin_pretrained_dir
-from tests.unit.test_plan_slurm import compose
+from tests.conftest import compose
 from workers.models import pretrained
 from workers.orchestrator.envs.reverse_text import similarity
 

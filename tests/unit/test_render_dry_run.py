@@ -6,21 +6,15 @@ prints the script and the sbatch command; bad input fails before anything is wri
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.test_render_golden import sbatch_blocks
+from tests.unit.conftest import sbatch_blocks
 from workers.common.config import load_run_config
+from tests.unit.conftest import slurmrl
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def slurmrl(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SLURMRL_RUNS_ROOT": str(tmp_path / "runs"), "PATH": str(Path(sys.executable).parent)}
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_glm5_dry_run_without_slurm(tmp_path):

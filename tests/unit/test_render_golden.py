@@ -15,20 +15,11 @@ from pathlib import Path
 import pytest
 
 from launcher.plan import PlanError
-from launcher.render import PACKAGED_TEMPLATES, render_script
-from tests.unit.test_plan_slurm import GLM5, TINY_SLURM, compose, plan
-from launcher.plan import build_plan
+from launcher.render import PACKAGED_TEMPLATES
+from tests.conftest import GLM5, TINY_SLURM, plan
+from tests.unit.conftest import GOLDEN, render, sbatch_blocks, srun_steps
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-PATHS = dict(run_dir="/RUN_DIR", python="/VENV/bin/python", workdir="/WORKDIR", script_path="/RUN_DIR/slurm/job.sbatch")
 CASES = {"tiny_local_local_slurm.sbatch": TINY_SLURM, "glm5_swe_28xh200_h200_ib.sbatch": GLM5}
-
-
-def render(overrides: list[str], **changes) -> str:
-    cfg = compose(overrides)
-    for key, value in changes.items():
-        setattr(cfg.cluster, key, value)
-    return render_script(build_plan(cfg), **PATHS)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -42,31 +33,6 @@ def test_golden(name):
     assert text == path.read_text(), (f"rendered script differs from {path}; if the change is intended, refresh with "
                                       f"SLURMRL_UPDATE_GOLDEN=1 .venv/bin/python -m pytest {Path(__file__).name} "
                                       f"and review the diff")
-
-
-def sbatch_blocks(text: str) -> list[list[str]]:
-    blocks: list[list[str]] = [[]]
-    for line in text.splitlines():
-        if line == "#SBATCH hetjob":
-            blocks.append([])
-        elif line.startswith("#SBATCH "):
-            blocks[-1].append(line[len("#SBATCH "):])
-    return blocks
-
-
-def srun_steps(text: str) -> list[list[str]]:
-    """The flags of every srun step (one flag per continued line)."""
-    steps, cur = [], None
-    for line in text.splitlines():
-        s = line.strip()
-        if s == "srun \\":
-            cur = []
-        elif cur is not None and s.startswith("--"):
-            cur.append(s.rstrip(" \\"))
-        elif cur is not None:
-            steps.append(cur)
-            cur = None
-    return steps
 
 
 @pytest.mark.parametrize("overrides", [TINY_SLURM, GLM5], ids=["tiny", "glm5"])

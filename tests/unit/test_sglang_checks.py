@@ -6,7 +6,7 @@ import pytest
 
 from launcher.plan import PlanError, build_plan
 from tests.unit.sglang_cases import PRESETS
-from tests.unit.test_plan_slurm import compose
+from tests.conftest import compose
 
 GLM5 = PRESETS["glm5_swe_28xh200"]
 KIMI = PRESETS["kimi_k2_swe_32xh200"]

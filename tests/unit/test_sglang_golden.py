@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from launcher.plan import build_plan
-from tests.unit.test_plan_slurm import compose
-from tests.unit.test_render_golden import GOLDEN, render
+from tests.conftest import compose
+from tests.unit.conftest import GOLDEN, render
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = {"kimi_k2_swe_32xh200_h200_ib.sbatch": ["experiment=kimi_k2_swe_32xh200"],
