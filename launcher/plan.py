@@ -24,6 +24,7 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig
+from workers.common.dtypes import COMPUTE_DTYPES
 from workers.common.registry import BACKENDS, ENVS, MODELS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
 CHOICES = {
     "cluster.backend": ("local", "slurm"),
-    "inference.dtype": ("float32", "bfloat16"),
-    "trainer.dtype": ("float32", "bfloat16"),
+    "inference.dtype": COMPUTE_DTYPES,
+    "trainer.dtype": COMPUTE_DTYPES,
     "orchestrator.advantage": ("sequence", "token_rtg"),
 }
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")

@@ -31,11 +31,11 @@ import torch
 
 import xxhash
 
+from workers.common.dtypes import TABLE as DTYPE_TABLE
 from workers.weights.checksums import byte_view
 
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+ST_DTYPES = {getattr(torch, name): code for name, (code, _size) in DTYPE_TABLE.items()}
+"""torch dtype -> safetensors code, from the one dtype table (workers/common/dtypes.py)."""
 FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 NAMES = {t: str(t).replace("torch.", "") for t in ST_DTYPES}
 """torch dtype -> the name index.json and SGLang's HTTP API use (``bfloat16``)."""
