@@ -22,9 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGINS = ",".join(f"tests.plugins.{axis}_plugin" for axis in ("models", "weights", "envs", "backends"))
 CHOICES = ["model=tiny_moe_scaled", "weights=fake_copy", "env=count_up", "inference=fake_embedded_cli",
            "inference.greeting=hello-from-the-test-tree"]
-SMALL = ["orchestrator.num_prompts_per_step=8", "orchestrator.num_samples_per_prompt=4",
-         "orchestrator.max_inflight_rollouts=32", "orchestrator.max_off_policy_steps=1", "trainer.lr=3e-3"]
-NUM_STEPS = 12
+SETTINGS = ["orchestrator.max_off_policy_steps=1", "trainer.lr=1e-3"]  # 16 prompts x 4 samples a step
+NUM_STEPS = 40  # ~15 s on 2 cores: reward ~0.07 -> ~0.2
 
 
 def slurmrl(args: list[str], tmp_path: Path, *, plugins: str = PLUGINS) -> subprocess.CompletedProcess:
@@ -35,7 +34,7 @@ def slurmrl(args: list[str], tmp_path: Path, *, plugins: str = PLUGINS) -> subpr
 
 def test_every_axis_from_the_test_tree_in_one_run(tmp_path):
     run_dir = tmp_path / "all"
-    proc = slurmrl([*CHOICES, *SMALL, f"trainer.num_steps={NUM_STEPS}", f"launcher.run_dir={run_dir}"], tmp_path)
+    proc = slurmrl([*CHOICES, *SETTINGS, f"trainer.num_steps={NUM_STEPS}", f"launcher.run_dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert f"finished: {NUM_STEPS} steps" in proc.stdout
     run_yaml = (run_dir / "config" / "run.yaml").read_text()
@@ -47,20 +46,22 @@ def test_every_axis_from_the_test_tree_in_one_run(tmp_path):
     # weights: only step 0 on the filesystem; every update went through the plugin's copies, verified
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_000000"]
     applied = [json.loads(p.read_text()) for p in sorted((run_dir / "weights_copy").glob("v_*/APPLIED.json"))]
-    assert len(applied) >= NUM_STEPS // 2 and all(a["ok"] and len(a["digests"]) == 2 for a in applied), applied
+    assert applied and all(a["ok"] and len(a["digests"]) == 2 for a in applied), applied  # the copies kept
     # backend: each worker was started through the plugin's own command and said its greeting
     logs = [(run_dir / "logs" / f"inference_{i}.log").read_text() for i in range(2)]
     assert all("-m tests.plugins.backends_plugin --greeting hello-from-the-test-tree" in log for log in logs)
     assert all("fake_embedded_cli says 'hello-from-the-test-tree'" in log for log in logs)
     # env: count_up scored every sample, and the policy learned its task
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert len(metrics) == NUM_STEPS and metrics[-1]["weight_updates_mismatched"] == 0
-    first = sum(m["reward_mean"] for m in metrics[:3]) / 3
-    last = sum(m["reward_mean"] for m in metrics[-3:]) / 3
+    assert len(metrics) == NUM_STEPS
+    assert metrics[-1]["weight_updates_verified"] >= NUM_STEPS // 2 and metrics[-1]["weight_updates_mismatched"] == 0
+    first = sum(m["reward_mean"] for m in metrics[:5]) / 5
+    last = sum(m["reward_mean"] for m in metrics[-5:]) / 5
     assert last > first + 0.05, [round(m["reward_mean"], 3) for m in metrics]
 
 
 def test_without_the_plugins_the_same_choices_are_refused_by_name(tmp_path):
     proc = slurmrl([*CHOICES, "launcher.dry_run=true"], tmp_path, plugins="")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "tiny_moe_scaled" in proc.stderr  # Hydra: no such option in group model (the first one it meets)
+    assert "Could not find" in proc.stderr  # Hydra names the first group option it cannot find
+    assert any(name in proc.stderr for name in ("tiny_moe_scaled", "fake_copy", "count_up", "fake_embedded_cli"))
