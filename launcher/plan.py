@@ -23,9 +23,9 @@ from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, s
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
-from workers.common.config import RunConfig
+from workers.common.config import ConfigError, RunConfig, conform_sections
 from workers.common.dtypes import COMPUTE_DTYPES
-from workers.common.registry import BACKENDS, ENVS, MODELS
+from workers.common.registry import BACKENDS, ENVS, MODELS, UnknownEntry
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
@@ -245,7 +245,18 @@ def check_backend(cfg: RunConfig):
     return backend
 
 
+def check_sections(cfg: RunConfig) -> None:
+    """Each plugin section fits the schema of the entry it names (a field that entry does not use,
+    e.g. an MLA rank on a tiny_moe model, is refused with its name; the launcher conforms the
+    sections already, this guards plans built from Python)."""
+    try:
+        conform_sections(cfg)
+    except (ConfigError, UnknownEntry) as e:
+        raise PlanError(str(e)) from None
+
+
 def build_plan(cfg: RunConfig) -> JobPlan:
+    check_sections(cfg)
     check_choices(cfg)
     check_model(cfg)
     check_env(cfg)

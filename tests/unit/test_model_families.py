@@ -96,3 +96,17 @@ def test_family_checks_name_the_key():
         build_plan(compose(["model.pretrained=smollm2_135m"]))
     with pytest.raises(PlanError, match=r"model.num_dense_layers\(61\)"):
         build_plan(compose(["experiment=kimi_k2_swe_32xh200", "cluster=h200_ib", "model.num_dense_layers=61"]))
+
+
+def test_a_plan_built_from_python_refuses_a_section_of_another_family():
+    """build_plan itself (not only the CLI) refuses fields the named family does not have."""
+    import dataclasses
+
+    from workers.models.deepseek_v3.spec import DeepseekV3Config
+
+    cfg = compose([])
+    shared = {f.name for f in dataclasses.fields(DeepseekV3Config)}
+    mla = DeepseekV3Config(**{k: v for k, v in dataclasses.asdict(cfg.model).items() if k in shared and k != "family"},
+                           family="tiny_moe", q_lora_rank=8)
+    with pytest.raises(PlanError, match=r"model\.\w+ is not used by model family 'tiny_moe'"):
+        build_plan(dataclasses.replace(cfg, model=mla))

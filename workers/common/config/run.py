@@ -80,8 +80,8 @@ def structure_section(section: str, node: Any) -> DictConfig:
     names = {f.name for f in dataclasses.fields(schema)}
     unused = [k for k in node.keys() if k not in names]
     if unused:
-        raise ConfigError(f"{section}.{unused[0]} is not used by {registry.axis} {name!r} ({schema.__name__}); "
-                          f"its fields: {sorted(names)}")
+        raise ConfigError(f"{section}.{unused[0]} is not used by {registry.axis} {name!r} ({registry.key}={name}, "
+                          f"schema {schema.__name__}); its fields: {sorted(names)}")
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), node)
     except ConfigKeyError as e:  # a nested unknown key
