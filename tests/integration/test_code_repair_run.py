@@ -43,12 +43,12 @@ def test_episode_routing_rows_match_the_engine_on_the_full_history(tmp_path, mon
     from workers.orchestrator.episodes import run_episode
     from workers.weights.filesystem.publisher import publish_step
     from tests.conftest import EchoEnv
-    from tests.integration import test_inference_server as tis
+    from tests.integration import conftest as tis
 
-    monkeypatch.setattr(tis, "MODEL", {**tis.MODEL, "vocab_size": 264})  # byte-level chat tokens
+    monkeypatch.setattr(tis, "SERVER_MODEL", {**tis.SERVER_MODEL, "vocab_size": 264})  # byte-level chat tokens
     proc, url, paths = start_server(tmp_path)
     try:
-        model = build_model(TinyMoeConfig(**tis.MODEL), seed=tis.INIT_SEED)
+        model = build_model(TinyMoeConfig(**tis.SERVER_MODEL), seed=tis.INIT_SEED)
         publish_step(paths.root / "weights", 0, model.state_dict(), keep_last=5)
 
         async def go():
