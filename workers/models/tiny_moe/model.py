@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.common.dtypes import torch_dtype
+from workers.models.tiny_moe import layers  # layers.fast: looked up per call, so tests can switch it
 from workers.models.tiny_moe.config import DecoderConfig, TinyMoeConfig  # noqa: F401  (re-exported)
 from workers.models.tiny_moe.layers import (Attention, Expert, KVCache, RMSNorm, apply_rope,  # noqa: F401
-                                            dense_mask, fast, right_padded, rope_cos_sin)
+                                            dense_mask, right_padded, rope_cos_sin)
 from workers.models.tiny_moe.moe import MoeBlock
 
 
@@ -119,7 +120,7 @@ class TinyMoeForCausalLM(nn.Module):
         if cache is not None:
             cache.key_mask = key_mask
         x = self.model.embed_tokens(input_ids)
-        fast_causal = (cache is None and segment_ids is None and fast(x)
+        fast_causal = (cache is None and segment_ids is None and layers.fast(x)
                        and (attention_mask is None or right_padded(valid)))
         mask = None if fast_causal else dense_mask(key_mask, t, past)
         if segment_ids is not None:
