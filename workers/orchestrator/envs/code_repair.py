@@ -69,7 +69,14 @@ class CodeRepairConfig(MultiTurnEnvConfig):
     """Describe the tool-call format in the first prompt (for models that can read it; the tiny
     model cannot, and the help would cost ~400 tokens of its context)."""
     sandbox_mode: str = "auto"
-    """auto | namespaces (root) | userns (unprivileged) | rlimits (weak fallback); see envs/sandbox.py."""
+    """auto | namespaces (root) | userns (unprivileged) | rlimits (the weak mode); see envs/sandbox.py.
+    auto never degrades silently: where neither namespace mode works it refuses to run untrusted
+    code at env start unless ``sandbox_allow_weak`` is true."""
+    sandbox_allow_weak: bool = False
+    """Accept the weak rlimits mode (no namespaces: code under test runs as the job user, kept away
+    from the run by a private copy as cwd/HOME, closed fds, a clean environment, a reaper, and
+    Landlock where the kernel has it). Needed for sandbox_mode=rlimits, and for auto on hosts
+    without root or user namespaces."""
     sandbox_python: str = "/usr/bin/python3"
     """Interpreter that runs the tests inside the sandbox (its prefix is bind-mounted read-only)."""
     sandbox_scratch_root: Optional[str] = None
@@ -95,6 +102,10 @@ def check_sandbox(run_cfg: Any) -> None:
     positive("env.sandbox_timeout_s", e.sandbox_timeout_s)
     if e.sandbox_mode not in SANDBOX_MODES:
         raise ValueError(f"env.sandbox_mode={e.sandbox_mode!r}; choose one of {list(SANDBOX_MODES)}")
+    if e.sandbox_mode == "rlimits" and not e.sandbox_allow_weak:
+        raise ValueError("env.sandbox_mode=rlimits is the weak sandbox (untrusted code runs without namespaces, as "
+                         "the job user when not root); set env.sandbox_allow_weak=true to accept it, or use "
+                         "env.sandbox_mode=auto")
 
 
 def check(run_cfg: Any) -> None:
@@ -122,7 +133,8 @@ class CodeRepairEnv(MultiTurnEnv):
         self.sandbox = Sandbox(SandboxLimits(cpu_s=cfg.sandbox_cpu_s, memory_mb=cfg.sandbox_memory_mb,
                                              file_size_kb=cfg.sandbox_file_size_kb, num_procs=cfg.sandbox_num_procs,
                                              timeout_s=cfg.sandbox_timeout_s, tmp_mb=cfg.sandbox_tmp_mb),
-                               mode=cfg.sandbox_mode, python=cfg.sandbox_python, scratch_root=cfg.sandbox_scratch_root)
+                               mode=cfg.sandbox_mode, python=cfg.sandbox_python, scratch_root=cfg.sandbox_scratch_root,
+                               allow_weak=cfg.sandbox_allow_weak)  # auto: probes now, refuses the weak mode unless allowed
         self.scratch = Path(tempfile.mkdtemp(prefix=f"episodes-{os.getpid()}-", dir=self.sandbox.scratch_root))
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)  # sessions remove their own dirs
         self.scores: OrderedDict[str, tuple[int, str, bool]] = OrderedDict()  # content hash -> result

@@ -19,9 +19,14 @@ Why a uid per concurrent run instead of ``nobody``: RLIMIT_NPROC counts processe
 uid, so with a shared uid one episode's fork bomb would starve every other episode's
 tests, and episodes could signal each other's processes.
 
-Mode ``auto`` probes once per process: ``namespaces`` when root, else ``userns``, else
-``rlimits`` (rlimits + uid drop + the runner's audit hook; see sandbox_exec.py; logged as a
-warning because network and filesystem isolation are then best effort only).
+Mode ``auto`` probes once per process, when the Sandbox is built (the env's start):
+``namespaces`` when root, else ``userns``. When neither works it does not degrade silently:
+it raises :class:`SandboxWeakError` naming ``env.sandbox_allow_weak``, unless the caller
+allowed the weak ``rlimits`` mode (``allow_weak=True``). The weak mode still keeps the code
+away from the run: its own uid when root, a private copy as cwd/HOME/TMPDIR, no inherited
+fds, a clean environment (no SLURMRL_*, tokens or run paths), a subreaper that kills every
+leftover process, and Landlock where the kernel has it (landlock.py; which protections
+apply is logged). What it cannot block without root or Landlock is listed in sandbox_exec.py.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +51,7 @@ RUNNER = HERE / "sandbox_runner.py"
 INSIDE_PROJECT, INSIDE_RUNNER = "/work", "/sandbox/runner.py"
 MODES = ("auto", "namespaces", "userns", "rlimits")
 SETUP_FAILED = 125
-_probed: dict[tuple[str, str], str] = {}
+_probed: dict[tuple, tuple[str, str]] = {}  # (python, scratch, candidates) -> (mode, why not isolated)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,11 +93,24 @@ class SandboxSetupError(RuntimeError):
     """The sandbox itself could not be built (not the program's fault)."""
 
 
+class SandboxWeakError(SandboxSetupError):
+    """``auto`` found only the weak rlimits mode and the weak mode was not allowed."""
+
+
+WEAK_REFUSED = ("sandbox: mode auto found no namespaces here (not root and user namespaces are unavailable: {why}); "
+                "only the weak rlimits mode is left, where untrusted code runs as the job user. Refusing to run "
+                "untrusted code; set env.sandbox_allow_weak=true to accept the weak mode ({protections}), or run "
+                "where user namespaces are enabled")
+
+
 class Sandbox:
     """One sandbox configuration; ``run_python`` may be called concurrently."""
 
     def __init__(self, limits: SandboxLimits, *, mode: str = "auto", python: str = "/usr/bin/python3",
-                 scratch_root: Optional[str] = None, uid_base: int = 61000, num_uids: int = 64):
+                 scratch_root: Optional[str] = None, uid_base: int = 61000, num_uids: int = 64,
+                 allow_weak: bool = False, auto_modes: tuple[str, ...] = ("namespaces", "userns")):
+        """``auto_modes``: the isolating modes ``auto`` tries, in order (each only where it can
+        work: ``namespaces`` needs root). Passing ``()`` shows auto a host without namespaces."""
         if mode not in MODES:
             raise ValueError(f"sandbox mode {mode!r} is unknown; choose one of {MODES}")
         self.limits, self.requested_mode = limits, mode
@@ -102,8 +121,11 @@ class Sandbox:
         self.mountpoint.mkdir(exist_ok=True)
         self.pool = _uid_pool(uid_base, num_uids)
         self.uids = self.pool.uids
-        self._mode_lock = asyncio.Lock()
-        self.mode = mode if mode != "auto" else ""
+        self.allow_weak = allow_weak
+        self.mode = mode if mode != "auto" else self._detect(tuple(auto_modes))
+        if self.mode == "rlimits":
+            log.warning("sandbox: weak rlimits mode (%s); Landlock here blocks: %s", "requested" if mode == "rlimits"
+                        else "allowed by env.sandbox_allow_weak", ", ".join(weak_protections()) or "nothing")
 
     @property
     def runner(self) -> str:
@@ -111,28 +133,38 @@ class Sandbox:
         return str(RUNNER) if self.mode == "rlimits" else INSIDE_RUNNER
 
     async def resolve_mode(self) -> str:
-        async with self._mode_lock:
-            if not self.mode:
-                key = (self.python, str(self.scratch_root))
-                if key not in _probed:
-                    _probed[key] = await self._probe()
-                self.mode = _probed[key]
         return self.mode
 
-    async def _probe(self) -> str:
+    def _detect(self, candidates: tuple[str, ...]) -> str:
+        """``auto``: the first isolating mode that runs ``python -c pass`` here (cached per
+        interpreter, scratch root and candidates); else rlimits if allowed, else SandboxWeakError."""
+        key = (self.python, str(self.scratch_root), candidates)
+        if key not in _probed:
+            _probed[key] = self._probe(candidates)
+        mode, why = _probed[key]
+        if mode == "rlimits" and not self.allow_weak:
+            raise SandboxWeakError(WEAK_REFUSED.format(why=why, protections="Landlock here blocks: " + (
+                ", ".join(weak_protections()) or "nothing")))
+        return mode
+
+    def _probe(self, candidates: tuple[str, ...]) -> tuple[str, str]:
         empty = Path(tempfile.mkdtemp(dir=self.scratch_root))
-        empty.chmod(0o755)  # the sandbox uid must be able to enter its project dir
+        empty.chmod(0o755)
+        why = []
         try:
-            for mode in (["namespaces"] if os.geteuid() == 0 else []) + ["userns"]:
-                res = await self._run(mode, ["-c", "pass"], empty, b"")
+            for mode in candidates:
+                if mode == "namespaces" and os.geteuid() != 0:
+                    continue
+                spec = self._spec(mode, ["-c", "pass"], empty, None, None)
+                res = subprocess.run([sys.executable, "-I", "-S", str(TRAMPOLINE), json.dumps(spec)],
+                                     capture_output=True, text=True, timeout=30, start_new_session=True)
                 if res.returncode == 0:
-                    return mode
+                    return mode, ""
+                why.append(f"{mode}: {res.stderr.strip()[-200:]}")
                 log.info("sandbox mode %s unavailable: %s", mode, res.stderr.strip()[-300:])
         finally:
             shutil.rmtree(empty, ignore_errors=True)
-        log.warning("sandbox: no namespaces here; falling back to rlimits + uid drop + audit hook "
-                    "(network and filesystem isolation are best effort only)")
-        return "rlimits"
+        return "rlimits", "; ".join(why) or "no isolating mode was tried"
 
     async def run_python(self, args: list[str], *, project: Path, stdin: bytes = b"") -> SandboxResult:
         """``python -I -S ARGS`` with ``project`` as cwd (read-only /work inside the namespaces).
@@ -166,16 +198,20 @@ class Sandbox:
 
     def _spec(self, mode: str, args: list[str], project: Path, copy: Optional[Path], uid: Optional[int]) -> dict:
         lim = self.limits
-        num_procs = lim.num_procs if uid is not None else lim.num_procs + _processes_of(os.getuid())
+        # without a uid of its own, RLIMIT_NPROC counts the job user's processes (+1: the weak mode's reaper)
+        num_procs = lim.num_procs if uid is not None else lim.num_procs + _processes_of(os.getuid()) + 1
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONHASHSEED": "0", "TMPDIR": "/tmp"}
         spec = {"mode": mode, "uid": uid, "gid": uid, "argv": [self.python, "-I", "-S", *args],
                 "limits": {"cpu_s": lim.cpu_s, "memory_bytes": lim.memory_mb << 20,
                            "file_size_bytes": lim.file_size_kb << 10, "num_procs": num_procs,
                            "num_files": lim.num_files}}
-        if mode == "rlimits":
-            env.update({"SLURMRL_SANDBOX_AUDIT": "1", "TMPDIR": str(copy), "HOME": str(copy)})
-            return {**spec, "cwd": str(copy), "env": env}
+        if mode == "rlimits":  # a clean environment: nothing of the run's (no SLURMRL_*, tokens, paths)
+            env.update({"SANDBOX_AUDIT": "1", "TMPDIR": str(copy), "HOME": str(copy)})
+            prefix = os.path.dirname(os.path.dirname(self.python))
+            read = ["/usr", "/bin", "/lib", "/lib64", "/etc", prefix, str(RUNNER)]
+            write = [str(copy), "/dev/null", "/dev/zero", "/dev/urandom"]
+            return {**spec, "cwd": str(copy), "env": env, "landlock": {"read": read, "write": write}}
         binds = [["/usr", "/usr", False], [str(project.resolve()), INSIDE_PROJECT, False], [str(RUNNER), INSIDE_RUNNER, False]]
         prefix = os.path.dirname(os.path.dirname(self.python))
         if not prefix.startswith("/usr"):
@@ -202,6 +238,8 @@ class Sandbox:
             _, out, err, code = await asyncio.wait_for(asyncio.shield(work), self.limits.timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
+            if mode == "rlimits":  # the trampoline's reaper kills the program and every daemon, then exits
+                await _terminate_reaper(proc)
             _kill_group(proc.pid)
             if mode == "rlimits" and uid is not None:
                 await _kill_uid(uid)
@@ -291,6 +329,21 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+async def _terminate_reaper(proc: asyncio.subprocess.Process) -> None:
+    try:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(asyncio.shield(proc.wait()), 2.0)
+    except (ProcessLookupError, asyncio.TimeoutError):
+        pass
+
+
+def weak_protections() -> list[str]:
+    """What Landlock blocks in the weak mode on this kernel (landlock.py); [] without Landlock."""
+    from workers.orchestrator.envs import landlock
+
+    return landlock.protections(landlock.abi())
 
 
 def _processes_of(uid: int) -> int:

@@ -18,9 +18,16 @@ Modes (SPEC ``mode``; workers/orchestrator/envs/sandbox.py picks one):
 ``userns`` (unprivileged user): the same, inside a new user namespace mapping the
     caller's uid to root; no uid change is possible there, so RLIMIT_NPROC counts all of
     the caller's processes (sandbox.py adds the current count).
-``rlimits`` (fallback, documented as weak): rlimits and, when root, the uid drop only;
-    cwd is a throwaway copy of the project. Network and file access outside it are
-    only blocked for Python programs through the runner's audit hook.
+``rlimits`` (the weak mode, only with ``env.sandbox_allow_weak=true`` or an explicit
+    ``sandbox_mode=rlimits``): rlimits, the uid drop when root, every inherited fd
+    closed, a clean environment, cwd/HOME/TMPDIR a throwaway copy of the project, and
+    Landlock where the kernel has it (landlock.py: files outside the copy and the
+    interpreter, TCP connect/bind from ABI 4, signals to and abstract sockets of
+    processes outside the sandbox from ABI 6). The trampoline stays as the program's
+    parent, a child subreaper: orphans and daemons are re-parented to it and killed when
+    the program exits or at SIGTERM (the deadline). What stays open without root and
+    without Landlock: reading the job user's files, 127.0.0.1 services, signals to the
+    job user's processes (sandbox.py logs what applies).
 
 Exit status: the program's, or 128 + signal when a signal killed it; 125 when the
 sandbox itself could not be set up (the message is on stderr, prefixed ``sandbox:``).
@@ -37,8 +44,9 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 SETUP_FAILED = 125
+LANDLOCK = None  # weak mode: landlock.py, loaded before the uid drop
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -126,7 +134,72 @@ def drop_and_exec(spec: dict) -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(pdeathsig)")  # reset by setuid: set after
     os.chdir(spec["cwd"])
+    if spec.get("landlock"):
+        LANDLOCK.restrict_self(read=spec["landlock"]["read"], write=spec["landlock"]["write"])
+    os.closerange(3, 65536)  # nothing of the orchestrator's (sockets, files, pipes) reaches the program
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def load_landlock():
+    """landlock.py, loaded by path (this script runs without the project on sys.path) and before
+    the uid drop (the sandbox uid may not read the orchestrator's interpreter or project)."""
+    import importlib.util
+
+    loc = importlib.util.spec_from_file_location("sandbox_landlock", os.path.join(os.path.dirname(__file__),
+                                                                                 "landlock.py"))
+    mod = importlib.util.module_from_spec(loc)
+    loc.loader.exec_module(mod)
+    return mod
+
+
+def children() -> list:
+    """Pids whose parent is this process (the program, and orphans re-parented to us)."""
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def kill_descendants() -> None:
+    """SIGKILL every child until none is left (killing one re-parents its children to us)."""
+    while True:
+        for pid in children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def weak_main(spec: dict) -> None:
+    """rlimits mode: a subreaper parent, so no process of the run outlives it."""
+    global LANDLOCK
+    LANDLOCK = load_landlock() if spec.get("landlock") else None
+    check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(child_subreaper)")
+    program = os.fork()
+    if program == 0:
+        try:
+            drop_and_exec(spec)
+        except BaseException as e:  # noqa: BLE001 - anything here means no sandbox
+            fail(e)
+
+    def on_term(*_):
+        kill_descendants()
+        os._exit(128 + signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = wait_status(program, reap_all=True)
+    kill_descendants()  # daemons left behind by a finished program
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def wait_status(pid: int, *, reap_all: bool) -> int:
@@ -146,7 +219,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec["mode"] == "rlimits":
         try:
-            drop_and_exec(spec)
+            weak_main(spec)
         except BaseException as e:  # noqa: BLE001 - anything here means no sandbox
             fail(e)
     try:

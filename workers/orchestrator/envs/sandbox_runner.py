@@ -11,7 +11,7 @@ stray output of the code under test cannot fake a pass by printing ``PASS``. (Co
 deliberately digs the nonce out of this process's memory can; the sandbox protects the
 host, the hidden nonce only stops accidents and naive hacks.)
 
-With ``SLURMRL_SANDBOX_AUDIT=1`` (the ``rlimits`` fallback, where no namespaces exist)
+With ``SANDBOX_AUDIT=1`` (the weak ``rlimits`` mode, where no namespaces exist)
 an audit hook refuses sockets, ctypes, and opening files outside cwd, /tmp and the
 interpreter's own directories: best effort, as documented in sandbox_exec.py.
 """
@@ -59,7 +59,7 @@ def run_file(path: str, nonce: str) -> None:
                 msg += " (raised by the code under test)"
         line = f"{nonce} {status} {path}::{test_name}"
         print(f"{line} {msg}".rstrip() if msg else line, flush=True)
-        if status == "ERROR" and os.environ.get("SLURMRL_SANDBOX_TRACE"):
+        if status == "ERROR" and os.environ.get("SANDBOX_TRACE"):
             traceback.print_exc()
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     nonce = sys.stdin.readline().strip()
     sys.stdin.close()
     os.close(0)
-    if os.environ.get("SLURMRL_SANDBOX_AUDIT") == "1":
+    if os.environ.get("SANDBOX_AUDIT") == "1":
         install_audit_hook()
     sys.path.insert(0, os.getcwd())
     for path in sys.argv[1:]:
