@@ -167,3 +167,22 @@ def test_plan_refuses_bad_multi_turn_settings():
             build_plan(compose([*base, bad]))
     with pytest.raises(PlanError, match="long_episode_policy"):
         build_plan(compose(["orchestrator.long_episode_policy=maybe"]))  # reverse_digits too
+
+
+def test_plan_refuses_the_weak_sandbox_unless_allowed():
+    from launcher.plan import PlanError, build_plan
+    from tests.conftest import compose
+    base = ["experiment=tiny_code_repair", "env.sandbox_mode=rlimits"]
+    with pytest.raises(PlanError, match=r"env\.sandbox_allow_weak=true"):
+        build_plan(compose(base))
+    assert build_plan(compose([*base, "env.sandbox_allow_weak=true"])).roles
+
+
+def test_weak_mode_env_scores_tests(tmp_path):
+    """The weak mode (Landlock, reaper, closed fds) still runs the runner and its tests."""
+    e = env(tmp_path, sandbox_mode="rlimits", sandbox_allow_weak=True)
+    task = e.sample_task()
+    src = task.solution[task.module_file]
+    obs, reward, m, _ = play(e, task, [f'<tool name="write_file" path="{task.module_file}">\n{src}</tool>',
+                                       '<tool name="submit"/>'])
+    assert reward == 1.0 and m["sandbox_mode"] == "rlimits", (obs, m)
