@@ -75,8 +75,9 @@ def step_command(role: RolePlan) -> str:
 
 
 def command_lines(argv: tuple[str, ...]) -> list[str]:
-    """An argv as shell lines, one ``--flag value`` per line (for the script's comments)."""
-    lines, i = [shlex.join(argv[:3])], 3
+    """An argv as shell lines: the program (up to the first flag), then one ``--flag value`` per line."""
+    i = next((k for k, a in enumerate(argv) if k >= 3 and a.startswith("--")), len(argv))
+    lines = [shlex.join(argv[:i])]
     while i < len(argv):
         j = i + 1
         while j < len(argv) and not argv[j].startswith("--"):

@@ -67,7 +67,7 @@ def server_tasks(name: str) -> tuple[Task, ...]:
             continue
         for rank in range(r.num_procs):
             topo = current_topology(slurm_env(cfg, plan, r.role, rank))
-            argv, env = sglang_server.command(cfg, topo, api_key=API_KEY, python="python")
+            argv, env = sglang_server.command(cfg, topo, python="python")
             out.append(Task(r.role, rank, topo, argv, env))
     return tuple(out)
 
@@ -76,7 +76,7 @@ def server_tasks(name: str) -> tuple[Task, ...]:
 def router_task(name: str) -> Task:
     cfg, plan = build(name)
     topo = current_topology(slurm_env(cfg, plan, "router", 0))
-    return Task("router", 0, topo, router_argv.command(cfg, topo, api_key=API_KEY, python="python"), {})
+    return Task("router", 0, topo, router_argv.command(cfg, topo, python="python"), {})
 
 
 def job_ports(name: str) -> range:

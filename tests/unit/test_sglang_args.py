@@ -1,14 +1,14 @@
 """SGLang and router command lines from config + topology (workers/inference/sglang*.py,
 workers/inference/sglang/router.py): placement flags per task, ports inside the job's range and never
 shared on one host, the router agreeing with the servers on every port, per-role features
-and environment, and the exec that hides the admin token in its log line."""
+and environment, and the exec that keeps the admin token off every command line (keyed.py adds it in memory)."""
 from __future__ import annotations
 
 from collections import defaultdict
 
 import pytest
 
-from tests.unit.sglang_cases import API_KEY, PRESETS, build, job_ports, router_task, server_tasks, value
+from tests.unit.sglang_cases import PRESETS, build, job_ports, router_task, server_tasks, value
 from workers.inference.sglang import server as sglang_server
 
 
@@ -31,7 +31,7 @@ def test_glm5_every_task_has_its_replica_placement(glm5):
             assert value(a, "--dist-init-addr") == value(head.argv, "--dist-init-addr")  # one rendezvous per replica
             assert value(a, "--dist-init-addr").split(":")[0] == head.topo.bind_host
             assert value(a, "--host") == t.topo.bind_host and value(a, "--disaggregation-mode") == role
-            assert value(a, "--api-key") == API_KEY and value(a, "--tp-size") == str(8 * nodes)
+            assert "--api-key" not in a and value(a, "--tp-size") == str(8 * nodes)
     p, d = by_role["prefill"][0].argv, by_role["decode"][0].argv
     assert value(p, "--deepep-mode") == "normal" and value(d, "--deepep-mode") == "low_latency"
     assert value(p, "--enable-hierarchical-cache") is True and value(p, "--hicache-storage-backend") == "file"
@@ -115,11 +115,12 @@ def test_exec_replaces_the_process_and_hides_the_token(monkeypatch, capsys):
     task = server_tasks("kimi_k2_swe_32xh200")[1]  # node rank 1 of replica 0
     seen = {}
     monkeypatch.setattr(sglang_server.os, "execvpe", lambda f, argv, env: seen.update(f=f, argv=argv, env=env))
-    sglang_server.exec_server(cfg, task.topo, api_key="s3cret", environ={"PATH": "/bin"})
-    assert seen["argv"][1:3] == ["-m", "sglang.launch_server"] and value(seen["argv"], "--node-rank") == "1"
+    sglang_server.exec_server(cfg, task.topo, key_file="/run/admin_token", environ={"PATH": "/bin"})
+    assert seen["argv"][1:4] == ["-m", "workers.inference.sglang.keyed", "sglang.launch_server"]
+    assert value(seen["argv"], "--node-rank") == "1" and "--api-key" not in seen["argv"]
     assert seen["env"]["PATH"] == "/bin" and seen["env"]["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
-    out = capsys.readouterr().out
-    assert "s3cret" not in out and "--api-key ***" in out
+    assert seen["env"]["SLURMRL_API_KEY_FILE"] == "/run/admin_token"
+    assert "--api-key from /run/admin_token, in memory" in capsys.readouterr().out
 
 
 def test_placement_refuses_a_topology_that_disagrees_with_the_config():
@@ -131,4 +132,4 @@ def test_placement_refuses_a_topology_that_disagrees_with_the_config():
     cfg, _ = build("glm5_swe_28xh200")
     cfg.inference.sglang.model_path = ""
     with pytest.raises(RuntimeError, match="model_path is empty"):
-        sglang_server.command(cfg, task.topo, api_key=None)
+        sglang_server.command(cfg, task.topo)

@@ -96,6 +96,8 @@ def test_readme_feature_table_is_generated_from_the_plans():
 
 def test_scripts_show_the_exact_sglang_and_router_commands():
     text = (GOLDEN / "kimi_k2_swe_32xh200_h200_ib.sbatch").read_text()
-    assert "#   python -m sglang.launch_server \\" in text and "#   python -m smg.launch_router \\" in text
+    assert "#   python -m workers.inference.sglang.keyed sglang.launch_server \\" in text
+    assert "#   python -m workers.inference.sglang.keyed smg.launch_router \\" in text
+    assert "--api-key" not in text and "admin_token'" not in text  # the token is added in memory (keyed.py)
     assert "#     --enable-return-routed-experts \\" in text and "#     --moe-a2a-backend deepep \\" in text
     assert "    NVSHMEM_IB_ENABLE_IBGDA=1 \\" in text  # the step's own environment, before srun

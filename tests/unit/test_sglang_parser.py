@@ -5,7 +5,9 @@ imports: ``make install-sglang``) parses each server task's argv with
 ``ServerArgs.add_cli_args`` and builds ``ServerArgs.from_cli_args`` from it: an unknown flag,
 a value outside a flag's choices or of the wrong type fails here. smg 1.13.0 (the router)
 parses the router argv with ``smg.launch_router.parse_router_args``, which also runs its
-cross-flag validation. Both run in one subprocess (importing sglang takes seconds and
+cross-flag validation. The admin token is never on the generated argv: each case gets
+``--api-key`` appended the way keyed.py does it in memory, and the parsers must read it back.
+Both run in one subprocess (importing sglang takes seconds and
 patches libraries: keep it out of the test process).
 
 If these fail with "No module named sglang" or "smg", the venv lacks the pinned packages:
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.sglang_cases import PRESETS, router_task, server_tasks
+from tests.unit.sglang_cases import API_KEY, PRESETS, router_task, server_tasks
+from workers.inference.sglang import keyed
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
@@ -41,7 +44,7 @@ for name, argv in cases["server"].items():
     try:
         ns, unknown = parser.parse_known_args(argv)
         args = ServerArgs.from_cli_args(ns)
-        out["server"][name] = {"unknown": unknown, "tp_size": args.tp_size, "port": args.port}
+        out["server"][name] = {"unknown": unknown, "tp_size": args.tp_size, "port": args.port, "api_key": args.api_key}
     except Exception as e:
         out["server"][name] = {"error": f"{type(e).__name__}: {e}"}
 from smg.launch_router import parse_router_args
@@ -51,7 +54,7 @@ for name, argv in cases["router"].items():
     try:
         a = parse_router_args(argv)
         out["router"][name] = {"pd": a.pd_disaggregation, "prefill": a.prefill_urls, "decode": a.decode_urls,
-                               "workers": a.worker_urls, "headers": a.routing_key_headers}
+                               "workers": a.worker_urls, "headers": a.routing_key_headers, "api_key": a.api_key}
     except BaseException as e:
         out["router"][name] = {"error": f"{type(e).__name__}: {e}"}
 print(json.dumps(out))
@@ -63,8 +66,8 @@ def parsed():
     cases = {"server": {}, "router": {}}
     for name in PRESETS:
         for t in server_tasks(name):
-            cases["server"][f"{name}/{t.role}[{t.rank}]"] = t.argv[3:]
-        cases["router"][name] = router_task(name).argv[3:]
+            cases["server"][f"{name}/{t.role}[{t.rank}]"] = keyed.with_key(t.argv[3:], API_KEY)
+        cases["router"][name] = keyed.with_key(router_task(name).argv[3:], API_KEY)
     good = cases["server"]["kimi_k2_swe_32xh200/inference[0]"]  # the parser must catch these (a control)
     cases["server"]["control/unknown"] = good + ["--enable-dp-attentionn"]
     cases["server"]["control/choice"] = good + ["--deepep-mode", "fast"]
@@ -105,3 +108,14 @@ def test_every_router_argv_parses_with_smgs_own_parser(parsed):
     assert all(isinstance(port, int) for _, port in glm5["prefill"]) and glm5["headers"] == ["x-smg-routing-key"]
     kimi = out["router"]["kimi_k2_swe_32xh200"]
     assert not kimi["pd"] and len(kimi["workers"]) == 2
+
+
+def test_the_token_reaches_both_parsers_but_no_generated_argv(parsed):
+    cases, out = parsed
+    for kind in ("server", "router"):
+        for name, r in out[kind].items():
+            if not name.startswith("control/"):
+                assert r["api_key"] == API_KEY, (kind, name, r)
+    for name in PRESETS:
+        for argv in [*(t.argv for t in server_tasks(name)), router_task(name).argv]:
+            assert API_KEY not in argv and "--api-key" not in argv, argv

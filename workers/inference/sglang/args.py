@@ -145,23 +145,23 @@ def memory_args(s: SGLangConfig, r: SGLangRoleConfig, inf: SGLangInferenceConfig
     return out
 
 
-def rl_args(s: SGLangConfig, return_routed_experts: bool, api_key: Optional[str]) -> list[str]:
-    """What the RL loop needs: routed experts for Router Replay, the admin key, metrics, a watchdog.
+def rl_args(s: SGLangConfig, return_routed_experts: bool) -> list[str]:
+    """What the RL loop needs: routed experts for Router Replay, metrics, a watchdog.
 
     Logprobs need no server flag (``return_logprob`` is per request); the admin endpoints
     (pause/continue, update_weights_from_disk / _distributed) exist on every SGLang server
-    and are guarded by --api-key, the run's admin token (run_dir/admin_token).
+    and are guarded by --api-key, the run's admin token (run_dir/admin_token), which is never
+    on this argv: keyed.py adds it in memory (a command line is visible to every user).
     """
     out = opt("enable-return-routed-experts", return_routed_experts)
     out += flag("weight-version", 0)  # an integer from the start: the client reads versions as ints
-    out += opt("api-key", api_key)
     out += opt("enable-metrics", s.enable_metrics)
     out += flag("watchdog-timeout", f"{s.watchdog_timeout_s:g}") + flag("log-level", s.log_level)
     return out
 
 
-def server_argv(cfg: RunConfig, p: Placement, *, api_key: Optional[str], python: str = "python") -> list[str]:
-    """The full command line of one SGLang server task (argv, not shell-quoted)."""
+def server_argv(cfg: RunConfig, p: Placement, *, python: str = "python") -> list[str]:
+    """The full command line of one SGLang server task (argv, not shell-quoted), without the key."""
     inf, s = cfg.inference, cfg.inference.sglang
     lay = role_layout(inf, p.role)
     r = lay.sglang
@@ -171,7 +171,7 @@ def server_argv(cfg: RunConfig, p: Placement, *, api_key: Optional[str], python:
     argv += disaggregation_args(s, r, p)
     argv += moe_args(s, r, lay)
     argv += memory_args(s, r, inf)
-    argv += rl_args(s, cfg.orchestrator.return_routed_experts, api_key)
+    argv += rl_args(s, cfg.orchestrator.return_routed_experts)
     return argv + list(r.extra_args) + list(s.extra_args)
 
 

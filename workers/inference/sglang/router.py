@@ -18,24 +18,25 @@ Sticky routing: the orchestrator sends the episode's routing key in the header n
 of a multi-turn episode lands on the server holding its prefix in the radix cache.
 Only generation goes through the router; admin calls (pause, weight updates) go to each
 server directly (workers/orchestrator/loop.py; the client side is router_client.py).
+smg gets the admin token (``--api-key``, for its calls to the servers) in memory through
+keyed.py: smg 1.13.0 reads it from no environment variable or file, and argv is public.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 from workers.common.config import RunConfig
 from workers.common.topology import Topology
+from workers.inference.sglang import keyed
 from workers.inference.sglang.ports import extra_ports, url_port
 
 ROUTER_MODULE = "smg.launch_router"
 
 
 def router_argv(cfg: RunConfig, *, host: str, port: int, inference_urls: tuple[str, ...],
-                prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], api_key: Optional[str],
-                python: str = "python") -> list[str]:
-    """The router's argv (items, not shell-quoted)."""
+                prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], python: str = "python") -> list[str]:
+    """The router's argv (items, not shell-quoted), without the key (keyed.py adds it in memory)."""
     r = cfg.inference.sglang.router
     argv = [python, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
     if prefill_urls or decode_urls:
@@ -52,25 +53,23 @@ def router_argv(cfg: RunConfig, *, host: str, port: int, inference_urls: tuple[s
              "--worker-startup-timeout-secs", str(r.worker_startup_timeout_s),
              "--health-check-interval-secs", str(r.health_check_interval_s),
              "--log-level", r.log_level]
-    if api_key is not None:
-        argv += ["--api-key", api_key]
     return argv + list(r.extra_args)
 
 
-def command(cfg: RunConfig, topo: Topology, *, api_key: Optional[str], python: str = sys.executable) -> list[str]:
+def command(cfg: RunConfig, topo: Topology, *, python: str = sys.executable) -> list[str]:
     if topo.router_url is None:
         raise RuntimeError("router: the topology has no router URL (SLURMRL_LAYOUT lists no router role)")
     return router_argv(cfg, host=topo.bind_host, port=url_port(topo.router_url),
                        inference_urls=topo.inference_urls, prefill_urls=topo.prefill_urls,
-                       decode_urls=topo.decode_urls, api_key=api_key, python=python)
+                       decode_urls=topo.decode_urls, python=python)
 
 
-def exec_router(cfg: RunConfig, topo: Topology, *, api_key: Optional[str]) -> None:
-    """Replace this process by smg (never returns)."""
-    argv = command(cfg, topo, api_key=api_key)
-    shown = [("***" if i > 0 and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
-    print(f"[router] exec {' '.join(shown)}", flush=True)
-    os.execvp(argv[0], argv)
+def exec_router(cfg: RunConfig, topo: Topology, *, key_file: str) -> None:
+    """Replace this process by smg (never returns); ``key_file``: run_dir/admin_token."""
+    argv = keyed.wrap(command(cfg, topo))
+    env = {**os.environ, keyed.KEY_FILE_ENV: key_file}
+    print(f"[router] exec {' '.join(argv)} (--api-key from {key_file}, in memory)", flush=True)
+    os.execvpe(argv[0], argv, env)
 
 
 def preview(cfg: RunConfig) -> list[str]:
@@ -81,5 +80,5 @@ def preview(cfg: RunConfig) -> list[str]:
     n = n_p + n_d if pd else inf.num_workers
     urls = tuple(f"http://<server{i}>:{8 + 2 * i}" for i in range(n))  # offsets from the job's first port
     argv = router_argv(cfg, host="<node>", port=1, inference_urls=urls, prefill_urls=urls[:n_p],
-                       decode_urls=urls[n_p:] if pd else (), api_key="<admin_token>")
-    return argv
+                       decode_urls=urls[n_p:] if pd else ())
+    return keyed.wrap(argv)

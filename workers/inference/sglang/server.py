@@ -13,7 +13,9 @@ ends, then names the servers that are not ready (inference_client.wait_until_rea
 Weight updates go to every head directly: pause_generation -> update_weights_from_disk
 (or _from_distributed) -> continue_generation; generation goes through the router.
 Why exec and not a child process: Slurm's signals (SIGTERM at shutdown, the time-limit
-warning) then reach SGLang itself, which shuts its scheduler processes down.
+warning) then reach SGLang itself, which shuts its scheduler processes down. The exec goes
+through keyed.py, which adds ``--api-key`` from run_dir/admin_token in memory: the token is
+never on a command line (``ps`` shows every user every argv).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Mapping, Optional
 
 from workers.common.config import RunConfig
 from workers.common.topology import Topology
+from workers.inference.sglang import keyed
 from workers.inference.sglang.args import Placement, role_layout, server_argv, server_env
 from workers.inference.sglang.ports import extra_ports
 
@@ -59,23 +62,23 @@ def placement(cfg: RunConfig, topo: Topology) -> Placement:
                      bootstrap_port=bootstrap, engine_info_port=engine_info)
 
 
-def command(cfg: RunConfig, topo: Topology, *, api_key: Optional[str], python: str = sys.executable
-            ) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) of this server task."""
+def command(cfg: RunConfig, topo: Topology, *, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """(SGLang's argv without the key, extra environment) of this server task."""
     if not cfg.inference.sglang.model_path:
         raise RuntimeError("inference.sglang.model_path is empty: SGLang needs the initial checkpoint")
     p = placement(cfg, topo)
-    return server_argv(cfg, p, api_key=api_key, python=python), server_env(cfg, topo.role)
+    return server_argv(cfg, p, python=python), server_env(cfg, topo.role)
 
 
-def exec_server(cfg: RunConfig, topo: Topology, *, api_key: Optional[str],
+def exec_server(cfg: RunConfig, topo: Topology, *, key_file: str,
                 environ: Optional[Mapping[str, str]] = None) -> None:
-    """Replace this process by the SGLang server (never returns)."""
-    argv, extra = command(cfg, topo, api_key=api_key)
+    """Replace this process by the SGLang server (never returns); ``key_file``: run_dir/admin_token."""
+    sglang_argv, extra = command(cfg, topo)
+    argv = keyed.wrap(sglang_argv)
     env = dict(os.environ if environ is None else environ)
     env.update(extra)
-    shown = [("***" if i > 0 and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
-    print(f"[{topo.role}[{topo.rank}]] exec {' '.join(shown)}", flush=True)
+    env[keyed.KEY_FILE_ENV] = key_file
+    print(f"[{topo.role}[{topo.rank}]] exec {' '.join(argv)} (--api-key from {key_file}, in memory)", flush=True)
     os.execvpe(argv[0], argv, env)
 
 
@@ -90,8 +93,7 @@ def preview(cfg: RunConfig, role: str) -> list[str]:
     p = Placement(role=role, replica=0, node_rank=0, num_nodes=lay.num_nodes_per_replica, host="<node>",
                   port=0, dist_init_addr="<head>:<dist_port>" if rendezvous else None, bootstrap_port=0,
                   engine_info_port=0)
-    argv = server_argv(cfg, p, api_key="<admin_token>", python="python")
-    return _placeholders(argv)
+    return keyed.wrap(_placeholders(server_argv(cfg, p, python="python")))
 
 
 def _placeholders(argv: list[str]) -> list[str]:

@@ -6,7 +6,7 @@ gets its router client through ``make_router`` (router_client.py).
 """
 from __future__ import annotations
 
-from workers.common.protocol import RunPaths, read_admin_token
+from workers.common.protocol import RunPaths
 from workers.inference.sglang.checks import check_sglang, sglang_steps
 from workers.inference.sglang.config import SGLangInferenceConfig
 from workers.inference.spec import BackendSpec, register
@@ -16,7 +16,7 @@ def serve(cfg, topology) -> int:
     """Become this task's SGLang server (exec: never returns)."""
     from workers.inference.sglang.server import exec_server
 
-    exec_server(cfg, topology, api_key=read_admin_token(RunPaths(topology.run_dir)))
+    exec_server(cfg, topology, key_file=str(RunPaths(topology.run_dir).admin_token))  # never on argv (keyed.py)
     return 1  # not reached: exec_server replaces the process
 
 
@@ -24,7 +24,7 @@ def serve_router(cfg, topology) -> int:
     """Become smg in front of the job's servers (exec: never returns)."""
     from workers.inference.sglang.router import exec_router
 
-    exec_router(cfg, topology, api_key=read_admin_token(RunPaths(topology.run_dir)))
+    exec_router(cfg, topology, key_file=str(RunPaths(topology.run_dir).admin_token))
     return 1  # not reached
 
 
