@@ -54,6 +54,7 @@ IGNORED = {  # SGLang fields with no effect on a token-id engine: checked like S
     "external_trace_header": _is(DICT), "received_time": _is((int, float)), "http_worker_ipc": _is(STR),
     "return_sampling_mask": _or_list(BOOL), "kv_hints": lambda v: True, "images_config": _is(DICT),
     "mm_hashes": lambda v: v is None or isinstance(v, list),  # only meaningful with media (refused below)
+    "model": _is(STR),  # not SGLang's: smg adds the model id it routed by
 }
 REFUSED = {  # field -> why it cannot be ignored when set (null, false and empty are fine)
     "text": "the embedded engine has no tokenizer; send input_ids",
