@@ -1,5 +1,6 @@
 """``slurmrl launcher.resume=<run_dir>``: a local run killed (SIGKILL of the launcher), resumed,
-stopped (SIGINT to the launcher, as Ctrl-C), resumed again with more steps, ends with one
+stopped (SIGINT to the launcher, as Ctrl-C), resumed again with more steps, then, finished,
+resumed with more steps once more (from the trainer's final checkpoint), ends with one
 continuous curve: every step in metrics.jsonl exactly once, no group trained twice, nothing
 pending (the orchestrator's ledger), the trainer resumed from its SIGTERM checkpoints.
 Overrides that change the run's shape are refused with the key named, before anything starts.
@@ -87,3 +88,7 @@ def test_killed_then_stopped_run_resumes_with_every_step_once(tmp_path):
 
     done = slurmrl([f"launcher.resume={run_dir}"], tmp_path, timeout=60, check=False)
     assert done.returncode == 2 and "already finished" in done.stderr, done.stderr
+    slurmrl([f"launcher.resume={run_dir}", f"trainer.num_steps={MORE_STEPS + 2}"], tmp_path, timeout=400)
+    assert [r["step"] for r in metrics(run_dir)] == list(range(MORE_STEPS + 2))  # a finished run trains further
+    assert _resumes(run_dir)[-1] == {**_resumes(run_dir)[-1], "step": MORE_STEPS, "steps_lost": 0}  # final checkpoint
+    assert read_ledger(run_dir / "orchestrator_ledger.jsonl").summary()["groups_trained_twice"] == 0
