@@ -199,10 +199,10 @@ def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> ParsedGenerat
     elif not (isinstance(rids, list) and len(rids) == n and all(isinstance(r, str) for r in rids)):
         raise BadRequest(f"rid: expected {'a list of ' + str(n) + ' strings' if is_batch else 'a string'}")
     logprob = _per_prompt(body, "return_logprob", n, False)
-    for i, x in enumerate(logprob):
+    for x in logprob:
         if not isinstance(x, bool):
             raise BadRequest(f"return_logprob: expected true/false (or one per prompt), got {x!r}"[:300])
-    for i, x in enumerate(_per_prompt(body, "logprob_start_len", n, -1)):
+    for x in _per_prompt(body, "logprob_start_len", n, -1):
         _int(x, "logprob_start_len", -1)  # input logprobs: not computed here
     for x in _per_prompt(body, "top_logprobs_num", n, 0):
         if _int(x, "top_logprobs_num", 0) != 0:
