@@ -6,6 +6,7 @@
     slurmrl cluster=local_slurm               # one heterogeneous Slurm job, followed until it ends
     slurmrl cluster=local_slurm launcher.follow=false   # submit and return
     slurmrl -m trainer.lr=1e-4,3e-4 cluster=local_slurm # one hetjob per sweep point
+    slurmrl launcher.resume=runs/latest       # continue a stopped run (launcher/resume.py)
     slurmrl status [RUN_DIR|JOB_ID]           # state of a submitted run (default runs/latest)
     slurmrl cancel [RUN_DIR|JOB_ID]
 """
@@ -23,6 +24,7 @@ from launcher import sweep
 from launcher.config_store import register, reject_unknown_keys
 from launcher.launch import launch
 from launcher.plan import PlanError
+from launcher.resume import resume_config
 from launcher.run_dir import RunDirError
 from launcher.submit import SubmitError
 from workers.common.config import ConfigError, conform_sections
@@ -41,6 +43,10 @@ def hydra_app(cfg: DictConfig) -> None:
         reject_unknown_keys(cfg)
         run_cfg = conform_sections(OmegaConf.to_object(cfg))
         run_cfg.plugins = list(dict.fromkeys([*PLUGINS, *run_cfg.plugins]))  # roles import the same ones
+        if run_cfg.launcher.resume:
+            if hc.mode == RunMode.MULTIRUN:
+                raise RunDirError("launcher.resume resumes one run; it cannot be swept (-m)")
+            run_cfg = resume_config(run_cfg, list(hc.overrides.task))
         if hc.mode == RunMode.MULTIRUN:  # prepare only; sweep.run_all submits once every point planned
             sweep.collect(run_cfg, num=hc.job.num, overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir)
             return

@@ -20,6 +20,7 @@ from launcher.estimate import human
 from launcher.plan import JobPlan, build_plan
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.render import render_script, sbatch_command
+from launcher.resume import ensure_stopped, rewrite_run_dir
 from launcher.run_dir import choose_run_dir, create_run_dir
 from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
@@ -62,7 +63,7 @@ def role_header(plan: JobPlan, role: str) -> str:
 
 
 def write(prep: Prepared) -> RunPaths:
-    paths = create_run_dir(prep.cfg)
+    paths = rewrite_run_dir(prep.cfg) if prep.cfg.launcher.resume else create_run_dir(prep.cfg)
     resolved = paths.run_config.read_text()
     for r in prep.plan.roles:
         (paths.config_dir / f"{r.role}.yaml").write_text(role_header(prep.plan, r.role) + resolved)
@@ -85,7 +86,18 @@ def announce(prep: Prepared) -> None:
 
 
 def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
-    prep = prepare(cfg)
+    """``cfg.launcher.resume`` set (launcher/resume.py built cfg from the run's own run.yaml):
+    the same run directory, its roles started again; otherwise a new run directory."""
+    resuming = bool(cfg.launcher.resume)
+    prep = prepare(cfg, root=Path(cfg.launcher.resume) if resuming else None)
+    if resuming:
+        ensure_stopped(prep.cfg, prep.root)
+        if cfg.launcher.dry_run:
+            announce(prep)
+            print(f"[slurmrl] dry run: would resume {prep.root}; nothing written or started", flush=True)
+            return 0
+        print(f"[slurmrl] resuming {prep.root} (its config/run.yaml; trainer checkpoint, orchestrator ledger)",
+              flush=True)
     if not cfg.launcher.dry_run:
         ensure_converted(prep.cfg)  # model.pretrained: once per cache dir, before the run dir exists
     paths = write(prep)

@@ -9,7 +9,7 @@ The run ends when the trainer ranks and the orchestrator exit 0; inference worke
 then stopped. A process exiting non-zero (or killed) is started again with the same
 environment up to ``launcher.max_restarts`` times (the trainer resumes from its checkpoint,
 the orchestrator from its ledger, a worker loads the newest weights and the orchestrator
-brings it to its version); beyond that, or with the default 0, it stops the whole run and
+brings it to its version); beyond that (default 2 each; 0 is fail-fast) it stops the whole run and
 prints its log tail. Restarts are listed in ``run_dir/restarts.jsonl``.
 """
 from __future__ import annotations

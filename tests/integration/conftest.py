@@ -168,3 +168,23 @@ def wait_all(procs: list[subprocess.Popen], paths: list[RunPaths], timeout_s: fl
     assert all(p.returncode == 0 for p in procs), f"exit codes {[p.returncode for p in procs]}\n{logs}"
 
 
+
+
+# ---- from test_sglang_fields.py ------------------------------------------------------------
+async def with_embedded_app(model_cfg, fn, *, token: str = TOKEN):
+    """``fn(session, base_url)`` against the real aiohttp app (make_app) over a real engine, in-process."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from workers.inference.embedded.engine import InferenceEngine, model_from_config
+    from workers.inference.embedded.server import make_app
+
+    engine = InferenceEngine(model_from_config(model_cfg, "float32", "cpu"), max_batch_size=4, seed=0).start()
+    server = TestServer(make_app(engine, admin_token=token, model_name="tiny_moe"))
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await fn(session, str(server.make_url("")).rstrip("/"))
+    finally:
+        await server.close()
+        engine.shutdown()

@@ -35,7 +35,7 @@ CASES = [
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}, 400),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0.5}}, 400),  # would falsify logprobs
     ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, 400),
-    ("/generate", {"input_ids": [1, 2], "no_such_field": 1}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"no_such_field": 1}}, 400),
     ("/pause_generation", NOT_JSON, 400), ("/pause_generation", {"mode": "sleep"}, 400),
     ("/continue_generation", ARRAY, 400),
     ("/abort_request", {"rid": 7}, 400), ("/abort_request", {"abort_all": "yes"}, 400),

@@ -120,7 +120,7 @@ BAD = [
     ({"input_ids": [1], "sampling_params": {"top_p": 0.5}}, "sampling_params.top_p"),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": [40]}}, "stop_token_ids"),
     ({"input_ids": [1], "text": "hi"}, "text"),
-    ({"input_ids": [1], "bogus": 1}, "bogus"),
+    ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),  # unknown top-level keys: ignored
     ({"input_ids": [[1], [2]], "rid": "one"}, "rid"),
 ]
 

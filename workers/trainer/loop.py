@@ -112,6 +112,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                 metrics.write(record)
                 log.info(progress_line(record, tcfg.num_steps))
             ckpt.end_step(step, model, optimizer)
+        ckpt.save(ckpt.done_step, model, optimizer)  # a resumed run that trains further redoes no step
         if dims.is_rank0:
             (paths.root / TRAINER_DONE).write_text(json.dumps({"time": time.time(), "num_steps": tcfg.num_steps}))
             log.info(f"done: {tcfg.num_steps} steps, wrote {paths.root / TRAINER_DONE}")

@@ -37,10 +37,13 @@ class LauncherConfig:
     """Explicit run directory; None creates runs_root/<experiment>-<timestamp>."""
     shutdown_grace_s: float = 10.0
     """On Ctrl-C or a dead role: seconds between SIGTERM and SIGKILL for each child."""
-    max_restarts: int = 0
-    """Local backend: times each process (inference worker, trainer rank, orchestrator) is
-    restarted after a non-zero exit before the run stops; 0 keeps fail-fast. They resume from
-    the trainer checkpoint / orchestrator ledger; a respawned worker loads the newest weights."""
+    max_restarts: int = 2
+    """Local backend: times EACH process (inference worker, trainer rank, orchestrator) is
+    restarted after a non-zero exit or a kill before the run stops; 0 is fail-fast. They resume
+    from the trainer checkpoint / orchestrator ledger; a respawned worker loads the newest weights."""
+    resume: Optional[str] = None
+    """Run directory of a stopped or killed run to continue from its last checkpoint and ledger,
+    with its own config/run.yaml (launcher/resume.py: which overrides a resume accepts)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import json
 import logging
 import signal
 import uuid
@@ -30,99 +31,14 @@ from workers.common.logs import get_logger
 from workers.common.protocol import (STABLE, WEIGHTS_DIR, PeerTimeout, RunPaths, latest_stable_step, read_admin_token,
                                      wait_for)
 from workers.inference.embedded.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
-from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
+from workers.inference.embedded.generate_request import parse_generate
+from workers.inference.embedded.parsing import BadRequest, _bool, _json, _version
 from workers.inference.embedded.weight_routes import weight_routes
 
 log = logging.getLogger("slurmrl.inference")
 
 MAX_BODY_BYTES = 8 << 20
 HEALTH_TIMEOUT_S = 20.0
-# Neutral values only: ignoring others would silently make the returned logprobs wrong.
-NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "stop": None}
-IGNORED_SAMPLING = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
-GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                   "return_routed_experts", "routed_experts_start_len", "rid", "stream", "return_text_in_logprobs"}
-
-
-def _sampling(sp: Any, field: str, vocab_size: int) -> dict:
-    sp = {} if sp is None else sp
-    if not isinstance(sp, dict):
-        raise BadRequest(f"{field}: expected an object, got {type(sp).__name__}")
-    out = {"temperature": 1.0, "max_new_tokens": 128, "stop_token_ids": ()}
-    for key, v in sp.items():
-        f = f"{field}.{key}"
-        if key == "temperature":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-                raise BadRequest(f"{f}: expected a number >= 0, got {v!r}")
-            out[key] = float(v)
-        elif key == "max_new_tokens":
-            out[key] = _int(v, f, 0)
-        elif key == "stop_token_ids":
-            if v is not None and not isinstance(v, list):
-                raise BadRequest(f"{f}: expected a list of token ids")
-            out[key] = tuple(_int(t, f"{f}[{i}]", 0, vocab_size - 1) for i, t in enumerate(v or []))
-        elif key in NEUTRAL_SAMPLING:
-            neutral = NEUTRAL_SAMPLING[key]
-            if not (v == neutral or (key == "stop" and v == []) or (key == "top_k" and v in (0, -1))):
-                raise BadRequest(f"{f}={v!r} is not supported by the embedded engine (only {neutral!r})")
-        elif key not in IGNORED_SAMPLING:
-            raise BadRequest(f"{f}: unknown sampling parameter; supported: temperature, max_new_tokens, "
-                             f"stop_token_ids, {', '.join(sorted(NEUTRAL_SAMPLING))} (neutral values only)")
-    return out
-
-
-def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> tuple[list[GenRequest], bool, bool]:
-    """SGLang GenerateReqInput -> (requests, is_batch, return_logprob). Raises BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("body: expected a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if "text" in body:
-        raise BadRequest("text: the embedded engine has no tokenizer; send input_ids")
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: unknown field; supported: {', '.join(sorted(GENERATE_FIELDS))}")
-    if body.get("stream"):
-        raise BadRequest("stream: not supported by the embedded engine")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("input_ids: expected a non-empty list of token ids (or a list of such lists)")
-    is_batch = isinstance(ids[0], list)
-    prompts = ids if is_batch else [ids]
-    n = len(prompts)
-    sps = body.get("sampling_params")
-    if isinstance(sps, list):
-        if len(sps) != n:
-            raise BadRequest(f"sampling_params: {len(sps)} entries for {n} prompts")
-        params = [_sampling(sp, f"sampling_params[{i}]", vocab_size) for i, sp in enumerate(sps)]
-    else:
-        params = [_sampling(sps, "sampling_params", vocab_size)] * n
-    rids = body.get("rid")
-    if rids is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    elif isinstance(rids, str) and not is_batch:
-        rids = [rids]
-    elif not (isinstance(rids, list) and len(rids) == n and all(isinstance(r, str) for r in rids)):
-        raise BadRequest(f"rid: expected {'a list of ' + str(n) + ' strings' if is_batch else 'a string'}")
-    return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
-    routed = _bool(body.get("return_routed_experts", False), "return_routed_experts")
-    start = _int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", 0)
-    _int(body.get("logprob_start_len", -1), "logprob_start_len", -1)  # input logprobs: not computed here
-    if _int(body.get("top_logprobs_num", 0), "top_logprobs_num", 0) != 0:
-        raise BadRequest("top_logprobs_num: top logprobs are not supported by the embedded engine")
-    reqs = []
-    for i, (p, sp, rid) in enumerate(zip(prompts, params, rids)):
-        f = f"input_ids[{i}]" if is_batch else "input_ids"
-        if not isinstance(p, list) or not p:
-            raise BadRequest(f"{f}: expected a non-empty list of token ids")
-        if len(p) >= max_len:
-            raise BadRequest(f"{f}: prompt of {len(p)} tokens leaves no room to generate "
-                             f"(model.max_position_embeddings={max_len})")
-        toks = [_int(t, f"{f}[{j}]", 0, vocab_size - 1) for j, t in enumerate(p)]
-        reqs.append(GenRequest(input_ids=toks, rid=rid, return_routed_experts=routed, routed_experts_start_len=start,
-                               **sp))
-    return reqs, is_batch, return_logprob
-
-
 def format_output(out: GenOutput, *, return_logprob: bool) -> dict:
     meta: dict[str, Any] = {
         "id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
@@ -134,6 +50,19 @@ def format_output(out: GenOutput, *, return_logprob: bool) -> dict:
     if out.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(out.routed_experts.numpy().tobytes()).decode("ascii")
     return {"output_ids": out.output_ids, "meta_info": meta}
+
+
+async def _stream(request: web.Request, outs: list[dict], is_batch: bool) -> web.StreamResponse:
+    """SGLang's ``stream: true`` answer (server-sent events, ``data: [DONE]`` last). The engine
+    does not stream tokens, so each request's one event is its complete output (SGLang's last
+    chunk has the same fields); a batch tags each with ``index`` as SGLang does."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for i, out in enumerate(outs):
+        await resp.write(b"data: " + json.dumps({**out, "index": i} if is_batch else out).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -190,10 +119,12 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, auth])
 
     async def generate(request):
-        reqs, is_batch, return_logprob = parse_generate(await _json(request), vocab_size=cfg.vocab_size,
-                                                        max_len=engine.max_seq_len)
-        outs = [format_output(o, return_logprob=return_logprob) for o in await _run(engine, reqs)]
-        return web.json_response(outs if is_batch else outs[0])
+        parsed = parse_generate(await _json(request), vocab_size=cfg.vocab_size, max_len=engine.max_seq_len)
+        outs = [format_output(o, return_logprob=lp) for o, lp in zip(await _run(engine, parsed.reqs),
+                                                                    parsed.return_logprob)]
+        if parsed.stream:
+            return await _stream(request, outs, parsed.is_batch)
+        return web.json_response(outs if parsed.is_batch else outs[0])
 
     async def health(request):
         return web.Response(status=200 if engine.alive else 503, text="" if engine.alive else "engine failed")
@@ -211,8 +142,8 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         return web.Response(text="")
 
     def model_info() -> dict:
-        return {"model_path": engine.model_path, "tokenizer_path": None, "is_generation": True,
-                "model_name": model_name, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
+        return {"model_path": engine.model_path, "served_model_name": model_name, "tokenizer_path": None,
+                "is_generation": True, "model_name": model_name, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                 "top_k": cfg.top_k, "vocab_size": cfg.vocab_size, "weight_version": str(engine.weight_version),
                 "max_position_embeddings": cfg.max_position_embeddings, **(extra_info or {})}
 
