@@ -241,7 +241,7 @@ def compose_cfg(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-@pytest.mark.parametrize("override, key", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("override, key", CASES + RANGE_CASES, ids=[c[0] for c in CASES + RANGE_CASES])
 def test_invalid_config_is_refused_naming_the_key(override, key, tmp_path):
     overrides = override.split() + [f"cluster.runs_root={tmp_path / 'runs'}"]
     with pytest.raises((HydraException, OmegaConfBaseException, PlanError, ValueError, KeyError)) as err:
@@ -268,7 +268,45 @@ def test_cli_refuses_another_backends_option_with_exit_2(tmp_path):
 
 
 def test_table_is_large_enough():
-    assert len(CASES) >= 30
+    assert len(CASES) >= 30 and len(RANGE_CASES) >= 80
+    assert len({c[0] for c in CASES + RANGE_CASES}) == len(CASES) + len(RANGE_CASES), "a case is listed twice"
+
+
+CLI_CASES = [
+    # one per category the hostile test of issue 22 found accepted or refused with a traceback
+    ("trainer.lr=inf", "trainer.lr"),
+    ("trainer.lr=-0.5", "trainer.lr"),
+    ("trainer.betas=[0.9,1.0]", "trainer.betas"),
+    ("trainer.weight_decay=-1", "trainer.weight_decay"),
+    ("inference.device=tpu:0", "inference.device"),
+    ("weights=broadcast weights.backend=mpi", "weights.backend"),
+    ("weights.backend=nccl", "weights.backend"),
+    ("orchestrator.request_timeout_s=-3", "orchestrator.request_timeout_s"),
+    ("model.rms_norm_eps=-1e-5", "model.rms_norm_eps"),
+    ("launcher.shutdown_grace_s=-2", "launcher.shutdown_grace_s"),
+    ("launcher.shutdown_grace_s=nan", "launcher.shutdown_grace_s"),
+    ("launcher.max_restarts=-1", "launcher.max_restarts"),
+    ("trainer.ratio_level=row", "trainer.ratio_level"),
+    ("orchestrator.health_check_interval_s=0", "orchestrator.health_check_interval_s"),
+]
+
+
+@pytest.mark.parametrize("override, key", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_refuses_without_a_traceback(override, key, tmp_path):
+    """Through ``python -m launcher`` as a user runs it: exit 2, ``slurmrl: error`` (or Hydra's own
+    message) naming the key, no Python traceback, no run directory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runs = tmp_path / "runs"
+    res = subprocess.run([sys.executable, "-m", "launcher", *override.split(), f"cluster.runs_root={runs}",
+                          f"launcher.run_dir={runs / 'run'}"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
+    assert key in res.stderr, res.stderr
+    assert not runs.exists(), "a run directory was written for an invalid config"
 
 
 def test_the_default_config_is_valid():
