@@ -16,6 +16,7 @@ facts and command previews.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,13 @@ def check_ranges(cfg: RunConfig) -> None:
         check_fields(cfg, "", skip=SECTIONS)
     except ConfigError as e:
         raise PlanError(str(e)) from None
+    for mod in cfg.plugins:  # every role imports them first: a missing one would stop each of them
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise PlanError(f"plugins: module {mod!r} cannot be found (every role imports it before loading its config)")
 
 
 def check_model(cfg: RunConfig) -> None:

@@ -233,6 +233,8 @@ RANGE_CASES = [
     ("launcher.orchestrator.mem_gb=-1", "launcher.orchestrator.mem_gb"),
     ("launcher.router.num_cpus_per_task=-2", "launcher.router.num_cpus_per_task"),
     ("seed=-1", "seed"),
+    ("plugins=[no_such_module]", "plugins"),
+    ("plugins=[my-plugin]", "plugins"),
 ]
 
 
@@ -288,20 +290,21 @@ CLI_CASES = [
     ("launcher.max_restarts=-1", "launcher.max_restarts"),
     ("trainer.ratio_level=row", "trainer.ratio_level"),
     ("orchestrator.health_check_interval_s=0", "orchestrator.health_check_interval_s"),
+    ("trainer=null", "trainer"),  # Hydra's own ValueError for a group set to null (launcher/__main__.py)
 ]
 
 
 @pytest.mark.parametrize("override, key", CLI_CASES, ids=[c[0] for c in CLI_CASES])
 def test_cli_refuses_without_a_traceback(override, key, tmp_path):
     """Through ``python -m launcher`` as a user runs it: exit 2, ``slurmrl: error`` (or Hydra's own
-    message) naming the key, no Python traceback, no run directory."""
+    message) naming the key, no Python traceback, no run directory (a dry run would write one)."""
     import subprocess
     import sys
     from pathlib import Path
 
     runs = tmp_path / "runs"
     res = subprocess.run([sys.executable, "-m", "launcher", *override.split(), f"cluster.runs_root={runs}",
-                          f"launcher.run_dir={runs / 'run'}"], cwd=Path(__file__).resolve().parents[2],
+                          f"launcher.run_dir={runs / 'run'}", "launcher.dry_run=true"], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr

@@ -19,7 +19,7 @@ from workers.common.config.cluster import ClusterConfig
 from workers.common.config.inference import InferenceConfig
 from workers.common.config.launcher import LauncherConfig
 from workers.common.config.orchestrator import OrchestratorConfig
-from workers.common.config.ranges import ConfigError, NONEMPTY, SEED, Each, TEXT, limits
+from workers.common.config.ranges import NONEMPTY, SEED, ConfigError, Each, Pattern, limits
 from workers.common.config.trainer import TrainerConfig
 from workers.common.plugins import load_plugins
 from workers.common.registry import SECTIONS
@@ -56,7 +56,8 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
-limits(RunConfig, experiment=NONEMPTY, seed=SEED, plugins=Each(TEXT))
+MODULE = Pattern(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a module name (dotted, importable)")
+limits(RunConfig, experiment=NONEMPTY, seed=SEED, plugins=Each(MODULE))
 
 
 def section_schema(section: str, name: str) -> type:
