@@ -12,7 +12,9 @@
 """
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -28,10 +30,11 @@ from launcher.resume import resume_config
 from launcher.run_dir import RunDirError
 from launcher.submit import SubmitError
 from workers.common.config import ConfigError, conform_sections
-from workers.common.registry import UnknownEntry
+from workers.common.registry import SECTIONS, UnknownEntry
 
 PLUGINS = register()  # SLURMRL_PLUGINS and entry points, before Hydra composes
 USER_ERRORS = (PlanError, RunDirError, OmegaConfBaseException, KeyError, ConfigError, UnknownEntry)
+CONF_DIR = Path(__file__).resolve().parents[1] / "hydra_conf"
 _COMPOSED: list[bool] = []  # non-empty once Hydra composed the config and called hydra_app
 
 
@@ -60,11 +63,24 @@ def hydra_app(cfg: DictConfig) -> None:
     sys.exit(code)
 
 
+def refuse_null_groups(argv: list[str]) -> None:
+    """``trainer=null``: Hydra fails on a config group set to null with a bare ValueError and a
+    traceback; say what to do instead (exit 2, like every other config mistake)."""
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")} | set(SECTIONS)
+    for arg in argv:
+        m = re.fullmatch(r"\+{0,2}([\w/]+)=null", arg)
+        if m and m.group(1) in groups:
+            print(f"slurmrl: error: {arg}: config group {m.group(1)} needs one of its options "
+                  f"(hydra_conf/{m.group(1)}/); ~{m.group(1)} drops it", file=sys.stderr)
+            sys.exit(2)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("status", "cancel"):
         from launcher.submit import command_line
 
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
+    refuse_null_groups(sys.argv[1:])
     try:
         hydra_app()
     except SystemExit as e:  # Hydra refused the command line (a key the schema lacks, a wrong type): exit 2 as

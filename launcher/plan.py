@@ -16,6 +16,7 @@ facts and command previews.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from typing import TYPE_CHECKING
 
@@ -24,8 +25,8 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import ConfigError, RunConfig, conform_sections
-from workers.common.dtypes import COMPUTE_DTYPES
-from workers.common.registry import BACKENDS, ENVS, MODELS, UnknownEntry
+from workers.common.config.ranges import check_fields
+from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, UnknownEntry
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
@@ -33,12 +34,6 @@ from workers.weights.spec import check_transport as _transport_check
 if TYPE_CHECKING:
     from workers.inference.spec import BackendStep
 
-CHOICES = {
-    "cluster.backend": ("local", "slurm"),
-    "inference.dtype": COMPUTE_DTYPES,
-    "trainer.dtype": COMPUTE_DTYPES,
-    "orchestrator.advantage": ("sequence", "token_rtg"),
-}
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
 
 
@@ -102,12 +97,20 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
         raise PlanError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def check_choices(cfg: RunConfig) -> None:
-    for key, choices in CHOICES.items():
-        section, field = key.split(".")
-        value = getattr(getattr(cfg, section), field)
-        if value not in choices:
-            raise PlanError(f"{key}={value!r} is not supported; choose one of {list(choices)}")
+def check_ranges(cfg: RunConfig) -> None:
+    """Every field of the run's own sections in its range or choices (the rules beside each schema,
+    workers/common/config/ranges.py); the four plugin sections are checked by their entries' checks."""
+    try:
+        check_fields(cfg, "", skip=SECTIONS)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    for mod in cfg.plugins:  # every role imports them first: a missing one would stop each of them
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise PlanError(f"plugins: module {mod!r} cannot be found (every role imports it before loading its config)")
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -257,7 +260,7 @@ def check_sections(cfg: RunConfig) -> None:
 
 def build_plan(cfg: RunConfig) -> JobPlan:
     check_sections(cfg)
-    check_choices(cfg)
+    check_ranges(cfg)
     check_model(cfg)
     check_env(cfg)
     samples = check_loop(cfg)
@@ -265,11 +268,10 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
     servers = plan_servers(cfg, backend, check_fit=slurm)
-    if backend.check is not None:
-        try:
-            backend.check(cfg)  # the backend's own option rules (e.g. workers/inference/sglang/checks.py)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
+    try:  # the backend's field ranges and its own option rules (e.g. workers/inference/sglang/checks.py)
+        backend.plan_check(cfg)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     trainer, dims = plan_trainer(cfg, check_fit=slurm)
     control = plan_control(cfg, backend, check_fit=slurm)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0

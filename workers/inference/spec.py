@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from workers.common.config.ranges import check_fields
 from workers.common.registry import BACKENDS, PluginSpec
 
 if TYPE_CHECKING:
@@ -94,6 +95,14 @@ class BackendSpec(PluginSpec):
     serves_api_of: tuple[str, ...] = ()
     """Other backends whose server this one runs unchanged (a wrapper around the embedded server says
     ``("embedded",)``): weight transports that talk to those talk to this one too."""
+
+
+    def plan_check(self, run_cfg: Any) -> None:
+        """Plan time (pure): every field of the inference section in its range or choices (the rules
+        beside this backend's schema, workers/common/config/ranges.py), then ``check``."""
+        check_fields(run_cfg.inference, "inference")
+        if self.check is not None:
+            self.check(run_cfg)
 
 
 def backend_of(run_cfg: Any) -> BackendSpec:

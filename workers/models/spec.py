@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Optional
 
+from workers.common.config.ranges import check_fields
 from workers.common.registry import PluginSpec
 from workers.models.facts import Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
 
@@ -68,10 +69,11 @@ class ModelSpec(PluginSpec):
         return self.build is not None
 
     def plan_check(self, run_cfg) -> None:
-        """Plan time (pure): what every family shares (workers/models/checks.py), then the family's own
+        """Plan time (pure): every field in its range, what every family shares (workers/models/checks.py), then the family's own
         ``check``; a family that only plans is refused unless launcher.dry_run=true. ValueError names the key."""
         from workers.models.checks import check_base
 
+        check_fields(run_cfg.model, "model")  # ranges of every field (rules beside the family's schema)
         check_base(run_cfg, self)
         if self.check is not None:
             self.check(run_cfg)

@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Optional
 
+from workers.common.config.ranges import check_fields
 from workers.common.registry import BACKENDS, TRANSPORTS, PluginSpec
 
 
@@ -56,9 +57,10 @@ class TransportSpec(PluginSpec):
 
 
 def check_transport(run_cfg: Any) -> None:
-    """Plan-time (pure): the transport's own check (it may say why a backend is out), then
+    """Plan-time (pure): every field in its range, the transport's own check (it may say why a backend is out), then
     whether it talks to ``inference.backend`` at all. Raises ValueError naming the key."""
     spec: TransportSpec = TRANSPORTS.get(run_cfg.weights.transport)
+    check_fields(run_cfg.weights, "weights")  # every field in its range (rules beside the transport's schema)
     if spec.check is not None:
         spec.check(run_cfg)
     backend = BACKENDS.get(run_cfg.inference.backend)

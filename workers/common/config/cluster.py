@@ -7,6 +7,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from workers.common.config.ranges import NONEMPTY, TEXT, Each, Pattern, between, ge, gt, limits, one_of
+
 
 @dataclasses.dataclass(kw_only=True)
 class PreflightConfig:
@@ -114,3 +116,19 @@ class ClusterConfig:
     """Shared filesystem root visible from every node (models, caches); documentation for site profiles."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """Limits of the GPU health and bandwidth checks (run with top-level ``preflight=true``)."""
+
+
+SRUN_MPI = Pattern(r"none|pmix(_v\d+)?|pmi2|cray_shasta", "an srun --mpi plugin: none, pmix, pmix_vN, pmi2 or cray_shasta")
+COLLECTIVES = one_of("all_reduce", "all_gather", "alltoall", "sendrecv")
+"""workers/preflight/limits.py COLLECTIVES (the bandwidth judge's names; a test keeps them equal)."""
+limits(PreflightConfig, expect_gpus_per_node=Each(ge(0)), gpu_name=TEXT, min_free_memory_gb=ge(0),
+       max_uncorrected_ecc_errors=ge(0), max_retired_pages=ge(0), fail_on_throttle=Each(TEXT), min_nvlinks_per_gpu=ge(0),
+       nccl_tests_dir=TEXT, nccl_tests_mpi=SRUN_MPI, collectives=Each(COLLECTIVES), min_bytes=gt(0), max_bytes=gt(0),
+       size_factor=ge(2), num_iters=gt(0), num_warmup_iters=ge(0), min_busbw_gbps=Each(ge(0)),
+       min_busbw_gbps_intra_node=Each(ge(0)), timeout_s=gt(0))
+limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition=TEXT, account=TEXT, qos=TEXT,
+       num_gpus_per_node=ge(0), num_cpus_per_node=gt(0), mem_per_node_gb=ge(0), runs_root=NONEMPTY, template_dir=TEXT,
+       time_limit=Pattern(r"(\d+-)?\d+(:\d{2}){0,2}", "a Slurm time: MM, HH:MM:SS or D-HH:MM:SS"), env=Each(TEXT),
+       cpu_partition=TEXT, gpu_memory_gb=ge(0), node_address=NONEMPTY, port_min=between(1024, 65535),
+       port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), sbatch_flags=Each(TEXT),
+       setup=Each(TEXT), python=TEXT, shared_root=TEXT)

@@ -11,6 +11,8 @@ import dataclasses
 
 from omegaconf import MISSING
 
+from workers.common.config.ranges import NONEMPTY, SEED, ge, limits, one_of
+
 
 @dataclasses.dataclass(kw_only=True)
 class EnvConfig:
@@ -24,3 +26,7 @@ class EnvConfig:
     """Median of the simulated latency in seconds."""
     latency_p99_over_median: float = 20.0
     """Tail heaviness: p99 / median of the simulated latency (>= 1)."""
+
+
+limits(EnvConfig, name=NONEMPTY, seed=SEED, latency=one_of("none", "lognormal", "pareto"), latency_median_s=ge(0),
+       latency_p99_over_median=ge(1))

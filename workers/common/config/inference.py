@@ -12,6 +12,8 @@ from dataclasses import field
 
 from omegaconf import MISSING
 
+from workers.common.config.ranges import NONEMPTY, ge, gt, limits, one_of
+from workers.common.dtypes import COMPUTE_DTYPES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,3 +62,9 @@ class InferenceConfig:
     """Slurm CPUs of one server task (one task per replica and node)."""
     mem_gb: int = 0
     """Slurm memory per node of the server components in GB (0: the cluster default)."""
+
+
+limits(ServerLayout, num_nodes_per_replica=gt(0), num_replicas_per_node=gt(0), tp=gt(0), ep=gt(0), dp_attention=gt(0))
+limits(InferenceConfig, backend=NONEMPTY, num_workers=ge(0), max_batch_size=gt(0), dtype=one_of(*COMPUTE_DTYPES),
+       host=NONEMPTY, startup_timeout_s=gt(0), num_prefill_replicas=ge(0), num_decode_replicas=ge(0),
+       num_cpus_per_task=gt(0), mem_gb=ge(0))

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
+from workers.common.config.ranges import TEXT, ConfigError, ge, gt, limits
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,7 +48,7 @@ class LauncherConfig:
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
-            raise ValueError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
+            raise ConfigError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
     follow: bool = True
     """Slurm: after sbatch, print per-step progress until the job ends; False submits and returns."""
     num_gpu_nodes: int = 0
@@ -58,3 +59,8 @@ class LauncherConfig:
     """Slurm resources of the router task (sglang-router; absent with embedded inference)."""
     trainer: TrainerLayout = field(default_factory=TrainerLayout)
     """Nodes and parallel dimensions of the trainer ranks."""
+
+
+limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
+limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
+limits(LauncherConfig, run_dir=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))

@@ -13,6 +13,8 @@ import dataclasses
 
 from omegaconf import MISSING
 
+from workers.common.config.ranges import NONEMPTY, SEED, TEXT, gt, limits
+
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
@@ -49,3 +51,7 @@ class ModelConfig:
     def top_k(self) -> int:
         """Experts chosen per token; 0: dense."""
         return 0
+
+
+limits(ModelConfig, family=NONEMPTY, name=NONEMPTY, vocab_size=gt(0), hidden_size=gt(0), num_layers=gt(0),
+       num_heads=gt(0), max_position_embeddings=gt(0), init_seed=SEED, pretrained=TEXT, pretrained_dir=TEXT)

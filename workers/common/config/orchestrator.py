@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,4 +49,10 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
             if not getattr(self, key) > 0:
-                raise ValueError(f"orchestrator.{key}({getattr(self, key)}) must be > 0")
+                raise ConfigError(f"orchestrator.{key}({getattr(self, key)}) must be > 0")
+
+
+limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),
+       num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
+       advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
+       num_spare_groups=ge(0), health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))

@@ -19,13 +19,10 @@ from workers.common.config.cluster import ClusterConfig
 from workers.common.config.inference import InferenceConfig
 from workers.common.config.launcher import LauncherConfig
 from workers.common.config.orchestrator import OrchestratorConfig
+from workers.common.config.ranges import NONEMPTY, SEED, ConfigError, Each, Pattern, limits
 from workers.common.config.trainer import TrainerConfig
 from workers.common.plugins import load_plugins
 from workers.common.registry import SECTIONS
-
-
-class ConfigError(ValueError):
-    """A config section does not fit the schema its entry chose; the message names the key."""
 
 
 def _default(section: str, name: str):
@@ -57,6 +54,10 @@ class RunConfig:
     env: Any = MISSING
     """Schema chosen by ``env.name`` (workers/orchestrator/envs)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+MODULE = Pattern(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a module name (dotted, importable)")
+limits(RunConfig, experiment=NONEMPTY, seed=SEED, plugins=Each(MODULE))
 
 
 def section_schema(section: str, name: str) -> type:

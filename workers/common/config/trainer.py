@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 
+from workers.common.config.ranges import ConfigError, Each, between, ge, gt, limits, one_of
+from workers.common.dtypes import COMPUTE_DTYPES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -103,7 +105,16 @@ class TrainerConfig:
         for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
                              ("replay_unreported", ("recompute", "mask"))):
             if getattr(self, key) not in choices:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
+                raise ConfigError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
         if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
-            raise ValueError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
+            raise ConfigError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
                              f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")
+
+
+limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), dp=gt(0, also=(-1,)))
+limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
+       betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
+       aux_loss_coef=ge(0), ratio_cap=ge(1), ratio_mask_low=between(0, 1, lo_open=True), ratio_mask_high=ge(1),
+       replay_unreported=one_of("recompute", "mask"), ratio_level=one_of("token", "sequence", "geometric"),
+       batch_timeout_s=gt(0), num_threads=gt(0), simulated_step_delay_s=ge(0), checkpoint_every_steps=ge(0),
+       num_checkpoints_kept=gt(0))

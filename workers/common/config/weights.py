@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import NONEMPTY, ge, gt, limits
+
 
 @dataclasses.dataclass(kw_only=True)
 class WeightsConfig:
@@ -24,3 +26,6 @@ class WeightsConfig:
     (index.json; broadcast: offer.json, one hash pass on trainer rank 0) with the one each embedded
     worker reports after applying; counts land in metrics.jsonl (weight_updates_verified /
     weight_updates_mismatched). Only when trainer and inference dtypes match."""
+
+
+limits(WeightsConfig, transport=NONEMPTY, keep_last=ge(2), num_hash_threads=gt(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.inference import InferenceConfig
+from workers.common.config.ranges import Pattern, gt, limits
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -16,3 +17,7 @@ class EmbeddedInferenceConfig(InferenceConfig):
     """Torch device of the embedded engine: ``cpu``, ``cuda`` or ``cuda:N`` (one GPU may be shared with the trainer)."""
     num_threads: int = 1
     """torch intra-op threads per worker (2 cores are shared by all roles locally)."""
+
+
+limits(EmbeddedInferenceConfig, device=Pattern(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N (N a GPU index)"),
+       num_threads=gt(0))

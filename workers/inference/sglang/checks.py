@@ -10,10 +10,11 @@ themselves are checked against SGLang's own parser in tests/unit/test_sglang_par
 from __future__ import annotations
 
 from workers.common.config import RunConfig
+from workers.common.config.ranges import TEXT, Each, Pattern, between, ge, gt, limits, one_of
 from workers.inference.sglang import router as router_argv
 from workers.inference.sglang import server as sglang_server
 from workers.inference.sglang.args import features, server_env
-from workers.inference.sglang.config import SGLangServerLayout
+from workers.inference.sglang.config import RouterConfig, SGLangConfig, SGLangRoleConfig, SGLangServerLayout
 from workers.inference.sglang.ports import ports_needed
 from workers.inference.spec import BackendConfigError as PlanError  # the launcher shows it as its PlanError
 from workers.inference.spec import BackendStep
@@ -29,6 +30,40 @@ KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
 ROUTER_POLICIES = ("random", "round_robin", "passthrough", "cache_aware", "power_of_two", "least_load", "manual",
                    "consistent_hashing", "prefix_hash")
 """smg 1.13.0 router_args.py COMMON_POLICY_CHOICES (prefill also accepts ``bucket``)."""
+QUANTIZATIONS = ("awq", "fp8", "mxfp8", "gptq", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf", "modelopt",
+                 "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4", "w8a8_int8", "w8a8_fp8",
+                 "moe_wna16", "w4afp8", "mxfp4", "auto-round", "auto-round-int8", "compressed-tensors", "modelslim",
+                 "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4", "mlx_q4", "mlx_q8", "unquant", "humming")
+ATTENTION_BACKENDS = ("triton", "torch_native", "flex_attention", "dsa", "nsa", "qsa", "dsv4", "compressed", "fa3", "fa4",
+                      "flashinfer", "llada2_cfg_flashinfer", "flashmla", "trtllm_mla", "cutedsl_mla", "tokenspeed_mla",
+                      "trtllm_mha", "hpc_ops", "minicpm_flashattn", "minicpm_flashinfer", "aiter", "wave", "intel_amx",
+                      "ascend", "intel_xpu")
+MOE_RUNNER_BACKENDS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm", "experimental_sgl_trtllm",
+                       "flashinfer_trtllm_routed", "flashinfer_cutlass", "flashinfer_mxfp4", "flashinfer_cutedsl",
+                       "flashinfer_megamoe", "cutlass", "aiter", "marlin", "humming", "experimental_sgl_marlin",
+                       "lora_cutedsl", "lora_triton", "lora_marlin", "hpc_ops", "megamoe", "intel_xpu")
+FP8_GEMM_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
+                     "flashinfer_cutedsl", "cutlass", "triton", "aiter")
+"""sglang/srt/arg_groups/choices.py QUANTIZATION_CHOICES, ATTENTION_BACKEND_CHOICES, MOE_RUNNER_BACKEND_CHOICES,
+FP8_GEMM_RUNNER_BACKEND_CHOICES (tests/unit/test_config_ranges.py compares them when sglang is installed)."""
+SERVER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ROUTER_LOG_LEVELS = ("debug", "info", "warn", "error")
+
+limits(SGLangRoleConfig, moe_a2a_backend=one_of(*A2A_BACKENDS), deepep_mode=one_of(*DEEPEP_MODES),
+       ep_num_redundant_experts=ge(0), eplb_rebalance_num_iterations=gt(0), max_running_requests=gt(0),
+       chunked_prefill_size=gt(0, also=(-1,)), cuda_graph_max_bs=gt(0), hicache_ratio=gt(0), hicache_size_gb=ge(0),
+       hicache_write_policy=one_of(*HICACHE_WRITE_POLICIES), hicache_storage_backend=one_of(*HICACHE_STORAGE),
+       hicache_storage_dir=TEXT, extra_args=Each(TEXT))
+limits(RouterConfig, policy=one_of(*ROUTER_POLICIES), prefill_policy=one_of(*ROUTER_POLICIES, "bucket"),
+       decode_policy=one_of(*ROUTER_POLICIES), routing_key_header=Pattern(r"[A-Za-z0-9!#$%&'*+.^_`|~-]*", "an HTTP header name"),
+       request_timeout_s=gt(0), worker_startup_timeout_s=gt(0), health_check_interval_s=gt(0),
+       log_level=one_of(*ROUTER_LOG_LEVELS), extra_args=Each(TEXT))
+limits(SGLangConfig, model_path=TEXT, quantization=one_of(*QUANTIZATIONS), kv_cache_dtype=one_of(*KV_CACHE_DTYPES),
+       fp8_gemm_backend=one_of(*FP8_GEMM_BACKENDS), moe_runner_backend=one_of(*MOE_RUNNER_BACKENDS),
+       attention_backend=one_of(*ATTENTION_BACKENDS), mem_fraction_static=between(0, 1, lo_open=True, hi_open=True),
+       context_length=gt(0), page_size=gt(0), disaggregation_transfer_backend=one_of(*TRANSFER_BACKENDS),
+       disaggregation_ib_device=TEXT, watchdog_timeout_s=gt(0), log_level=one_of(*SERVER_LOG_LEVELS),
+       extra_args=Each(TEXT), env=Each(TEXT))
 
 
 def _choice(key: str, value: object, choices: tuple) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.model import ModelConfig
+from workers.common.config.ranges import ge, gt, limits
 from workers.common.registry import MODELS
 from workers.models.checks import check_dense_layers, check_mla, check_moe
 from workers.models.facts import Architecture
@@ -46,6 +47,11 @@ class DeepseekV3Config(ModelConfig):
     """MLA: per-head value width."""
     num_mtp_layers: int = 0
     """Multi-token-prediction layers (not counted in the published parameter total)."""
+
+
+limits(DeepseekV3Config, num_experts=gt(0), top_k=gt(0), expert_intermediate_size=gt(0), num_shared_experts=ge(0),
+       num_dense_layers=ge(0), dense_intermediate_size=ge(0), q_lora_rank=gt(0), kv_lora_rank=gt(0),
+       qk_nope_head_dim=gt(0), qk_rope_head_dim=gt(0), v_head_dim=gt(0), num_mtp_layers=ge(0))
 
 
 def arch_fields(m: DeepseekV3Config) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import ge, limits
 from workers.common.registry import MODELS
 from workers.models.checks import positive
 from workers.models.deepseek_v3.spec import DeepseekV3Config, arch_fields
@@ -24,6 +25,9 @@ class GlmMoeDsaConfig(DeepseekV3Config):
     """DeepSeek Sparse Attention indexer heads (0: dense attention)."""
     indexer_head_dim: int = 0
     """DeepSeek Sparse Attention indexer head width."""
+
+
+limits(GlmMoeDsaConfig, num_indexer_heads=ge(0), indexer_head_dim=ge(0))
 
 
 def arch(m: GlmMoeDsaConfig) -> Architecture:

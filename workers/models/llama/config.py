@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import gt, limits
 from workers.models.tiny_moe.config import DecoderConfig
 
 
@@ -18,3 +19,6 @@ class LlamaConfig(DecoderConfig):
     """Model family (workers/models registry): chooses the schema of this section and the code that builds it."""
     dense_intermediate_size: int = 0
     """Hidden width of every layer's SwiGLU MLP (HF ``intermediate_size``); must be > 0."""
+
+
+limits(LlamaConfig, dense_intermediate_size=gt(0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.model import ModelConfig
+from workers.common.config.ranges import ge, gt, limits
 from workers.common.registry import MODELS
 from workers.models.checks import check_mha, check_moe
 from workers.models.facts import Architecture
@@ -30,6 +31,10 @@ class NemotronHConfig(ModelConfig):
     """Always-active experts per MoE block, besides the routed ones."""
     num_mtp_layers: int = 0
     """Multi-token-prediction layers (not counted in the published parameter total)."""
+
+
+limits(NemotronHConfig, num_experts=gt(0), top_k=gt(0), expert_intermediate_size=gt(0), num_shared_experts=ge(0),
+       num_mtp_layers=ge(0))
 
 
 def arch(m: NemotronHConfig) -> Architecture:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.model import ModelConfig
+from workers.common.config.ranges import ge, gt, limits
 
 INIT_STD = 0.02
 """Standard deviation of the seeded init (residual projections are scaled down by sqrt(2 * layers))."""
@@ -60,3 +61,7 @@ class TinyMoeConfig(DecoderConfig):
     """Experts chosen per token."""
     expert_intermediate_size: int = 256
     """Hidden width of each expert's SwiGLU MLP."""
+
+
+limits(DecoderConfig, num_kv_heads=ge(0), rope_theta=gt(0), rms_norm_eps=gt(0))
+limits(TinyMoeConfig, num_experts=gt(0), top_k=gt(0), expert_intermediate_size=gt(0))

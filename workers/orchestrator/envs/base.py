@@ -39,6 +39,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from workers.common.config import EnvConfig
+from workers.common.config.ranges import gt, limits
 from workers.orchestrator.envs.spec import positive
 
 
@@ -56,6 +57,10 @@ class MultiTurnEnvConfig(EnvConfig):
     """Wall-clock budget of one episode (generation + env steps); past it no new turn starts."""
     max_concurrent_env_steps: int = 2
     """Env steps (sandbox runs) running at once in this env; episodes beyond it wait, generation goes on."""
+
+
+limits(MultiTurnEnvConfig, max_turns=gt(0), max_new_tokens_per_turn=gt(0), max_episode_tokens=gt(0),
+       episode_timeout_s=gt(0), max_concurrent_env_steps=gt(0))
 
 
 def check_multi_turn(cfg: Any) -> None:

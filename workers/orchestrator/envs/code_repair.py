@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from workers.common.config.ranges import NONEMPTY, TEXT, gt, limits, one_of
 from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
@@ -298,6 +299,10 @@ class CodeRepairSession:
         return h.hexdigest()
 
 
+limits(CodeRepairConfig, max_observation_bytes=gt(0), num_functions=gt(0), num_tests_per_function=gt(0),
+       sandbox_mode=one_of(*SANDBOX_MODES), sandbox_python=NONEMPTY, sandbox_scratch_root=TEXT, sandbox_cpu_s=gt(0),
+       sandbox_memory_mb=gt(0), sandbox_file_size_kb=gt(0), sandbox_num_procs=gt(0), sandbox_timeout_s=gt(0),
+       sandbox_tmp_mb=gt(0))
 ENVS.register(EnvSpec(name="code_repair", config=CodeRepairConfig, vocab_size=lambda cfg: VOCAB_SIZE, env_check=check,
                       make=lambda cfg, *, seed, model=None: CodeRepairEnv(cfg, seed=seed),
                       summary="fix a tiny buggy Python project with tools; tests run in a sandbox"))

@@ -19,6 +19,7 @@ import random
 from typing import Any
 
 from workers.common.config import EnvConfig
+from workers.common.config.ranges import gt, limits
 from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import SingleTurnEnv
 from workers.orchestrator.envs.spec import EnvSpec, positive
@@ -37,6 +38,9 @@ class ReverseDigitsConfig(EnvConfig):
     """Longest digit string of a prompt."""
     num_symbols: int = 10
     """Distinct digit symbols (0..num_symbols-1)."""
+
+
+limits(ReverseDigitsConfig, min_digits=gt(0), max_digits=gt(0), num_symbols=gt(0))
 
 
 def vocab_size(cfg: ReverseDigitsConfig) -> int:

@@ -26,6 +26,7 @@ import random
 from typing import Any
 
 from workers.common.config import EnvConfig
+from workers.common.config.ranges import TEXT, between, gt, limits
 from workers.common.registry import ENVS
 from workers.models.pretrained import require_prepared
 from workers.orchestrator.envs.base import SingleTurnEnv
@@ -55,6 +56,10 @@ class ReverseTextConfig(EnvConfig):
     """System message of the chat ("" keeps the model template's default)."""
     num_examples: int = 2
     """Worked examples, given as earlier user/assistant turns (0..2)."""
+
+
+limits(ReverseTextConfig, min_words=gt(0), max_words=gt(0), max_new_tokens=gt(0), system_prompt=TEXT,
+       num_examples=between(0, len(EXAMPLES)))
 
 
 def check(run_cfg: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from workers.common.config.ranges import check_fields
 from workers.common.registry import PluginSpec
 
 LATENCIES = ("none", "lognormal", "pareto")
@@ -50,7 +51,9 @@ class EnvSpec(PluginSpec):
         return f"EnvSpec(name={self.name!r}, config={self.config.__qualname__}, module={self.config.__module__})"
 
     def plan_check(self, run_cfg: Any) -> None:
-        """Everything the plan checks for this env: latency, vocabulary, then ``env_check``."""
+        """Everything the plan checks for this env: every field in its range (rules beside its schema),
+        latency, vocabulary, then ``env_check``."""
+        check_fields(run_cfg.env, "env")
         check_latency(run_cfg.env)
         check_vocabulary(self, run_cfg)
         if self.env_check is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from workers.common.config.ranges import TEXT, limits
 from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig
 from workers.orchestrator.envs.chat import VOCAB_SIZE
@@ -51,6 +52,9 @@ class VerifiersConfig(MultiTurnEnvConfig):
     """Task name."""
     verifiers_env: str = ""
     """Module name of an environment written for the ``verifiers`` package."""
+
+
+limits(VerifiersConfig, verifiers_env=TEXT)
 
 
 def check(run_cfg: Any) -> None:

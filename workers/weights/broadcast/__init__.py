@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import NONEMPTY, gt, limits, one_of
 from workers.common.registry import TRANSPORTS
 from workers.weights.filesystem import FilesystemWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
@@ -66,18 +67,17 @@ class BroadcastWeightsConfig(FilesystemWeightsConfig):
     """SGLang's ``group_name`` of the weight-update group."""
 
 
+limits(BroadcastWeightsConfig, bucket_size_mb=gt(0), lone_tensor_mb=gt(0), broadcast_timeout_s=gt(0),
+       backend=one_of("auto", "gloo", "nccl"), group_name=NONEMPTY)
+
+
 def check(cfg) -> None:
     """Plan-time: only the embedded engine receives buckets; the group's settings make sense."""
     if cfg.inference.backend == "sglang":
         raise ValueError("weights.transport=broadcast speaks the embedded engine's bucket protocol "
                          "(workers/weights/broadcast/), which SGLang servers cannot receive; with "
                          "inference.backend=sglang use weights.transport=filesystem")
-    w = cfg.weights
-    if w.backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"weights.backend={w.backend!r} is not one of ['auto', 'gloo', 'nccl']")
-    for key in ("bucket_size_mb", "lone_tensor_mb", "broadcast_timeout_s"):
-        if getattr(w, key) <= 0:
-            raise ValueError(f"weights.{key} must be > 0, got {getattr(w, key)}")
+    # the group's settings: their ranges and choices (limits above), checked by check_transport
 
 
 SPEC = TRANSPORTS.register(TransportSpec(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.common.config.ranges import gt, limits
 from workers.common.config.weights import WeightsConfig
 from workers.common.registry import TRANSPORTS
 from workers.weights.spec import TransportSpec, lazy
@@ -64,6 +65,9 @@ class FilesystemWeightsConfig(WeightsConfig):
     delta_full_every: int = 10
     """Delta mode: every this many steps a full step is written, bounding how far back a
     step's files may lie (and so what retention must keep)."""
+
+
+limits(FilesystemWeightsConfig, delta_full_every=gt(0))
 
 
 def check(cfg) -> None:
