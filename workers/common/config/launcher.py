@@ -63,4 +63,4 @@ class LauncherConfig:
 
 limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
 limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
-limits(LauncherConfig, run_dir=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
+limits(LauncherConfig, run_dir=TEXT, resume=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
