@@ -69,6 +69,8 @@ class GenOutput:
     routed_experts: Optional[torch.Tensor]
     """int32 [n, L, k] for positions [routed_experts_start_len, seqlen-1), or None."""
     latency_s: float
+    error: Optional[str] = None
+    """Set when the engine failed (crashed, or was stopped): the server answers an error, not tokens."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,6 +117,7 @@ class InferenceEngine:
         self._abort_all = False
         self._paused = self._stopping = False
         self._rows: list[_Seq] = []  # running batch, row i <-> cache row i
+        self._admitting: list[_Seq] = []  # popped from the queue, in prefill: neither queued nor running
         self._cache: Optional[KVCache] = None
         self.error: Optional[BaseException] = None
         self.num_generated_tokens = self.num_steps = 0  # progress counters for /server_info
@@ -127,6 +130,9 @@ class InferenceEngine:
         return self
 
     alive = property(lambda self: self._thread.is_alive() and self.error is None)
+    failure = property(lambda self: None if self.error is None else
+                       f"engine failed: {type(self.error).__name__}: {self.error}"[:1000],
+                       doc="Why the engine died (None while it has not): the text failed requests carry.")
     paused = property(lambda self: self._paused)
     num_running = property(lambda self: len(self._rows), doc="Requests in the decode batch.")
     num_pending = property(lambda self: len(self._pending), doc="Requests queued (or held while paused).")
@@ -141,7 +147,10 @@ class InferenceEngine:
                 self._pending.append(seq)
                 self._cond.notify_all()
                 return
-        self._finish(seq, {"type": "abort", "message": "engine is shutting down or failed"})
+        if self.error is not None:
+            self._finish(seq, {"type": "abort", "message": self.failure}, error=self.failure)
+        else:
+            self._finish(seq, {"type": "abort", "message": "engine is shutting down"})
 
     def generate(self, reqs: list[GenRequest], timeout_s: float = 60.0) -> list[GenOutput]:
         """Blocking convenience for tests and tools: submit all, wait for all."""
@@ -252,10 +261,12 @@ class InferenceEngine:
             self.error = e
             with self._model_lock, self._cond:
                 self._stopping = True
-                # Do not touch the (possibly inconsistent) cache: just answer every caller.
-                failed, self._pending, self._rows, self._cache = list(self._pending) + self._rows, deque(), [], None
+                # Do not touch the (possibly inconsistent) cache: just answer every caller,
+                # including rows that were in prefill (popped from the queue, not yet running).
+                failed = list(self._pending) + self._admitting + self._rows
+                self._pending, self._admitting, self._rows, self._cache = deque(), [], [], None
             for s in failed:
-                self._finish(s, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                self._finish(s, {"type": "abort", "message": self.failure}, error=self.failure)
 
     def _step_locked(self) -> None:
         with self._cond:
@@ -265,7 +276,9 @@ class InferenceEngine:
             while self._pending and len(self._rows) + len(admit) < self.max_batch_size:
                 admit.append(self._pending.popleft())
         if admit:
+            self._admitting = admit  # a crash in the prefill still answers them
             self._prefill(admit)  # new rows join the batch with their first token sampled
+            self._admitting = []
         # After the prefill, so an abort that raced with admission finds its row.
         self._apply_aborts_locked()
         self._retire_finished()  # new rows may be done already (stop token, max_new_tokens <= 1)
@@ -370,15 +383,15 @@ class InferenceEngine:
         self._cache.select(torch.tensor(keep, device=self.device))
         _trim_left(self._cache)
 
-    def _finish(self, s: _Seq, reason: dict) -> None:
+    def _finish(self, s: _Seq, reason: dict, error: Optional[str] = None) -> None:
         routed = None
-        if s.req.return_routed_experts and s.routed:
+        if s.req.return_routed_experts and s.routed and error is None:
             # The last sampled token was never fed, so it has no routing (SGLang's convention).
             routed = torch.cat(s.routed)[s.req.routed_experts_start_len: s.seqlen - 1].cpu().contiguous()
         out = GenOutput(rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out_ids,
                         logprobs=s.logprobs, token_versions=s.versions, finish_reason=reason,
                         weight_version=self.weight_version, routed_experts=routed,
-                        latency_s=time.perf_counter() - s.t0)
+                        latency_s=time.perf_counter() - s.t0, error=error)
         try:
             s.on_done(out)
         except Exception:  # a broken callback must not take the engine down
