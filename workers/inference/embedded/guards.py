@@ -103,8 +103,11 @@ def admission_refusal(engine, num_new: int, max_queued: int) -> Optional[web.Res
 
 
 def runner_kwargs(idle_timeout_s: float) -> dict:
-    """AppRunner settings, set explicitly (aiohttp's keep-alive default is an hour)."""
-    return {"keepalive_timeout": float(idle_timeout_s), "tcp_keepalive": True}
+    """AppRunner settings, set explicitly (aiohttp's keep-alive default is an hour); after a
+    refused or timed-out request whose body is unread, aiohttp drains it ("lingering") for
+    at most the same bound (its default is 10 s), then closes."""
+    return {"keepalive_timeout": float(idle_timeout_s), "tcp_keepalive": True,
+            "lingering_time": min(float(idle_timeout_s), 5.0)}
 
 
 def listen(host: str, port: int) -> socket.socket:
