@@ -155,6 +155,32 @@ def test_non_utf8_authorization_and_deep_json_are_4xx():
     assert health == 200
 
 
+RAW = {  # malformed at the HTTP level: aiohttp's parser answers 400/404 itself; never a 500
+    "path_nul": b"POST /generate%00 HTTP/1.1\r\n", "path_dotdot": b"GET /../../etc/passwd HTTP/1.1\r\n",
+    "path_bytes": b"GET /\xff\xfe HTTP/1.1\r\n", "path_long": b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n",
+    "method": b"FOO /generate HTTP/1.1\r\n", "header_long": b"GET /health HTTP/1.1\r\nX: " + b"a" * 100000 + b"\r\n",
+    "length_negative": b"POST /generate HTTP/1.1\r\nContent-Length: -5\r\n",
+    "length_garbage": b"POST /generate HTTP/1.1\r\nContent-Length: abc\r\n",
+    "chunk_garbage": b"POST /generate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "auth_empty": b"POST /pause_generation HTTP/1.1\r\nAuthorization: Bearer\r\nContent-Length: 0\r\n",
+}
+
+
+def test_malformed_http_requests_are_4xx_and_the_server_survives():
+    async def run(session, base, engine, app):
+        got = {}
+        for name, head in RAW.items():
+            answer, _ = await raw(base, head + b"Host: x\r\nConnection: close\r\n\r\n")
+            got[name] = answer.split(b"\r\n")[0]
+        async with session.get(base + "/health_generate") as r:
+            return got, r.status
+
+    got, health = serve(run)
+    assert health == 200
+    bad = {k: v for k, v in got.items() if not (v.split(b" ")[1:2] and v.split(b" ")[1].startswith(b"4"))}
+    assert not bad, bad
+
+
 def _damage_index(step, fn):
     index = json.loads((step / "index.json").read_text())
     fn(index)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import yaml
 
 from workers.common.protocol import STABLE

@@ -57,6 +57,8 @@ async def _json(request: web.Request) -> dict:
 
 def _version(body: dict, field: str) -> int:
     v = body.get(field)
-    if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
+    if isinstance(v, str) and v.isascii() and v.strip().lstrip("-").isdigit() and len(v) <= 20:
+        v = int(v)
+    if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63:  # an int64, as SGLang's
+        return v
     raise BadRequest(f"{field}: expected an integer (as a number or a string), got {v!r}"[:300])
