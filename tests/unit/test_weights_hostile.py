@@ -205,3 +205,11 @@ def test_non_regular_files_are_refused_before_opening(tmp_path, kind):
         load_step(step)
     assert time.monotonic() - t0 < 5, "a FIFO must never block the reader"
     assert str(step) in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_finite_weights_whose_sum_overflows_are_still_published_and_read(tmp_path, dtype):
+    st = {k: v.to(dtype) for k, v in state().items()}
+    st["lm_head.weight"].fill_(3e38)  # the chunk sum overflows to inf: the exact check must clear it
+    publish_step(tmp_path, 1, st, keep_last=3)
+    assert torch.equal(load_step(tmp_path / "step_000001")["lm_head.weight"], st["lm_head.weight"])

