@@ -19,11 +19,9 @@ worker rank); the draws a request sees still depend on which requests share its 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -32,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.common.dtypes import check_name, torch_dtype
+from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
 from workers.common.registry import MODELS
 from workers.models.tiny_moe.model import KVCache, TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
@@ -39,55 +38,6 @@ from workers.weights.filesystem.receiver import DiskReader
 log = logging.getLogger("slurmrl.inference")
 
 GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
-
-
-@dataclasses.dataclass(kw_only=True)
-class GenRequest:
-    """One prompt to complete; the server builds these from SGLang's /generate fields."""
-
-    input_ids: list[int]
-    temperature: float = 1.0
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
-    rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclasses.dataclass(kw_only=True)
-class GenOutput:
-    rid: str
-    prompt_tokens: int
-    output_ids: list[int]
-    logprobs: list[float]
-    """log p(token) under the sampling distribution (float32 math)."""
-    token_versions: list[int]
-    """weight_version of the weights that produced each output token."""
-    finish_reason: dict
-    weight_version: int
-    """Engine version when the request finished."""
-    routed_experts: Optional[torch.Tensor]
-    """int32 [n, L, k] for positions [routed_experts_start_len, seqlen-1), or None."""
-    latency_s: float
-    error: Optional[str] = None
-    """Set when the engine failed (crashed, or was stopped): the server answers an error, not tokens."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    """A request in flight: its tokens so far plus what the response needs."""
-
-    req: GenRequest
-    on_done: Callable[[GenOutput], None]
-    out_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    routed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [t, L, k] per forward fed
-    t0: float = dataclasses.field(default_factory=time.perf_counter)
-
-    @property
-    def seqlen(self) -> int:
-        return len(self.req.input_ids) + len(self.out_ids)
 
 
 def engine_seed(run_seed: int, rank: int) -> int:
