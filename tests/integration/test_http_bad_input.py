@@ -53,6 +53,14 @@ CASES = [
     ("/update_weights_from_distributed", {"group_name": "g", "load_format": "pickle"}, 400),
     ("/update_weights_from_distributed", NOT_JSON, 400),
     ("/destroy_weights_update_group", {}, 400),
+    # issue 22: bodies that used to answer 500
+    ("/generate", b"[" * 100_000 + b"]" * 100_000, 400), ("/pause_generation", b'{"a":' * 50_000 + b"1" + b"}" * 50_000, 400),
+    ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', 400),
+    ("/update_weight_version", {"new_version": "9" * 5000}, 400), ("/update_weight_version", {"new_version": "\u0661"}, 400),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [["float32"]], "shapes": [[1]], "group_name": "g",
+                                          "weight_version": 1}, 400),
+    ("/update_weights_from_disk", {"model_path": "/tmp/a\x00b", "weight_version": "1"}, 400),
+    ("/update_weights_from_disk", {"model_path": "/" + "a" * 5000, "weight_version": "1"}, 400),
 ]
 ADMIN = sorted({r for r, _, _ in CASES if r != "/generate"} | {"/shutdown", "/flush_cache"})
 BODYLESS = {"/flush_cache", "/shutdown"}  # take no fields: any body is ignored, as in SGLang

@@ -219,3 +219,19 @@ def test_bfloat16_engine_from_config_keeps_float32_logprobs(model):
     assert out.output_ids == reference_greedy(bf, PROMPTS[1], 4)
     assert all(isinstance(x, float) and x <= 0 for x in out.logprobs)
     assert torch.allclose(torch.tensor(out.logprobs), lps, atol=5e-2)  # bf16 kernels differ cache vs no cache
+
+
+def test_a_crash_in_the_prefill_answers_every_request_with_the_error():
+    """Finite weights whose logits overflow make sampling raise inside the prefill: the rows
+    being admitted (neither queued nor running) and the queued ones all get the error (issue 22)."""
+    engine = InferenceEngine(build_model(CFG, seed=0), max_batch_size=2, seed=0).start()
+    try:
+        head = engine.model.state_dict()["lm_head.weight"]
+        engine.apply_weights({"lm_head.weight": torch.randn(head.shape).clamp(-3, 3) * 1e38}, 1, source="test")
+        outs = engine.generate([GenRequest(input_ids=[1, 2], max_new_tokens=4, temperature=1.0) for _ in range(5)],
+                               timeout_s=10)
+        late = engine.generate([GenRequest(input_ids=[1], max_new_tokens=1)], timeout_s=5)  # after the crash
+    finally:
+        engine.shutdown()
+    assert all(o.error and o.error.startswith("engine failed: RuntimeError") for o in outs + late)
+    assert not engine.alive and engine.failure.startswith("engine failed")

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.common.protocol import RunPaths
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
-from workers.weights.base import StorePeers, TensorMeta, WeightLoadError, expert_id
+from workers.weights.base import NonFiniteWeights, StorePeers, TensorMeta, WeightLoadError, expert_id
 from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
 from workers.weights.broadcast.receiver import BroadcastReceiver
-from workers.weights.checksums import state_hashes
+from workers.weights.checksums import buffer_checksum, state_hashes
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.broadcast.group import make_plan
 from workers.weights.broadcast.handshake import Handshake
@@ -182,5 +182,48 @@ def test_senders_stop_once_the_orchestrator_is_done(tmp_path):
         out = h.pubs[0].publish(1, bumped(state, 1))
         assert out.skipped and out.bytes == 0
         assert h.handshake.offered()["version"] == 1
+    finally:
+        h.close()
+
+
+def test_nonfinite_weights_are_never_offered_and_the_group_survives(tmp_path):
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state, experts=(None,))
+    try:
+        bad = bumped(state, 1)
+        bad["lm_head.weight"][0, 0] = float("nan")
+        _, errors = run_threads([lambda p=p: p.publish(1, bad) for p in h.pubs])
+        assert all(isinstance(e, NonFiniteWeights) and "weights step 1 not published: tensor lm_head.weight" in str(e)
+                   for e in errors), errors
+        assert (h.handshake.offered() or {}).get("version") != 1  # receivers never wait for it
+        _, got, errors = h.update(2, bumped(state, 2))
+        assert errors == [None] and state_hashes(got[0][0]) == state_hashes(bumped(state, 2))
+    finally:
+        h.close()
+
+
+class NanSender(BucketSender):
+    """Sends a NaN under a valid checksum (a sender without the publisher's check)."""
+
+    def _pack(self, bucket, state, slot):
+        buf, _ = super()._pack(bucket, state, slot)
+        buf = buf.clone()
+        if buf.dtype.is_floating_point:
+            buf.view(-1)[0] = float("nan")
+        return buf, buffer_checksum(buf)
+
+
+def test_receiver_refuses_nan_under_a_valid_checksum(tmp_path):
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state, experts=(None,))
+    try:
+        good = h.pubs[0].sender
+        h.pubs[0].sender = NanSender(h.pubs[0].group)
+        _, _, errors = h.update(1, bumped(state, 1))
+        assert isinstance(errors[0], WeightLoadError) and "holds NaN or inf" in str(errors[0])
+        assert "fails its checksum" not in str(errors[0])
+        h.pubs[0].sender = good
+        _, got, errors = h.update(2, bumped(state, 2))
+        assert errors == [None]
     finally:
         h.close()

@@ -3,7 +3,9 @@
 Why one client: both speak SGLang's native HTTP API (routes and field names of SGLang
 0.5.x), so the orchestrator never knows which backend it drives. No torch import here.
 
-Rules it keeps: every call has a deadline (aiohttp ClientTimeout); any failure (non-2xx,
+Rules it keeps: every call has a deadline (aiohttp ClientTimeout); a 429 (the server's
+admission queue is full) is retried after Retry-After, backing off, within that deadline;
+any other failure (non-2xx,
 refused connection, timeout, unparsable body) raises :class:`InferenceError` with the
 URL, the HTTP status (None when there was no answer) and the remote response text.
 Routed experts arrive as base64 of int32 [positions, layers, top_k]; they are decoded in
@@ -27,6 +29,19 @@ import aiohttp
 import numpy as np
 
 from workers.common.protocol import PeerTimeout
+
+
+BUSY_BACKOFF_S = 0.05
+"""First wait after a 429 (doubled each retry, up to BUSY_BACKOFF_MAX_S; at least Retry-After)."""
+BUSY_BACKOFF_MAX_S = 2.0
+
+
+def _seconds(retry_after: str) -> float:
+    """Retry-After in seconds (the HTTP-date form is not used by our servers: 0)."""
+    try:
+        return max(0.0, min(float(retry_after), BUSY_BACKOFF_MAX_S))
+    except ValueError:
+        return 0.0
 
 
 class InferenceError(RuntimeError):
@@ -96,15 +111,28 @@ class InferenceClient:
                     timeout_s: Optional[float] = None) -> Any:
         url = self.base_url + path
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            async with self._session.request(method, url, json=body, headers=self._auth,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                text = await resp.text()
-                status = resp.status
-        except asyncio.TimeoutError:
-            raise InferenceError(url, None, f"no answer within {timeout:.1f}s") from None
-        except aiohttp.ClientError as e:
-            raise InferenceError(url, None, f"{type(e).__name__}: {e}") from None
+        deadline = time.monotonic() + timeout
+        delay = BUSY_BACKOFF_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                async with self._session.request(method, url, json=body, headers=self._auth,
+                                                 timeout=aiohttp.ClientTimeout(total=max(left, 0.01))) as resp:
+                    text = await resp.text()
+                    status = resp.status
+                    retry_after = resp.headers.get("Retry-After", "")
+            except asyncio.TimeoutError:
+                raise InferenceError(url, None, f"no answer within {timeout:.1f}s") from None
+            except aiohttp.ClientError as e:
+                raise InferenceError(url, None, f"{type(e).__name__}: {e}") from None
+            if status != 429:
+                break
+            # Busy (the server's admission queue is full): back off and retry within the deadline.
+            wait = max(delay, _seconds(retry_after))
+            if time.monotonic() + wait >= deadline:
+                raise InferenceError(url, status, f"still busy (429) at the {timeout:.1f}s deadline: {text}")
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, BUSY_BACKOFF_MAX_S)
         if not 200 <= status < 300:
             raise InferenceError(url, status, text)
         if not text:

@@ -45,7 +45,7 @@ from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
 from workers.trainer.step import train_step
-from workers.weights.base import WeightPublisher
+from workers.weights.base import NonFiniteWeights, WeightPublisher
 
 TRAINER_DONE = "TRAINER_DONE"
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -120,6 +120,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     except TrainerStopped:
         log.warning("SIGTERM: stopping now")
         return EXIT_SIGTERM
+    except NonFiniteWeights as e:  # every rank raises it together (the publisher's gather)
+        log.error(f"stopping: {e}")
+        return 1
     except Exception as e:
         if _STOPPING:  # SIGTERM came while in a collective that a peer's exit broke first
             log.warning(f"SIGTERM: stopping now ({type(e).__name__} on the way out)")

@@ -29,6 +29,20 @@ class WeightLoadError(RuntimeError):
     """A weight update is missing, partial, corrupt or does not fit the model; nothing was applied."""
 
 
+class NonFiniteWeights(RuntimeError):
+    """The trainer's weights hold NaN or inf: the step is not published (the message names the
+    tensor and the step). Raised on every trainer rank alike, so the run stops with this reason
+    unless ``weights.skip_nonfinite`` asks to skip the step instead."""
+
+
+def nonfinite_message(version: int, names: list[str]) -> str:
+    """The one error line for a refused step (names sorted, the first in full)."""
+    more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+    return (f"weights step {version} not published: tensor {names[0]} holds NaN or inf{more}; "
+            f"the optimizer diverged (check trainer.lr and the loss), or set weights.skip_nonfinite=true "
+            f"to skip such steps")
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
     """What both sides must agree on for one tensor (SGLang's names/dtypes/shapes triple)."""

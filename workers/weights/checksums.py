@@ -53,6 +53,24 @@ def state_hashes(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_hash(t) for name, t in state.items()}
 
 
+def nonfinite_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating tensors holding NaN or inf, checked where they live (one host sync).
+
+    For paths whose bytes never stream through this process before they leave it (the
+    broadcast sender, the received buckets): on a GPU this is one fused kernel per tensor.
+    """
+    names, flags = [], []
+    for name, t in tensors:
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            t = t.detach().float() if t.dtype == torch.float8_e4m3fn else t.detach()
+            names.append(name)
+            flags.append(torch.isfinite(t).all())
+    if not flags:
+        return []
+    ok = torch.stack(flags).tolist()
+    return sorted(n for n, good in zip(names, ok) if not good)
+
+
 def _device_checksum(flat_u8: torch.Tensor) -> str:
     """Position-weighted wrapping int64 sum of a device buffer's 8-byte words, plus its tail.
 

@@ -19,6 +19,11 @@ class WeightsConfig:
     keep_last: int = 3
     """Published weight steps kept on disk (older ones are deleted, unless a kept delta step
     still points at their files)."""
+    skip_nonfinite: bool = False
+    """A step whose weights hold NaN or inf is never published (found in the checksum pass). False:
+    the trainer stops with an error naming the tensor and the step. True: that step is skipped
+    with a warning and inference keeps the last finite step (a diverged run stays diverged: the
+    staleness limits then stop it)."""
     num_hash_threads: int = 2
     """Threads that checksum tensors while they are written, read or broadcast."""
     verify: bool = False

@@ -19,11 +19,9 @@ worker rank); the draws a request sees still depend on which requests share its 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -32,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.common.dtypes import check_name, torch_dtype
+from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
 from workers.common.registry import MODELS
 from workers.models.tiny_moe.model import KVCache, TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
@@ -39,53 +38,6 @@ from workers.weights.filesystem.receiver import DiskReader
 log = logging.getLogger("slurmrl.inference")
 
 GREEDY_EPS = 1e-6  # SGLang treats temperatures below this as greedy
-
-
-@dataclasses.dataclass(kw_only=True)
-class GenRequest:
-    """One prompt to complete; the server builds these from SGLang's /generate fields."""
-
-    input_ids: list[int]
-    temperature: float = 1.0
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
-    rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclasses.dataclass(kw_only=True)
-class GenOutput:
-    rid: str
-    prompt_tokens: int
-    output_ids: list[int]
-    logprobs: list[float]
-    """log p(token) under the sampling distribution (float32 math)."""
-    token_versions: list[int]
-    """weight_version of the weights that produced each output token."""
-    finish_reason: dict
-    weight_version: int
-    """Engine version when the request finished."""
-    routed_experts: Optional[torch.Tensor]
-    """int32 [n, L, k] for positions [routed_experts_start_len, seqlen-1), or None."""
-    latency_s: float
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    """A request in flight: its tokens so far plus what the response needs."""
-
-    req: GenRequest
-    on_done: Callable[[GenOutput], None]
-    out_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    routed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [t, L, k] per forward fed
-    t0: float = dataclasses.field(default_factory=time.perf_counter)
-
-    @property
-    def seqlen(self) -> int:
-        return len(self.req.input_ids) + len(self.out_ids)
 
 
 def engine_seed(run_seed: int, rank: int) -> int:
@@ -115,6 +67,7 @@ class InferenceEngine:
         self._abort_all = False
         self._paused = self._stopping = False
         self._rows: list[_Seq] = []  # running batch, row i <-> cache row i
+        self._admitting: list[_Seq] = []  # popped from the queue, in prefill: neither queued nor running
         self._cache: Optional[KVCache] = None
         self.error: Optional[BaseException] = None
         self.num_generated_tokens = self.num_steps = 0  # progress counters for /server_info
@@ -127,6 +80,9 @@ class InferenceEngine:
         return self
 
     alive = property(lambda self: self._thread.is_alive() and self.error is None)
+    failure = property(lambda self: None if self.error is None else
+                       f"engine failed: {type(self.error).__name__}: {self.error}"[:1000],
+                       doc="Why the engine died (None while it has not): the text failed requests carry.")
     paused = property(lambda self: self._paused)
     num_running = property(lambda self: len(self._rows), doc="Requests in the decode batch.")
     num_pending = property(lambda self: len(self._pending), doc="Requests queued (or held while paused).")
@@ -141,7 +97,10 @@ class InferenceEngine:
                 self._pending.append(seq)
                 self._cond.notify_all()
                 return
-        self._finish(seq, {"type": "abort", "message": "engine is shutting down or failed"})
+        if self.error is not None:
+            self._finish(seq, {"type": "abort", "message": self.failure}, error=self.failure)
+        else:
+            self._finish(seq, {"type": "abort", "message": "engine is shutting down"})
 
     def generate(self, reqs: list[GenRequest], timeout_s: float = 60.0) -> list[GenOutput]:
         """Blocking convenience for tests and tools: submit all, wait for all."""
@@ -252,10 +211,12 @@ class InferenceEngine:
             self.error = e
             with self._model_lock, self._cond:
                 self._stopping = True
-                # Do not touch the (possibly inconsistent) cache: just answer every caller.
-                failed, self._pending, self._rows, self._cache = list(self._pending) + self._rows, deque(), [], None
+                # Do not touch the (possibly inconsistent) cache: just answer every caller,
+                # including rows that were in prefill (popped from the queue, not yet running).
+                failed = list(self._pending) + self._admitting + self._rows
+                self._pending, self._admitting, self._rows, self._cache = deque(), [], [], None
             for s in failed:
-                self._finish(s, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                self._finish(s, {"type": "abort", "message": self.failure}, error=self.failure)
 
     def _step_locked(self) -> None:
         with self._cond:
@@ -265,7 +226,9 @@ class InferenceEngine:
             while self._pending and len(self._rows) + len(admit) < self.max_batch_size:
                 admit.append(self._pending.popleft())
         if admit:
+            self._admitting = admit  # a crash in the prefill still answers them
             self._prefill(admit)  # new rows join the batch with their first token sampled
+            self._admitting = []
         # After the prefill, so an abort that raced with admission finds its row.
         self._apply_aborts_locked()
         self._retire_finished()  # new rows may be done already (stop token, max_new_tokens <= 1)
@@ -370,15 +333,15 @@ class InferenceEngine:
         self._cache.select(torch.tensor(keep, device=self.device))
         _trim_left(self._cache)
 
-    def _finish(self, s: _Seq, reason: dict) -> None:
+    def _finish(self, s: _Seq, reason: dict, error: Optional[str] = None) -> None:
         routed = None
-        if s.req.return_routed_experts and s.routed:
+        if s.req.return_routed_experts and s.routed and error is None:
             # The last sampled token was never fed, so it has no routing (SGLang's convention).
             routed = torch.cat(s.routed)[s.req.routed_experts_start_len: s.seqlen - 1].cpu().contiguous()
         out = GenOutput(rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out_ids,
                         logprobs=s.logprobs, token_versions=s.versions, finish_reason=reason,
                         weight_version=self.weight_version, routed_experts=routed,
-                        latency_s=time.perf_counter() - s.t0)
+                        latency_s=time.perf_counter() - s.t0, error=error)
         try:
             s.on_done(out)
         except Exception:  # a broken callback must not take the engine down

@@ -6,6 +6,7 @@ without importing server.py, which imports weight_routes.py (no import cycle).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Optional
 
@@ -30,12 +31,25 @@ def _bool(v: Any, field: str) -> bool:
     return v
 
 
+BODY_TIMEOUT_S = 75.0
+"""Default deadline for a request body to arrive (the server sets ``app[BODY_TIMEOUT]``)."""
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
 async def _json(request: web.Request) -> dict:
-    raw = await request.read()
+    """The JSON object body; 400 naming ``body`` when it is not one (too deep nesting included),
+    408 when it does not arrive in time (a client that sent headers and stalled)."""
+    timeout = request.app.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"body: not received within {timeout:.0f}s") from None
     try:
         body = json.loads(raw) if raw.strip() else {}  # SGLang clients post some routes bodiless
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
     except ValueError as e:
-        raise BadRequest(f"body: not valid JSON ({e})") from None
+        raise BadRequest(f"body: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(body, dict):
         raise BadRequest("body: expected a JSON object")
     return body
@@ -43,6 +57,8 @@ async def _json(request: web.Request) -> dict:
 
 def _version(body: dict, field: str) -> int:
     v = body.get(field)
-    if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
+    if isinstance(v, str) and v.isascii() and v.strip().lstrip("-").isdigit() and len(v) <= 20:
+        v = int(v)
+    if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63:  # an int64, as SGLang's
+        return v
     raise BadRequest(f"{field}: expected an integer (as a number or a string), got {v!r}"[:300])

@@ -12,6 +12,11 @@ Threads: handlers never run torch. ``/generate`` submits to the engine thread an
 future resolved via ``loop.call_soon_threadsafe``; calls that take the model lock (pause,
 weight load) run in ``asyncio.to_thread``. State-changing routes need ``Authorization:
 Bearer <run_dir/admin_token>``. Entry: :func:`run_server` (``python -m workers.inference``).
+
+Failure and hygiene: when the engine loop crashes, every request in flight or queued is
+answered 503 with the reason, /health turns 503, every other route but the read-only info
+ones answers 503, and the process exits 1 so the launcher (launcher.max_restarts) or Slurm
+restarts it. Disconnects, the admission queue (429), timeouts: guards.py.
 """
 from __future__ import annotations
 
@@ -28,12 +33,14 @@ from typing import Any, Optional
 from aiohttp import web
 
 from workers.common.logs import get_logger
-from workers.common.protocol import (STABLE, WEIGHTS_DIR, PeerTimeout, RunPaths, latest_stable_step, read_admin_token,
-                                     wait_for)
-from workers.inference.embedded.engine import GenOutput, GenRequest, InferenceEngine, engine_seed, model_from_config
+from workers.common.protocol import PeerTimeout, RunPaths, read_admin_token
+from workers.inference.embedded import guards
+from workers.inference.embedded.engine import GenOutput, GenRequest, InferenceEngine
 from workers.inference.embedded.generate_request import parse_generate
-from workers.inference.embedded.parsing import BadRequest, _bool, _json, _version
+from workers.inference.embedded.parsing import BODY_TIMEOUT, BadRequest, _bool, _json, _version
+from workers.inference.embedded.startup import build_engine  # noqa: F401  (its home before; tools import it here)
 from workers.inference.embedded.weight_routes import weight_routes
+from workers.weights.base import WeightLoadError
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -65,6 +72,10 @@ async def _stream(request: web.Request, outs: list[dict], is_batch: bool) -> web
     return resp
 
 
+READ_ONLY = {"/health", "/health_generate", "/get_model_info", "/model_info", "/server_info", "/get_server_info"}
+"""Routes a failed engine still answers (health reports the failure; info is static)."""
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
@@ -82,7 +93,9 @@ async def _errors(request: web.Request, handler):
         return _error(500, f"{type(e).__name__}: {e}")
 
 
-async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutput]:
+async def _run(engine: InferenceEngine, reqs: list[GenRequest],
+               disconnects: Optional[guards.Disconnects] = None, request: Optional[web.Request] = None
+               ) -> list[GenOutput]:
     loop = asyncio.get_running_loop()
     futs = [loop.create_future() for _ in reqs]
 
@@ -92,39 +105,60 @@ async def _run(engine: InferenceEngine, reqs: list[GenRequest]) -> list[GenOutpu
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
         return on_done
 
+    key = disconnects.add(request, [r.rid for r in reqs]) if disconnects is not None else None
     for r, f in zip(reqs, futs):
         engine.submit(r, resolver(f))
     try:
         return list(await asyncio.gather(*futs))
-    except asyncio.CancelledError:  # client went away: free the batch slots
+    except asyncio.CancelledError:  # the server is stopping: free the batch slots
         engine.abort([r.rid for r in reqs], wait=False)
         raise
+    finally:
+        if key is not None:
+            disconnects.discard(key)
 
 
 def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank: int = 0,
-             weights=None, extra_info: Optional[dict] = None) -> web.Application:
+             weights=None, extra_info: Optional[dict] = None, max_queued: int = 256) -> web.Application:
     """The aiohttp app; ``app["stop"]`` (an asyncio.Event set by /shutdown) ends run_server.
     ``weights`` (the run's weights config) picks the transport behind the weight routes; ``extra_info``:
-    more fields of /get_model_info (a backend built on this server reports its own options there)."""
+    more fields of /get_model_info (a backend built on this server reports its own options there);
+    ``max_queued``: the admission queue (inference.max_queued_requests; guards.admission_refusal)."""
     cfg = engine.config
-    expected_auth = f"Bearer {admin_token}"
+    expected_auth = f"Bearer {admin_token}".encode()
+    disconnects = guards.Disconnects(engine)
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if request.path in admin_routes and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(), expected_auth.encode()):
+        # Header bytes that are not UTF-8 arrive surrogate-escaped: compare them as the bytes sent.
+        sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if request.path in admin_routes and not hmac.compare_digest(sent, expected_auth):
             return _error(401, f"{request.path} is an admin route: send 'Authorization: Bearer <run_dir/admin_token>'")
         return await handler(request)
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, auth])
+    @web.middleware
+    async def dead_engine(request: web.Request, handler):
+        if engine.error is not None and request.path not in READ_ONLY:
+            return _error(503, f"{engine.failure}; the server is exiting to be restarted")
+        return await handler(request)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, auth, dead_engine])
+    app.cleanup_ctx.append(disconnects.ctx)
+    app[guards.DISCONNECTS] = disconnects
 
     async def generate(request):
         parsed = parse_generate(await _json(request), vocab_size=cfg.vocab_size, max_len=engine.max_seq_len)
-        outs = [format_output(o, return_logprob=lp) for o, lp in zip(await _run(engine, parsed.reqs),
-                                                                    parsed.return_logprob)]
+        busy = guards.admission_refusal(engine, len(parsed.reqs), max_queued)
+        if busy is not None:
+            return busy
+        outs = await _run(engine, parsed.reqs, disconnects, request)
+        failed = next((o.error for o in outs if o.error is not None), None)
+        if failed is not None:  # the engine died under this request: an error, never tokens or a hang
+            return _error(503, failed)
+        formatted = [format_output(o, return_logprob=lp) for o, lp in zip(outs, parsed.return_logprob)]
         if parsed.stream:
-            return await _stream(request, outs, parsed.is_batch)
-        return web.json_response(outs if parsed.is_batch else outs[0])
+            return await _stream(request, formatted, parsed.is_batch)
+        return web.json_response(formatted if parsed.is_batch else formatted[0])
 
     async def health(request):
         return web.Response(status=200 if engine.alive else 503, text="" if engine.alive else "engine failed")
@@ -212,48 +246,31 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
     return app
 
 
-async def _serve(app: web.Application, engine: InferenceEngine, host: str, port: int) -> None:
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+async def _serve(app: web.Application, engine: InferenceEngine, host: str, port: int,
+                 idle_timeout_s: float = 75.0) -> int:
+    """Serve until a stop signal, /shutdown (exit code 0) or an engine crash (1)."""
+    app[BODY_TIMEOUT] = idle_timeout_s
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0,
+                           **guards.runner_kwargs(idle_timeout_s))
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.SockSite(runner, guards.listen(host, port)).start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app["stop"].set)
     log.info("serving on http://%s:%d (weights v%d, max_batch_size %d)", host, port, engine.weight_version,
              engine.max_batch_size)
-    await app["stop"].wait()
+    stop = asyncio.create_task(app["stop"].wait())
+    while not stop.done() and engine.error is None:
+        await asyncio.wait([stop], timeout=0.2)
+    code = 0
+    if engine.error is not None:  # every caller was answered 503 already (engine._loop)
+        log.error("%s: exiting with status 1 so this worker is restarted", engine.failure)
+        code = 1
     log.info("shutting down")
+    stop.cancel()
     await asyncio.to_thread(engine.shutdown)  # in-flight requests answer with finish_reason abort
     await runner.cleanup()
-
-
-def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
-    """Model skeleton from ``cfg.model``, then wait for and load the NEWEST stable weights.
-
-    Protocol: trainer rank 0 publishes ``weights/step_N/`` and writes STABLE last; we wait
-    for any STABLE (deadline ``inference.startup_timeout_s``) and load the highest N as
-    version N, with checksums. At launch that is step 0; a worker respawned mid-run (its
-    predecessor died) starts near the current policy, and the orchestrator then moves it
-    to exactly its current version before sending work (orchestrator/faults.py). A step
-    pruned between listing and loading is retried with the next newest.
-    """
-    paths = RunPaths(run_dir)
-    model = model_from_config(cfg.model, cfg.inference.dtype, cfg.inference.device)
-    weights_root = paths.root / WEIGHTS_DIR
-    wait_for(lambda: latest_stable_step(weights_root) is not None, timeout_s=cfg.inference.startup_timeout_s,
-             what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
-    for attempt in range(3):
-        step = latest_stable_step(weights_root)
-        engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size,
-                                 seed=engine_seed(cfg.seed, rank), weight_version=step)
-        try:
-            engine.update_weights_from_disk(str(paths.weights(step)), step)
-            return engine
-        except (OSError, ValueError, RuntimeError) as e:  # retention pruned it under us (WeightLoadError)
-            if attempt == 2:
-                raise
-            log.warning("weights step %d vanished while loading (%s); taking the newest again", step, e)
-    raise AssertionError("unreachable")
+    return code
 
 
 class _Stopped(Exception):
@@ -264,8 +281,21 @@ def _stop_on_signal(signum, frame):
     raise _Stopped(signal.Signals(signum).name)
 
 
+def _run_loop(coro) -> int:
+    """asyncio.run without its final wait for the default executor's threads: a thread stuck in
+    a read must not keep a stopped server alive (guards.exit_watchdog then ends the process)."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()  # shuts the executor down without waiting
+
+
 def run_server(cfg, topology, *, extra_info: Optional[dict] = None) -> int:
-    """Wait for weights, load the newest stable step as its version, serve until SIGTERM/SIGINT or /shutdown.
+    """Wait for weights, load the newest intact stable step as its version, serve until SIGTERM/SIGINT
+    or /shutdown (exit 0) or an engine crash (exit 1, so it is restarted).
 
     A stop signal is a request, not a failure: exit 0 with one log line, in either phase.
     ``extra_info``: more /get_model_info fields (see make_app).
@@ -274,16 +304,20 @@ def run_server(cfg, topology, *, extra_info: Optional[dict] = None) -> int:
     paths = RunPaths(topology.run_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop installs its own handlers
         signal.signal(sig, _stop_on_signal)
+    inf = cfg.inference
     try:
         token = read_admin_token(paths)
         engine = build_engine(cfg, topology.rank, topology.run_dir).start()
         app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank,
-                       weights=cfg.weights, extra_info=extra_info)
-        asyncio.run(_serve(app, engine, topology.bind_host, topology.bind_port))
+                       weights=cfg.weights, extra_info=extra_info,
+                       max_queued=getattr(inf, "max_queued_requests", 256))
+        code = _run_loop(_serve(app, engine, topology.bind_host, topology.bind_port,
+                                getattr(inf, "idle_timeout_s", 75.0)))
     except _Stopped as e:
         log.info("stopped by %s before serving", e)
-        return 0
-    except (PeerTimeout, OSError) as e:
+        code = 0
+    except (PeerTimeout, OSError, WeightLoadError) as e:
         log.error("%s", e)
-        return 1
-    return 0
+        code = 1
+    guards.exit_watchdog(code)
+    return code

@@ -6,7 +6,16 @@ a server task starts (:func:`serve`).
 from __future__ import annotations
 
 from workers.inference.embedded.config import EmbeddedInferenceConfig
-from workers.inference.spec import BackendSpec, register
+from workers.inference.spec import BackendConfigError, BackendSpec, register
+
+
+def check(cfg) -> None:
+    """Plan-time: the admission queue and the connection timeout must be positive."""
+    inf = cfg.inference
+    if not (isinstance(inf.max_queued_requests, int) and inf.max_queued_requests >= 1):
+        raise BackendConfigError(f"inference.max_queued_requests must be an integer >= 1, got {inf.max_queued_requests!r}")
+    if not 0 < float(inf.idle_timeout_s) < float("inf"):
+        raise BackendConfigError(f"inference.idle_timeout_s must be a finite number > 0, got {inf.idle_timeout_s!r}")
 
 
 def serve(cfg, topology) -> int:
@@ -20,5 +29,5 @@ def serve(cfg, topology) -> int:
 
 
 SPEC = register(BackendSpec(
-    name="embedded", config=EmbeddedInferenceConfig, serve=serve,
+    name="embedded", config=EmbeddedInferenceConfig, serve=serve, check=check,
     summary="the tiny-model engine of this repo behind SGLang's HTTP API (CPU or one GPU per worker)"))

@@ -65,7 +65,7 @@ def _announced(body: dict) -> list[TensorMeta]:
     out = []
     for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
         d = d.replace("torch.", "") if isinstance(d, str) else d
-        if not isinstance(n, str) or d not in BY_NAME:
+        if not isinstance(n, str) or not isinstance(d, str) or d not in BY_NAME:
             raise BadRequest(f"names[{i}], dtypes[{i}]: expected a name and one of {sorted(BY_NAME)}, got {n!r}, {d!r}")
         if not isinstance(s, list) or not all(isinstance(x, int) and x >= 0 for x in s):
             raise BadRequest(f"shapes[{i}]: expected a list of non-negative ints, got {s!r}"[:300])

@@ -2,11 +2,14 @@
 
 The protocol (setup, per-update handshake, who waits for whom) is in the package docstring
 (workers/weights/broadcast/__init__.py); the group and the bucket plan in group.py.
+NaN/inf: each sender checks its share on its device before rank 0 offers the version
+(checksums.nonfinite_names), and all senders refuse or skip together.
 """
 from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import time
 from typing import Mapping, Optional, Sequence
 
@@ -15,13 +18,16 @@ import torch.distributed as dist
 import xxhash
 
 from workers.common.protocol import PeerTimeout, RunPaths
-from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
+from workers.weights.base import (NonFiniteWeights, Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares,
+                                  nonfinite_message, peers_for)
 from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
                                              metas_from_json, metas_to_json)
 from workers.weights.broadcast.handshake import Handshake, receiver_rank_counts
-from workers.weights.checksums import buffer_checksum, byte_view, state_digest, state_hashes
+from workers.weights.checksums import buffer_checksum, byte_view, nonfinite_names, state_digest, state_hashes
 from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.shards import dtype_from_name
+log = logging.getLogger("slurmrl.weights")
+
 
 class BucketSender:
     """One sender's half of an update: its buckets, packed into two reusable send buffers."""
@@ -104,6 +110,16 @@ class BroadcastPublisher(WeightPublisher):
             out.wait_s = time.perf_counter() - t0
             return out
         if self.finished:
+            return SyncStats(bytes=0, seconds=0.0, skipped=True)
+        # Before the offer: once offered, receivers post their receives and must get buckets.
+        bad = nonfinite_names((e.name, state[e.name]) for b in self.sender.mine for e in b.entries)
+        if self.peers.world_size > 1:  # every sender decides the same
+            bad = sorted(n for part in self.peers.all_gather_object(bad) for n in part)
+        if bad:
+            message = nonfinite_message(version, bad)
+            if not self.cfg.skip_nonfinite:
+                raise NonFiniteWeights(message)
+            log.warning("%s (skipped: weights.skip_nonfinite=true)", message.split(";")[0])
             return SyncStats(bytes=0, seconds=0.0, skipped=True)
         if self.peers.rank == 0:
             self.handshake.offer(version, state_digest(state_hashes(state)) if self.cfg.verify else None)

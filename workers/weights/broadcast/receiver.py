@@ -16,9 +16,21 @@ import torch.distributed as dist
 
 from workers.weights.base import Received, TensorMeta, WeightLoadError, check_fits
 from workers.weights.broadcast.group import HEADER_LEN, MAGIC, WeightGroup, metas_from_json
-from workers.weights.checksums import Hasher, buffer_checksum, digest_from_int64
+from workers.weights.checksums import Hasher, buffer_checksum, digest_from_int64, nonfinite_names
 from workers.weights.filesystem.receiver import FilesystemReceiver
 from workers.weights.shards import ALIGN, dtype_from_name
+
+
+def _checksum_and_finite(bucket, region: torch.Tensor) -> tuple[str, list[str]]:
+    """(checksum, names of tensors holding NaN/inf) of one landed bucket, in one task: the
+    finiteness check reads the region right after (or, on a GPU, beside) the hash."""
+    parts = []
+    for e, off in zip(bucket.entries, bucket.offsets()):
+        n = 1
+        for d in e.shape:
+            n *= d
+        parts.append((e.name, region[off: off + n]))
+    return buffer_checksum(region), nonfinite_names(parts)
 
 
 class BroadcastReceiver:
@@ -77,11 +89,14 @@ class BroadcastReceiver:
             if (magic, v, idx, n) != (MAGIC, version, b.index, b.nbytes):
                 errors.append(f"bucket {b.index} header says version {v}, bucket {idx}, {n} bytes; expected "
                               f"version {version}, bucket {b.index}, {b.nbytes} bytes")
-            checks.append((b, digest_from_int64(hi, lo), self.hasher.submit(buffer_checksum, region)))
+            checks.append((b, digest_from_int64(hi, lo), self.hasher.submit(_checksum_and_finite, b, region)))
         for b, want, fut in checks:
-            if fut.result() != want:
+            got, bad = fut.result()
+            if bad:
+                errors.append(f"tensor {bad[0]} (bucket {b.index} from trainer rank {b.sender}) holds NaN or inf")
+            if got != want:
                 errors.append(f"bucket {b.index} ({len(b.entries)} {b.dtype} tensors from trainer rank {b.sender}, "
-                              f"e.g. {b.entries[0].name}) fails its checksum: {fut.result()} != {want} announced")
+                              f"e.g. {b.entries[0].name}) fails its checksum: {got} != {want} announced")
         if announced is not None:
             errors += self._check_announced(announced)
         if errors:

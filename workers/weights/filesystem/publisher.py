@@ -1,12 +1,15 @@
 """Filesystem transport, trainer side: every rank writes its share of ``weights/step_N/``.
 
 The layout and the publish protocol (gathers, STABLE last, rename, delta mode, retention)
-are in the package docstring (workers/weights/filesystem/__init__.py).
+are in the package docstring (workers/weights/filesystem/__init__.py). NaN/inf in a written
+tensor is found while it is hashed (shards.FiniteScan); gather #2 carries each rank's list,
+so every rank refuses the step together (NonFiniteWeights) and nothing is renamed into place.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 import os
 import shutil
 import time
@@ -16,10 +19,13 @@ from typing import Mapping, Optional
 import torch
 
 from workers.common.protocol import STABLE, step_name
-from workers.weights.base import Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
+from workers.weights.base import (NonFiniteWeights, Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher,
+                                  assign_shares, nonfinite_message, peers_for)
 from workers.weights.checksums import HASH_NAME, Hasher, tensor_hash  # noqa: F401  (tensor_hash re-exported)
 from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
 from workers.weights.shards import nbytes, write_shard
+
+log = logging.getLogger("slurmrl.weights")
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -39,10 +45,11 @@ class FilesystemPublisher(WeightPublisher):
     """Trainer side (the package docstring has the protocol and delta mode)."""
 
     def __init__(self, root: Path, *, peers: Peers, keep_last: int, delta: bool = False, full_every: int = 10,
-                 num_threads: int = 2):
+                 num_threads: int = 2, skip_nonfinite: bool = False):
         assert keep_last >= 1 and full_every >= 1, (keep_last, full_every)
         self.root, self.peers, self.keep_last = Path(root), peers, keep_last
         self.delta, self.full_every = delta, full_every
+        self.skip_nonfinite = skip_nonfinite  # NaN/inf in a step: skip it (True) or raise NonFiniteWeights
         self.hasher = Hasher(num_threads)
         self._prev: dict[str, tuple[str, str]] = {}  # this rank's share: name -> (hash, file relative to root)
         self._last_full: Optional[int] = None
@@ -74,21 +81,31 @@ class FilesystemPublisher(WeightPublisher):
             hashes = {n: f.result() for n, f in self.hasher.hash_tensors(tensors).items()}
             to_write = [(n, t) for n, t in tensors if self._prev.get(n, ("", ""))[0] != hashes[n]]
         fname = shard_name(rank, world)
+        bad: list[str] = []  # tensors holding NaN/inf, found in the hashing pass
         if to_write:
-            hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}))
+            hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}, nonfinite=bad))
         written = {n for n, _ in to_write}
         entries = {m.name: {"shape": list(m.shape), "dtype": m.dtype, HASH_NAME: hashes[m.name],
                             "file": f"{final.name}/{fname}" if m.name in written else self._prev[m.name][1]}
                    for m in mine}
         moved = sum(nbytes(t) for _, t in to_write)
-        gathered = self.peers.all_gather_object((entries, moved))  # gather #2: every shard is on disk
+        gathered = self.peers.all_gather_object((entries, moved, bad))  # gather #2: every shard is on disk
+        bad = sorted(n for _, _, b in gathered for n in b)
+        if bad:  # every rank sees the same list: all refuse (or skip) together
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            message = nonfinite_message(version, bad)
+            if not self.skip_nonfinite:
+                raise NonFiniteWeights(message)
+            log.warning("%s (skipped: weights.skip_nonfinite=true)", message.split(";")[0])
+            return SyncStats(bytes=0, seconds=time.perf_counter() - t0, skipped=True)
         if rank == 0:
-            merged = {k: v for e, _ in gathered for k, v in e.items()}
+            merged = {k: v for e, _, _ in gathered for k, v in e.items()}
             self._finish(version, tmp, final, metas, merged)
         self._prev = {n: (e[HASH_NAME], e["file"]) for n, e in entries.items()}
         if full:
             self._last_full = version
-        return SyncStats(bytes=sum(b for _, b in gathered), seconds=time.perf_counter() - t0)
+        return SyncStats(bytes=sum(b for _, b, _ in gathered), seconds=time.perf_counter() - t0)
 
     def _finish(self, version: int, tmp: Path, final: Path, metas: list[TensorMeta], entries: dict) -> None:
         def rel(file: str) -> str:  # files are recorded relative to the weights root
@@ -158,4 +175,5 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
 def filesystem_publisher(w, paths, peers: Peers) -> FilesystemPublisher:
     """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too)."""
     return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
-                               full_every=w.delta_full_every, num_threads=w.num_hash_threads)
+                               full_every=w.delta_full_every, num_threads=w.num_hash_threads,
+                               skip_nonfinite=w.skip_nonfinite)

@@ -1,0 +1,71 @@
+"""Boot of an embedded worker: wait for published weights, load the newest VALID step.
+
+Why not simply the newest: a worker restarted after a crash (or started late) may find the
+newest step corrupt (a bad disk block, a truncated shard, NaN weights that slipped in), and
+retrying only that step crash-loops the worker through all its restarts while an intact
+earlier step sits next to it. So :func:`build_engine` tries the published steps newest
+first and falls back to earlier ones, logging each step it skipped and why (the checksum,
+finiteness or file check that failed: weights.filesystem.DiskReader). The orchestrator then
+moves the worker to its current version before sending work (orchestrator/faults.py); a
+refused update there keeps the step loaded here. Steps pruned by retention between listing
+and loading are simply skipped too; the listing is retried a few times, since newer steps
+may appear meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, wait_for
+from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
+from workers.weights.base import WeightLoadError
+
+log = logging.getLogger("slurmrl.inference")
+LIST_ROUNDS = 3
+
+
+def stable_steps(weights_root: Path) -> list[tuple[int, Path]]:
+    """Published steps (``step_N`` with STABLE) as (N, dir), newest first; other names are ignored."""
+    try:
+        entries = list(Path(weights_root).iterdir())
+    except OSError:
+        return []
+    steps = [(int(d.name[5:]), d) for d in entries if d.name.startswith("step_") and d.name[5:].isdigit()
+             and (d / STABLE).exists()]
+    return sorted(steps, reverse=True)
+
+
+def load_newest_valid(engine: InferenceEngine, paths: RunPaths) -> int:
+    """Load the newest intact published step into ``engine``; returns it. WeightLoadError
+    (listing every step refused and why) when none is intact."""
+    weights_root = paths.root / WEIGHTS_DIR
+    refused: dict[int, str] = {}
+    for _ in range(LIST_ROUNDS):
+        for step, step_dir in stable_steps(weights_root):
+            if step in refused:
+                continue
+            try:
+                engine.update_weights_from_disk(str(step_dir), step)
+            except (WeightLoadError, OSError) as e:
+                refused[step] = str(e)[:500]
+                log.warning("skipping weights step %d: %s", step, refused[step])
+                continue
+            if refused:
+                log.warning("loaded weights step %d; skipped newer steps %s (see above)", step, sorted(refused))
+            return step
+    reasons = "; ".join(f"step {s}: {r}" for s, r in sorted(refused.items(), reverse=True)[:5])
+    raise WeightLoadError(f"no intact published weights step in {weights_root} ({len(refused)} refused: "
+                          f"{reasons or 'none listed'})")
+
+
+def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
+    """Model skeleton from ``cfg.model``, then wait for any STABLE step (deadline
+    ``inference.startup_timeout_s``) and load the newest intact one as its version."""
+    paths = RunPaths(run_dir)
+    model = model_from_config(cfg.model, cfg.inference.dtype, cfg.inference.device)
+    weights_root = paths.root / WEIGHTS_DIR
+    wait_for(lambda: bool(stable_steps(weights_root)), timeout_s=cfg.inference.startup_timeout_s,
+             what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
+    engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank))
+    load_newest_valid(engine, paths)
+    return engine
