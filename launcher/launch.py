@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.estimate import human
-from launcher.plan import JobPlan, build_plan
+from launcher.plan import JobPlan, PlanError, build_plan
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.render import render_script, sbatch_command
 from launcher.resume import ensure_stopped, rewrite_run_dir
 from launcher.run_dir import choose_run_dir, create_run_dir
 from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
+from workers.common.registry import ENVS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +43,20 @@ class Prepared:
         return self.root / "slurm" / "job.sbatch"
 
 
+def check_host(cfg: RunConfig) -> None:
+    """The env's checks that need the machine its orchestrator runs on (EnvSpec.host_check)."""
+    spec = ENVS.get(cfg.env.name)
+    if spec.host_check is not None:
+        try:
+            spec.host_check(cfg)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+
+
 def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     plan = build_plan(cfg)  # every user mistake raises here, before anything is written
+    if plan.backend == "local":
+        check_host(cfg)  # what only this machine can say (the roles run here)
     cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
     root = root or choose_run_dir(cfg)
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))

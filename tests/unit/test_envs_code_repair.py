@@ -186,3 +186,29 @@ def test_weak_mode_env_scores_tests(tmp_path):
     obs, reward, m, _ = play(e, task, [f'<tool name="write_file" path="{task.module_file}">\n{src}</tool>',
                                        '<tool name="submit"/>'])
     assert reward == 1.0 and m["sandbox_mode"] == "rlimits", (obs, m)
+
+
+def test_host_check_runs_before_anything_is_written(tmp_path):
+    """A local run asks the env's host_check on this machine before the run dir exists: code_repair's
+    probes the sandbox (auto finds namespaces here, as root), and a refusal stops the launch with the key."""
+    import dataclasses
+
+    from launcher.launch import check_host, prepare
+    from launcher.plan import PlanError
+    from tests.conftest import compose
+    from workers.common.registry import ENVS
+
+    check_host(compose(["experiment=tiny_code_repair"]))  # namespaces work here: no refusal
+    spec = ENVS.get("code_repair")
+
+    def refuse(run_cfg):
+        raise ValueError("env.sandbox_mode=auto: no isolating mode on this host (test)")
+
+    ENVS.register(dataclasses.replace(spec, host_check=refuse), replace=True)
+    try:
+        cfg = compose(["experiment=tiny_code_repair", f"launcher.run_dir={tmp_path / 'run'}"])
+        with pytest.raises(PlanError, match="env.sandbox_mode=auto"):
+            prepare(cfg)
+        assert not (tmp_path / "run").exists()
+    finally:
+        ENVS.register(spec, replace=True)

@@ -40,7 +40,7 @@ from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.code_tasks import Task, make_task
-from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits
+from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxSetupError
 from workers.orchestrator.envs.spec import EnvSpec, positive
 from workers.orchestrator.envs.tools import ToolCall, ToolCallError, ToolSpec, parse_patch, parse_tool_call, usage
 
@@ -131,11 +131,7 @@ class CodeRepairEnv(MultiTurnEnv):
         self.vocab_size = VOCAB_SIZE
         self.rng = random.Random(seed * 1_000_003 + cfg.seed)
         self.next_id = 0
-        self.sandbox = Sandbox(SandboxLimits(cpu_s=cfg.sandbox_cpu_s, memory_mb=cfg.sandbox_memory_mb,
-                                             file_size_kb=cfg.sandbox_file_size_kb, num_procs=cfg.sandbox_num_procs,
-                                             timeout_s=cfg.sandbox_timeout_s, tmp_mb=cfg.sandbox_tmp_mb),
-                               mode=cfg.sandbox_mode, python=cfg.sandbox_python, scratch_root=cfg.sandbox_scratch_root,
-                               allow_weak=cfg.sandbox_allow_weak)  # auto: probes now, refuses the weak mode unless allowed
+        self.sandbox = make_sandbox(cfg)  # auto: probes now, refuses the weak mode unless allowed
         self.scratch = Path(tempfile.mkdtemp(prefix=f"episodes-{os.getpid()}-", dir=self.sandbox.scratch_root))
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)  # sessions remove their own dirs
         self.scores: OrderedDict[str, tuple[int, str, bool]] = OrderedDict()  # content hash -> result
@@ -299,10 +295,28 @@ class CodeRepairSession:
         return h.hexdigest()
 
 
+def make_sandbox(cfg: CodeRepairConfig) -> Sandbox:
+    return Sandbox(SandboxLimits(cpu_s=cfg.sandbox_cpu_s, memory_mb=cfg.sandbox_memory_mb,
+                                 file_size_kb=cfg.sandbox_file_size_kb, num_procs=cfg.sandbox_num_procs,
+                                 timeout_s=cfg.sandbox_timeout_s, tmp_mb=cfg.sandbox_tmp_mb),
+                   mode=cfg.sandbox_mode, python=cfg.sandbox_python, scratch_root=cfg.sandbox_scratch_root,
+                   allow_weak=cfg.sandbox_allow_weak)
+
+
+def host_check(run_cfg) -> None:
+    """On the launcher's machine (local runs): ``auto`` finds an isolating sandbox mode here, or the
+    weak mode is allowed; the same refusal the env would raise when it starts, but before anything runs."""
+    try:
+        make_sandbox(run_cfg.env)
+    except SandboxSetupError as e:
+        raise ValueError(f"env.sandbox_mode={run_cfg.env.sandbox_mode}: {e}") from None
+
+
 limits(CodeRepairConfig, max_observation_bytes=gt(0), num_functions=gt(0), num_tests_per_function=gt(0),
        sandbox_mode=one_of(*SANDBOX_MODES), sandbox_python=NONEMPTY, sandbox_scratch_root=TEXT, sandbox_cpu_s=gt(0),
        sandbox_memory_mb=gt(0), sandbox_file_size_kb=gt(0), sandbox_num_procs=gt(0), sandbox_timeout_s=gt(0),
        sandbox_tmp_mb=gt(0))
 ENVS.register(EnvSpec(name="code_repair", config=CodeRepairConfig, vocab_size=lambda cfg: VOCAB_SIZE, env_check=check,
+                      host_check=host_check,
                       make=lambda cfg, *, seed, model=None: CodeRepairEnv(cfg, seed=seed),
                       summary="fix a tiny buggy Python project with tools; tests run in a sandbox"))

@@ -42,6 +42,11 @@ class EnvSpec(PluginSpec):
     uses the model's tokenizer (needs ``model.pretrained``)."""
     env_check: Optional[Callable[[Any], None]] = None
     """The env's own plan-time check ``env_check(run_cfg)``: pure, raises ValueError naming the key."""
+    host_check: Optional[Callable[[Any], None]] = None
+    """``host_check(run_cfg)``: what only the machine the orchestrator runs on can answer (e.g. which
+    sandbox modes work). The launcher calls it before writing anything when the roles run on its own
+    machine (cluster.backend=local); on Slurm the env checks the same when it starts. Raises
+    ValueError naming the key."""
 
     def __post_init__(self) -> None:
         if self.check is None:
