@@ -45,7 +45,7 @@ def routed(tmp_path_factory):
         r.extra_args = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # not 0.0.0.0:29000
         port = free_port()
         argv = router_argv(cfg, host="127.0.0.1", port=port, inference_urls=tuple(urls), prefill_urls=(),
-                           decode_urls=(), api_key=None, python=sys.executable)
+                           decode_urls=(), python=sys.executable)  # no key: production adds it via keyed.py
         log_path = tmp_path_factory.mktemp("router") / "router.log"
         with open(log_path, "w") as log:
             router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
