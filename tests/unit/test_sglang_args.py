@@ -58,6 +58,13 @@ def test_ports_are_in_the_job_range_and_unique_per_host(name):
             key = (t.topo.bind_host, port)
             assert key not in used, f"{t.role}[{t.rank}] and {used[key]} both use {key}"
             used[key] = f"{t.role}[{t.rank}]"
+    router = router_task(name)  # the router and its metrics too (smg's default 0.0.0.0:29000 collides between jobs)
+    assert value(router.argv, "--prometheus-host") == router.topo.bind_host
+    for port in (int(value(router.argv, "--port")), int(value(router.argv, "--prometheus-port"))):
+        assert port in span, f"router port {port} outside the job's range {span}"
+        key = (router.topo.bind_host, port)
+        assert key not in used, f"router and {used.get(key)} both use {key}"
+        used[key] = "router"
 
 
 @pytest.mark.parametrize("name", ["glm5_swe_28xh200", "nemotron3_ultra_pd_20xh200", "inference_sglang_pd"])

@@ -36,6 +36,8 @@ PORT_ROUTER = 1
 """Router HTTP (sglang-router)."""
 PORT_WEIGHTS = 2
 """Weight-broadcast group master (trainer rank 0 + every inference rank)."""
+PORT_ROUTER_METRICS = 3
+"""The router's Prometheus metrics (smg's default, 0.0.0.0:29000, collides between jobs on a node)."""
 PORT_SERVERS = 8
 """Server i (prefill, then decode, or unified workers): HTTP at +8+2i, dist-init at +9+2i."""
 SERVER_ROLES = ("inference", "prefill", "decode")

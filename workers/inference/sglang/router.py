@@ -27,7 +27,7 @@ import os
 import sys
 
 from workers.common.config import RunConfig
-from workers.common.topology import Topology
+from workers.common.topology import PORT_ROUTER, PORT_ROUTER_METRICS, Topology
 from workers.inference.sglang import keyed
 from workers.inference.sglang.ports import extra_ports, url_port
 
@@ -53,6 +53,8 @@ def router_argv(cfg: RunConfig, *, host: str, port: int, inference_urls: tuple[s
              "--worker-startup-timeout-secs", str(r.worker_startup_timeout_s),
              "--health-check-interval-secs", str(r.health_check_interval_s),
              "--log-level", r.log_level]
+    # metrics beside the router, in the job's own port range (smg's default is 0.0.0.0:29000 for every job)
+    argv += ["--prometheus-host", host, "--prometheus-port", str(port - PORT_ROUTER + PORT_ROUTER_METRICS)]
     return argv + list(r.extra_args)
 
 
