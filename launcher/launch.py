@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.estimate import human
-from launcher.plan import JobPlan, PlanError, build_plan
+from launcher.plan import JobPlan, build_plan, plan_errors
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.render import render_script, sbatch_command
 from launcher.resume import ensure_stopped, rewrite_run_dir
@@ -47,10 +47,8 @@ def check_host(cfg: RunConfig) -> None:
     """The env's checks that need the machine its orchestrator runs on (EnvSpec.host_check)."""
     spec = ENVS.get(cfg.env.name)
     if spec.host_check is not None:
-        try:
+        with plan_errors():
             spec.host_check(cfg)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
 
 
 def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:

@@ -15,18 +15,19 @@ facts and command previews.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, server_memory, trainer_memory
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
-from workers.common.config import ConfigError, RunConfig, conform_sections
+from workers.common.config import RunConfig, conform_sections
 from workers.common.config.ranges import check_fields
-from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, UnknownEntry
+from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
@@ -97,13 +98,23 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
         raise PlanError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+@contextlib.contextmanager
+def plan_errors() -> Iterator[None]:
+    """Entries' checks raise ValueError (workers/ never imports the launcher's PlanError; ConfigError
+    and UnknownEntry are ValueErrors too): report each as a PlanError, the message unchanged."""
+    try:
+        yield
+    except PlanError:
+        raise
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 def check_ranges(cfg: RunConfig) -> None:
     """Every field of the run's own sections in its range or choices (the rules beside each schema,
     workers/common/config/ranges.py); the four plugin sections are checked by their entries' checks."""
-    try:
+    with plan_errors():
         check_fields(cfg, "", skip=SECTIONS)
-    except ConfigError as e:
-        raise PlanError(str(e)) from None
     for mod in cfg.plugins:  # every role imports them first: a missing one would stop each of them
         try:
             found = importlib.util.find_spec(mod) is not None
@@ -116,12 +127,8 @@ def check_ranges(cfg: RunConfig) -> None:
 def check_model(cfg: RunConfig) -> None:
     """The checks every family shares (workers/models/checks.py), then the family's own (its spec);
     a family that only plans is refused unless launcher.dry_run=true."""
-    try:
+    with plan_errors():
         MODELS.get(cfg.model.family).plan_check(cfg)
-    except PlanError:
-        raise
-    except ValueError as e:
-        raise PlanError(str(e)) from None
 
 
 def check_env(cfg: RunConfig) -> None:
@@ -132,12 +139,8 @@ def check_env(cfg: RunConfig) -> None:
         raise PlanError(f"orchestrator.long_episode_policy={cfg.orchestrator.long_episode_policy!r}; choose one of "
                         f"{list(policies)}")
     _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
-    try:
+    with plan_errors():
         ENVS.get(cfg.env.name).check(cfg)
-    except PlanError:
-        raise
-    except ValueError as e:
-        raise PlanError(str(e)) from None
 
 
 def check_loop(cfg: RunConfig) -> int:
@@ -173,12 +176,8 @@ def check_loop(cfg: RunConfig) -> int:
 
 def check_transport(cfg: RunConfig) -> None:
     """The weight transport's plan check (workers/weights/spec.py), reported as a PlanError."""
-    try:
+    with plan_errors():
         _transport_check(cfg)
-    except PlanError:
-        raise
-    except ValueError as e:
-        raise PlanError(str(e)) from None
 
 
 def check_cluster(cfg: RunConfig, num_servers: int) -> None:
@@ -234,10 +233,8 @@ def check_preflight(cfg: RunConfig, components: tuple[ComponentPlan, ...]) -> No
 
 def check_backend(cfg: RunConfig):
     """The spec of ``inference.backend``: known, given its own schema, and placeable on this cluster."""
-    try:
+    with plan_errors():
         backend = BACKENDS.get(cfg.inference.backend)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
     if backend.uses_gpus and cfg.cluster.backend == "local":
         cpu = [n for n in BACKENDS.names() if not BACKENDS.get(n).uses_gpus]
         raise PlanError(f"inference.backend={backend.name!r} needs GPUs; cluster=local runs only {cpu}")
@@ -252,10 +249,8 @@ def check_sections(cfg: RunConfig) -> None:
     """Each plugin section fits the schema of the entry it names (a field that entry does not use,
     e.g. an MLA rank on a tiny_moe model, is refused with its name; the launcher conforms the
     sections already, this guards plans built from Python)."""
-    try:
+    with plan_errors():
         conform_sections(cfg)
-    except (ConfigError, UnknownEntry) as e:
-        raise PlanError(str(e)) from None
 
 
 def build_plan(cfg: RunConfig) -> JobPlan:
@@ -268,10 +263,8 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
     servers = plan_servers(cfg, backend, check_fit=slurm)
-    try:  # the backend's field ranges and its own option rules (e.g. workers/inference/sglang/checks.py)
+    with plan_errors():  # the backend's field ranges and its own option rules (e.g. workers/inference/sglang/checks.py)
         backend.plan_check(cfg)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
     trainer, dims = plan_trainer(cfg, check_fit=slurm)
     control = plan_control(cfg, backend, check_fit=slurm)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
