@@ -10,9 +10,12 @@ from benchmarks.chaos import run_chaos
 
 def test_worker_killed_twice_nothing_lost_nothing_twice(tmp_path):
     r = run_chaos(tmp_path / "run", num_steps=12, timeout_s=240, overrides=["trainer.simulated_step_delay_s=1.5",
-                         # every group spends ~1 s in its env after generating, so some are always in
-                         # flight when the worker dies (a kill while the staleness window is full and
-                         # nothing is in flight resubmits nothing, and this test wants resubmission)
+                         # every group spends ~1 s in its env after generating, and the staleness window
+                         # spans the whole run, so the orchestrator keeps max_inflight_rollouts in flight
+                         # until every group is launched: the first kill always finds groups on the worker.
+                         # (With the default window, a kill that lands while the window is full and
+                         # nothing is in flight resubmits nothing: CI failed that way once in ~20 runs.)
+                         "orchestrator.max_off_policy_steps=12",
                          "env.latency=lognormal", "env.latency_median_s=1.0", "env.latency_p99_over_median=3"],
                   schedule=[(1, "inference[0]", "KILL"), (7, "inference[0]", "KILL")])  # steps slow: it comes back
     assert r["launcher_exit"] == 0 and r["finished"], r
