@@ -16,7 +16,7 @@ import time
 import torch
 from torch.nn.attention import sdpa_kernel
 
-import workers.models.tiny_moe.layers as tm
+import workers.models.blocks.kernels as tm
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 

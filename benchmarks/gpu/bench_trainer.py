@@ -18,7 +18,7 @@ import math
 import torch
 from torch.nn.attention import SDPBackend
 
-import workers.models.tiny_moe.layers as tm
+import workers.models.blocks.kernels as tm
 from benchmarks.gpu.common import (H200_BF16_PEAK, free_cuda, init_on_device, param_counts, presets, sync, time_it,
                                    train_flops_per_token)
 from workers.trainer.loss import policy_loss, token_logprobs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import workers.models.tiny_moe.layers as tm
+import workers.models.blocks.kernels as tm
 from benchmarks.gpu.common import TINY_MOE, init_on_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see benchmarks/results/gpu)")

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from workers.common.dtypes import check_name, torch_dtype
 from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
 from workers.common.registry import MODELS
-from workers.models.tiny_moe.model import KVCache, TinyMoeForCausalLM
+from workers.models.blocks.cache import KVCache
+from workers.models.blocks.decoder import CausalLM
 from workers.weights.filesystem.receiver import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
@@ -48,7 +49,7 @@ def engine_seed(run_seed: int, rank: int) -> int:
 class InferenceEngine:
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
 
-    def __init__(self, model: TinyMoeForCausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
+    def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
         assert max_batch_size >= 1, max_batch_size
         self.model = model.eval()
         self.config = model.config  # the family's model section
@@ -256,7 +257,7 @@ class InferenceEngine:
             ids[i, t - l:] = torch.tensor(s.req.input_ids)
             mask[i, t - l:] = True
             pos[i, t - l:] = torch.arange(l)
-        cache = KVCache(self.config.num_layers)
+        cache = self.model.new_cache()
         ids, pos, mask = ids.to(self.device), pos.to(self.device), mask.to(self.device)
         out = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache)
         routed = out.routed_experts.to(torch.int32)
@@ -270,13 +271,7 @@ class InferenceEngine:
         if self._cache is None or not self._rows:
             self._rows, self._cache = seqs, cache
             return
-        length = max(self._cache.length, cache.length)
-        a, b = _left_pad(self._cache, length), _left_pad(cache, length)
-        for layer in range(self.config.num_layers):
-            a.keys[layer] = torch.cat([a.keys[layer], b.keys[layer]])
-            a.values[layer] = torch.cat([a.values[layer], b.values[layer]])
-        a.key_mask = torch.cat([a.key_mask, b.key_mask])
-        self._rows, self._cache = self._rows + seqs, a
+        self._rows, self._cache = self._rows + seqs, self._cache.merge(cache)
 
     def _decode(self) -> None:
         rows = self._rows
@@ -331,7 +326,7 @@ class InferenceEngine:
             self._cache = None
             return
         self._cache.select(torch.tensor(keep, device=self.device))
-        _trim_left(self._cache)
+        self._cache.trim_left()
 
     def _finish(self, s: _Seq, reason: dict, error: Optional[str] = None) -> None:
         routed = None
@@ -348,25 +343,7 @@ class InferenceEngine:
             log.exception("on_done callback of request %s failed", s.req.rid)
 
 
-def _left_pad(cache: KVCache, length: int) -> KVCache:
-    pad = length - cache.length
-    if pad:  # zeros under key_mask False: never attended to
-        cache.keys = [F.pad(k, (0, 0, pad, 0)) for k in cache.keys]
-        cache.values = [F.pad(v, (0, 0, pad, 0)) for v in cache.values]
-        cache.key_mask = F.pad(cache.key_mask, (pad, 0), value=False)
-    return cache
-
-
-def _trim_left(cache: KVCache) -> None:
-    """Drop leading columns no row attends to (left padding of rows that have left)."""
-    first = int(cache.key_mask.any(0).int().argmax())
-    if first > 0:
-        cache.keys = [k[:, :, first:] for k in cache.keys]
-        cache.values = [v[:, :, first:] for v in cache.values]
-        cache.key_mask = cache.key_mask[:, first:]
-
-
-def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> TinyMoeForCausalLM:
+def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> CausalLM:
     """Model skeleton of ``model_cfg``'s family (``ModelSpec.build``; weights come from a published step)."""
     check_name("inference.dtype", dtype)
     return MODELS.get(model_cfg.family).build(model_cfg, device=device, dtype=torch_dtype(dtype))

@@ -11,43 +11,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-#: GPU fast paths (grouped-GEMM experts, causal flash attention through SDPA) run on CUDA
-#: tensors only, so CPU numerics stay exactly the reference loop's. Tests set this to True
-#: to exercise the fast path on CPU against the reference.
-FAST_PATH_ON_CPU = False
-
-
-#: SDPA backends for masked attention on CUDA (decode with a KV cache, left padding). Not
-#: cuDNN: it builds a graph per key length, i.e. on every decode step (~100 ms/step seen on H200).
-MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-#: SDPA backends for the causal fast path (training, scoring); None leaves torch's choice (cuDNN on H100/H200).
-CAUSAL_SDPA_BACKENDS: Optional[list] = None
-
+from workers.models.blocks import kernels
+from workers.models.blocks.cache import KVCache  # noqa: F401  (re-exported)
+from workers.models.blocks.decoder import dense_mask, right_padded  # noqa: F401  (re-exported)
 
 def fast(x: torch.Tensor) -> bool:
-    return x.is_cuda or FAST_PATH_ON_CPU
-
-
-class KVCache:
-    """Per-layer key/value tensors ``[B, H, T, D]`` plus the key validity mask ``[B, T]``."""
-
-    def __init__(self, num_layers: int):
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.key_mask: Optional[torch.Tensor] = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.key_mask is None else self.key_mask.shape[1]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows in ``rows`` (finished sequences leave the batch)."""
-        self.keys = [k.index_select(0, rows) if k is not None else None for k in self.keys]
-        self.values = [v.index_select(0, rows) if v is not None else None for v in self.values]
-        if self.key_mask is not None:
-            self.key_mask = self.key_mask.index_select(0, rows)
+    """The GPU fast-path switch (workers/models/blocks/kernels.py; tests flip kernels.FAST_PATH_ON_CPU)."""
+    return kernels.fast(x)
 
 
 class RMSNorm(nn.Module):
@@ -99,17 +70,7 @@ class Attention(nn.Module):
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF Llama's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        if attn_mask is None:  # fast path: no pads before any valid key, no cache (flash attention)
-            if CAUSAL_SDPA_BACKENDS is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                with sdpa_kernel(CAUSAL_SDPA_BACKENDS):
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif q.is_cuda:
-            with sdpa_kernel(MASKED_SDPA_BACKENDS):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = kernels.attend(q, k, v, attn_mask)  # attn_mask None: plain causal (flash attention)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -122,17 +83,3 @@ class Expert(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def dense_mask(key_mask: torch.Tensor, t: int, past: int) -> torch.Tensor:
-    """[B, t, past+t] bool: causal over cache + new tokens, valid keys only, always self."""
-    dev = key_mask.device
-    causal = torch.ones(t, past + t, dtype=torch.bool, device=dev).tril(diagonal=past)
-    mask = causal[None] & key_mask[:, None, :]
-    return mask | torch.eye(t, past + t, dtype=torch.bool, device=dev).roll(past, dims=1)[None]
-
-
-def right_padded(valid: torch.Tensor) -> bool:
-    """True when every row is valid tokens then pads (or no pads): plain causal attention then
-    gives every valid query exactly its masked result (pad queries differ, and are ignored)."""
-    return valid.shape[1] < 2 or bool((valid[:, :-1] | ~valid[:, 1:]).all())

@@ -1,0 +1,158 @@
+"""The causal-LM skeleton every family shares, and the forward contract the engine and trainer use.
+
+A family subclasses :class:`CausalLM` and builds ``self.model.layers`` (any mix of attention,
+Mamba-2, dense-MLP and MoE layers). Each layer implements ``forward(x, ctx) -> (x, routing)``:
+``routing`` is None for a layer without a router, else :class:`Routing` (the experts it chose,
+its balance loss and expert load). A layer with a router sets ``routed = True``; Router Replay's
+``forced_experts`` ``[B, T, num_routed_layers, top_k]`` is indexed by routed-layer ordinal, and
+``routed_experts`` of the output has the same layout (dense layers have no column).
+
+The skeleton owns what every family must do the same way: validity and causal masks (left pads,
+KV cache, packed segments), positions, ``logits_mask`` (logits only where a loss needs them) and
+tied embeddings. Parameter names are Hugging Face's (``model.embed_tokens``, ``model.layers.N``,
+``model.norm``, ``lm_head``), so a checkpoint's state dict loads as is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.blocks.cache import KVCache
+from workers.models.blocks.kernels import fast
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V], or [N, V] under logits_mask
+    aux_loss: torch.Tensor  # scalar load-balancing loss, mean over routed layers (0 for dense)
+    routed_experts: torch.Tensor  # [B, T, L_routed, k] int64 ([B, T, 0, 0] for dense)
+    expert_load: torch.Tensor  # [L_routed, E] fraction of routed slots per expert
+
+
+@dataclasses.dataclass
+class Routing:
+    experts: torch.Tensor  # [B, T, k] int64
+    aux_loss: torch.Tensor  # scalar
+    load: torch.Tensor  # [E]
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """What a layer needs besides its input: built once per forward by :meth:`CausalLM.forward`."""
+
+    position_ids: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T] bool: non-pad new tokens
+    mask: Optional[torch.Tensor]  # [B, 1, T, past+T] bool, None: plain causal (fast path, no pads/cache)
+    cache: Optional[KVCache]
+    past: int  # cached positions before these tokens
+    layer: int = 0  # index of the layer being run (cache slot)
+    forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
+    forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
+        """Computed once per forward and shared by the layers (rotary tables, ...)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+
+def dense_mask(key_mask: torch.Tensor, t: int, past: int) -> torch.Tensor:
+    """[B, t, past+t] bool: causal over cache + new tokens, valid keys only, always self."""
+    dev = key_mask.device
+    causal = torch.ones(t, past + t, dtype=torch.bool, device=dev).tril(diagonal=past)
+    mask = causal[None] & key_mask[:, None, :]
+    return mask | torch.eye(t, past + t, dtype=torch.bool, device=dev).roll(past, dims=1)[None]
+
+
+def right_padded(valid: torch.Tensor) -> bool:
+    """True when every row is valid tokens then pads (or no pads): plain causal attention then
+    gives every valid query exactly its masked result (pad queries differ, and are ignored)."""
+    return valid.shape[1] < 2 or bool((valid[:, :-1] | ~valid[:, 1:]).all())
+
+
+class Backbone(nn.Module):
+    """``model.*`` of an HF causal LM: embeddings, layers, final norm."""
+
+    def __init__(self, embed: nn.Module, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """Subclasses set ``self.config`` and ``self.model`` (a :class:`Backbone`) and call
+    :meth:`make_head`. ``config`` needs ``vocab_size``, ``hidden_size``, ``num_layers`` and
+    ``tie_word_embeddings`` (False when absent)."""
+
+    def make_head(self) -> None:
+        cfg = self.config
+        # Tied: no module of its own, so state_dict() holds the matrix once (as HF checkpoints do).
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def new_cache(self) -> KVCache:
+        """An empty inference cache for this model (the engine asks the model, never the family)."""
+        return KVCache(len(self.model.layers))
+
+    @property
+    def num_routed_layers(self) -> int:
+        return sum(1 for layer in self.model.layers if getattr(layer, "routed", False))
+
+    def forward(self, input_ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+                forced_experts: Optional[torch.Tensor] = None, forced_mask: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None) -> ModelOutput:
+        """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
+
+        With a cache, keys are the cached ones plus the new ones; attention is causal over the
+        concatenation. ``forced_experts`` [B,T,L_routed,k] with optional ``forced_mask`` [B,T]
+        replays routing. Every query may also see itself, so pad rows never produce NaN.
+        ``segment_ids`` [B, T] (packing, full-sequence forwards only): a query attends only to its
+        own segment; pass per-segment ``position_ids`` with it. ``logits_mask`` [B, T] bool:
+        logits only there, returned flat ``[N, V]`` in row-major order.
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        valid = torch.ones(b, t, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+        past = 0 if cache is None else cache.length
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=dev).expand(b, t)
+        key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
+        if cache is not None:
+            cache.key_mask = key_mask
+        x = self.model.embed_tokens(input_ids)
+        fast_causal = (cache is None and segment_ids is None and fast(x)
+                       and (attention_mask is None or right_padded(valid)))
+        mask = None if fast_causal else dense_mask(key_mask, t, past)
+        if segment_ids is not None:
+            assert cache is None, "sequence packing is for full-sequence forwards"
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
+                             cache=cache, past=past, forced_mask=forced_mask)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        routed, loads = [], []
+        for i, layer in enumerate(self.model.layers):
+            ctx.layer = i
+            ctx.forced = None
+            if forced_experts is not None and getattr(layer, "routed", False):
+                ctx.forced = forced_experts[:, :, len(routed)]
+            x, routing = layer(x, ctx)
+            if routing is not None:
+                aux_total = aux_total + routing.aux_loss
+                routed.append(routing.experts)
+                loads.append(routing.load)
+        h = self.model.norm(x)
+        if logits_mask is not None:
+            h = h[logits_mask]
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
+        if not routed:  # dense: no routed layer, an empty routing record [B, T, 0, 0]
+            return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
+                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev))
+        return ModelOutput(logits=logits, aux_loss=aux_total / len(routed), routed_experts=torch.stack(routed, dim=2),
+                           expert_load=torch.stack(loads))

@@ -1,0 +1,42 @@
+"""Kernel choices shared by every family: the GPU fast-path switch and attention through SDPA.
+
+GPU fast paths (grouped-GEMM experts, causal flash attention) run on CUDA tensors only, so CPU
+numerics stay exactly the reference path's. Tests set ``FAST_PATH_ON_CPU = True`` to exercise the
+fast path on CPU against the reference; benchmarks pick SDPA backends here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+FAST_PATH_ON_CPU = False
+
+#: SDPA backends for masked attention on CUDA (decode with a KV cache, left padding). Not
+#: cuDNN: it builds a graph per key length, i.e. on every decode step (~100 ms/step seen on H200).
+MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: SDPA backends for the causal fast path (training, scoring); None leaves torch's choice (cuDNN on H100/H200).
+CAUSAL_SDPA_BACKENDS: Optional[list] = None
+
+
+def fast(x: torch.Tensor) -> bool:
+    return x.is_cuda or FAST_PATH_ON_CPU
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+           scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v over ``[B, H, T, D]`` (k and v already have q's heads).
+
+    ``attn_mask`` None: plain causal (no pads before any valid key, no cache).
+    """
+    if attn_mask is None:
+        if CAUSAL_SDPA_BACKENDS is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        with sdpa_kernel(CAUSAL_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if q.is_cuda:
+        with sdpa_kernel(MASKED_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
