@@ -21,6 +21,8 @@ The interface (every callable takes the family's own config dataclass, ``model_c
 - ``parallelize``: ``"module:callable"``, the trainer's sharding plan ``(full_model, dims) ->
   sharded model`` (which parameters are TP-split, replicated or expert-owned); resolved by the
   trainer with :func:`resolve`.
+- ``hf_architectures`` / ``to_hf_config`` / ``from_hf_config``: the family's config.json (HF names
+  and values <-> this family's ``model.*`` fields), for checkpoints in (``model.path``) and out.
 - ``router_hook``: the forward keyword through which Router Replay forces experts (int64
   ``[B, T, num_layers, top_k]``, with ``forced_mask [B, T]``); None: no router (dense), so
   ``trainer.router_replay`` and routed-expert records do not apply.
@@ -62,6 +64,14 @@ class ModelSpec(PluginSpec):
     """``"module:callable"`` of the trainer's sharding plan, ``(full_model, dims) -> sharded model``."""
     router_hook: Optional[str] = None
     """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
+    hf_architectures: tuple[str, ...] = ()
+    """config.json ``architectures`` names this family loads (``model.path``: the family is found by them)."""
+    to_hf_config: Optional[Callable[[Any], dict]] = None
+    """``model_cfg -> config.json dict`` (``architectures``, ``model_type`` and every field under its HF
+    name): what a published step's config.json holds, so transformers and SGLang load the step. Torch-free."""
+    from_hf_config: Optional[Callable[[dict], dict]] = None
+    """``config.json dict -> {model field: value}`` for ``model.path``; raises ValueError naming any
+    config.json key whose value the family does not implement. Torch-free (the launcher calls it)."""
 
     @property
     def buildable(self) -> bool:

@@ -170,7 +170,7 @@ class Orchestrator:
         A backend whose /get_model_info lacks the routing shape (SGLang's) gets it from cfg.model.
         """
         m, backend = self.cfg.model, BACKENDS.get(self.cfg.inference.backend)
-        shape = (None, None, None) if backend.reports_routing_shape else (m.num_layers, m.top_k, m.num_experts)
+        shape = (None, None, None) if backend.reports_routing_shape else (m.num_routed_layers, m.top_k, m.num_experts)
         clients = [InferenceClient(u, token, session=session, timeout_s=timeout, num_layers=shape[0], top_k=shape[1],
                                    num_experts=shape[2]) for u in self.topo.inference_urls]
         router = None
@@ -247,7 +247,7 @@ class Orchestrator:
                 "groups_resubmitted_total": sum(self.ledger.resubmits.values()),
                 **env_batch_metrics(groups), **self.long_episode_counters(),
             }
-            write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_layers,
+            write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
             self.dropped_at_last_batch = dropped_total

@@ -52,6 +52,14 @@ class ModelConfig:
         """Experts chosen per token; 0: dense."""
         return 0
 
+    @property
+    def num_routed_layers(self) -> int:
+        """Layers with a router, in order: the layer axis of routed-expert records and of Router
+        Replay's ``forced_experts`` ``[B, T, num_routed_layers, top_k]``. A family with dense or
+        non-MoE layers among its layers (DeepSeek-V3's first_k_dense_replace, Nemotron-H's mixers)
+        overrides this; the model's ``num_routed_layers`` must agree (tests/models check it)."""
+        return self.num_layers if self.num_experts > 0 else 0
+
 
 limits(ModelConfig, family=NONEMPTY, name=NONEMPTY, vocab_size=gt(0), hidden_size=gt(0), num_layers=gt(0),
        num_heads=gt(0), max_position_embeddings=gt(0), init_seed=SEED, pretrained=TEXT, pretrained_dir=TEXT)

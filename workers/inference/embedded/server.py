@@ -177,7 +177,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
 
     def model_info() -> dict:
         return {"model_path": engine.model_path, "served_model_name": model_name, "tokenizer_path": None,
-                "is_generation": True, "model_name": model_name, "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
+                "is_generation": True, "model_name": model_name, "num_layers": cfg.num_routed_layers, "num_experts": cfg.num_experts,
                 "top_k": cfg.top_k, "vocab_size": cfg.vocab_size, "weight_version": str(engine.weight_version),
                 "max_position_embeddings": cfg.max_position_embeddings, **(extra_info or {})}
 
