@@ -107,7 +107,7 @@ class SlurmJobPlan:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
         c = cfg.cluster
-        return cls(job_name=f"slurmrl-{cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
+        return cls(job_name=cfg.launcher.job_name or f"slurmrl-{cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
                    signal_grace_s=c.signal_grace_s, requeue=c.requeue, max_requeues=c.max_requeues,
                    sbatch_flags=tuple(sorted(c.sbatch_flags.items())), setup=tuple(c.setup),
                    env=tuple(sorted(c.env.items())), node_address=c.node_address, port_min=c.port_min,

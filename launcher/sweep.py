@@ -9,14 +9,19 @@ directory each), then writes and submits them all: a bad value in the last point
 sweep before the first job is submitted. hydra-submitit-launcher cannot express hetjobs,
 which is why the job itself is our own script (launcher/render.py), not submitit's.
 
-The job ids are printed and written to ``<hydra.sweep.dir>/sweep.json``; by default the
-sweep then waits until every job ended (``launcher.follow=false``: submit and return).
+Each sweep has its own directory (``<runs_root>/multirun/<time>``) whose ``sweep.json`` lists
+every point: job id, job name (``slurmrl-<experiment>-<hash>-<swept values>``), overrides, run
+directory and script. ``launcher.dry_run=true`` renders and writes every point and submits
+nothing. By default the sweep then waits until every job ended (``launcher.follow=false``:
+submit and return).
 With cluster=local the points run one after the other as local processes.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -40,6 +45,8 @@ class Point:
 
 
 POINTS: list[Point] = []
+MAX_VALUES_CHARS = 64
+"""Swept values kept in a job name (the hash tells cut names apart)."""
 
 
 def collect(cfg: RunConfig, *, num: int, overrides: list[str], sweep_dir: Optional[str]) -> None:
@@ -67,9 +74,20 @@ def run_all(points: Optional[list[Point]] = None) -> int:
     if not points:
         return 0
     check_points(points)
+    points = [named(p, points) for p in points]
+    dry = points[0].prepared.cfg.launcher.dry_run
     if points[0].prepared.plan.backend == "local":
         codes = [launch(p.prepared.cfg) for p in points]  # one at a time: they share this machine's cores
         return max(codes)
+    if dry:  # every point rendered and written, nothing submitted
+        for p in points:
+            write(p.prepared)
+            announce(p.prepared)
+        print(f"[slurmrl] sweep dry run: {len(points)} jobs rendered, none submitted:", flush=True)
+        for p in points:
+            print(f"[slurmrl]   #{p.num} {p.prepared.plan.slurm.job_name}  {p.prepared.script_path}", flush=True)
+        record([(p, None) for p in points])
+        return 0
     jobs = []
     for p in points:
         ensure_converted(p.prepared.cfg)  # model.pretrained: once, before the first job needs it
@@ -78,7 +96,7 @@ def run_all(points: Optional[list[Point]] = None) -> int:
         jobs.append((p, submit_prepared(p.prepared)))
     print(f"[slurmrl] sweep: submitted {len(jobs)} jobs:", flush=True)
     for p, job_id in jobs:
-        print(f"[slurmrl]   job {job_id}  #{p.num} {' '.join(varying(p, points)) or '-'}  {p.prepared.root}", flush=True)
+        print(f"[slurmrl]   job {job_id}  #{p.num} {p.prepared.plan.slurm.job_name}  {p.prepared.root}", flush=True)
     record(jobs)
     if not points[0].prepared.cfg.launcher.follow:
         return 0
@@ -90,15 +108,36 @@ def varying(point: Point, points: list[Point]) -> list[str]:
     return [o for o in point.overrides if not all(o in q.overrides for q in points)]
 
 
-def record(jobs: list[tuple[Point, str]]) -> None:
+def job_name(experiment: str, swept: list[str]) -> str:
+    """``slurmrl-<experiment>-<6-hex hash of the swept overrides>-<their values>``: squeue tells the
+    points apart, and the hash stays unique when the values are cut to keep the name short."""
+    digest = hashlib.sha1("\n".join(sorted(swept)).encode()).hexdigest()[:6]
+    values = ",".join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[-1]}" for o in swept)
+    values = re.sub(r"[^A-Za-z0-9._=,+-]", "_", values)[:MAX_VALUES_CHARS]
+    return "-".join(x for x in (f"slurmrl-{experiment}", digest, values) if x)
+
+
+def named(point: Point, points: list[Point]) -> Point:
+    """The point re-prepared with its own job name (unless launcher.job_name was given)."""
+    cfg = point.prepared.cfg
+    if cfg.launcher.job_name or cfg.cluster.backend == "local":
+        return point
+    cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher,
+                                                                job_name=job_name(cfg.experiment, varying(point, points))))
+    return dataclasses.replace(point, prepared=prepare(cfg, root=point.prepared.root))
+
+
+def record(jobs: list[tuple[Point, Optional[str]]]) -> None:
+    """``<sweep dir>/sweep.json``: one entry per point (job id, job name, overrides, run dir, script)."""
     sweep_dir = jobs[0][0].sweep_dir
     if not sweep_dir:
         return
     path = Path(sweep_dir) / "sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([{"job_id": j, "num": p.num, "overrides": list(p.overrides),
-                                 "run_dir": str(p.prepared.root)} for p, j in jobs], indent=1) + "\n")
-    print(f"[slurmrl] sweep record: {path}", flush=True)
+    entries = [{"job_id": j, "num": p.num, "job_name": p.prepared.plan.slurm.job_name, "overrides": list(p.overrides),
+                "run_dir": str(p.prepared.root), "script": str(p.prepared.script_path)} for p, j in jobs]
+    path.write_text(json.dumps({"dry_run": jobs[0][1] is None, "points": entries}, indent=1) + "\n")
+    print(f"[slurmrl] sweep manifest: {path}", flush=True)
 
 
 def wait_all(jobs: list[tuple[Point, str]], *, poll_s: float = 2.0) -> int:

@@ -49,6 +49,9 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
+    job_name: str = ""
+    """Slurm job name; "" = ``slurmrl-<experiment>``. A sweep names each point's job
+    ``slurmrl-<experiment>-<hash>-<swept values>`` (launcher/sweep.py)."""
     follow: bool = True
     """Slurm: after sbatch, print per-step progress until the job ends; False submits and returns."""
     num_gpu_nodes: int = 0
@@ -63,4 +66,4 @@ class LauncherConfig:
 
 limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
 limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
-limits(LauncherConfig, run_dir=TEXT, resume=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
+limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
