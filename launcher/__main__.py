@@ -8,6 +8,7 @@
     slurmrl -m trainer.lr=1e-4,3e-4 cluster=local_slurm # one hetjob per sweep point
     slurmrl launcher.resume=runs/latest       # continue a stopped run (launcher/resume.py)
     slurmrl status [RUN_DIR|JOB_ID]           # state of a submitted run (default runs/latest)
+    slurmrl status --all [RUNS_ROOT]          # every run: state, step, last reward, pending reason
     slurmrl cancel [RUN_DIR|JOB_ID]
 """
 from __future__ import annotations
@@ -75,7 +76,33 @@ def refuse_null_groups(argv: list[str]) -> None:
             sys.exit(2)
 
 
+HELP = """usage: slurmrl [OVERRIDES...]          compose the config (Hydra), plan, write the run dir, launch
+       slurmrl -m KEY=A,B [OVERRIDES...]  a sweep: one job per point (launcher.dry_run=true renders only)
+
+commands:
+  status [RUN_DIR|JOB_ID]       state and progress of one run (default runs/latest)
+  status --all [RUNS_ROOT]      every run under the runs root: state, step, last reward, pending reason
+  cancel [RUN_DIR|JOB_ID]       scancel a submitted run
+  resume                        slurmrl launcher.resume=RUN_DIR [OVERRIDES]: continue a stopped run
+  preflight                     slurmrl-preflight (GPU, NCCL, filesystem and port checks; --help)
+
+common overrides:
+  experiment=NAME               hydra_conf/experiment/ (tiny_local, glm5_swe_28xh200, ...)
+  cluster=local|local_slurm|h200_ib    model=NAME  env=NAME  inference=NAME  weights=NAME
+  launcher.dry_run=true         write configs and the sbatch script, print them, start nothing
+
+slurmrl --cfg job prints the composed config; slurmrl --hydra-help lists Hydra's own flags.
+"""
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("--help", "-h", "help"):
+        print(HELP, end="")
+        sys.exit(0)
+    if sys.argv[1:3] == ["status", "--all"] and len(sys.argv) <= 4:
+        from launcher.runs_list import list_command
+
+        sys.exit(list_command(sys.argv[3] if len(sys.argv) == 4 else None))
     if len(sys.argv) > 1 and sys.argv[1] in ("status", "cancel"):
         from launcher.submit import command_line
 

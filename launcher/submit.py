@@ -238,7 +238,8 @@ def cancel_command(target: Optional[str]) -> int:
     return 0
 
 
-USAGE = "usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/latest)"
+USAGE = ("usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/latest)\n"
+         "       slurmrl status --all [RUNS_ROOT]           (every run: state, step, last reward, pending reason)")
 
 
 def command_line(mode: str, args: list[str]) -> int:

@@ -41,6 +41,8 @@ READY = "READY"
 METRICS_FILE = "metrics.jsonl"
 ADMIN_TOKEN_FILE = "admin_token"
 ORCH_DONE = "DONE"
+TRAINER_DONE = "TRAINER_DONE"
+"""Written by the trainer after its last step (json: time, num_steps)."""
 LEDGER_FILE = "orchestrator_ledger.jsonl"  # rollout ledger (workers/orchestrator/ledger.py)
 CHECKPOINTS_DIR = "checkpoints"  # trainer checkpoints step_N/ + COMPLETE (workers/trainer/checkpoint.py)
 COMPLETE = "COMPLETE"
@@ -93,6 +95,10 @@ class RunPaths:
     @property
     def orchestrator_done(self) -> Path:
         return self.root / ORCH_DONE
+
+    @property
+    def trainer_done(self) -> Path:
+        return self.root / TRAINER_DONE
 
     def ensure(self) -> "RunPaths":
         for d in (self.config_dir, self.logs_dir, self.root / WEIGHTS_DIR, self.root / ROLLOUTS_DIR):

@@ -47,7 +47,6 @@ from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
 from workers.trainer.step import train_step
 from workers.weights.base import NonFiniteWeights, WeightPublisher
 
-TRAINER_DONE = "TRAINER_DONE"
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 
@@ -114,8 +113,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             ckpt.end_step(step, model, optimizer)
         ckpt.save(ckpt.done_step, model, optimizer)  # a resumed run that trains further redoes no step
         if dims.is_rank0:
-            (paths.root / TRAINER_DONE).write_text(json.dumps({"time": time.time(), "num_steps": tcfg.num_steps}))
-            log.info(f"done: {tcfg.num_steps} steps, wrote {paths.root / TRAINER_DONE}")
+            paths.trainer_done.write_text(json.dumps({"time": time.time(), "num_steps": tcfg.num_steps}))
+            log.info(f"done: {tcfg.num_steps} steps, wrote {paths.trainer_done}")
         return 0
     except TrainerStopped:
         log.warning("SIGTERM: stopping now")

@@ -1,0 +1,101 @@
+"""``slurmrl status --all [RUNS_ROOT]``: every run under the runs root in one table.
+
+One Slurm query for all submitted runs (``squeue`` for live jobs with their pending reason,
+then one ``sacct`` for the ones squeue no longer knows), not one scontrol per job every few
+seconds: a sweep of 50 points costs two commands. Local and dry runs are read from their run
+directory alone (trainer steps logged, the last step's mean reward, whether the trainer finished).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from launcher.submit import job_id_file, run
+from workers.common.protocol import RunPaths
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRow:
+    name: str
+    job_id: Optional[str]
+    state: str
+    steps: int
+    last_reward: Optional[float]
+    reason: str
+
+
+def last_metrics(paths: RunPaths) -> tuple[int, Optional[float]]:
+    """(trainer steps logged, reward_mean of the last one)."""
+    if not paths.metrics.exists():
+        return 0, None
+    records = []
+    for line in paths.metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    reward = records[-1].get("reward_mean") if records else None
+    return len(records), (float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None)
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """job id -> (state, pending reason) for every id, in at most two Slurm commands."""
+    if not job_ids:
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    res = run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r"], check=False)
+    for line in res.stdout.splitlines():
+        jid, state, reason = (line.split("|") + ["", ""])[:3]
+        leader = jid.split("+")[0]
+        if leader in job_ids and (leader not in out or state == "PENDING"):
+            out[leader] = (state, "" if reason in ("None", "(null)") else reason)
+    missing = [j for j in job_ids if j not in out]
+    if missing:
+        res = run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "--format=JobID,State"], check=False)
+        for line in res.stdout.splitlines():
+            jid, _, state = line.partition("|")
+            leader = jid.split("+")[0]
+            if leader in missing and leader not in out:
+                out[leader] = (state.split()[0] if state else "UNKNOWN", "")
+    return {j: out.get(j, ("ENDED", "unknown to squeue and sacct")) for j in job_ids}
+
+
+def collect(runs_root: Path) -> list[RunRow]:
+    """Every run directory (one holding config/run.yaml) under ``runs_root``, newest first."""
+    dirs = sorted((p.parent.parent for p in Path(runs_root).glob("**/config/run.yaml")),
+                  key=lambda d: d.stat().st_mtime, reverse=True)
+    ids = {d: job_id_file(d).read_text().strip() for d in dirs if job_id_file(d).exists()}
+    states = slurm_states(sorted(set(ids.values())))
+    rows = []
+    for d in dirs:
+        paths = RunPaths(d)
+        steps, reward = last_metrics(paths)
+        done = paths.trainer_done.exists()
+        if d in ids:
+            state, reason = states[ids[d]]
+        else:
+            state, reason = ("FINISHED" if done else "LOCAL" if steps else "NOT STARTED"), ""
+        rows.append(RunRow(name=str(d.relative_to(runs_root)), job_id=ids.get(d), state=state, steps=steps,
+                           last_reward=reward, reason=reason))
+    return rows
+
+
+def table(rows: list[RunRow]) -> str:
+    head = ("RUN", "JOB", "STATE", "STEPS", "REWARD", "REASON")
+    body = [(r.name, r.job_id or "-", r.state, str(r.steps), "-" if r.last_reward is None else f"{r.last_reward:.3f}",
+             r.reason or "-") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body])
+
+
+def list_command(runs_root: Optional[str]) -> int:
+    root = Path(runs_root or "runs").expanduser().resolve()
+    if not root.is_dir():
+        print(f"slurmrl status --all: {root} is not a directory (the runs root: cluster.runs_root)")
+        return 2
+    rows = collect(root)
+    print(table(rows) if rows else f"no runs under {root}")
+    return 0
