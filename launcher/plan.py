@@ -180,8 +180,24 @@ def check_transport(cfg: RunConfig) -> None:
         _transport_check(cfg)
 
 
+def check_group_flags(cfg: RunConfig, components) -> None:
+    """Flags for a het group this plan does not have would be dropped silently: refuse them."""
+    names = [c.name for c in components]
+    for group in ("control", "inference", "prefill", "decode", "trainer"):
+        if getattr(cfg.cluster.groups, group).sbatch_flags and group not in names:
+            raise PlanError(f"cluster.groups.{group}.sbatch_flags is set but this plan has no {group} group "
+                            f"(its het groups: {', '.join(names)})")
+
+
 def check_cluster(cfg: RunConfig, num_servers: int) -> None:
     c = cfg.cluster
+    if c.container.runtime != "none":
+        if c.backend != "slurm":
+            raise PlanError(f"cluster.container.runtime={c.container.runtime} runs Slurm steps in a container; "
+                            f"cluster.backend={c.backend} starts local processes (set runtime=none)")
+        if not c.container.image:
+            raise PlanError(f"cluster.container.image is empty; cluster.container.runtime={c.container.runtime} needs "
+                            f"an image ({'an enroot image or .sqsh' if c.container.runtime == 'pyxis' else 'a .sif file'})")
     if not TIME_LIMIT.match(c.time_limit):
         raise PlanError(f"cluster.time_limit={c.time_limit!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
     _positive("cluster.num_port_slots", c.num_port_slots)
@@ -269,6 +285,7 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     control = plan_control(cfg, backend, check_fit=slurm)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
     check_cluster(cfg, sum(r.num_replicas for r in servers))
+    check_group_flags(cfg, components)
     gpu_nodes = sum(c.num_nodes for c in components if c.num_gpus_per_node)
     if cfg.launcher.num_gpu_nodes and gpu_nodes != cfg.launcher.num_gpu_nodes:
         split = " + ".join(f"{c.name}({c.num_nodes})" for c in components if c.num_gpus_per_node)

@@ -44,7 +44,7 @@ def component_flags(plan: JobPlan, index: int, *, log_dir: str, workdir: str) ->
     c, job = plan.components[index], plan.slurm
     opts: dict[str, object] = {
         "nodes": c.num_nodes, "ntasks-per-node": c.num_tasks_per_node, "cpus-per-task": c.num_cpus_per_task,
-        "gpus-per-node": c.num_gpus_per_node or None, "mem": f"{c.mem_gb}G" if c.mem_gb else None,
+        "gpus-per-node": c.num_gpus_per_node or None, "mem": component_mem(c, job),
         "partition": c.partition, "time": job.time_limit, "account": job.account, "qos": job.qos,
     }
     if index == 0:  # job-wide options: the batch script runs in component 0
@@ -52,11 +52,27 @@ def component_flags(plan: JobPlan, index: int, *, log_dir: str, workdir: str) ->
                      "signal": f"B:USR1@{job.signal_grace_s}", "chdir": workdir})
         opts["requeue" if job.requeue else "no-requeue"] = ""
     opts.update(dict(job.sbatch_flags))
+    opts.update(dict(c.sbatch_flags))  # this group's own (cluster.groups.<name>.sbatch_flags)
     return flags(opts)
 
 
-def step_flags(role: RolePlan) -> list[str]:
-    return flags({
+def component_mem(c, job) -> Optional[str]:
+    """``--mem``: the roles' sum when given; a GPU group without one takes the whole node (``0``)."""
+    if c.mem_gb:
+        return f"{c.mem_gb}G"
+    return "0" if c.num_gpus_per_node and job.gpu_mem_whole_node else None
+
+
+def container_flags(job) -> dict[str, object]:
+    """pyxis flags of every srun step (cluster.container.runtime=pyxis); apptainer wraps the command instead."""
+    if job.container_runtime != "pyxis":
+        return {}
+    return {"container-image": job.container_image, "container-mounts": ",".join(job.container_mounts) or None,
+            "container-workdir": job.container_workdir or None}
+
+
+def step_flags(role: RolePlan, job=None) -> list[str]:
+    return flags({**(container_flags(job) if job is not None else {}),
         "het-group": role.het_group, "kill-on-bad-exit": 1, "nodes": role.num_nodes, "ntasks": role.num_procs,
         "ntasks-per-node": role.num_tasks_per_node, "cpus-per-task": role.num_cpus_per_task,
         "gpus-per-node": role.num_gpus_per_node or None, "mem": f"{role.mem_gb}G" if role.mem_gb else None,
@@ -65,12 +81,21 @@ def step_flags(role: RolePlan) -> list[str]:
     })
 
 
-def step_command(role: RolePlan) -> str:
+def step_command(role: RolePlan, job=None) -> str:
     """What each task runs: the role's module, output into its own per-task log file.
 
     The path is built from the task's own SLURM_PROCID (srun's %t breaks in het groups > 0).
+    Under apptainer the module runs inside ``apptainer exec`` (the image's or the mounted Python).
     """
-    return (f'exec "$SLURMRL_PYTHON" -m {role.module} '
+    wrap = ""
+    if job is not None and job.container_runtime == "apptainer":
+        parts = ["apptainer", "exec", "--nv"]
+        if job.container_mounts:
+            parts += ["--bind", ",".join(job.container_mounts)]
+        if job.container_workdir:
+            parts += ["--pwd", job.container_workdir]
+        wrap = shlex.join([*parts, job.container_image]) + " "
+    return (f'exec {wrap}"$SLURMRL_PYTHON" -m {role.module} '
             f'>>"$SLURMRL_LOG_DIR/{role.role}_$SLURM_PROCID.log" 2>&1')
 
 
@@ -113,7 +138,7 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
         steps.append({
             "role": r.role, "het_group": r.het_group, "main": int(r.main), "num_tasks": r.num_procs,
             "num_nodes": r.num_nodes, "num_nodes_per_replica": r.num_nodes_per_replica, "module": r.module,
-            "description": r.description, "srun": step_flags(r), "command": step_command(r),
+            "description": r.description, "srun": step_flags(r, plan.slurm), "command": step_command(r, plan.slurm),
             "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE), **backend_step_of(plan, r.role),
         })
     return {

@@ -62,6 +62,8 @@ class ComponentPlan:
     num_gpus_per_node: int
     mem_gb: int
     partition: Optional[str]
+    sbatch_flags: tuple[tuple[str, str], ...] = ()
+    """This group's own flags (``cluster.groups.<name>.sbatch_flags``), after the job-wide ones."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +105,11 @@ class SlurmJobPlan:
     shutdown_grace_s: int
     template_dir: Optional[str]
     python: Optional[str]
+    gpu_mem_whole_node: bool = True
+    container_runtime: str = "none"
+    container_image: str = ""
+    container_mounts: tuple[str, ...] = ()
+    container_workdir: str = ""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
@@ -113,7 +120,9 @@ class SlurmJobPlan:
                    env=tuple(sorted(c.env.items())), node_address=c.node_address, port_min=c.port_min,
                    port_span=c.port_span, num_port_slots=c.num_port_slots,
                    shutdown_grace_s=int(round(cfg.launcher.shutdown_grace_s)), template_dir=c.template_dir,
-                   python=c.python)
+                   python=c.python, gpu_mem_whole_node=c.gpu_mem_whole_node, container_runtime=c.container.runtime,
+                   container_image=c.container.image, container_mounts=tuple(c.container.mounts),
+                   container_workdir=c.container.workdir)
 
 
 def _need_positive(key: str, value: int) -> None:
@@ -265,6 +274,7 @@ def assign_groups(cfg: RunConfig, trainer: RolePlan, servers: list[RolePlan], co
                                    num_tasks_per_node=sum(r.num_tasks_per_node for r in members),
                                    num_cpus_per_task=max(r.num_cpus_per_task for r in members),
                                    num_gpus_per_node=gpus, mem_gb=sum(r.mem_gb for r in members),
-                                   partition=c.partition if gpus else (c.cpu_partition or c.partition)))
+                                   partition=c.partition if gpus else (c.cpu_partition or c.partition),
+                                   sbatch_flags=tuple(sorted(getattr(c.groups, name).sbatch_flags.items()))))
     start = ("trainer", *(s.role for s in servers), *(r.role for r in control))
     return tuple(placed[n] for n in start), tuple(comps)

@@ -19,7 +19,12 @@ from launcher.render import PACKAGED_TEMPLATES
 from tests.conftest import GLM5, TINY_SLURM, plan
 from tests.unit.conftest import GOLDEN, render, sbatch_blocks, srun_steps
 
-CASES = {"tiny_local_local_slurm.sbatch": TINY_SLURM, "glm5_swe_28xh200_h200_ib.sbatch": GLM5}
+SITE = [*GLM5, "cluster.container.runtime=pyxis", "cluster.container.image=/lustre/images/slurmrl.sqsh",
+        "cluster.container.mounts=[/lustre:/lustre]", "+cluster.groups.trainer.sbatch_flags.constraint=h200",
+        "+cluster.groups.decode.sbatch_flags.exclusive=", "+cluster.groups.control.sbatch_flags.mem=64G"]
+"""A site profile's per-group flags and a pyxis container (each group's flags only on its block)."""
+CASES = {"tiny_local_local_slurm.sbatch": TINY_SLURM, "glm5_swe_28xh200_h200_ib.sbatch": GLM5,
+         "glm5_pyxis_groups_h200_ib.sbatch": SITE}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -62,6 +62,50 @@ class PreflightConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class GroupSlurmOptions:
+    """Slurm options of one het group (added after, and overriding, ``cluster.sbatch_flags``)."""
+
+    sbatch_flags: dict[str, str] = field(default_factory=dict)
+    """Extra ``#SBATCH --key=value`` flags of this group only (``constraint``, ``exclusive``, ``gres``,
+    ``reservation``, ``mem`` ...); value "" renders a bare ``--key``."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class GroupsConfig:
+    """Per-het-group Slurm options: a GPU ``--constraint`` on the GPU groups, never on the CPU control group."""
+
+    control: GroupSlurmOptions = field(default_factory=GroupSlurmOptions)
+    """Orchestrator + router (CPU)."""
+    inference: GroupSlurmOptions = field(default_factory=GroupSlurmOptions)
+    """Unified inference servers."""
+    prefill: GroupSlurmOptions = field(default_factory=GroupSlurmOptions)
+    """Prefill servers (prefill/decode disaggregation)."""
+    decode: GroupSlurmOptions = field(default_factory=GroupSlurmOptions)
+    """Decode servers (prefill/decode disaggregation)."""
+    trainer: GroupSlurmOptions = field(default_factory=GroupSlurmOptions)
+    """Trainer ranks."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ContainerConfig:
+    """Run every srun step in a container image (the batch script itself runs on the host).
+
+    ``pyxis`` (NVIDIA enroot sites): ``--container-image/--container-mounts/--container-workdir`` on
+    each srun step. ``apptainer`` (Singularity sites): each step's command runs under
+    ``apptainer exec --nv --bind MOUNTS [--pwd WORKDIR] IMAGE``. The image must hold Python with
+    slurmrl installed (or mount the shared venv and set ``cluster.python``)."""
+
+    runtime: str = "none"
+    """``none`` | ``pyxis`` | ``apptainer``."""
+    image: str = ""
+    """pyxis: an enroot image (``nvcr.io#nvidia/pytorch:25.01-py3``, a .sqsh path); apptainer: a .sif path."""
+    mounts: list[str] = field(default_factory=list)
+    """``SRC:DST[:FLAGS]`` bind mounts (the runs root and the shared filesystem, at least)."""
+    workdir: str = ""
+    """Working directory inside the container; "" keeps the submit directory."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class ClusterConfig:
     name: str = MISSING
     """Profile name (``local``, ``local_slurm``, a site name)."""
@@ -107,7 +151,14 @@ class ClusterConfig:
     max_requeues: int = 2
     """Most automatic requeues of one job (SLURM_RESTART_COUNT stops the batch script beyond it)."""
     sbatch_flags: dict[str, str] = field(default_factory=dict)
-    """Extra ``#SBATCH --key=value`` flags for every component (value "" renders a bare ``--key``)."""
+    """Extra ``#SBATCH --key=value`` flags for every component (value "" renders a bare ``--key``);
+    per-group flags: ``cluster.groups.<control|inference|prefill|decode|trainer>.sbatch_flags``."""
+    groups: GroupsConfig = field(default_factory=GroupsConfig)
+    """Slurm options of each het group (constraint, exclusive, gres, reservation, mem)."""
+    gpu_mem_whole_node: bool = True
+    """GPU groups without an explicit memory request ask for the whole node's memory (``--mem=0``)."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Run the steps in a container (pyxis or apptainer)."""
     setup: list[str] = field(default_factory=list)
     """Shell lines the batch script runs before any step (``module load ...``, ``source venv``)."""
     python: Optional[str] = None
@@ -126,6 +177,8 @@ limits(PreflightConfig, expect_gpus_per_node=Each(ge(0)), gpu_name=TEXT, min_fre
        nccl_tests_dir=TEXT, nccl_tests_mpi=SRUN_MPI, collectives=Each(COLLECTIVES), min_bytes=gt(0), max_bytes=gt(0),
        size_factor=ge(2), num_iters=gt(0), num_warmup_iters=ge(0), min_busbw_gbps=Each(ge(0)),
        min_busbw_gbps_intra_node=Each(ge(0)), timeout_s=gt(0))
+limits(GroupSlurmOptions, sbatch_flags=Each(TEXT))
+limits(ContainerConfig, runtime=one_of("none", "pyxis", "apptainer"), image=TEXT, mounts=Each(TEXT), workdir=TEXT)
 limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition=TEXT, account=TEXT, qos=TEXT,
        num_gpus_per_node=ge(0), num_cpus_per_node=gt(0), mem_per_node_gb=ge(0), runs_root=NONEMPTY, template_dir=TEXT,
        time_limit=Pattern(r"(\d+-)?\d+(:\d{2}){0,2}", "a Slurm time: MM, HH:MM:SS or D-HH:MM:SS"), env=Each(TEXT),
