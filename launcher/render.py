@@ -72,7 +72,7 @@ def container_flags(job) -> dict[str, object]:
 
 
 def step_flags(role: RolePlan, job=None) -> list[str]:
-    return flags({**(container_flags(job) if job is not None else {}),
+    return flags({**(container_flags(job) if job is not None else {}), "overlap": "" if role.overlap else None,
         "het-group": role.het_group, "kill-on-bad-exit": 1, "nodes": role.num_nodes, "ntasks": role.num_procs,
         "ntasks-per-node": role.num_tasks_per_node, "cpus-per-task": role.num_cpus_per_task,
         "gpus-per-node": role.num_gpus_per_node or None, "mem": f"{role.mem_gb}G" if role.mem_gb else None,

@@ -38,6 +38,9 @@ class RolePlan:
     """Server roles: nodes of one replica."""
     main: bool = False
     """The job is done when every main role (trainer, orchestrator) exited 0; servers are then stopped."""
+    overlap: bool = False
+    """Runs on the first node of another role's het group (``srun --overlap``), outside its task count:
+    the orchestrator and router with ``launcher.control_placement=trainer``."""
     server: Optional[ServerLayout] = None
     """Server roles: the replica layout (tp / ep / dp_attention)."""
     config_key: str = ""
@@ -260,9 +263,17 @@ def plan_control(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
 
 def assign_groups(cfg: RunConfig, trainer: RolePlan, servers: list[RolePlan], control: list[RolePlan]
                   ) -> tuple[tuple[RolePlan, ...], tuple[ComponentPlan, ...]]:
-    """Het groups: control 0, servers 1.., trainer last. Returns roles in start order + components."""
+    """Het groups: control 0, servers 1.., trainer last. Returns roles in start order + components.
+
+    ``launcher.control_placement=trainer``: no control group; the orchestrator and router run as
+    extra steps on the trainer group's first node (``--overlap``), sized by the trainer alone, so
+    a job uses exactly its GPU nodes."""
     c = cfg.cluster
-    groups = [("control", control), *[(s.role, [s]) for s in servers], ("trainer", [trainer])]
+    on_trainer = cfg.launcher.control_placement == "trainer"
+    if on_trainer:
+        groups = [*[(s.role, [s]) for s in servers], ("trainer", [trainer])]
+    else:
+        groups = [("control", control), *[(s.role, [s]) for s in servers], ("trainer", [trainer])]
     placed: dict[str, RolePlan] = {}
     comps = []
     for k, (name, members) in enumerate(groups):
@@ -276,5 +287,9 @@ def assign_groups(cfg: RunConfig, trainer: RolePlan, servers: list[RolePlan], co
                                    num_gpus_per_node=gpus, mem_gb=sum(r.mem_gb for r in members),
                                    partition=c.partition if gpus else (c.cpu_partition or c.partition),
                                    sbatch_flags=tuple(sorted(getattr(c.groups, name).sbatch_flags.items()))))
+    if on_trainer:
+        k = len(groups) - 1
+        placed.update({r.role: dataclasses.replace(r, het_group=k, overlap=True) for r in control})
+        comps[-1] = dataclasses.replace(comps[-1], roles=(*comps[-1].roles, *(r.role for r in control)))
     start = ("trainer", *(s.role for s in servers), *(r.role for r in control))
     return tuple(placed[n] for n in start), tuple(comps)

@@ -27,8 +27,9 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
     gpu = {c.name: c.num_nodes for c in p.components if c.num_gpus_per_node}
     assert gpu == {"prefill": 4, "decode": 8, "trainer": 16}
     assert sum(gpu.values()) == 28 == p.num_gpu_nodes
-    assert p.components[0].roles == ("orchestrator", "router") and p.components[0].partition == "cpu"
-    assert {c.partition for c in p.components[1:]} == {"h200"}
+    # control_placement=trainer: orchestrator + router on the trainer's first node, no 29th node
+    assert p.components[-1].roles == ("trainer", "orchestrator", "router") and len(p.components) == 3
+    assert {c.partition for c in p.components} == {"h200"}
     d = p.trainer_dims
     assert (d.tp, d.pp, d.ep, d.dp, d.num_ranks) == (1, 1, 64, 2, 128)
     assert abs(p.params.total - 744e9) / 744e9 < 0.01  # published: 744B

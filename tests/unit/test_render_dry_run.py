@@ -36,7 +36,7 @@ def test_glm5_dry_run_without_slurm(tmp_path):
     cfg = load_run_config(str(run_dir / "config" / "trainer.yaml"))
     assert (cfg.launcher.run_dir, cfg.trainer.num_ranks, cfg.model.num_experts) == (str(run_dir), 128, 256)
     plan = json.loads((run_dir / "config" / "plan.json").read_text())
-    assert [c["num_nodes"] for c in plan["components"]] == [1, 4, 8, 16]
+    assert [c["num_nodes"] for c in plan["components"]] == [4, 8, 16]  # control on the trainer node
 
 
 def test_local_slurm_dry_run(tmp_path):

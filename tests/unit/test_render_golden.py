@@ -19,7 +19,7 @@ from launcher.render import PACKAGED_TEMPLATES
 from tests.conftest import GLM5, TINY_SLURM, plan
 from tests.unit.conftest import GOLDEN, render, sbatch_blocks, srun_steps
 
-SITE = [*GLM5, "cluster.container.runtime=pyxis", "cluster.container.image=/lustre/images/slurmrl.sqsh",
+SITE = [*GLM5, "launcher.control_placement=own_node", "cluster.container.runtime=pyxis", "cluster.container.image=/lustre/images/slurmrl.sqsh",
         "cluster.container.mounts=[/lustre:/lustre]", "+cluster.groups.trainer.sbatch_flags.constraint=h200",
         "+cluster.groups.decode.sbatch_flags.exclusive=", "+cluster.groups.control.sbatch_flags.mem=64G"]
 """A site profile's per-group flags and a pyxis container (each group's flags only on its block)."""
@@ -67,8 +67,8 @@ def test_glm5_components_add_up_to_28():
     blocks = sbatch_blocks(render(GLM5))
     nodes = [int(f.split("=")[1]) for b in blocks for f in b if f.startswith("--nodes=")]
     gpus = [any(f.startswith("--gpus-per-node=8") for f in b) for b in blocks]
-    assert nodes == [1, 4, 8, 16] and gpus == [False, True, True, True]
-    assert sum(n for n, g in zip(nodes, gpus) if g) == 28
+    assert nodes == [4, 8, 16] and gpus == [True, True, True]  # control on the trainer's first node
+    assert sum(nodes) == 28
 
 
 def test_values_are_shell_quoted():

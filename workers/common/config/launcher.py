@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from workers.common.config.ranges import TEXT, ConfigError, ge, gt, limits
+from workers.common.config.ranges import TEXT, ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,6 +49,10 @@ class LauncherConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"launcher.max_restarts({self.max_restarts}) must be >= 0 (0: a dead process stops the run)")
+    control_placement: str = "own_node"
+    """Where the orchestrator and router run on Slurm: ``own_node`` (a CPU het group of their own,
+    one extra node) or ``trainer`` (extra steps on the trainer's first node, ``srun --overlap``:
+    the job uses exactly its GPU nodes)."""
     job_name: str = ""
     """Slurm job name; "" = ``slurmrl-<experiment>``. A sweep names each point's job
     ``slurmrl-<experiment>-<hash>-<swept values>`` (launcher/sweep.py)."""
@@ -66,4 +70,4 @@ class LauncherConfig:
 
 limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
 limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
-limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
+limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, control_placement=one_of("own_node", "trainer"), shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
