@@ -129,3 +129,27 @@ def test_reference_weights_are_not_degenerate(pair):
         assert not torch.allclose(layer.self_attn.q_norm.weight, torch.ones(cfg.attention_head_dim))
         if layer.routed:
             assert layer.mlp.gate.weight.std() > 0
+
+
+def test_qwen3_30b_a3b_preset_is_the_published_config():
+    """transformers' own Qwen3MoeConfig built from to_hf_config of the composed preset has the
+    values of Qwen/Qwen3-30B-A3B's config.json (public), and its parameter count is the published one."""
+    from transformers import Qwen3MoeConfig as HfQwen3MoeConfig
+
+    from tests.conftest import compose
+
+    m = compose(["model=qwen3_30b_a3b"]).model
+    hf = HfQwen3MoeConfig(**SPEC.to_hf_config(m))
+    published = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     intermediate_size=6144, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                     attention_bias=False, use_sliding_window=False, hidden_act="silu")
+    assert {k: getattr(hf, k) for k in published} == published
+    assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    assert hf.architectures == ["Qwen3MoeForCausalLM"] and hf.model_type == "qwen3_moe"
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert total == SPEC.params(m).total == 30_532_122_624
