@@ -10,7 +10,9 @@ layouts sum the same terms in other orders (split GEMMs, all-reduces, the k-slot
 
 The vocabulary (15) is not a multiple of tp=2, so the padded vocab-parallel head is
 covered; the batch's forced experts put tokens on every expert, so EP dispatch moves rows
-both ways.
+both ways. qwen3_moe runs the same layouts: per-head q/k norms inside the TP region (their
+gradient summed over TP), head_dim apart from hidden/heads, a dense layer (TP MLP) between MoE
+layers, raw softmax gate weights (norm_topk_prob off).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.common.config import TrainerConfig
-from workers.models.tiny_moe.model import TinyMoeConfig, build_model
+from workers.common.registry import MODELS
+from workers.models.qwen3_moe.config import Qwen3MoeConfig
+from workers.models.tiny_moe.model import TinyMoeConfig
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
 from tests.netutil import gloo_dims
@@ -32,21 +36,32 @@ from workers.trainer.step import backward_step, capture_gate_logits
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
                     expert_intermediate_size=32, max_position_embeddings=32)
+QWEN3 = Qwen3MoeConfig(name="q", vocab_size=15, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12,
+                       num_experts=4, top_k=2, expert_intermediate_size=16, dense_intermediate_size=24,
+                       mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=32)
+CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3}
 SEED = 7
 START_METHOD = "fork"
 
 
-def make_batch(rows: int = 8, length: int = 10, seed: int = 0) -> RolloutBatch:
+def build_model(cfg, seed: int):
+    """The family's full model with the seeded init (what every rank starts from)."""
+    return MODELS.get(cfg.family).build(cfg).init_weights(seed)
+
+
+def make_batch(rows: int = 8, length: int = 10, seed: int = 0, model: str = "tiny_moe") -> RolloutBatch:
+    cfg = CONFIGS[model]
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(5, length + 1, (rows,), generator=g)
     attn = torch.arange(length)[None] < lengths[:, None]
     prompt = torch.randint(2, 4, (rows,), generator=g)
     loss = attn & (torch.arange(length)[None] >= prompt[:, None])
-    ids = torch.randint(0, CFG.vocab_size, (rows, length), generator=g) * attn
+    ids = torch.randint(0, cfg.vocab_size, (rows, length), generator=g) * attn
     logp = torch.where(loss, -torch.log(torch.tensor(15.0)) + 0.3 * torch.randn(rows, length, generator=g), 0.0)
     logp[0, 4] = -0.2  # far off: exercises the ratio mask
-    experts = torch.stack([torch.randperm(CFG.num_experts, generator=g)[:CFG.top_k]
-                           for _ in range(rows * length * CFG.num_layers)]).view(rows, length, CFG.num_layers, CFG.top_k)
+    layers = cfg.num_routed_layers
+    experts = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.top_k]
+                           for _ in range(rows * length * layers)]).view(rows, length, layers, cfg.top_k)
     routed_mask = attn.clone()
     routed_mask[torch.arange(rows), lengths - 1] = False  # the last token has no routing
     adv = torch.randn(rows, length, generator=g) * loss
@@ -60,18 +75,19 @@ def tcfg(**kw) -> TrainerConfig:
     return TrainerConfig(lr=1e-2, grad_clip=0.05, aux_loss_coef=0.1, router_replay=True, **kw)
 
 
-def reference(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
+def reference(batch: RolloutBatch, cfg: TrainerConfig, model_name: str = "tiny_moe") -> dict:
     """One-process step with the plain model and the loss functions (no trainer step code)."""
-    model = build_model(CFG, SEED)
+    mcfg = CONFIGS[model_name]
+    model = build_model(mcfg, SEED)
     with capture_gate_logits(model) as gates:
         out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.routed_experts,
                     forced_mask=batch.routed_mask)
     logp, entropy = token_logprobs(out.logits, batch.input_ids, batch.temperature)
-    prob_sums, counts = router_stats(gates, out.routed_experts, batch.attention_mask, CFG.num_experts)
+    prob_sums, counts = router_stats(gates, out.routed_experts, batch.attention_mask, mcfg.num_experts)
     pg, _ = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask,
                         num_loss_tokens=float(batch.loss_mask.sum()), ratio_cap=cfg.ratio_cap,
                         ratio_mask_low=cfg.ratio_mask_low, ratio_mask_high=cfg.ratio_mask_high)
-    aux = load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), CFG.top_k)
+    aux = load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), mcfg.top_k)
     loss = pg + cfg.aux_loss_coef * aux
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -80,12 +96,12 @@ def reference(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
     return {"loss": loss.item(), "grad_norm": norm, "grads": grads, "weights": model.state_dict()}
 
 
-def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConfig, out: str) -> None:
+def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConfig, out: str, model_name: str) -> None:
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     try:
-        model = ShardedMoeForCausalLM(build_model(CFG, SEED), dims)
-        shard = shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards)
+        model = ShardedMoeForCausalLM(build_model(CONFIGS[model_name], SEED), dims)
+        shard = shard_rows(make_batch(model=model_name), dims.batch_rank, dims.num_batch_shards)
         stats = backward_step(model, shard, cfg, dims)
         grads = model.full_grad_dict()  # after clipping: compare with the clipped reference below
         torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
@@ -96,12 +112,13 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
         dist.destroy_process_group()
 
 
-def run_layout(tmp_path, tp: int, ep: int, dp: int, cfg: TrainerConfig, timeout_s: float = 120.0) -> dict:
+def run_layout(tmp_path, tp: int, ep: int, dp: int, cfg: TrainerConfig, timeout_s: float = 120.0,
+               model: str = "tiny_moe") -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = str(tmp_path / f"tp{tp}_ep{ep}_dp{dp}.pt")
-    ctx = mp.start_processes(_worker, args=(tp * ep * dp, port, tp, ep, cfg, out), nprocs=tp * ep * dp,
+    out = str(tmp_path / f"{model}_tp{tp}_ep{ep}_dp{dp}.pt")
+    ctx = mp.start_processes(_worker, args=(tp * ep * dp, port, tp, ep, cfg, out, model), nprocs=tp * ep * dp,
                              join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
@@ -115,21 +132,31 @@ def run_layout(tmp_path, tp: int, ep: int, dp: int, cfg: TrainerConfig, timeout_
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 
 
-@pytest.fixture(scope="module")
-def ref() -> dict:
+_REFS: dict[str, dict] = {}
+
+
+def reference_step(model: str) -> dict:
+    """The one-process reference of ``model`` (computed once per module run)."""
+    if model in _REFS:
+        return _REFS[model]
     torch.set_num_threads(1)
-    batch, cfg = make_batch(), tcfg()
-    r = reference(batch, cfg)
+    batch, cfg = make_batch(model=model), tcfg()
+    r = reference(batch, cfg, model)
     # the reference's grads are pre-clip; the trainer reports post-clip ones
     scale = min(1.0, cfg.grad_clip / (r["grad_norm"] + 1e-6))
     assert scale < 1.0, "pick grad_clip below the norm so clipping is exercised"
     r["clipped"] = {n: g * scale for n, g in r["grads"].items()}
+    _REFS[model] = r
     return r
 
 
-@pytest.mark.parametrize("tp,ep,dp", LAYOUTS, ids=[f"tp{a}-ep{b}-dp{c}" for a, b, c in LAYOUTS])
-def test_layout_matches_one_process_reference(tmp_path, ref, tp, ep, dp):
-    got = run_layout(tmp_path, tp, ep, dp, tcfg())
+CASES = [("tiny_moe",) + lay for lay in LAYOUTS] + [("qwen3_moe", 2, 1, 1), ("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 2, 1)]
+
+
+@pytest.mark.parametrize("model,tp,ep,dp", CASES, ids=[f"{m}-tp{a}-ep{b}-dp{c}" for m, a, b, c in CASES])
+def test_layout_matches_one_process_reference(tmp_path, model, tp, ep, dp):
+    ref = reference_step(model)
+    got = run_layout(tmp_path, tp, ep, dp, tcfg(), model=model)
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert list(got["grads"]) == list(ref["clipped"]), "full_grad_dict must use the HF names, in order"

@@ -29,12 +29,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def hf_reference(hf_config, tmp_path: Path, seed: int = 0):
-    """(transformers model in float32 eval mode, the directory it was saved to)."""
+def hf_reference(hf_config, tmp_path: Path, seed: int = 0, norm_jitter: float = 0.1):
+    """(transformers model in float32 eval mode, the directory it was saved to).
+
+    transformers initialises every norm weight to 1, which would hide a norm applied to the wrong
+    axis or not at all; ``norm_jitter`` scales them by ``1 + jitter * N(0, 1)`` before saving."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.mul_(1 + norm_jitter * torch.randn_like(p))
     out = Path(tmp_path) / "hf"
     hf.save_pretrained(out)
     return hf, out
@@ -111,11 +118,13 @@ def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_
     scalar_loss(hf(input_ids=ids).logits).backward()
     want = hf_grads(hf)
     got = to_hf({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
-    missing = sorted(set(want) - set(got))
+    # An expert no token chose has no gradient in ours, a zero one in transformers' fused tensor.
+    missing = sorted(n for n in set(want) - set(got) if want[n].norm() > 0)
     assert not missing, f"no gradient in ours for {missing[:5]}"
     worst, errs = 0.0, []
     for name, g in want.items():
         if g.norm() == 0:
+            assert name not in got or got[name].norm() == 0, f"{name}: gradient in ours, none in transformers"
             continue
         err = rel_err(got[name], g)
         worst = max(worst, err)
@@ -157,3 +166,26 @@ def assert_engine_greedy_matches_hf(ours, hf, prompts: list[list[int]], max_new_
                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         assert out.output_ids == ref[0, len(p):].tolist(), f"prompt {p}: ours {out.output_ids}, transformers {ref[0, len(p):].tolist()}"
+
+
+def assert_from_pretrained_loads(ours, hf_config: dict, tmp_path: Path, ids: torch.Tensor,
+                                 rtol: float = LOGITS_RTOL) -> float:
+    """A directory written from OUR model (``state_dict()`` as model.safetensors + the family's
+    ``to_hf_config`` as config.json) is what a published step holds: transformers'
+    ``AutoModelForCausalLM.from_pretrained`` must load it with no missing, unexpected or
+    mis-shaped keys, as the architecture config.json names, and compute our logits."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out = Path(tmp_path) / "ours"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in ours.state_dict().items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert type(hf).__name__ == hf_config["architectures"][0]
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    assert not problems, f"from_pretrained of our checkpoint: {problems}"
+    return assert_logits_match(ours, hf.eval(), ids, rtol=rtol)

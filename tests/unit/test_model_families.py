@@ -24,8 +24,10 @@ PRESETS = {  # preset -> (family, total, active, mtp): the plan's counts before 
     "glm5": ("glm_moe_dsa", 743_911_179_264, 41_784_689_664, 9_952_913_920),
     "kimi_k2": ("deepseek_v3", 1_026_408_209_408, 32_861_477_888, 0),
     "nemotron3_ultra": ("nemotron_h", 554_451_017_728, 55_035_240_448, 0),
+    "qwen3_moe_tiny": ("qwen3_moe", 280_144, 132_688, 0),
+    "qwen3_30b_a3b": ("qwen3_moe", 30_532_122_624, 3_353_032_704, 0),  # published: 30.5B total, 3.3B activated
 }
-KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 3456.0}
+KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 3456.0, "qwen3_30b_a3b": 96.0}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -39,11 +41,11 @@ def test_preset_facts_are_unchanged(preset):
         assert MODELS.get(family).kv_bytes_per_token(m, 2) / 1024 == KV_KIB_BF16[preset]
 
 
-@pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h"])
+@pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "qwen3_moe"])
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
-    assert spec.buildable == (family in ("tiny_moe", "llama"))
+    assert spec.buildable == (family in ("tiny_moe", "llama", "qwen3_moe"))
     dense = family == "llama"
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
@@ -51,7 +53,7 @@ def test_every_family_answers_the_generic_facts(family):
     assert architecture(m).is_moe != dense
 
 
-@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense"])
+@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b"])
 def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
     m = compose([f"model={preset}"]).model
     spec = MODELS.get(m.family)
@@ -110,3 +112,26 @@ def test_a_plan_built_from_python_refuses_a_section_of_another_family():
                            family="tiny_moe", q_lora_rank=8)
     with pytest.raises(PlanError, match=r"model\.\w+ is not used by model family 'tiny_moe'"):
         build_plan(dataclasses.replace(cfg, model=mla))
+
+
+def test_a_qwen3_moe_tiny_run_plans_to_start():
+    """model=qwen3_moe_tiny composes into a run the plan accepts as startable (not a dry run),
+    with routing records over its two MoE layers (layer 0 is dense: mlp_only_layers=[0])."""
+    cfg = compose(["model=qwen3_moe_tiny", "launcher.dry_run=false"])
+    m = cfg.model
+    assert (m.family, m.head_dim, m.mlp_only_layers, m.num_routed_layers) == ("qwen3_moe", 24, [0], 2)
+    assert build_plan(cfg).num_params == 280_144
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_kv_heads=3", r"model.num_kv_heads\(3\) must divide model.num_heads\(4\)"),
+    ("model.top_k=9", r"model.top_k\(9\) must be <= model.num_experts\(8\)"),
+    ("model.mlp_only_layers=[0,3]", r"model.mlp_only_layers has \[3\]: layer indices must be in \[0, model.num_layers\(3\)\)"),
+    ("model.mlp_only_layers=[1,1]", r"lists a layer twice"),
+    ("model.decoder_sparse_step=4", r"leave no MoE layer among model.num_layers\(3\)"),
+    ("model.dense_intermediate_size=0", r"model.dense_intermediate_size must be > 0"),
+    ("model.head_dim=7", r"model.head_dim\(7\) must be even"),
+])
+def test_qwen3_moe_plan_checks_name_the_key_and_numbers(override, message):
+    with pytest.raises(PlanError, match=message):
+        build_plan(compose(["model=qwen3_moe_tiny", override]))

@@ -38,13 +38,17 @@ class Architecture:
     num_heads: int
     num_kv_heads: int = 0
     """Grouped-query attention kv heads; 0: num_heads."""
+    head_dim: int = 0
+    """MHA head width; 0: hidden_size / num_heads (Qwen3 sets it apart from both)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys (Qwen3): two ``[head_dim]`` weights per layer."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model (every layer a dense MLP)."""
     top_k: int = 0
     expert_intermediate_size: int = 0
     num_shared_experts: int = 0
     num_dense_layers: int = 0
-    """Leading dense layers of a MoE model."""
+    """Dense-MLP layers of a MoE model (DeepSeek's leading ones; Qwen3's mlp_only_layers and sparse step)."""
     dense_intermediate_size: int = 0
     tie_word_embeddings: bool = False
     attention: str = "mha"
@@ -67,11 +71,16 @@ class Architecture:
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers if self.is_moe else 0
 
+    @property
+    def mha_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
     def attention_params(self) -> int:
         h = self.hidden_size
-        if self.attention == "mha":  # q and o: h x h; k and v: h x (kv heads x head dim) under GQA
-            kv = (self.num_kv_heads or self.num_heads) * (h // self.num_heads)
-            return 2 * h * h + 2 * h * kv
+        if self.attention == "mha":  # q and o: h x (heads x head dim); k and v: h x (kv heads x head dim) under GQA
+            hd = self.mha_head_dim
+            kv = (self.num_kv_heads or self.num_heads) * hd
+            return 2 * h * self.num_heads * hd + 2 * h * kv + (2 * hd if self.qk_norm else 0)
         qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head + self.q_lora_rank  # down, up, norm
         kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # down (+ shared rope key), norm
@@ -103,7 +112,7 @@ class Architecture:
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> int:
         """KV cache of one token over all layers: MLA stores the latent + rope key, MHA full K and V."""
-        kv_width = (self.num_kv_heads or self.num_heads) * (self.hidden_size // self.num_heads)  # GQA: kv heads only
+        kv_width = (self.num_kv_heads or self.num_heads) * self.mha_head_dim  # GQA: kv heads only
         per_layer = (self.kv_lora_rank + self.qk_rope_head_dim) if self.attention == "mla" else 2 * kv_width
         return int(self.num_layers * per_layer * dtype_bytes)
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.models.tiny_moe.layers import Expert
-from workers.models.tiny_moe.moe import MoeBlock
+from workers.models.blocks.mlp import Expert
+from workers.models.blocks.moe_softmax import MoeBlock
 from workers.trainer.tensor_parallel import copy_to, reduce_from, shard_linear
 
 
@@ -93,7 +93,7 @@ class ExpertParallelMoeBlock(MoeBlock):
 
     def __init__(self, full: MoeBlock, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int, tp_rank: int):
         nn.Module.__init__(self)
-        self.num_experts, self.top_k = full.num_experts, full.top_k
+        self.num_experts, self.top_k, self.norm_topk_prob = full.num_experts, full.top_k, full.norm_topk_prob
         if self.num_experts % ep:
             raise ValueError(f"expert parallel ep({ep}) must divide num_experts({self.num_experts})")
         self.gate = full.gate

@@ -1,18 +1,20 @@
-"""The trainer's model: tiny_moe with its modules swapped for TP / EP shards, HF names kept.
+"""The trainer's model: a GQA + SwiGLU/MoE decoder with its modules swapped for TP / EP shards, HF names kept.
 
-This is the sharding plan (``ModelSpec.parallelize``) of the families built on tiny_moe's torch
-code, ``tiny_moe`` and the dense ``llama`` (workers/models/*/spec.py); the trainer reaches it
-through the registry, so a family with other modules names its own plan there.
+This is the sharding plan (``ModelSpec.parallelize``) of the families built from the pre-norm
+decoder layer (workers/models/blocks/layer.py): ``tiny_moe``, the dense ``llama`` and
+``qwen3_moe`` (dense and MoE layers mixed; per-head q/k norms); the trainer reaches it through
+the registry, so a family with other modules names its own plan there.
 
 Built from the full seeded model (every rank builds it, then keeps its slices), so any
-(tp, ep, dp) starts from bit-identical weights. ``TinyMoeForCausalLM.forward`` runs
-unchanged: only ``self_attn``, ``mlp`` and ``lm_head`` are replaced by their parallel
-versions (tensor_parallel.py, expert_parallel.py). ``named_parameters()`` yields the HF
-names with LOCAL shapes; :meth:`ShardedMoeForCausalLM.full_state_dict` gathers the full HF
-state dict for weight publishing.
+(tp, ep, dp) starts from bit-identical weights. ``CausalLM.forward`` runs unchanged: only
+``self_attn``, ``mlp`` and ``lm_head`` are replaced by their parallel versions
+(tensor_parallel.py, expert_parallel.py); each layer keeps its ``routed`` flag.
+``named_parameters()`` yields the HF names with LOCAL shapes;
+:meth:`ShardedMoeForCausalLM.full_state_dict` gathers the full HF state dict for weight publishing.
 
 Placement of each parameter (what its gradient sums over, and how it is gathered):
-  ``replicated`` embed_tokens, norms, router gates: identical on all tp x ep ranks;
+  ``replicated`` embed_tokens, norms, router gates: identical on all tp x ep ranks (per-head
+                 q/k norms get a TP-summed gradient: tensor_parallel.HeadSharedNorm);
   ``tp``         q/k/v (rows), o_proj (columns), lm_head (vocab rows, padded): split over TP;
   ``expert``     expert MLPs: owned by one EP rank, split over TP (gate/up rows, down columns).
 Dense (replicated + tp) gradients sum over the ``batch`` group, expert gradients over ``dp``
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.models.tiny_moe.model import TinyMoeForCausalLM
+from workers.models.blocks.decoder import CausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
@@ -39,19 +41,21 @@ _TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.w
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-class ShardedMoeForCausalLM(TinyMoeForCausalLM):
-    """This rank's shard of a TinyMoeForCausalLM under ``dims`` (see the module docstring)."""
+class ShardedMoeForCausalLM(CausalLM):
+    """This rank's shard of a full model (TinyMoeForCausalLM, Qwen3MoeForCausalLM) under ``dims``
+    (see the module docstring)."""
 
-    def __init__(self, full: TinyMoeForCausalLM, dims: ParallelDims):
-        nn.Module.__init__(self)
+    def __init__(self, full: CausalLM, dims: ParallelDims):
+        super().__init__()
         self.config, self.dims = full.config, dims
+        self.full_type = type(full)  # what full_state_dict's names and shapes are those of
         tp_group, ep_group = dims.get_group("tp"), dims.get_group("ep")
         self.model = full.model
-        if full.config.is_dense and dims.ep > 1:
+        if full.num_routed_layers == 0 and dims.ep > 1:
             raise ValueError(f"expert parallel ep({dims.ep}) > 1 needs a MoE model; model.num_experts=0 is dense")
         for layer in self.model.layers:
             layer.self_attn = TensorParallelAttention(layer.self_attn, tp_group, dims.tp_rank, dims.tp)
-            if full.config.is_dense:
+            if not layer.routed:
                 layer.mlp = TensorParallelMlp(layer.mlp, tp_group, dims.tp_rank, dims.tp)
             else:
                 layer.mlp = ExpertParallelMoeBlock(layer.mlp, ep_group=ep_group, ep=dims.ep, ep_rank=dims.ep_rank,
@@ -99,7 +103,7 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
 
         COLLECTIVE: every trainer rank must call it, in step. Returns the dict on global rank
         ``to_rank`` (on every rank with ``to_rank=None``) and None elsewhere. Keys and shapes
-        are exactly ``TinyMoeForCausalLM(config).state_dict()``'s; the vocabulary padding of
+        are exactly the full model's ``state_dict()``'s; the vocabulary padding of
         the TP lm_head is cut off.
         """
         return self._gather_full(lambda p: p.detach(), to_rank)
@@ -121,7 +125,7 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
         if "lm_head.weight" in out:
             out["lm_head.weight"] = out["lm_head.weight"][: self.config.vocab_size]
         for i, layer in enumerate(self.model.layers):
-            if self.config.is_dense:
+            if not layer.routed:
                 continue
             keys = list(layer.mlp.experts.keys())  # this rank's global expert ids, ascending
             for proj in EXPERT_PROJS:
@@ -151,7 +155,7 @@ class FullWeights:
 
 
 def placement(name: str) -> str:
-    """``replicated`` | ``tp`` | ``expert`` for an HF parameter name of tiny_moe."""
+    """``replicated`` | ``tp`` | ``expert`` for an HF parameter name of the decoder."""
     if ".mlp.experts." in name:
         return "expert"
     return "tp" if _suffix(name) in _TP_DIM else "replicated"
@@ -163,7 +167,7 @@ def _suffix(name: str) -> str:
 
 def _full_names(model: ShardedMoeForCausalLM) -> list[str]:
     with torch.device("meta"):
-        return list(TinyMoeForCausalLM(model.config).state_dict().keys())
+        return list(model.full_type(model.config).state_dict().keys())
 
 
 def _gather(t: torch.Tensor, dim: Optional[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:

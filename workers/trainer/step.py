@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from workers.common.config import TrainerConfig
-from workers.models.tiny_moe.model import TinyMoeForCausalLM
+from workers.models.blocks.decoder import CausalLM
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
                                   router_stats, routing_disagreement)
@@ -158,7 +158,7 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
 
 
 @contextlib.contextmanager
-def capture_gate_logits(model: TinyMoeForCausalLM) -> Iterator[list[torch.Tensor]]:
+def capture_gate_logits(model: CausalLM) -> Iterator[list[torch.Tensor]]:
     """Collect every MoE layer's router logits ``[B*T, E]`` (in layer order) during a forward.
 
     The loss needs router probabilities (for the DP-exact balance loss) and the router's

@@ -27,7 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.tiny_moe.layers import Attention, Expert
+from workers.models.blocks.attention import Attention
+from workers.models.blocks.mlp import SwiGLU
+from workers.models.blocks.norm import RMSNorm, rms_normalize
 
 PAD_LOGIT = -1.0e4
 
@@ -86,12 +88,27 @@ def shard_linear(full: nn.Linear, dim: int, rank: int, size: int, *, pad_to: Opt
     return out
 
 
+class HeadSharedNorm(RMSNorm):
+    """A per-head RMSNorm (Qwen3's q_norm / k_norm) inside a TP region: the same ``[head_dim]``
+    weight on every rank, each rank applying it to its own heads only. Its gradient on a rank
+    therefore covers only that rank's heads: the weight enters through ``copy_to`` so the
+    backward sums it over the group (transformers' "replicated_with_grad_allreduce")."""
+
+    def __init__(self, full: RMSNorm, group: Optional[dist.ProcessGroup]):
+        nn.Module.__init__(self)
+        self.weight, self.eps, self.group = full.weight, full.eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to(self.weight, self.group) * rms_normalize(x, self.eps)
+
+
 class TensorParallelAttention(Attention):
     """Attention over this rank's ``num_heads / tp`` heads; the HF parameter names stay.
 
     q/k/v hold the rows of this rank's heads (head-major layout, so a contiguous slice is
     whole heads), o_proj the matching columns; Attention.forward then runs unchanged on
-    the local heads and its partial output is summed over the group.
+    the local heads and its partial output is summed over the group. Per-head q/k norms
+    (Qwen3) are replicated and applied to the local heads (:class:`HeadSharedNorm`).
     """
 
     def __init__(self, full: Attention, group: Optional[dist.ProcessGroup], rank: int, size: int):
@@ -99,20 +116,22 @@ class TensorParallelAttention(Attention):
         if full.nh % size or full.nkv % size:
             raise ValueError(f"tensor parallel tp({size}) must divide num_heads({full.nh}) and num_kv_heads({full.nkv})")
         self.nh, self.hd, self.nkv, self.group = full.nh // size, full.hd, full.nkv // size, group
+        self.rope_theta = full.rope_theta
         self.q_proj, self.k_proj, self.v_proj = (shard_linear(getattr(full, n), 0, rank, size)
                                                  for n in ("q_proj", "k_proj", "v_proj"))
         self.o_proj = shard_linear(full.o_proj, 1, rank, size)
+        self.q_norm = None if full.q_norm is None else HeadSharedNorm(full.q_norm, group)
+        self.k_norm = None if full.k_norm is None else HeadSharedNorm(full.k_norm, group)
 
-    def forward(self, x, cos, sin, attn_mask, cache, layer):
-        partial = super().forward(copy_to(x, self.group), cos, sin, attn_mask, cache, layer)
-        return reduce_from(partial, self.group)
+    def forward(self, x, ctx):
+        return reduce_from(super().forward(copy_to(x, self.group), ctx), self.group)
 
 
 class TensorParallelMlp(nn.Module):
     """A dense layer's SwiGLU MLP (HF Llama names) split over the group: gate/up column
     parallel, down row parallel, partial outputs summed (f -> gate/up -> down -> g)."""
 
-    def __init__(self, full: Expert, group: Optional[dist.ProcessGroup], rank: int, size: int):
+    def __init__(self, full: SwiGLU, group: Optional[dist.ProcessGroup], rank: int, size: int):
         super().__init__()
         self.group = group
         self.gate_proj = shard_linear(full.gate_proj, 0, rank, size)

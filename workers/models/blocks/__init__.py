@@ -5,5 +5,9 @@
 - decoder.py: the causal-LM skeleton (embedding, layers, final norm, lm_head) and its forward
   contract (masks, positions, packing, logits_mask, Router Replay, routing records); a family
   supplies its layers, each ``forward(x, ctx) -> (x, Routing | None)``.
-Attention kinds, routers, experts and mixers live beside these, one file each.
+Attention kinds, routers, experts and mixers live beside these, one file each:
+- norm.py (RMSNorm), mlp.py (SwiGLU MLP / expert), attention.py (GQA with optional per-head q/k
+  norms and a free head_dim, rotary, KV cache), moe_softmax.py (softmax top-k MoE with
+  norm_topk_prob, grouped-GEMM fast path), router_sigmoid.py (DeepSeek-V3's grouped sigmoid router),
+  layer.py (the pre-norm attention + MLP decoder layer of Llama / Qwen3-MoE / tiny_moe).
 """

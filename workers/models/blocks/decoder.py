@@ -15,6 +15,7 @@ tied embeddings. Parameter names are Hugging Face's (``model.embed_tokens``, ``m
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -89,6 +90,50 @@ class CausalLM(nn.Module):
     """Subclasses set ``self.config`` and ``self.model`` (a :class:`Backbone`) and call
     :meth:`make_head`. ``config`` needs ``vocab_size``, ``hidden_size``, ``num_layers`` and
     ``tie_word_embeddings`` (False when absent)."""
+
+    @classmethod
+    def create(cls, cfg, *, device=None, dtype=None) -> "CausalLM":
+        """The module with uninitialised weights on ``device`` (``"meta"``: nothing allocated) in
+        ``dtype`` (a torch dtype or its name). Off meta it is made on the CPU first, then moved."""
+        from workers.common.dtypes import torch_dtype
+
+        if isinstance(dtype, str):
+            dtype = torch_dtype(dtype)
+        if str(device) == "meta":
+            with torch.device("meta"):
+                return cls(cfg).to(dtype=dtype)
+        return cls(cfg).to(device=device, dtype=dtype)
+
+    @classmethod
+    def step0(cls, cfg, dtype=torch.float32) -> "CausalLM":
+        """Step-0 weights on the CPU: seeded from ``cfg.init_seed`` (std ``cfg.init_std``), or the
+        converted ``cfg.pretrained`` checkpoint (HF names, which are this model's)."""
+        from workers.common.dtypes import torch_dtype
+
+        if isinstance(dtype, str):
+            dtype = torch_dtype(dtype)
+        if not cfg.pretrained:
+            return cls(cfg).init_weights(cfg.init_seed).to(dtype)
+        from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only
+
+        model = cls(cfg)
+        model.load_state_dict(load_state_dict(require_prepared(cfg)), strict=True)
+        return model.to(dtype)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> "CausalLM":
+        """Deterministic init from ``seed``, independent of the global RNG state: norms 1, every
+        other tensor N(0, std) drawn in sorted-name order, the residual projections (o_proj,
+        down_proj) scaled down by sqrt(2 * num_layers) so the residual stream does not grow."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.init_std
+        for name, p in sorted(self.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        return self
 
     def make_head(self) -> None:
         cfg = self.config

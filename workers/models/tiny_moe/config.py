@@ -22,14 +22,14 @@ class DecoderConfig(ModelConfig):
     """A pre-norm decoder with rotary (GQA) attention and SwiGLU MLPs, HF Llama/Qwen3-MoE names."""
 
     num_kv_heads: int = 0
-    """Key/value heads (grouped-query attention, Llama's ``num_key_value_heads``); 0: num_heads.
+    """Key/value heads (grouped-query attention, config.json ``num_key_value_heads``); 0: num_heads.
     Must divide num_heads."""
     tie_word_embeddings: bool = False
-    """The output projection is the input embedding (no ``lm_head.weight`` of its own)."""
+    """The output projection is the input embedding, no ``lm_head.weight`` of its own (``tie_word_embeddings``)."""
     rope_theta: float = 10000.0
-    """Rotary embedding base."""
+    """Rotary embedding base (``rope_theta``, or ``rope_parameters.rope_theta`` as transformers 5 writes it)."""
     rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (``rms_norm_eps``)."""
 
     @property
     def head_dim(self) -> int:

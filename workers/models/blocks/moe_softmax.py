@@ -1,9 +1,13 @@
-"""The routed Mixture-of-Experts MLP of tiny_moe: top-k router, experts, balance loss, and the
-grouped-GEMM fast path (no host sync) next to the per-expert reference loop.
+"""The softmax top-k routed Mixture-of-Experts MLP (Qwen3-MoE, tiny_moe): router, experts, balance
+loss, and the grouped-GEMM fast path (no host sync) next to the per-expert reference loop.
 
-Gate weights always come from this model's router, also when Router Replay forces the experts
-(``forced``), so router gradients flow. Expert parameters keep HF Qwen3-MoE names
-(``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block subclasses MoeBlock.
+Routing: ``probs = softmax(x W_gate^T)`` in float32, the top_k experts by probability; the gate
+weights are those experts' probabilities, renormalised to sum 1 when ``norm_topk_prob`` (tiny_moe,
+Qwen3-30B-A3B) or used raw when it is off (transformers' Qwen3MoeConfig default). Gate weights
+always come from this model's router, also when Router Replay forces the experts (``forced``),
+so router gradients flow. Expert parameters keep HF Qwen3-MoE checkpoint names
+(``mlp.gate.weight``, ``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block
+(workers/trainer/expert_parallel.py) subclasses MoeBlock and reuses ``route`` and ``balance``.
 """
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.tiny_moe import layers
-from workers.models.tiny_moe.layers import Expert
+from workers.models.blocks import kernels
+from workers.models.blocks.mlp import Expert
 
 
 class _GatherSlots(torch.autograd.Function):
@@ -48,13 +52,14 @@ class _UnpermuteSum(torch.autograd.Function):
 
 
 class MoeBlock(nn.Module):
-    """Top-k router + experts. Gate weights always come from this model's router."""
+    """Softmax top-k router + experts. Gate weights always come from this model's router."""
 
-    def __init__(self, cfg):
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
+                 norm_topk_prob: bool = True):
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden_size, expert_intermediate_size) for _ in range(num_experts))
 
     def route(self, x: torch.Tensor, forced: Optional[torch.Tensor], forced_mask: Optional[torch.Tensor] = None):
         """Returns (indices [N,k], weights [N,k], probs [N,E]) for flat tokens x [N,H].
@@ -68,7 +73,8 @@ class MoeBlock(nn.Module):
             forced = forced.long()
             idx = forced if forced_mask is None else torch.where(forced_mask.bool()[:, None], forced, idx)
         weights = probs.gather(-1, idx)
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
         return idx, weights, probs
 
     def forward(self, x: torch.Tensor, forced: Optional[torch.Tensor], valid: Optional[torch.Tensor],
@@ -77,7 +83,7 @@ class MoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         idx, weights, probs = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
                                          None if forced_mask is None else forced_mask.reshape(-1))
-        if layers.fast(flat) and self._grouped_ok(flat):
+        if kernels.fast(flat) and self._grouped_ok(flat):
             out = self._experts_grouped(flat, idx, weights)
         else:
             out = self._experts_loop(flat, idx, weights)
@@ -92,7 +98,7 @@ class MoeBlock(nn.Module):
         """
         vmask = torch.ones(idx.shape[0], device=idx.device) if valid is None else valid.reshape(-1).float()
         n = vmask.sum().clamp_min(1.0)
-        if layers.fast(idx):  # the same counts without one_hot's host sync (it checks the index range)
+        if kernels.fast(idx):  # the same counts without one_hot's host sync (it checks the index range)
             onehot = torch.zeros(idx.shape[0], self.num_experts, device=idx.device).scatter_add_(
                 1, idx, torch.ones(idx.shape, device=idx.device))
         else:

@@ -1,0 +1,85 @@
+"""Grouped-query attention with rotary embedding and the inference KV cache (Llama, Qwen3, tiny_moe).
+
+One block for the softmax-attention families whose checkpoints hold q/k/v/o projections:
+
+- GQA: ``num_kv_heads`` key/value heads, each read by ``num_heads / num_kv_heads`` query heads
+  (query head ``j*g+i`` reads kv head ``j``, HF's ``repeat_kv`` layout); the cache keeps the kv
+  heads only, which is GQA's memory saving.
+- ``head_dim`` is free: Qwen3 has 128-wide heads on a 2048 residual with 32 heads (q_proj is
+  then ``[num_heads*head_dim, hidden]``, not square); Llama and tiny_moe use hidden/heads.
+- ``qk_norm_eps``: Qwen3's per-head RMSNorm of queries and keys (``q_norm`` / ``k_norm``, a
+  ``[head_dim]`` weight shared by all heads), applied BEFORE the rotary embedding. Per head, so a
+  tensor-parallel rank holding whole heads applies it unchanged (its gradient is partial per
+  rank: workers/trainer/tensor_parallel.py sums it over the group).
+- Rotary: the NeoX half-split convention of HF Llama/Qwen ("rotate_half"), cos/sin computed once
+  per forward and shared by every layer with the same (head_dim, theta) through ``ctx.shared``.
+
+``forward(x, ctx)`` reads ``ctx.position_ids``, ``ctx.mask`` (None: plain causal), ``ctx.cache``
+and ``ctx.layer``; the cache gets this layer's keys/values appended along time (dim -2).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from workers.models.blocks import kernels
+from workers.models.blocks.norm import RMSNorm
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin ``[B, 1, T, head_dim]`` for positions ``[B, T]`` (angles in float32, then cast)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections (bias-free) over ``num_heads`` query and ``num_kv_heads`` kv heads of ``head_dim``."""
+
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
+                 qk_norm_eps: Optional[float] = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"attention: num_kv_heads({num_kv_heads}) must divide num_heads({num_heads})")
+        self.nh, self.nkv, self.hd, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:  # per head, before rotary (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = ctx.shared(("rope", self.hd, self.rope_theta),
+                              lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache, layer = ctx.cache, ctx.layer
+        if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
+            if cache.keys[layer] is not None:
+                k = torch.cat([cache.keys[layer], k], dim=2)
+                v = torch.cat([cache.values[layer], v], dim=2)
+            cache.keys[layer], cache.values[layer] = k, v
+        if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        out = kernels.attend(q, k, v, ctx.mask)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
