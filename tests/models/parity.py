@@ -111,7 +111,8 @@ def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_
     scalar_loss(hf(input_ids=ids).logits).backward()
     want = hf_grads(hf)
     got = to_hf({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
-    missing = sorted(set(want) - set(got))
+    # An expert no token chose has a zero slice of transformers' fused gradient and no gradient in ours.
+    missing = sorted(n for n in set(want) - set(got) if want[n].norm() > 0)
     assert not missing, f"no gradient in ours for {missing[:5]}"
     worst, errs = 0.0, []
     for name, g in want.items():
