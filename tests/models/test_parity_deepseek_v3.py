@@ -16,7 +16,7 @@ from tests.models.parity import (assert_engine_greedy_matches_hf, assert_grads_m
                                  assert_router_replay, load_into, rel_err)
 from workers.common.registry import MODELS
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
@@ -24,9 +24,10 @@ BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=64, moe_intermediat
             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
             max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, num_nextn_predict_layers=0)
 VARIANTS = {
-    "q_lora_yarn_interleaved": dict(rope_parameters=YARN),
+    "q_lora_yarn_interleaved": dict(rope_parameters=YARN, max_position_embeddings=16384),
     "q_proj_plain_rope": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
-    "half_split_rope_one_group": dict(rope_interleave=False, n_group=1, topk_group=1, rope_parameters=YARN),
+    "half_split_rope_one_group": dict(rope_interleave=False, n_group=1, topk_group=1, rope_parameters=YARN,
+                                      max_position_embeddings=16384),
 }
 
 
