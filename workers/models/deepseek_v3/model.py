@@ -21,6 +21,7 @@ from workers.common.dtypes import torch_dtype
 from workers.models.blocks.decoder import Backbone, CausalLM, ForwardContext, Routing
 from workers.models.blocks.mla import MLAttention
 from workers.models.blocks.moe_sigmoid import SigmoidMoe
+from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.deepseek_v3.config import DeepseekV3Config, rope_of
 from workers.models.tiny_moe.layers import Expert, RMSNorm
 
@@ -103,8 +104,18 @@ def build_module(cls, cfg, *, device=None, dtype=None):
         dtype = torch_dtype(dtype)
     if str(device) == "meta":
         with torch.device("meta"):
-            return cls(cfg).to(dtype=dtype)
-    return cls(cfg).to(device=device, dtype=dtype)
+            return keep_fp32(cls(cfg).to(dtype=dtype))
+    return keep_fp32(cls(cfg).to(device=device, dtype=dtype))
+
+
+def keep_fp32(model: nn.Module) -> nn.Module:
+    """Routers (weights and correction bias) and the DSA indexer's head weights stay float32 whatever the
+    compute dtype, as in the checkpoints and transformers: the bias update's small steps and the top-k
+    choices would round differently in bf16."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, SigmoidTopkRouter) or name.endswith("indexer.weights_proj"):
+            mod.float()
+    return model
 
 
 def init_module(cls, cfg, dtype=torch.float32):
@@ -114,7 +125,7 @@ def init_module(cls, cfg, dtype=torch.float32):
         dtype = torch_dtype(dtype)
     if cfg.pretrained:
         raise ValueError(f"model.pretrained={cfg.pretrained!r}: family {cfg.family} has no pretrained sources")
-    return cls(cfg).init_weights(cfg.init_seed).to(dtype)
+    return keep_fp32(cls(cfg).init_weights(cfg.init_seed).to(dtype))
 
 
 def build(cfg: DeepseekV3Config, *, device=None, dtype=None) -> DeepseekV3ForCausalLM:

@@ -1,0 +1,61 @@
+"""The Kimi-K2 and GLM-5 presets hold the real checkpoints' config.json values: transformers' own config
+classes accept ``to_hf_config`` of the composed presets, derive what the model code reads from it, and
+``from_hf_config`` gives the preset back. The torch modules of a preset's shape are counted by the plan."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.conftest import compose
+from workers.common.registry import MODELS
+
+transformers = pytest.importorskip("transformers")
+
+EXPECT = {  # config.json values the published checkpoints carry (see the preset YAMLs for sources)
+    "kimi_k2": dict(hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384,
+                    num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    num_attention_heads=64, n_group=1, topk_group=1, routed_scaling_factor=2.827, vocab_size=163840),
+    "glm5": dict(hidden_size=6144, num_hidden_layers=78, first_k_dense_replace=3, n_routed_experts=256,
+                 num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=12288,
+                 q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                 num_attention_heads=64, index_n_heads=32, index_head_dim=128, index_topk=2048, vocab_size=154880,
+                 max_position_embeddings=202752, rms_norm_eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECT))
+def test_preset_is_a_valid_transformers_config_of_the_checkpoint(preset):
+    m = compose([f"model={preset}"]).model
+    spec = MODELS.get(m.family)
+    d = spec.to_hf_config(m)
+    hf_cls = transformers.AutoConfig.for_model(d["model_type"]).__class__
+    hf = hf_cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    for key, want in EXPECT[preset].items():
+        assert getattr(hf, key) == want, f"{preset}: {key}={getattr(hf, key)!r}, the checkpoint has {want!r}"
+    assert spec.hf_architectures == tuple(d["architectures"])
+    back = spec.from_hf_config(hf.to_dict())
+    assert {k: v for k, v in dataclasses.asdict(m).items() if k in back} == back
+
+
+def test_kimi_k2_rope_is_yarn_as_released():
+    m = compose(["model=kimi_k2"]).model
+    hf = transformers.DeepseekV3Config(**MODELS.get("deepseek_v3").to_hf_config(m))
+    rp = hf.rope_parameters
+    assert (rp["rope_type"], rp["factor"], rp["original_max_position_embeddings"], rp["rope_theta"]) == \
+        ("yarn", 32.0, 4096, 50000.0)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_the_plan_counts_what_the_family_builds(family):
+    """A small config of each shape (q_lora 0 for deepseek_v3, a shared indexer layer for GLM-5), on meta."""
+    spec = MODELS.get(family)
+    kw = dict(name="t", vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, num_experts=4, top_k=2,
+              expert_intermediate_size=8, num_shared_experts=1, num_dense_layers=1, dense_intermediate_size=16,
+              kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    kw.update(q_lora_rank=8, indexer_pattern="FFS", indexer_head_dim=8) if family == "glm_moe_dsa" else None
+    m = spec.config(**kw)
+    model = spec.build(m, device="meta", dtype="bfloat16")
+    assert sum(p.numel() for p in model.parameters()) == spec.params(m).total
+    assert model.num_routed_layers == m.num_routed_layers == 2
