@@ -63,3 +63,25 @@ def test_config_round_trips_through_transformers(tmp_path):
     assert spec.config(name="t", **spec.from_hf_config(hf.to_dict())) == cfg
     with pytest.raises(ValueError, match="mlp_layer_types"):
         spec.from_hf_config({**hf.to_dict(), "mlp_layer_types": ["sparse"] * 3})
+
+
+def test_continuous_batching_keeps_latent_and_indexer_caches_aligned(tmp_path):
+    """Rows finish at different steps (KVCache.select + trim_left) and a waiting prompt joins the running
+    batch (merge, left-padding both the latent and the indexer-key slots): every row still decodes exactly
+    transformers' greedy tokens."""
+    from workers.inference.embedded.engine import GenRequest, InferenceEngine
+
+    hf, d = hf_model({**GLM, **VARIANTS["shared_layer_yarn"]}, tmp_path, family="glm_moe_dsa")
+    ours, _ = ours_from(hf, d, family="glm_moe_dsa")
+    jobs = [([1, 2, 3, 4, 5, 6, 7, 8], 2), ([9, 10, 11], 8), ([12, 13, 14, 15, 16], 6)]
+    engine = InferenceEngine(ours, max_batch_size=2, seed=0).start()
+    try:
+        outs = engine.generate([GenRequest(rid=str(i), input_ids=p, max_new_tokens=n, temperature=0.0)
+                                for i, (p, n) in enumerate(jobs)])
+    finally:
+        engine.shutdown()
+    for (p, n), out in zip(jobs, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.output_ids == ref[0, len(p):].tolist(), p
