@@ -106,6 +106,8 @@ def test_mtp_weights_are_dropped_and_unsupported_config_is_refused():
                                          qk_rope_head_dim=4, v_head_dim=4))
     for key, value, match in [("hidden_act", "gelu", "hidden_act='gelu'"), ("attention_bias", True, "attention_bias"),
                               ("num_key_value_heads", 1, "num_key_value_heads=1"), ("sliding_window", 8, "sliding_window"),
+                              ("quantization_config", {"quant_method": "fp8"}, "block FP8"),
+                              ("topk_method", "greedy", "topk_method='greedy'"),
                               ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling.type='dynamic'"),
                               ("rope_scaling", {"type": "yarn", "factor": 2.0, "foo": 1}, r"rope_scaling keys \['foo'\]")]:
         with pytest.raises(ValueError, match=match):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.conftest import compose
 from workers.common.registry import MODELS
@@ -59,3 +60,6 @@ def test_the_plan_counts_what_the_family_builds(family):
     model = spec.build(m, device="meta", dtype="bfloat16")
     assert sum(p.numel() for p in model.parameters()) == spec.params(m).total
     assert model.num_routed_layers == m.num_routed_layers == 2
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {dtypes[n] for n in dtypes if n.endswith("mlp.gate.weight")} == {torch.float32}  # routers stay fp32
+    assert dtypes["model.layers.0.self_attn.kv_b_proj.weight"] == torch.bfloat16
