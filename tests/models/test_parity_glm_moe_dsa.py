@@ -85,3 +85,18 @@ def test_continuous_batching_keeps_latent_and_indexer_caches_aligned(tmp_path):
             ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.output_ids == ref[0, len(p):].tolist(), p
+
+
+def test_mask_free_fast_path_matches_the_reference_path(tmp_path, monkeypatch):
+    """The GPU fast path (no mask tensor: causal SDPA, the indexer builds its own causal visibility) computes
+    the reference path's logits; run on CPU through kernels.FAST_PATH_ON_CPU."""
+    from workers.models.blocks import kernels
+
+    hf, d = hf_model({**GLM, **VARIANTS["shared_layer_yarn"]}, tmp_path, family="glm_moe_dsa")
+    ours, _ = ours_from(hf, d, family="glm_moe_dsa")
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = ours(ids).logits
+        monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", True)
+        fast = ours(ids).logits
+    assert rel_err(fast, ref) <= 1e-5
