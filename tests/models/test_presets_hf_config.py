@@ -63,3 +63,29 @@ def test_the_plan_counts_what_the_family_builds(family):
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {dtypes[n] for n in dtypes if n.endswith("mlp.gate.weight")} == {torch.float32}  # routers stay fp32
     assert dtypes["model.layers.0.self_attn.kv_b_proj.weight"] == torch.bfloat16
+
+
+def test_a_kimi_k2_style_config_json_maps_onto_the_preset():
+    """The original checkpoints' config.json form (remote-code keys, legacy ``rope_scaling`` + ``rope_theta``)
+    gives the preset's fields; its FP8 ``quantization_config`` is refused until dequantisation exists."""
+    m = compose(["model=kimi_k2"]).model
+    spec = MODELS.get("deepseek_v3")
+    d = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "auto_map": {"AutoConfig": "x"},
+         "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 163584,
+         "eos_token_id": 163585, "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168,
+         "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 262144,
+         "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+         "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+         "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+         "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+         "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+         "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+         "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+         "transformers_version": "4.48.3", "use_cache": True, "v_head_dim": 128, "vocab_size": 163840}
+    fields = spec.from_hf_config(d)
+    assert fields == {k: v for k, v in dataclasses.asdict(m).items() if k in fields}
+    assert set(dataclasses.asdict(m)) - set(fields) == {"family", "name", "init_seed", "pretrained", "pretrained_dir",
+                                                        "rope_interleave"}
+    with pytest.raises(ValueError, match="quantization_config"):
+        spec.from_hf_config({**d, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
