@@ -21,7 +21,8 @@ PRESETS = {  # preset -> (family, total, active, mtp): the plan's counts before 
     "tiny_dense": ("llama", 593_024, 593_024, 0),
     "smollm2_135m": ("llama", 134_515_008, 134_515_008, 0),
     "gpu_moe_1b5": ("tiny_moe", 1_476_954_112, 419_989_504, 0),
-    "glm5": ("glm_moe_dsa", 743_911_179_264, 41_784_689_664, 9_952_913_920),
+    # glm5: +256 a layer since the count includes the DSA indexer's k_norm LayerNorm (weight and bias)
+    "glm5": ("glm_moe_dsa", 743_911_199_232, 41_784_709_632, 9_952_914_176),
     "kimi_k2": ("deepseek_v3", 1_026_408_209_408, 32_861_477_888, 0),
     "nemotron3_ultra": ("nemotron_h", 554_451_017_728, 55_035_240_448, 0),
     "qwen3_moe_tiny": ("qwen3_moe", 280_144, 132_688, 0),
@@ -45,7 +46,7 @@ def test_preset_facts_are_unchanged(preset):
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
-    assert spec.buildable == (family in ("tiny_moe", "llama", "qwen3_moe"))
+    assert spec.buildable == (family in ("tiny_moe", "llama", "qwen3_moe", "deepseek_v3", "glm_moe_dsa"))
     dense = family == "llama"
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
@@ -65,10 +66,12 @@ def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
 
 
 @pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"])
-def test_plan_only_families_are_refused_when_a_run_would_start(experiment):
+def test_families_the_trainer_cannot_run_are_refused_when_a_run_would_start(experiment):
+    """Plan-only families (nothing to build), and buildable ones without a sharding plan (deepseek_v3,
+    glm_moe_dsa: ModelSpec.parallelize empty), are refused at plan time, not in the trainer."""
     cfg = compose([f"experiment={experiment}", "cluster=h200_ib", "launcher.dry_run=false"])
     with pytest.raises(PlanError, match=rf"model.family={cfg.model.family} \(model {cfg.model.name}\) can be "
-                                        r"planned but not built yet.*launcher.dry_run=true"):
+                                        r"planned but not (built|trained) yet.*launcher.dry_run=true"):
         build_plan(cfg)
     assert build_plan(compose([f"experiment={experiment}", "cluster=h200_ib"])).num_params > 0  # dry run: plans
 
@@ -77,7 +80,7 @@ def test_plan_only_families_are_refused_when_a_run_would_start(experiment):
     (["model=tiny_moe", "model.q_lora_rank=8"], "q_lora_rank", "TinyMoeConfig"),
     (["model=tiny_dense", "model.num_experts=8"], "num_experts", "LlamaConfig"),
     (["model=smollm2_135m", "model.top_k=2"], "top_k", "LlamaConfig"),
-    (["model=glm5", "model.rope_theta=1e6"], "rope_theta", "GlmMoeDsaConfig"),
+    (["model=glm5", "model.num_kv_heads=8"], "num_kv_heads", "GlmMoeDsaConfig"),
 ])
 def test_a_field_the_family_does_not_use_is_refused_by_the_cli(args, key, schema, tmp_path):
     res = slurmrl([*args, "launcher.dry_run=true"], tmp_path)

@@ -35,12 +35,22 @@ def check_base(cfg, spec) -> None:
         raise ValueError(f"model.family={m.family} (model {m.name}) can be planned but not built yet: the trainer "
                          f"and the embedded engine build {' and '.join(buildable_families())}; plan it with "
                          f"launcher.dry_run=true")
+    if not spec.parallelize and not cfg.launcher.dry_run:
+        raise ValueError(f"model.family={m.family} (model {m.name}) can be planned but not trained yet: the trainer "
+                         f"has no sharding plan for it (ModelSpec.parallelize is empty; it trains "
+                         f"{' and '.join(trainable_families())}); plan it with launcher.dry_run=true")
 
 
 def buildable_families() -> list[str]:
     from workers.common.registry import MODELS
 
     return [s.name for s in MODELS.specs() if s.buildable]
+
+
+def trainable_families() -> list[str]:
+    from workers.common.registry import MODELS
+
+    return [s.name for s in MODELS.specs() if s.buildable and s.parallelize]
 
 
 def check_pretrained(cfg) -> None:
@@ -73,8 +83,26 @@ def check_mha(m) -> None:
 
 
 def check_mla(m) -> None:
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    """MLA widths > 0 (q_lora_rank 0: a full query projection); an even rotary width."""
+    positive("model.q_lora_rank", m.q_lora_rank, allow_zero=True)
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         positive(f"model.{key}", getattr(m, key))
+    if m.qk_rope_head_dim % 2:
+        raise ValueError(f"model.qk_rope_head_dim({m.qk_rope_head_dim}) must be even (rotary embedding)")
+
+
+def check_sigmoid_router(m) -> None:
+    """Grouped top-k: the experts split into num_expert_groups, the kept groups hold top_k experts."""
+    g, kept = m.num_expert_groups, m.topk_groups
+    if m.num_experts % g:
+        raise ValueError(f"model.num_expert_groups({g}) must divide model.num_experts({m.num_experts})")
+    if kept > g:
+        raise ValueError(f"model.topk_groups({kept}) must be <= model.num_expert_groups({g})")
+    if m.top_k > kept * (m.num_experts // g):
+        raise ValueError(f"model.top_k({m.top_k}) must be <= experts in the kept groups: topk_groups({kept}) * "
+                         f"num_experts/num_expert_groups({m.num_experts // g})")
+    if g > 1 and m.num_experts // g < 2:
+        raise ValueError(f"model.num_expert_groups({g}) must leave >= 2 experts per group (a group scores its best two)")
 
 
 def check_moe(m) -> None:

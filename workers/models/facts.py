@@ -82,14 +82,17 @@ class Architecture:
             kv = (self.num_kv_heads or self.num_heads) * hd
             return 2 * h * self.num_heads * hd + 2 * h * kv + (2 * hd if self.qk_norm else 0)
         qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head + self.q_lora_rank  # down, up, norm
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head + self.q_lora_rank  # down, up, norm
+        else:
+            q = h * self.num_heads * qk_head  # one full q_proj
         kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # down (+ shared rope key), norm
         kv += self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)  # up to keys and values
         out = self.num_heads * self.v_head_dim * h
         indexer = 0
-        if self.num_indexer_heads:  # DeepSeek Sparse Attention: query up, key, per-head weights
+        if self.num_indexer_heads:  # DeepSeek Sparse Attention: query up, key (+ its LayerNorm), per-head weights
             indexer = (self.q_lora_rank * self.num_indexer_heads * self.indexer_head_dim + h * self.indexer_head_dim
-                       + h * self.num_indexer_heads)
+                       + 2 * self.indexer_head_dim + h * self.num_indexer_heads)
         return q + kv + out + indexer
 
     def expert_params(self) -> int:

@@ -5,6 +5,8 @@ One class for all families so the engine never asks which family it serves:
   keeps kv heads only) or ``[B, T, D]`` (MLA may keep its latent as ``keys[i]``, ``values[i]`` None);
 - recurrent layers (Mamba-2) keep ``states[i]``, a tuple of tensors with the batch first and
   no time axis (conv window, SSM state);
+- ``index_keys[i]`` ``[B, T, D]``: a second time-indexed slot per layer, for what a layer caches
+  besides its attention keys (the DeepSeek Sparse Attention indexer's keys, GLM-5);
 - ``key_mask`` ``[B, T]`` marks valid cached key positions (left padding is False).
 
 Batch operations (rows leave with :meth:`select`, new prefills join with :meth:`merge`) treat
@@ -23,6 +25,7 @@ class KVCache:
     def __init__(self, num_layers: int):
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.index_keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.states: list[Optional[tuple]] = [None] * num_layers
         self.key_mask: Optional[torch.Tensor] = None
 
@@ -38,6 +41,7 @@ class KVCache:
         """Keep only the batch rows in ``rows`` (finished sequences leave the batch)."""
         self.keys = [_rows(k, rows) for k in self.keys]
         self.values = [_rows(v, rows) for v in self.values]
+        self.index_keys = [_rows(v, rows) for v in self.index_keys]
         self.states = [None if s is None else tuple(_rows(t, rows) for t in s) for s in self.states]
         if self.key_mask is not None:
             self.key_mask = self.key_mask.index_select(0, rows)
@@ -48,6 +52,7 @@ class KVCache:
         if pad > 0:
             self.keys = [None if k is None else F.pad(k, (0, 0, pad, 0)) for k in self.keys]
             self.values = [None if v is None else F.pad(v, (0, 0, pad, 0)) for v in self.values]
+            self.index_keys = [None if v is None else F.pad(v, (0, 0, pad, 0)) for v in self.index_keys]
             self.key_mask = F.pad(self.key_mask, (pad, 0), value=False)
         return self
 
@@ -57,6 +62,7 @@ class KVCache:
         a, b = self.pad_left(length), other.pad_left(length)
         a.keys = [_cat(x, y) for x, y in zip(a.keys, b.keys)]
         a.values = [_cat(x, y) for x, y in zip(a.values, b.values)]
+        a.index_keys = [_cat(x, y) for x, y in zip(a.index_keys, b.index_keys)]
         a.states = [None if x is None else tuple(torch.cat([u, w]) for u, w in zip(x, y))
                     for x, y in zip(a.states, b.states)]
         a.key_mask = torch.cat([a.key_mask, b.key_mask])
@@ -70,6 +76,7 @@ class KVCache:
         if first > 0:
             self.keys = [None if k is None else k[..., first:, :] for k in self.keys]
             self.values = [None if v is None else v[..., first:, :] for v in self.values]
+            self.index_keys = [None if v is None else v[..., first:, :] for v in self.index_keys]
             self.key_mask = self.key_mask[:, first:]
 
 

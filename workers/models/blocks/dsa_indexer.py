@@ -1,0 +1,82 @@
+"""The DeepSeek Sparse Attention (DSA) indexer of GLM-5: which keys each query may attend to.
+
+A light scorer beside MLA: ``index_n_heads`` query heads of ``index_head_dim`` from the query
+latent (``wq_b``), one shared key per token from the hidden state (``wk`` then a LayerNorm
+``k_norm``), the first ``qk_rope_head_dim`` channels of both rotated (interleaved layout). A key's
+index score for a query is ``sum_h w_h * relu(q_h . k * index_head_dim**-0.5)`` with per-token head
+weights ``w = weights_proj(x) * index_n_heads**-0.5``; each query keeps its ``index_topk``
+best-scoring keys among those it may see (causal, valid), and attention is masked to them.
+
+This is the dense reference path (every score computed, the choice applied as a boolean mask):
+exact on CPU, what a sparse kernel must reproduce. The choice is not differentiable, and the
+indexer gets no gradient from the language-model loss (transformers runs it under no_grad too;
+DSA trains it with its own KL loss, which this project does not implement).
+
+Cache: a layer's indexer keys go to ``cache.index_keys[layer]`` ``[B, T, index_head_dim]`` (time
+on dim -2, so the engine's pad/merge/select/trim treat them like attention keys). GLM-5's
+``indexer_types`` may mark a layer ``shared``: it has no indexer and reuses the keep mask of the
+last ``full`` layer of the same forward (``ctx.memo``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.blocks.decoder import ForwardContext
+from workers.models.blocks.rope_scaled import rotate
+
+MEMO_KEY = "dsa_keep"
+"""ctx.memo key of the last full indexer's keep mask ``[B, 1, T, S]`` (for shared layers)."""
+
+
+class DsaIndexer(nn.Module):
+    def __init__(self, *, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rope_dim: int,
+                 topk: int):
+        super().__init__()
+        self.nh, self.d, self.dr, self.topk = num_heads, head_dim, rope_dim, topk
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    @torch.no_grad()
+    def restrict(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor:
+        """The attention mask ``[B, 1, T, S]`` narrowed to each query's top ``topk`` keys (S: cached + new)."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_latent).view(b, t, self.nh, self.d)
+        k = self.k_norm(self.wk(x))  # [B, T, D]
+        c, s = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, dr]: heads on dim 2 here
+        q = torch.cat([rotate(q[..., :self.dr], c, s, True), q[..., self.dr:]], dim=-1)
+        k = torch.cat([rotate(k[:, :, None, :self.dr], c, s, True)[:, :, 0], k[..., self.dr:]], dim=-1)
+        if ctx.cache is not None:
+            past = ctx.cache.index_keys[ctx.layer]
+            if past is not None:
+                k = torch.cat([past, k], dim=1)
+            ctx.cache.index_keys[ctx.layer] = k
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [B, T, H]
+        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
+        allowed = visible(ctx, t, k.shape[1], x.device)
+        index = index.masked_fill(~allowed, float("-inf"))
+        chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+        keep = torch.zeros_like(allowed).scatter_(-1, chosen, True)
+        mask = (allowed & keep)[:, None]
+        ctx.memo[MEMO_KEY] = mask
+        return mask
+
+
+def visible(ctx: ForwardContext, t: int, s: int, device) -> torch.Tensor:
+    """[B, T, S] bool: the keys each query may see before sparsity (ctx.mask; None means plain causal)."""
+    if ctx.mask is not None:
+        return ctx.mask[:, 0]
+    assert s == t, "a mask-free forward has no cache"
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None].expand(ctx.valid.shape[0], t, t)
+
+
+def shared_mask(ctx: ForwardContext) -> torch.Tensor:
+    """A ``shared`` layer's mask: the keep mask of the last full indexer layer of this forward."""
+    if MEMO_KEY not in ctx.memo:
+        raise ValueError("a DSA layer of indexer type 'shared' needs an earlier 'full' layer in the same forward")
+    return ctx.memo[MEMO_KEY]

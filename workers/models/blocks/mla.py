@@ -1,0 +1,89 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2, GLM-5), with its latent KV cache.
+
+Queries: ``q_proj`` (``q_lora_rank`` 0) or the low-rank pair ``q_a_proj -> q_a_layernorm ->
+q_b_proj``; each head is ``qk_nope_head_dim`` channels without position plus ``qk_rope_head_dim``
+rotated ones. Keys and values come from one compressed latent per token: ``kv_a_proj_with_mqa``
+gives the ``kv_lora_rank`` latent (normed by ``kv_a_layernorm``) and one rotated key slice shared
+by all heads; ``kv_b_proj`` expands the latent into every head's unrotated key and its value
+(``v_head_dim``). Parameter names are the checkpoints'.
+
+KV cache layout: ``cache.keys[layer]`` is ``[B, T, kv_lora_rank + qk_rope_head_dim]``, the
+normed latent followed by the rotated shared key, i.e. exactly what MLA must remember (576 values
+a token for DeepSeek-V3/Kimi-K2, as the plan's KV bytes count); ``cache.values[layer]`` stays
+None. Each step re-expands the cached latents through ``kv_b_proj`` (the reference path; folding
+``kv_b_proj`` into the query and output, "weight absorption", is a later optimisation).
+
+An optional ``indexer`` (DeepSeek Sparse Attention, workers/models/blocks/dsa_indexer.py)
+narrows each query's keys to its top ``index_topk``: the indexer's keep mask is ANDed into the
+attention mask (the dense reference path of sparse attention).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from workers.models.blocks import kernels
+from workers.models.blocks.decoder import ForwardContext
+from workers.models.blocks.dsa_indexer import shared_mask
+from workers.models.blocks.rope_scaled import rotate
+from workers.models.blocks.norm import RMSNorm
+
+LORA_NORM_EPS = 1e-6
+"""Epsilon of q_a_layernorm / kv_a_layernorm: the checkpoints' code fixes it (not rms_norm_eps)."""
+
+
+class MLAttention(nn.Module):
+    def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float,
+                 interleaved: bool):
+        super().__init__()
+        self.nh, self.r = num_heads, kv_lora_rank
+        self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.q_lora_rank, self.scale, self.interleaved = q_lora_rank, softmax_scale, interleaved
+        qk = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_lora_rank, qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden_size, qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.indexer: Optional[nn.Module] = None  # set by families with sparse attention (GLM-5)
+        self.reuses_index = False  # a DSA "shared" layer: the previous full layer's choice of keys
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x ``[B, T, H]`` (normed), cos/sin ``[B, 1, T, qk_rope_head_dim]``; uses ctx.mask and ctx.cache."""
+        b, t, _ = x.shape
+        q_latent = None
+        if self.q_lora_rank:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rot = q.view(b, t, self.nh, self.dn + self.dr).transpose(1, 2).split([self.dn, self.dr], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        q_rot = rotate(q_rot, cos, sin, self.interleaved)
+        k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
+        entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached
+        if ctx.cache is not None:
+            past = ctx.cache.keys[ctx.layer]
+            if past is not None:
+                entry = torch.cat([past, entry], dim=1)
+            ctx.cache.keys[ctx.layer] = entry
+        latent_all, k_rot_all = entry.split([self.r, self.dr], dim=-1)
+        s = entry.shape[1]
+        kv = self.kv_b_proj(latent_all).view(b, s, self.nh, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
+        mask = ctx.mask
+        if self.indexer is not None:
+            mask = self.indexer.restrict(x, q_latent, cos, sin, ctx)
+        elif self.reuses_index:
+            mask = shared_mask(ctx)
+        out = kernels.attend(torch.cat([q_nope, q_rot], dim=-1), k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
