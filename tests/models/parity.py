@@ -29,12 +29,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def hf_reference(hf_config, tmp_path: Path, seed: int = 0):
-    """(transformers model in float32 eval mode, the directory it was saved to)."""
+def hf_reference(hf_config, tmp_path: Path, seed: int = 0, prepare=None):
+    """(transformers model in float32 eval mode, the directory it was saved to). ``prepare(model)``
+    may change the weights before saving (e.g. scale them up so that no path's contribution is lost
+    in float32 rounding against the residual stream: a small init can hide a wrong branch)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(hf)
     out = Path(tmp_path) / "hf"
     hf.save_pretrained(out)
     return hf, out
@@ -75,12 +80,15 @@ def assert_logits_match(ours, hf, ids: torch.Tensor, attention_mask=None, rtol: 
 _FUSED = re.compile(r"^(?P<pre>.*experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)$")
 
 
-def hf_grads(hf) -> dict[str, torch.Tensor]:
-    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert)."""
+def hf_grads(hf, rename=lambda name: name) -> dict[str, torch.Tensor]:
+    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert).
+    ``rename``: in-memory name -> checkpoint name where save_pretrained renames (NemotronH's
+    ``model.`` is ``backbone.`` in its checkpoints)."""
     out: dict[str, torch.Tensor] = {}
     for name, p in hf.named_parameters():
         if p.grad is None:
             continue
+        name = rename(name)
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         m = _FUSED.match(base)
         if m is None or p.grad.dim() != 3:
@@ -103,13 +111,14 @@ def scalar_loss(logits: torch.Tensor) -> torch.Tensor:
     return (logits * w).sum() + logits.logsumexp(-1).sum()
 
 
-def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_hf=lambda s: s) -> float:
+def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_hf=lambda s: s,
+                       rename=lambda name: name) -> float:
     """Every parameter's gradient of :func:`scalar_loss`, ours vs transformers'; returns the worst error."""
     ours.zero_grad(set_to_none=True)
     hf.zero_grad(set_to_none=True)
     scalar_loss(ours(ids).logits).backward()
     scalar_loss(hf(input_ids=ids).logits).backward()
-    want = hf_grads(hf)
+    want = hf_grads(hf, rename)
     got = to_hf({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
     missing = sorted(set(want) - set(got))
     assert not missing, f"no gradient in ours for {missing[:5]}"

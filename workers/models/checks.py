@@ -35,6 +35,16 @@ def check_base(cfg, spec) -> None:
         raise ValueError(f"model.family={m.family} (model {m.name}) can be planned but not built yet: the trainer "
                          f"and the embedded engine build {' and '.join(buildable_families())}; plan it with "
                          f"launcher.dry_run=true")
+    check_trainable(cfg, spec)
+
+
+def check_trainable(cfg, spec) -> None:
+    """A run that starts trains the model, so a buildable family also needs the trainer's sharding
+    plan (``ModelSpec.parallelize``); without one the run is refused here, not by a trainer crash."""
+    if spec.buildable and not spec.parallelize and not cfg.launcher.dry_run:
+        raise ValueError(f"model.family={cfg.model.family} (model {cfg.model.name}) builds and serves, but the trainer "
+                         f"has no sharding plan for it yet (its ModelSpec.parallelize is empty): plan it with "
+                         f"launcher.dry_run=true")
 
 
 def buildable_families() -> list[str]:
