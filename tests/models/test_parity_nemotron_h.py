@@ -113,6 +113,23 @@ def test_cached_decode_equals_the_full_forward(tmp_path):
     assert cache.states[0][1].dtype == torch.float32 and cache.keys[2].shape[2] == 10
 
 
+def test_cached_steps_equal_transformers_cached_steps(tmp_path):
+    """With transformers' dt init the time_step_min floor binds in some heads: its prefill clamps dt,
+    its one-token cached step does not, and ours must do both the same (greedy tokens alone would
+    not show a 1e-4 difference)."""
+    ours, hf, _ = pair(tmp_path)
+    ids = ids_of(2, 9, seed=5)
+    with torch.no_grad():
+        out = hf(input_ids=ids[:, :5], use_cache=True)
+        hf_cache, cache = out.cache, ours.new_cache()
+        assert rel_err(ours(ids[:, :5], cache=cache).logits, out.logits) <= 1e-5
+        for t in range(5, 9):
+            out = hf(input_ids=ids[:, t:t + 1], cache=hf_cache, use_cache=True)
+            hf_cache = out.cache
+            err = rel_err(ours(ids[:, t:t + 1], cache=cache).logits, out.logits)
+            assert err <= 1e-5, f"step {t}: {err:.1e}"
+
+
 def test_engine_greedy_equals_transformers_generate(tmp_path):
     ours, hf, _ = pair(tmp_path)
     assert_engine_greedy_matches_hf(ours, hf, [[5, 9, 17, 3], [7, 2, 44, 61, 8, 90, 12], [33]],
