@@ -9,6 +9,7 @@ config.json round trip, and ``from_pretrained`` of a directory written from ours
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -183,3 +184,18 @@ def test_built_on_meta_counts_what_the_plan_counts():
     counts = spec.params(cfg)
     assert counts.active == counts.total - 2 * 2 * 16 * 24  # two of four latent experts idle per token
     assert spec.kv_bytes_per_token(cfg, 2) == 2 * 2 * 8 * 2  # one attention layer's k and v, 2 kv heads
+
+
+def test_the_ultra_preset_is_a_transformers_config_of_the_counted_size():
+    from transformers import AutoModelForCausalLM, NemotronHConfig as HfConfig
+
+    from tests.conftest import compose
+
+    m = compose(["model=nemotron3_ultra"]).model
+    hf_json = to_hf_config(m)
+    cfg = HfConfig(**{k: v for k, v in hf_json.items() if k not in ("architectures", "model_type")})
+    assert cfg.num_hidden_layers == 108 and cfg.moe_latent_size == 2048 and cfg.n_routed_experts == 512
+    assert NemotronHConfig(name=m.name, **from_hf_config(hf_json)) == dataclasses.replace(m, init_seed=1234)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in hf.parameters()) == MODELS.get("nemotron_h").params(m).total

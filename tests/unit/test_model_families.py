@@ -23,9 +23,9 @@ PRESETS = {  # preset -> (family, total, active, mtp): the plan's counts before 
     "gpu_moe_1b5": ("tiny_moe", 1_476_954_112, 419_989_504, 0),
     "glm5": ("glm_moe_dsa", 743_911_179_264, 41_784_689_664, 9_952_913_920),
     "kimi_k2": ("deepseek_v3", 1_026_408_209_408, 32_861_477_888, 0),
-    "nemotron3_ultra": ("nemotron_h", 554_451_017_728, 55_035_240_448, 0),
+    "nemotron3_ultra": ("nemotron_h", 549_308_968_960, 56_058_818_560, 0),  # real hybrid counts (was MHA+MoE)
 }
-KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 3456.0}
+KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 12.0}  # nemotron: 12 attention layers only
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -43,7 +43,7 @@ def test_preset_facts_are_unchanged(preset):
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
-    assert spec.buildable == (family in ("tiny_moe", "llama"))
+    assert spec.buildable == (family in ("tiny_moe", "llama", "nemotron_h"))
     dense = family == "llama"
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
@@ -62,13 +62,23 @@ def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
     assert spec.to_hf(model.state_dict()).keys() == model.state_dict().keys()  # HF names natively
 
 
-@pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"])
+@pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200"])
 def test_plan_only_families_are_refused_when_a_run_would_start(experiment):
     cfg = compose([f"experiment={experiment}", "cluster=h200_ib", "launcher.dry_run=false"])
     with pytest.raises(PlanError, match=rf"model.family={cfg.model.family} \(model {cfg.model.name}\) can be "
                                         r"planned but not built yet.*launcher.dry_run=true"):
         build_plan(cfg)
     assert build_plan(compose([f"experiment={experiment}", "cluster=h200_ib"])).num_params > 0  # dry run: plans
+
+
+def test_a_family_without_a_trainer_sharding_plan_is_refused_when_a_run_would_start():
+    """nemotron_h builds and serves (the embedded engine) but has no ModelSpec.parallelize yet."""
+    cfg = compose(["experiment=nemotron3_ultra_pd_20xh200", "cluster=h200_ib", "launcher.dry_run=false"])
+    assert MODELS.get("nemotron_h").buildable and not MODELS.get("nemotron_h").parallelize
+    with pytest.raises(PlanError, match=r"model.family=nemotron_h \(model nemotron3_ultra\) builds and serves, but the "
+                                        r"trainer has no sharding plan.*launcher.dry_run=true"):
+        build_plan(cfg)
+    assert build_plan(compose(["experiment=nemotron3_ultra_pd_20xh200", "cluster=h200_ib"])).num_params > 0
 
 
 @pytest.mark.parametrize("args, key, schema", [
