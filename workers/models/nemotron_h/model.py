@@ -22,6 +22,7 @@ from workers.models.blocks import kernels
 from workers.models.blocks.decoder import CausalLM, ForwardContext, Routing
 from workers.models.blocks.latent_moe import LatentMoE, ReluSquaredMLP
 from workers.models.blocks.mamba2 import Mamba2Mixer
+from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.nemotron_h.config import NemotronHConfig
 
 
@@ -172,15 +173,26 @@ class NemotronHForCausalLM(CausalLM):
         return self
 
 
+def in_dtype(model: NemotronHForCausalLM, dtype) -> NemotronHForCausalLM:
+    """``model`` in ``dtype`` (a torch dtype or its name), its routers kept in float32 as the
+    reference keeps them (``gate.weight`` and ``e_score_correction_bias``): in bf16 the expert
+    choice would otherwise differ from transformers' and SGLang's."""
+    if dtype is None:
+        return model
+    model = model.to(torch_dtype(dtype) if isinstance(dtype, str) else dtype)
+    for module in model.modules():
+        if isinstance(module, SigmoidTopkRouter):
+            module.float()
+    return model
+
+
 def build(cfg: NemotronHConfig, *, device=None, dtype=None) -> NemotronHForCausalLM:
     """Uninitialised weights (``device="meta"`` allocates nothing)."""
     with torch.device(device or "cpu"):
-        model = NemotronHForCausalLM(cfg)
-    return model if dtype is None else model.to(torch_dtype(dtype) if isinstance(dtype, str) else dtype)
+        return in_dtype(NemotronHForCausalLM(cfg), dtype)
 
 
 def init(cfg: NemotronHConfig, dtype) -> NemotronHForCausalLM:
     """The step-0 model: seeded init from ``init_seed``, on CPU, in ``dtype``."""
-    model = NemotronHForCausalLM(cfg).init_weights(cfg.init_seed)
-    return model.to(torch_dtype(dtype) if isinstance(dtype, str) else dtype)
+    return in_dtype(NemotronHForCausalLM(cfg).init_weights(cfg.init_seed), dtype)
 
