@@ -86,6 +86,7 @@ def test_logits_grads_and_router_replay_match_transformers(tmp_path):
     mask = torch.ones(2, 13, dtype=torch.long)
     mask[1, :5] = 0  # left padding, as the engine prefills
     err_pad = assert_logits_match(ours, hf, ids, attention_mask=mask)
+    assert_logits_match(ours, hf, ids_of(1, 150, seed=9))  # several scan chunks
     with torch.no_grad():  # a padded row equals the same tokens unpadded: pads never touch the Mamba state
         padded = ours(ids, attention_mask=mask).logits[1, 5:]
         alone = ours(ids[1:, 5:]).logits[0]
@@ -206,3 +207,19 @@ def test_the_ultra_preset_is_a_transformers_config_of_the_counted_size():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(cfg)
     assert sum(p.numel() for p in hf.parameters()) == MODELS.get("nemotron_h").params(m).total
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 150])
+def test_the_chunked_scan_equals_the_token_by_token_recurrence(t):
+    from workers.models.blocks.mamba2 import Mamba2Mixer
+
+    mixer = Mamba2Mixer(hidden_size=16, num_heads=4, head_dim=8, n_groups=2, state_size=8, conv_kernel=4, eps=1e-5,
+                        time_step_min=1e-3)
+    gen = torch.Generator().manual_seed(t)
+    x, bm, cm = (torch.randn(2, t, *shape, generator=gen) for shape in ((4, 8), (2, 8), (2, 8)))
+    dt = torch.rand(2, t, 4, generator=gen) * 0.5
+    h0 = torch.randn(2, 4, 8, 8, generator=gen)
+    with torch.no_grad():
+        y1, h1 = mixer.scan(x, dt, bm, cm, h0, chunk=1)
+        y2, h2 = mixer.scan(x, dt, bm, cm, h0)
+    assert rel_err(y2, y1) <= 1e-5 and rel_err(h2, h1) <= 1e-5

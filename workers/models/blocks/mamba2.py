@@ -1,9 +1,11 @@
 """The Mamba-2 mixer (selective state-space layer) of hybrid models, with a sequential reference scan.
 
-Why a sequential scan: it is the recurrence itself (state ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t
-x_t``, output ``y_t = C_t h_t + D x_t``), so it is exact on CPU against the reference (transformers'
-chunked SSD form, same function up to float32 rounding), and one decode step is the same code with
-T = 1. A chunked or kernel path is an optimisation to add beside it, checked against it.
+The scan is the recurrence (state ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``, output
+``y_t = C_t h_t + D x_t``), run CHUNK tokens at a time in closed form (:func:`scan_chunk`, the SSD
+form: an [L, L] decay-weighted product inside a chunk, the state carried between chunks) so a long
+sequence is T / CHUNK steps, not T. ``scan(..., chunk=1)`` is the token-by-token recurrence (one
+decode step is exactly that); tests check one against the other and both against transformers
+(its chunked PyTorch path, equal up to float32 rounding). Fused kernels would go beside it.
 
 What the layer does, in checkpoint names (Nemotron-H / Mamba-2: ``mixer.in_proj``, ``conv1d``,
 ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``):
@@ -108,20 +110,48 @@ class Mamba2Mixer(nn.Module):
         return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - k:]
 
     def scan(self, x: torch.Tensor, dt: torch.Tensor, bm: torch.Tensor, cm: torch.Tensor,
-             h0: Optional[torch.Tensor]):
+             h0: Optional[torch.Tensor], chunk: Optional[int] = None):
         """The recurrence in float32 over x [B,T,H,P], dt [B,T,H], B/C [B,T,G,N]; returns
-        (y [B,T,H,P] float32, final state [B,H,P,N])."""
+        (y [B,T,H,P] float32, final state [B,H,P,N]). ``chunk`` (default :data:`CHUNK`) tokens at a
+        time in closed form (:func:`scan_chunk`); ``chunk=1`` is the token-by-token recurrence."""
         b, t, nh, p = x.shape
         rep = nh // self.n_groups
         x, dt = x.float(), dt.float()
         bm = bm.float().repeat_interleave(rep, dim=2)  # head j reads group j // rep
         cm = cm.float().repeat_interleave(rep, dim=2)
-        decay = torch.exp(dt * -torch.exp(self.A_log.float()))  # [B, T, H]
+        log_decay = dt * -torch.exp(self.A_log.float())  # [B, T, H]: log of exp(dt A)
         h = x.new_zeros(b, nh, p, self.state_size) if h0 is None else h0.float()
+        xdt = x * dt[..., None]
+        step = chunk or CHUNK
         ys = []
-        for i in range(t):
-            inject = (dt[:, i, :, None] * x[:, i])[..., None] * bm[:, i, :, None, :]  # [B, H, P, N]
-            h = h * decay[:, i, :, None, None] + inject
-            ys.append(torch.einsum("bhpn,bhn->bhp", h, cm[:, i]))
-        y = torch.stack(ys, dim=1) + x * self.D.float()[:, None]
+        for i in range(0, t, step):
+            j = min(i + step, t)
+            if j - i == 1:  # the recurrence itself (a decode step)
+                h = h * log_decay[:, i, :, None, None].exp() + xdt[:, i, :, :, None] * bm[:, i, :, None, :]
+                ys.append(torch.einsum("bhpn,bhn->bhp", h, cm[:, i])[:, None])
+            else:
+                y, h = scan_chunk(xdt[:, i:j], log_decay[:, i:j], bm[:, i:j], cm[:, i:j], h)
+                ys.append(y)
+        y = torch.cat(ys, dim=1) + x * self.D.float()[:, None]
         return y, h
+
+
+CHUNK = 64
+"""Tokens per closed-form chunk of the scan: the loop runs T / CHUNK times, each chunk costs L^2."""
+
+
+def scan_chunk(xdt: torch.Tensor, log_decay: torch.Tensor, bm: torch.Tensor, cm: torch.Tensor, h: torch.Tensor):
+    """L tokens of the recurrence at once. With ``s_l`` the cumulative log decay up to token l,
+    ``h_l = exp(s_l) h + sum_{k<=l} exp(s_l - s_k) B_k (dt x)_k`` and ``y_l = C_l . h_l``: an
+    attention-like [L, L] product inside the chunk plus the carried state. Shapes: xdt [B,L,H,P],
+    log_decay [B,L,H], B/C [B,L,H,N], h [B,H,P,N]; returns (y [B,L,H,P], state after the chunk)."""
+    s = log_decay.cumsum(dim=1)  # [B, L, H]
+    n = s.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+    gaps = (s[:, :, None, :] - s[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+    scores = torch.einsum("blhn,bkhn->blkh", cm, bm) * gaps.exp()  # [B, L(query), L(key), H]
+    y = torch.einsum("blkh,bkhp->blhp", scores, xdt)
+    y = y + torch.einsum("blhn,bhpn->blhp", cm, h) * s.exp()[..., None]
+    to_end = (s[:, -1:, :] - s).exp()  # [B, L, H]: decay from each token to the chunk's end
+    h = h * s[:, -1, :, None, None].exp() + torch.einsum("bkhn,bkhp->bhpn", bm * to_end[..., None], xdt)
+    return y, h
