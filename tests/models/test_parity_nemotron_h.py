@@ -170,6 +170,8 @@ def test_config_round_trip_and_refusals():
     legacy = {k: v for k, v in hf_json.items() if k != "layers_block_type"} | {"mamba_n_groups": 2}
     legacy.pop("n_groups")
     assert from_hf_config(legacy) == from_hf_config(hf_json)  # hybrid_override_pattern and the mamba_* aliases
+    names = ["mamba", "moe", "attention", "mlp"]  # Nemotron-3.5 / transformers 4.x list names
+    assert from_hf_config(hf_json | {"layers_block_type": names}) == from_hf_config(hf_json)
     for key, value in [("mlp_hidden_act", "silu"), ("tie_word_embeddings", True), ("use_bias", True),
                        ("quantization_config", {"quant_method": "fp8"}), ("num_hidden_layers", 7)]:
         with pytest.raises(ValueError, match=key):
@@ -223,3 +225,19 @@ def test_the_chunked_scan_equals_the_token_by_token_recurrence(t):
         y1, h1 = mixer.scan(x, dt, bm, cm, h0, chunk=1)
         y2, h2 = mixer.scan(x, dt, bm, cm, h0)
     assert rel_err(y2, y1) <= 1e-5 and rel_err(h2, h1) <= 1e-5
+
+
+def test_bfloat16_serves_and_checkpoints_drop_mtp_layers(tmp_path):
+    spec = MODELS.get("nemotron_h")
+    cfg = dataclasses.replace(ours_config(), init_seed=3)
+    full, half = spec.init(cfg, "float32").eval(), spec.init(cfg, "bfloat16").eval()
+    ids = ids_of(2, 7)
+    with torch.no_grad():
+        want = full(ids).logits
+        cache = half.new_cache()
+        got = torch.cat([half(ids[:, :5], cache=cache).logits] +
+                        [half(ids[:, t:t + 1], cache=cache).logits for t in (5, 6)], dim=1)
+    assert got.dtype == torch.bfloat16 and cache.states[0][1].dtype == torch.float32
+    assert rel_err(got.float(), want) < 3e-2  # bf16 rounding, not a different function
+    state = {k: v for k, v in full.state_dict().items()} | {"mtp.layers.0.norm.weight": torch.ones(32)}
+    full.load_state_dict(spec.from_hf(state), strict=True)

@@ -108,6 +108,12 @@ def check(cfg) -> None:
     positive("model.time_step_max - model.time_step_min", m.time_step_max - m.time_step_min, allow_zero=True)
 
 
+def from_hf(state: dict) -> dict:
+    """Checkpoint names are ours, but the MTP layers (``mtp.*``) are not built: dropped, as
+    transformers drops them on load (they stay in the source checkpoint, untrained)."""
+    return {k: v for k, v in state.items() if not k.startswith("mtp.")}
+
+
 def build(model_cfg, *, device=None, dtype=None):
     from workers.models.nemotron_h import model
 
@@ -122,7 +128,7 @@ def init(model_cfg, dtype):
 
 SPEC = MODELS.register(ModelSpec(
     name="nemotron_h", config=NemotronHConfig, check=check, arch=arch, build=build, init=init, parallelize="",
-    router_hook="forced_experts", hf_architectures=ARCHITECTURES, to_hf_config=to_hf_config,
+    router_hook="forced_experts", from_hf=from_hf, hf_architectures=ARCHITECTURES, to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
     summary="Nemotron-H / Nemotron 3 (hybrid Mamba-2, attention, MLP, LatentMoE): builds and serves; "
             "no trainer sharding plan yet"))
