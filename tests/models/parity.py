@@ -29,11 +29,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def hf_reference(hf_config, tmp_path: Path, seed: int = 0, norm_jitter: float = 0.1):
+def hf_reference(hf_config, tmp_path: Path, seed: int = 0, norm_jitter: float = 0.1, prepare=None):
     """(transformers model in float32 eval mode, the directory it was saved to).
 
     transformers initialises every norm weight to 1, which would hide a norm applied to the wrong
-    axis or not at all; ``norm_jitter`` scales them by ``1 + jitter * N(0, 1)`` before saving."""
+    axis or not at all; ``norm_jitter`` scales them by ``1 + jitter * N(0, 1)`` before saving.
+    ``prepare(model)`` may change the weights further before saving (e.g. scale them up so that no
+    path's contribution is lost in float32 rounding against the residual stream)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -42,6 +44,9 @@ def hf_reference(hf_config, tmp_path: Path, seed: int = 0, norm_jitter: float = 
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.mul_(1 + norm_jitter * torch.randn_like(p))
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(hf)
     out = Path(tmp_path) / "hf"
     hf.save_pretrained(out)
     return hf, out
@@ -82,12 +87,15 @@ def assert_logits_match(ours, hf, ids: torch.Tensor, attention_mask=None, rtol: 
 _FUSED = re.compile(r"^(?P<pre>.*experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)$")
 
 
-def hf_grads(hf) -> dict[str, torch.Tensor]:
-    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert)."""
+def hf_grads(hf, rename=lambda name: name) -> dict[str, torch.Tensor]:
+    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert).
+    ``rename``: in-memory name -> checkpoint name where save_pretrained renames (NemotronH's
+    ``model.`` is ``backbone.`` in its checkpoints)."""
     out: dict[str, torch.Tensor] = {}
     for name, p in hf.named_parameters():
         if p.grad is None:
             continue
+        name = rename(name)
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         m = _FUSED.match(base)
         if m is None or p.grad.dim() != 3:
@@ -110,13 +118,14 @@ def scalar_loss(logits: torch.Tensor) -> torch.Tensor:
     return (logits * w).sum() + logits.logsumexp(-1).sum()
 
 
-def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_hf=lambda s: s) -> float:
+def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_hf=lambda s: s,
+                       rename=lambda name: name) -> float:
     """Every parameter's gradient of :func:`scalar_loss`, ours vs transformers'; returns the worst error."""
     ours.zero_grad(set_to_none=True)
     hf.zero_grad(set_to_none=True)
     scalar_loss(ours(ids).logits).backward()
     scalar_loss(hf(input_ids=ids).logits).backward()
-    want = hf_grads(hf)
+    want = hf_grads(hf, rename)
     got = to_hf({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
     # An expert no token chose has no gradient in ours, a zero one in transformers' fused tensor.
     missing = sorted(n for n in set(want) - set(got) if want[n].norm() > 0)

@@ -1,1 +1,1 @@
-"""Family ``nemotron_h`` (Nemotron 3 Ultra): plan-only, schema and plan facts in spec.py."""
+"""Family ``nemotron_h`` (Nemotron-H / Nemotron 3): schema config.py, config.json hf_config.py, torch model.py, spec.py."""
