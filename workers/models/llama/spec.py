@@ -10,6 +10,7 @@ from __future__ import annotations
 from workers.common.registry import MODELS
 from workers.models.checks import check_gqa, check_mha, positive
 from workers.models.facts import Architecture
+from workers.models.llama import hf_config
 from workers.models.llama.config import LlamaConfig
 from workers.models.spec import ModelSpec
 from workers.models.tiny_moe.spec import SHARDED, build, init
@@ -30,4 +31,5 @@ def check(cfg) -> None:
 
 SPEC = MODELS.register(ModelSpec(
     name="llama", config=LlamaConfig, check=check, arch=arch, build=build, init=init, parallelize=SHARDED,
-    router_hook=None, summary="dense Llama decoder (tiny_moe's code with no experts; SmolLM2)"))
+    router_hook=None, hf_architectures=(hf_config.ARCHITECTURE,), to_hf_config=hf_config.to_hf_config,
+    from_hf_config=hf_config.from_hf_config, summary="dense Llama decoder (tiny_moe's code with no experts; SmolLM2)"))

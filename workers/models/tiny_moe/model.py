@@ -101,10 +101,16 @@ def build(cfg: DecoderConfig, *, device=None, dtype=None) -> TinyMoeForCausalLM:
 
 
 def init(cfg: DecoderConfig, dtype=torch.float32) -> TinyMoeForCausalLM:
-    """Step-0 weights on the CPU: seeded from ``cfg.init_seed`` (std ``cfg.init_std``), or the converted
-    ``cfg.pretrained`` checkpoint (HF names, which are this model's: the spec's from_hf is the identity)."""
+    """Step-0 weights on the CPU: a Hugging Face checkpoint directory (``cfg.path``: built on meta,
+    streamed in tensor by tensor), the converted ``cfg.pretrained`` checkpoint, or seeded from
+    ``cfg.init_seed`` (std ``cfg.init_std``). HF names are this model's: the spec's from_hf is the identity."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
+    if cfg.path:
+        from workers.common.registry import MODELS
+        from workers.models.hf_checkpoint import load_pretrained
+
+        return load_pretrained(build(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf)
     if not cfg.pretrained:
         return build_model(cfg, cfg.init_seed, dtype)
     from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only
