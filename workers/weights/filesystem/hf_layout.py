@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, tokenizer_files
+from workers.models.pretrained import tokenizer_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +61,6 @@ def hf_files(model_cfg) -> Optional[HFFiles]:
     spec = MODELS.get(model_cfg.family)
     if spec.to_hf_config is None:
         return None
-    source = tokenizer_source(model_cfg)
+    source = tokenizer_dir(model_cfg)
     return HFFiles(config=spec.to_hf_config(model_cfg), source=source,
                    files=tuple(tokenizer_files(source)) if source else ())
-
-
-def tokenizer_source(model_cfg) -> Optional[Path]:
-    """The directory holding the model's tokenizer: ``model.path``, else the converted
-    ``model.pretrained`` directory; None when neither is set."""
-    if getattr(model_cfg, "path", ""):
-        return Path(model_cfg.path)
-    if model_cfg.pretrained and model_cfg.pretrained_dir:
-        return Path(model_cfg.pretrained_dir)
-    return None
