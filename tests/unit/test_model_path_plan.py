@@ -4,10 +4,12 @@ written, and ``slurmrl model.path=DIR launcher.dry_run=true`` resolves the model
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from launcher.launch import prepare
 from launcher.model_path import check_model_path, explicit_model_keys, resolve_model_path
@@ -93,3 +95,15 @@ def test_cli_dry_run_resolves_the_model_section(hf, tmp_path):
     assert plan["params"]["total"] == sum([128 * 32 * 2, 2 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 32 * 64 + 2 * 32), 32])  # q,o + k,v + mlp + norms
     bad = cli(tmp_path, f"model.path={hf}", "model.hidden_size=64", "launcher.dry_run=true")
     assert bad.returncode == 2 and "model.hidden_size=64 contradicts" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_cli_refuses_a_checkpoint_missing_a_tensor_before_writing_anything(hf, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    out = cli(tmp_path, f"model.path={bad}")  # not a dry run: the tensor check runs before the run dir exists
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "bad: tensors missing from the checkpoint (1): ['model.layers.1.self_attn.k_proj.weight']" in out.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
