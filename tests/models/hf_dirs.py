@@ -15,14 +15,14 @@ TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidd
 
 
 def llama_dir(directory: Path, *, max_shard_size: str | None = None, tokenizer_vocab: int = 0, seed: int = 0,
-              **overrides) -> Path:
-    """Save a tiny seeded Llama (float32) into ``directory``; ``tokenizer_vocab`` > 0 adds a tokenizer."""
+              dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a tiny seeded Llama (in ``dtype``) into ``directory``; ``tokenizer_vocab`` > 0 adds a tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(**{**TINY_LLAMA, **overrides})
     config.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(config).float()
+    model = LlamaForCausalLM(config).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     if tokenizer_vocab:

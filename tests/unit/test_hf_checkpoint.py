@@ -61,6 +61,17 @@ def test_init_streams_the_checkpoint_into_the_model_exactly(which, request):
     check_model_path(cfg_of(directory))  # the launcher's header-only check agrees
 
 
+@pytest.mark.parametrize("kw", [dict(dtype=torch.bfloat16), dict(tie_word_embeddings=True)])
+def test_bf16_and_tied_checkpoints_load(kw, tmp_path):
+    directory = llama_dir(tmp_path / "ckpt", **kw)
+    reference = load_file(str(directory / "model.safetensors"))
+    assert ("lm_head.weight" in reference) != kw.get("tie_word_embeddings", False)
+    model = init(cfg_of(directory), torch.float32)
+    state = model.state_dict()
+    assert set(state) == set(reference) and all(torch.equal(state[k], reference[k].float()) for k in state)
+    assert cfg_of(directory).tie_word_embeddings == kw.get("tie_word_embeddings", False)
+
+
 def test_slices_read_only_the_part_asked_for(sharded):
     ckpt = HFCheckpoint(sharded)
     name = "model.layers.1.mlp.up_proj.weight"

@@ -107,3 +107,18 @@ def test_cli_refuses_a_checkpoint_missing_a_tensor_before_writing_anything(hf, t
     assert out.returncode == 2, out.stderr[-2000:]
     assert "bad: tensors missing from the checkpoint (1): ['model.layers.1.self_attn.k_proj.weight']" in out.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_chat_env_takes_the_tokenizer_and_template_from_model_path(hf, tmp_path):
+    from workers.orchestrator.envs.reverse_text import ReverseTextEnv
+
+    cfg = resolved(hf, "env=reverse_text", "env.max_new_tokens=8")
+    prepare(cfg)  # the env's tokenizer check finds hf's tokenizer.json
+    env = ReverseTextEnv(cfg.env, seed=0, model=cfg.model)
+    task = env.sample_task()
+    assert all(0 <= i < 100 for i in task.prompt_ids) and env.stop_token_ids == (0,)  # <eos> is id 0
+    bare = tmp_path / "bare"
+    shutil.copytree(hf, bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    with pytest.raises(PlanError, match=r"env=reverse_text uses a pretrained model's tokenizer .* model.path has no "
+                                        r"tokenizer"):
+        prepare(resolved(bare, "env=reverse_text", "env.max_new_tokens=8"))

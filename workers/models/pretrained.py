@@ -165,6 +165,11 @@ def tokenizer_dir(model_cfg) -> Optional[Path]:
 
 
 def load_tokenizer(directory: Path):
-    """The tokenizer saved next to the weights (transformers; chat template included)."""
-    _, auto_tokenizer = import_transformers()
-    return auto_tokenizer.from_pretrained(str(directory))
+    """The tokenizer saved next to the weights (transformers; chat template included). Needs only
+    transformers (gguf and accelerate are for converting a GGUF source)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise PretrainedMissing(f"loading the tokenizer in {directory} needs transformers ({e}); install it with: "
+                                f"pip install -e '.[pretrained]'") from e
+    return AutoTokenizer.from_pretrained(str(directory))
