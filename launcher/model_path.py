@@ -88,7 +88,7 @@ def check_tensors(cfg: RunConfig) -> None:
     reading only the safetensors headers); PlanError with its message (file and key) otherwise."""
     if not cfg.model.path:
         return
-    cmd = [sys.executable, "-m", "workers.models.hf_checkpoint", "check"]
+    cmd = [sys.executable, "-m", "workers.models.hf_checkpoint", "check", *cfg.plugins]
     proc = subprocess.run(cmd, input=to_yaml(cfg.model), capture_output=True, text=True)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()

@@ -17,7 +17,7 @@ differs, an FP8 weight without its scale.
 
 Plan-time check (the launcher's child process; reads headers only, builds the model on meta)::
 
-    python -m workers.models.hf_checkpoint check < model-section.yaml
+    python -m workers.models.hf_checkpoint check [PLUGIN ...] < model-section.yaml
 """
 from __future__ import annotations
 
@@ -188,14 +188,17 @@ def check_model_path(model_cfg) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``check [PLUGIN_MODULE ...]``: the model section (YAML) on stdin; exit 2 with the error on stderr."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv != ["check"]:
-        print("usage: python -m workers.models.hf_checkpoint check < model-section.yaml", file=sys.stderr)
+    if not argv or argv[0] != "check":
+        print("usage: python -m workers.models.hf_checkpoint check [PLUGIN ...] < model-section.yaml", file=sys.stderr)
         return 2
     from omegaconf import OmegaConf
 
     from workers.common.config.run import structure_section
+    from workers.common.plugins import load_plugins
 
+    load_plugins(argv[1:])  # the run's plugins: a family they register builds here too
     model_cfg = OmegaConf.to_object(structure_section("model", OmegaConf.create(sys.stdin.read())))
     try:
         check_model_path(model_cfg)
