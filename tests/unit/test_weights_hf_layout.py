@@ -74,6 +74,19 @@ def test_every_full_step_is_a_transformers_directory(source, tmp_path):
     assert len(tok) == 100 and tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False) == "hello"
 
 
+def test_a_step_written_by_two_ranks_loads_through_the_hf_index(source, tmp_path):
+    from tests.unit.test_weights_filesystem import publish_with_ranks
+
+    cfg = cfg_of(source)
+    ours = init(cfg, torch.float32).eval()
+    publish_with_ranks(tmp_path, 0, ours.state_dict(), world=2, hf=hf_files(cfg))
+    step = tmp_path / "step_000000"
+    weight_map = json.loads((step / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    assert not (step / "model.safetensors").exists()
+    assert_same_function(hf_load(step), ours)
+
+
 def test_delta_steps_load_in_transformers_and_resolve_into_full_dirs(source, tmp_path):
     cfg = cfg_of(source)
     ours = init(cfg, torch.float32).eval()
