@@ -122,3 +122,18 @@ def test_a_chat_env_takes_the_tokenizer_and_template_from_model_path(hf, tmp_pat
     with pytest.raises(PlanError, match=r"env=reverse_text uses a pretrained model's tokenizer .* model.path has no "
                                         r"tokenizer"):
         prepare(resolved(bare, "env=reverse_text", "env.max_new_tokens=8"))
+
+
+def test_resolving_and_checking_model_path_imports_no_torch(hf):
+    script = f"""
+import sys
+from tests.conftest import compose
+from launcher.launch import prepare
+from launcher.model_path import explicit_model_keys, resolve_model_path
+overrides = ["model.path={hf}"]
+prepare(resolve_model_path(compose(overrides), explicit_model_keys(overrides)))
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "safetensors"))
+assert not heavy, heavy
+"""
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
