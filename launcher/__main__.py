@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from launcher import sweep
 from launcher.config_store import register, reject_unknown_keys
 from launcher.launch import launch
+from launcher.model_path import explicit_model_keys, resolve_model_path
 from launcher.plan import PlanError
 from launcher.resume import resume_config
 from launcher.run_dir import RunDirError
@@ -46,6 +47,7 @@ def hydra_app(cfg: DictConfig) -> None:
     try:
         reject_unknown_keys(cfg)
         run_cfg = conform_sections(OmegaConf.to_object(cfg))
+        run_cfg = resolve_model_path(run_cfg, explicit_model_keys(hc.overrides.task))  # model.path: config.json
         run_cfg.plugins = list(dict.fromkeys([*PLUGINS, *run_cfg.plugins]))  # roles import the same ones
         if run_cfg.launcher.resume:
             if hc.mode == RunMode.MULTIRUN:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.estimate import human
+from launcher.model_path import check_model_path, check_tensors
 from launcher.plan import JobPlan, build_plan, plan_errors
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.render import render_script, sbatch_command
@@ -55,6 +56,7 @@ def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     plan = build_plan(cfg)  # every user mistake raises here, before anything is written
     if plan.backend == "local":
         check_host(cfg)  # what only this machine can say (the roles run here)
+    check_model_path(cfg)  # model.path: config.json, shards, tokenizer (torch-free)
     cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
     root = root or choose_run_dir(cfg)
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))
@@ -111,6 +113,7 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
               flush=True)
     if not cfg.launcher.dry_run:
         ensure_converted(prep.cfg)  # model.pretrained: once per cache dir, before the run dir exists
+        check_tensors(prep.cfg)  # model.path: every tensor's name and shape (a child process with torch)
     paths = write(prep)
     announce(prep)
     if cfg.launcher.dry_run:

@@ -85,7 +85,7 @@ def test_a_kimi_k2_style_config_json_maps_onto_the_preset():
          "transformers_version": "4.48.3", "use_cache": True, "v_head_dim": 128, "vocab_size": 163840}
     fields = spec.from_hf_config(d)
     assert fields == {k: v for k, v in dataclasses.asdict(m).items() if k in fields}
-    assert set(dataclasses.asdict(m)) - set(fields) == {"family", "name", "init_seed", "pretrained", "pretrained_dir",
+    assert set(dataclasses.asdict(m)) - set(fields) == {"family", "name", "init_seed", "pretrained", "pretrained_dir", "path",
                                                         "rope_interleave"}
     with pytest.raises(ValueError, match="quantization_config"):
         spec.from_hf_config({**d, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})

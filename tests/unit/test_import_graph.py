@@ -15,9 +15,11 @@ PACKAGES = ("launcher", "workers")
 #: What launcher/ may import from workers/: the common protocols/configs/registries (which reach
 #: the plugin homes by name), each axis's pure spec interface, and the pure preflight limits.
 #: Never a role's code, never a plugin home directly. ``workers.models.pretrained`` is the table of
-#: checkpoint sources the launcher converts once on the login node (torch-free).
+#: checkpoint sources the launcher converts once on the login node (torch-free); ``workers.models.hf_dir``
+#: reads a ``model.path`` checkpoint directory's JSON files (config.json, index, tokenizer) torch-free.
 LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits", "workers.models.spec", "workers.weights.spec",
-                       "workers.inference.spec", "workers.orchestrator.envs.spec", "workers.models.pretrained")
+                       "workers.inference.spec", "workers.orchestrator.envs.spec", "workers.models.pretrained",
+                       "workers.models.hf_dir")
 
 
 def module_name(path: Path) -> str:

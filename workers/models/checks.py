@@ -22,8 +22,15 @@ def check_base(cfg, spec) -> None:
     m = cfg.model
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
         positive(f"model.{key}", getattr(m, key))
+    if m.pretrained and m.path:
+        raise ValueError(f"model.pretrained={m.pretrained} and model.path={m.path} both name the starting weights; "
+                         f"set one")
     if m.pretrained:
         check_pretrained(cfg)
+    elif m.pretrained_dir:
+        raise ValueError(f"model.pretrained_dir={m.pretrained_dir} is set but model.pretrained is empty: it only says "
+                         f"where a model.pretrained source is converted; to start from a Hugging Face "
+                         f"checkpoint directory use model.path={m.pretrained_dir}")
     if m.num_experts == 0:  # dense: nothing routes, so nothing can be replayed or expert-split
         if cfg.trainer.router_replay:
             raise ValueError(f"trainer.router_replay=true needs a MoE model; model {m.name} "

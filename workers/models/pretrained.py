@@ -151,7 +151,25 @@ def import_transformers():
     return AutoModelForCausalLM, AutoTokenizer
 
 
+def tokenizer_dir(model_cfg) -> Optional[Path]:
+    """Where the model's tokenizer (and chat template) lives: the ``model.path`` checkpoint directory
+    when it holds one, else the converted ``model.pretrained`` directory; None: the model has none
+    (token-level envs bring their own)."""
+    from workers.models.hf_dir import has_tokenizer
+
+    if getattr(model_cfg, "path", "") and has_tokenizer(model_cfg.path):
+        return Path(model_cfg.path)
+    if model_cfg.pretrained:
+        return Path(model_cfg.pretrained_dir or default_dir(model_cfg.pretrained))
+    return None
+
+
 def load_tokenizer(directory: Path):
-    """The tokenizer saved next to the weights (transformers; chat template included)."""
-    _, auto_tokenizer = import_transformers()
-    return auto_tokenizer.from_pretrained(str(directory))
+    """The tokenizer saved next to the weights (transformers; chat template included). Needs only
+    transformers (gguf and accelerate are for converting a GGUF source)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise PretrainedMissing(f"loading the tokenizer in {directory} needs transformers ({e}); install it with: "
+                                f"pip install -e '.[pretrained]'") from e
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -39,7 +39,14 @@ class ModelConfig:
     workers/models/pretrained.py SOURCES (``smollm2_135m``, family llama); "" = random init from init_seed."""
     pretrained_dir: str = ""
     """Where the converted checkpoint (safetensors + tokenizer) lives; "" lets the launcher pin
-    $SLURMRL_CACHE (default ~/.cache/slurmrl)/pretrained/<pretrained>. Must be visible to every node."""
+    $SLURMRL_CACHE (default ~/.cache/slurmrl)/pretrained/<pretrained>. Must be visible to every node.
+    Only with ``pretrained`` (a Hugging Face directory is ``path``)."""
+    path: str = ""
+    """Start from a Hugging Face checkpoint directory (config.json + model.safetensors or a sharded
+    model.safetensors.index.json; bf16/fp32, or DeepSeek-style block-FP8 dequantised on load). The
+    launcher takes the family (config.json ``architectures``) and every architecture field from
+    config.json (launcher/model_path.py); tokenizer and chat template come from the same directory
+    when present. Must be visible to every node. "" = no checkpoint directory."""
 
     # A MoE family's schema declares these two as fields; the properties answer for dense families.
     @property
@@ -62,4 +69,5 @@ class ModelConfig:
 
 
 limits(ModelConfig, family=NONEMPTY, name=NONEMPTY, vocab_size=gt(0), hidden_size=gt(0), num_layers=gt(0),
-       num_heads=gt(0), max_position_embeddings=gt(0), init_seed=SEED, pretrained=TEXT, pretrained_dir=TEXT)
+       num_heads=gt(0), max_position_embeddings=gt(0), init_seed=SEED, pretrained=TEXT, pretrained_dir=TEXT,
+       path=TEXT)

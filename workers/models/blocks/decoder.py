@@ -106,12 +106,18 @@ class CausalLM(nn.Module):
 
     @classmethod
     def step0(cls, cfg, dtype=torch.float32) -> "CausalLM":
-        """Step-0 weights on the CPU: seeded from ``cfg.init_seed`` (std ``cfg.init_std``), or the
-        converted ``cfg.pretrained`` checkpoint (HF names, which are this model's)."""
+        """Step-0 weights on the CPU: a Hugging Face checkpoint directory (``cfg.path``: built on meta,
+        streamed in tensor by tensor through the family's ``from_hf``), the converted ``cfg.pretrained``
+        checkpoint (HF names, which are this model's), or seeded from ``cfg.init_seed`` (std ``cfg.init_std``)."""
         from workers.common.dtypes import torch_dtype
 
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
+        if getattr(cfg, "path", ""):
+            from workers.common.registry import MODELS
+            from workers.models.hf_checkpoint import load_pretrained
+
+            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf)
         if not cfg.pretrained:
             return cls(cfg).init_weights(cfg.init_seed).to(dtype)
         from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only

@@ -120,10 +120,15 @@ def keep_fp32(model: nn.Module) -> nn.Module:
 
 
 def init_module(cls, cfg, dtype=torch.float32):
-    """Step-0 weights on the CPU, seeded from ``cfg.init_seed``. Pretrained checkpoints of this
-    family come through ``model.path`` (not yet: the plan refuses ``model.pretrained`` for it)."""
+    """Step-0 weights on the CPU: the checkpoint at ``cfg.path`` (streamed tensor by tensor; MTP
+    layers dropped by the family's ``from_hf``), else seeded from ``cfg.init_seed``."""
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
+    if cfg.path:
+        from workers.models.hf_checkpoint import load_pretrained
+
+        return keep_fp32(load_pretrained(build_module(cls, cfg, device="meta", dtype=dtype), cfg,
+                                         lambda state: drop_mtp(state, cfg.num_layers)))
     if cfg.pretrained:
         raise ValueError(f"model.pretrained={cfg.pretrained!r}: family {cfg.family} has no pretrained sources")
     return keep_fp32(cls(cfg).init_weights(cfg.init_seed).to(dtype))

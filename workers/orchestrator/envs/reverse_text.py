@@ -28,7 +28,7 @@ from typing import Any
 from workers.common.config import EnvConfig
 from workers.common.config.ranges import TEXT, between, gt, limits
 from workers.common.registry import ENVS
-from workers.models.pretrained import require_prepared
+from workers.models.pretrained import require_prepared, tokenizer_dir
 from workers.orchestrator.envs.base import SingleTurnEnv
 from workers.orchestrator.envs.spec import EnvSpec, positive
 
@@ -104,12 +104,13 @@ class ReverseTextEnv(SingleTurnEnv):
         if not 0 <= cfg.num_examples <= len(EXAMPLES):
             raise ValueError(f"env.num_examples({cfg.num_examples}) must be in [0, {len(EXAMPLES)}]")
         if tokenizer is None:
-            if model is None or not model.pretrained:
+            directory = tokenizer_dir(model) if model is not None else None
+            if directory is None:
                 raise ValueError("env=reverse_text needs a pretrained model's tokenizer: set model.pretrained "
-                                 "(e.g. model=smollm2_135m)")
+                                 "(e.g. model=smollm2_135m) or a model.path with tokenizer files")
             from workers.models.pretrained import load_tokenizer  # transformers: only this env needs it
 
-            tokenizer = load_tokenizer(require_prepared(model))
+            tokenizer = load_tokenizer(require_prepared(model) if model.pretrained else directory)
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rng = random.Random(seed * 1_000_003 + cfg.seed)
         self.next_id = 0

@@ -84,10 +84,12 @@ def check_vocabulary(spec: EnvSpec, run_cfg: Any) -> None:
     """The model can emit every token of the env's vocabulary, or has the tokenizer the env uses."""
     m = run_cfg.model
     if spec.vocab_size is None:
-        if not getattr(m, "pretrained", ""):
+        from workers.models.pretrained import tokenizer_dir
+
+        if tokenizer_dir(m) is None:
             raise ValueError(f"env={spec.name} uses a pretrained model's tokenizer and chat template, but model "
-                             f"{m.name} has none (model.pretrained is empty); use a pretrained model such as "
-                             f"model=smollm2_135m")
+                             f"{m.name} has none (model.pretrained is empty and model.path has no tokenizer); use "
+                             f"a pretrained model such as model=smollm2_135m or a model.path with tokenizer files")
         return
     need = spec.vocab_size(run_cfg.env)
     if need > m.vocab_size:

@@ -203,5 +203,6 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
     if topology.weights_group_addr:
         host, _, p = topology.weights_group_addr.rpartition(":")
         port = int(p)
-    return BroadcastPublisher(paths, cfg.weights, peers, initial=filesystem_publisher(cfg.weights, paths, peers),
+    initial = filesystem_publisher(cfg.weights, paths, peers, model=cfg.model)
+    return BroadcastPublisher(paths, cfg.weights, peers, initial=initial,
                               host=host, port=port, num_receivers=sum(receiver_rank_counts(cfg)), device=device)

@@ -10,6 +10,10 @@ One step on disk (HF layout; ``model.safetensors`` when one rank writes)::
                               "tensors": {name: {"shape", "dtype", "xxh3"}}}
     step_000007/STABLE       written last
 
+For a family with a config.json mapping (``to_hf_config``), rank 0 also writes, before STABLE,
+``config.json``, ``model.safetensors.index.json`` and the source's tokenizer files: the step is
+a Hugging Face directory (hf_layout.py; delta steps and ``resolve.py`` there too).
+
 Protocol for version V (T: trainer ranks, O: orchestrator, W: inference workers):
   T  every rank calls publish(V) after its optimizer step (publisher.py; waits are the
      trainer group's collectives, bounded by its process-group timeout):

@@ -16,8 +16,9 @@ INDEX = "index.json"
 FORMAT = "slurmrl-weights/1"
 
 
-def shard_name(rank: int, world: int) -> str:
-    return "model.safetensors" if world == 1 else f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+def shard_name(rank: int, world: int, *, sharded: bool = False) -> str:
+    """HF's names; ``sharded`` (delta mode) never uses ``model.safetensors`` (hf_layout.py says why)."""
+    return "model.safetensors" if world == 1 and not sharded else f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
 
 
 def referenced_steps(step_dir: Path) -> set[str]:

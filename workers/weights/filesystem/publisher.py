@@ -22,6 +22,7 @@ from workers.common.protocol import STABLE, step_name
 from workers.weights.base import (NonFiniteWeights, Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher,
                                   assign_shares, nonfinite_message, peers_for)
 from workers.weights.checksums import HASH_NAME, Hasher, tensor_hash  # noqa: F401  (tensor_hash re-exported)
+from workers.weights.filesystem.hf_layout import HFFiles, hf_files
 from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
 from workers.weights.shards import nbytes, write_shard
 
@@ -45,12 +46,13 @@ class FilesystemPublisher(WeightPublisher):
     """Trainer side (the package docstring has the protocol and delta mode)."""
 
     def __init__(self, root: Path, *, peers: Peers, keep_last: int, delta: bool = False, full_every: int = 10,
-                 num_threads: int = 2, skip_nonfinite: bool = False):
+                 num_threads: int = 2, skip_nonfinite: bool = False, hf: Optional[HFFiles] = None):
         assert keep_last >= 1 and full_every >= 1, (keep_last, full_every)
         self.root, self.peers, self.keep_last = Path(root), peers, keep_last
         self.delta, self.full_every = delta, full_every
         self.skip_nonfinite = skip_nonfinite  # NaN/inf in a step: skip it (True) or raise NonFiniteWeights
         self.hasher = Hasher(num_threads)
+        self.hf = hf  # config.json, HF index and tokenizer files in every step (hf_layout.py); None: not an HF dir
         self._prev: dict[str, tuple[str, str]] = {}  # this rank's share: name -> (hash, file relative to root)
         self._last_full: Optional[int] = None
         # Deleting a GB-sized step costs as much as writing one (measured ~0.6 s/GB on tmpfs
@@ -80,7 +82,7 @@ class FilesystemPublisher(WeightPublisher):
         else:  # the decision needs the hashes first (in threads; not overlapped with the write)
             hashes = {n: f.result() for n, f in self.hasher.hash_tensors(tensors).items()}
             to_write = [(n, t) for n, t in tensors if self._prev.get(n, ("", ""))[0] != hashes[n]]
-        fname = shard_name(rank, world)
+        fname = shard_name(rank, world, sharded=self.delta)  # delta: never model.safetensors (hf_layout.py)
         bad: list[str] = []  # tensors holding NaN/inf, found in the hashing pass
         if to_write:
             hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}, nonfinite=bad))
@@ -114,6 +116,9 @@ class FilesystemPublisher(WeightPublisher):
         index = {"format": FORMAT, "step": version, "metadata": {"total_size": sum(m.nbytes for m in metas)},
                  "weight_map": {m.name: rel(entries[m.name]["file"]) for m in metas},
                  "tensors": {m.name: {k: entries[m.name][k] for k in ("shape", "dtype", HASH_NAME)} for m in metas}}
+        if self.hf is not None:
+            dtypes = sorted({m.dtype for m in metas if m.dtype.startswith(("float", "bfloat"))})
+            self.hf.write(tmp, index["weight_map"], index["metadata"]["total_size"], dtypes[0] if dtypes else "float32")
         for name, text in ((INDEX, json.dumps(index)), (STABLE, json.dumps({"time": time.time()}))):
             with open(tmp / name, "w") as f:  # STABLE last: it vouches for everything before it
                 f.write(text)
@@ -169,11 +174,12 @@ def publish_step(weights_root: Path, step: int, state: Mapping[str, torch.Tensor
 def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
                    device: Optional[torch.device] = None) -> FilesystemPublisher:
     """TransportSpec.publisher: this trainer rank's publisher into ``run_dir/weights``."""
-    return filesystem_publisher(cfg.weights, paths, peers_for(rank, world_size))
+    return filesystem_publisher(cfg.weights, paths, peers_for(rank, world_size), model=cfg.model)
 
 
-def filesystem_publisher(w, paths, peers: Peers) -> FilesystemPublisher:
-    """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too)."""
+def filesystem_publisher(w, paths, peers: Peers, *, model=None) -> FilesystemPublisher:
+    """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too); with the
+    run's ``model`` section, every step is also a Hugging Face directory when the family has a config.json."""
     return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
                                full_every=w.delta_full_every, num_threads=w.num_hash_threads,
-                               skip_nonfinite=w.skip_nonfinite)
+                               skip_nonfinite=w.skip_nonfinite, hf=hf_files(model) if model is not None else None)

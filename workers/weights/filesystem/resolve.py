@@ -1,0 +1,59 @@
+"""Resolve a published step into a self-contained Hugging Face directory (delta steps included).
+
+    python -m workers.weights.filesystem.resolve RUN_DIR/weights/step_000007 OUT_DIR
+
+A delta step's weight map points unchanged tensors at earlier steps' shards (hf_layout.py); this
+reads every tensor through our index.json (checksums and finiteness verified by the same reader
+the inference workers use, workers/weights/filesystem/receiver.py), writes them into one
+``model.safetensors`` and copies config.json and the tokenizer files: the result loads in
+transformers and SGLang like a full step. Peak memory is the model once (a tool, not a role).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from workers.common.protocol import STABLE
+from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, TOKENIZER_FILES
+from workers.weights.base import WeightLoadError
+from workers.weights.filesystem.receiver import DiskReader
+from workers.weights.shards import write_shard
+
+
+def resolve(step_dir: Path, out_dir: Path) -> Path:
+    """Write the full checkpoint of ``step_dir`` into ``out_dir`` (created; must not exist)."""
+    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    if not (step_dir / CONFIG).is_file():
+        raise WeightLoadError(f"{step_dir} has no {CONFIG}: its family publishes no Hugging Face config")
+    reader = DiskReader()
+    loaded = reader.load(step_dir)
+    out_dir.mkdir(parents=True, exist_ok=False)
+    state = sorted((n, t.contiguous()) for n, t in loaded.state.items())
+    write_shard(out_dir / "model.safetensors", state, {"format": "pt"})
+    total = sum(t.numel() * t.element_size() for _, t in state)
+    index = {"metadata": {"total_size": total}, "weight_map": {n: "model.safetensors" for n, _ in state}}
+    (out_dir / HF_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    for name in (CONFIG, *TOKENIZER_FILES, STABLE):
+        if (step_dir / name).is_file():
+            shutil.copyfile(step_dir / name, out_dir / name)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.weights.filesystem.resolve", description=__doc__.split("\n")[0])
+    p.add_argument("step_dir")
+    p.add_argument("out_dir")
+    args = p.parse_args(argv)
+    try:
+        print(resolve(Path(args.step_dir), Path(args.out_dir)), flush=True)
+    except (WeightLoadError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
