@@ -60,6 +60,8 @@ class JobPlan:
     """``inference.backend`` (its spec: workers.common.registry.BACKENDS)."""
     backend_steps: tuple[BackendStep, ...] = ()
     """Each server role's and the router's command preview and step env (backends with ``plan_steps``)."""
+    model: str = ""
+    """``<model.name> (family <model.family>[, from <model.path>])``: what the summary names."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -75,7 +77,7 @@ class JobPlan:
     def summary(self) -> list[str]:
         """Human-readable lines the launcher prints (and the dry run shows)."""
         p = self.params
-        lines = [f"model: {human(p.total)} params ({human(p.active)} active per token"
+        lines = [f"model: {self.model + ': ' if self.model else ''}{human(p.total)} params ({human(p.active)} active per token"
                  + (f", +{human(p.mtp)} in MTP layers: counted, not built or trained" if p.mtp else "") + ")"]
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
@@ -296,5 +298,7 @@ def build_plan(cfg: RunConfig) -> JobPlan:
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
                    slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles),
                    preflight=cfg.preflight, inference_backend=backend.name,
-                   backend_steps=backend.plan_steps(cfg) if backend.plan_steps else ())
+                   backend_steps=backend.plan_steps(cfg) if backend.plan_steps else (),
+                   model=f"{cfg.model.name} (family {cfg.model.family}"
+                         + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")")
 

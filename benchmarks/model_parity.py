@@ -1,0 +1,190 @@
+"""Every model family against transformers, side by side in one run: errors and training-step speed.
+
+    python -m benchmarks.model_parity                 # CPU, tiny configs (writes benchmarks/results/model_parity.json)
+    python -m benchmarks.model_parity --device cuda --size 1b --families qwen3_moe,deepseek_v3 \
+        --out benchmarks/results/gpu/model_parity_h200.json   # the ~1B comparison on a GPU
+
+For each family: transformers' own model is built from its config class (seeded, float32),
+saved with ``save_pretrained``; ours is configured from that config.json (``from_hf_config``)
+and loads the checkpoint strictly. Measured: logits relative error and the worst per-parameter
+gradient error (float32), then the training step (forward + backward of a token-mean loss +
+AdamW step) of both models on the same batch in the compute dtype, interleaved so both see the
+same machine state; reported as tokens/s and the ratio ours / transformers (> 1: ours faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from workers.common.registry import MODELS
+
+MOE_1B = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, vocab_size=32000)
+"""~1.5B-parameter MoE shapes for the GPU comparison (the tiny_moe gpu_moe_1b5 preset's scale)."""
+
+
+def tiny_configs() -> dict[str, tuple[str, dict]]:
+    """family -> (transformers model_type, config kwargs): small enough for 2 CPU cores, every block used."""
+    mla = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
+               q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
+               max_position_embeddings=512, tie_word_embeddings=False)
+    return {
+        "llama": ("llama", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)),
+        "qwen3_moe": ("qwen3_moe", dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                        max_position_embeddings=512)),
+        "deepseek_v3": ("deepseek_v3", {**mla, "num_nextn_predict_layers": 0}),
+        "glm_moe_dsa": ("glm_moe_dsa", {**mla, "index_topk": 16, "index_head_dim": 16, "index_n_heads": 4}),
+        "nemotron_h": ("nemotron_h", dict(vocab_size=256, hidden_size=64, layers_block_type=[
+            "linear_attention", "moe", "full_attention", "mlp"], num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+            conv_kernel=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=64, moe_latent_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, max_position_embeddings=512)),
+    }
+
+
+def gpu_configs() -> dict[str, tuple[str, dict]]:
+    """~1B-class configs of the two families the issue names for the GPU ratio."""
+    return {
+        "qwen3_moe": ("qwen3_moe", dict(**MOE_1B, intermediate_size=4096, moe_intermediate_size=512, num_key_value_heads=4,
+                                        head_dim=64, num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
+                                        max_position_embeddings=8192)),
+        "deepseek_v3": ("deepseek_v3", dict(**MOE_1B, intermediate_size=4096, moe_intermediate_size=512,
+                                            num_key_value_heads=16, n_shared_experts=1, n_routed_experts=32,
+                                            num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                            kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                                            v_head_dim=64, first_k_dense_replace=1, max_position_embeddings=8192,
+                                            num_nextn_predict_layers=0)),
+    }
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def build_pair(family: str, model_type: str, kw: dict, tmp: Path, dtype: torch.dtype, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32)
+    hf.save_pretrained(tmp)
+    spec = MODELS.get(family)
+    cfg = spec.config(name=f"bench_{family}", path=str(tmp), **spec.from_hf_config(json.loads((tmp / "config.json").read_text())))
+    ours = spec.init(cfg, torch.float32)
+    return hf.to(device), ours.to(device), cfg
+
+
+def grad_errors(hf, ours, ids: torch.Tensor) -> tuple[float, float]:
+    """(logits relative error, worst per-parameter gradient relative error), float32, train mode off."""
+    hf.eval(), ours.eval()
+    out_hf = hf(input_ids=ids).logits
+    out_ours = ours(ids).logits
+    w = torch.linspace(-1, 1, out_hf.numel(), device=ids.device).view_as(out_hf)
+    (out_hf * w).sum().backward()
+    (out_ours * w).sum().backward()
+    hf_grads = {}
+    for name, p in hf.named_parameters():
+        if p.grad is None:
+            continue
+        if p.grad.dim() == 3 and name.endswith(("gate_up_proj", "down_proj", "up_proj")):  # fused experts
+            kind = name.rsplit(".", 1)[1]
+            pre = name[: -len(kind) - 1]
+            for e in range(p.grad.shape[0]):
+                g = p.grad[e]
+                if kind == "gate_up_proj":
+                    hf_grads[f"{pre}.{e}.gate_proj.weight"], hf_grads[f"{pre}.{e}.up_proj.weight"] = g.chunk(2)
+                else:
+                    hf_grads[f"{pre}.{e}.{kind}.weight"] = g
+        else:
+            hf_grads[name] = p.grad
+    ours_grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    worst = max((rel_err(ours_grads[n], g) for n, g in hf_grads.items() if n in ours_grads and g.norm() > 0),
+                default=float("nan"))
+    hf.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    return rel_err(out_ours, out_hf), worst
+
+
+def train_step(model, ids: torch.Tensor, opt, *, ours: bool) -> None:
+    logits = model(ids).logits if ours else model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def time_steps(hf, ours, ids: torch.Tensor, dtype: torch.dtype, iters: int) -> tuple[float, float]:
+    """Seconds per training step (median), interleaved: ours, transformers, ours, ..."""
+    hf, ours = hf.to(dtype).train(), ours.to(dtype).train()
+    opts = {True: torch.optim.AdamW(ours.parameters(), lr=1e-6), False: torch.optim.AdamW(hf.parameters(), lr=1e-6)}
+    times = {True: [], False: []}
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    for i in range(iters + 2):
+        for is_ours, model in ((True, ours), (False, hf)):
+            sync()
+            t0 = time.perf_counter()
+            train_step(model, ids, opts[is_ours], ours=is_ours)
+            sync()
+            if i >= 2:  # warm-up: allocator, kernels, optimizer state
+                times[is_ours].append(time.perf_counter() - t0)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return med(times[True]), med(times[False])
+
+
+def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int) -> dict:
+    configs = gpu_configs() if size == "1b" else tiny_configs()
+    rows = []
+    for family in families:
+        model_type, kw = configs[family]
+        with tempfile.TemporaryDirectory() as tmp:
+            hf, ours, cfg = build_pair(family, model_type, kw, Path(tmp), dtype, device)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, kw["vocab_size"], (batch, seq), generator=gen).to(device)
+        small = ids[:, : min(seq, 64)]
+        logits_err, grad_err = grad_errors(hf, ours, small) if size != "1b" else (float("nan"), float("nan"))
+        ours_s, hf_s = time_steps(hf, ours, ids, dtype, iters)
+        tokens = batch * seq
+        row = {"family": family, "params": sum(p.numel() for p in ours.parameters()), "tokens_per_step": tokens,
+               "logits_rel_err": logits_err, "grad_rel_err_max": grad_err, "ours_tokens_per_s": tokens / ours_s,
+               "hf_tokens_per_s": tokens / hf_s, "ratio_ours_over_hf": hf_s / ours_s}
+        rows.append(row)
+        print(f"{family:12s} params {row['params']:>13,d}  logits err {logits_err:.1e}  grad err {grad_err:.1e}  "
+              f"step ours {tokens / ours_s:9.0f} tok/s  transformers {tokens / hf_s:9.0f} tok/s  "
+              f"ratio {row['ratio_ours_over_hf']:.2f}", flush=True)
+        del hf, ours
+    return {"device": device if device == "cpu" else torch.cuda.get_device_name(), "dtype": str(dtype),
+            "batch": batch, "seq_len": seq, "size": size, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(tiny_configs()))
+    ap.add_argument("--size", choices=("tiny", "1b"), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/model_parity.json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = run(a.families.split(","), size=a.size, device=a.device, dtype=getattr(torch, a.dtype), batch=a.batch,
+                 seq=a.seq, iters=a.iters)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
