@@ -37,7 +37,10 @@ def test_a_run_starts_from_model_path_and_publishes_transformers_directories(tmp
     ours = TinyMoeForCausalLM(cfg.model)
     published = DiskReader().load(last).state
     ours.load_state_dict(published, strict=True)
-    assert any(not torch.equal(published[k], reference[k]) for k in reference)  # it trained
+    # A random tiny Llama rarely emits a digit, so a 3-step run may see no reward at all (zero
+    # advantages, zero gradient): the published weights must change exactly when a gradient did.
+    trained = any(r["grad_norm"] > 0 for r in metrics(run_dir))
+    assert any(not torch.equal(published[k], reference[k]) for k in reference) == trained
     ids = torch.tensor([[5, 3, 9, 1, 2, 14, 7, 7]])
     with torch.no_grad():
         a, b = hf.eval()(input_ids=ids).logits, ours.eval()(ids).logits
