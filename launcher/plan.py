@@ -140,7 +140,11 @@ def check_env(cfg: RunConfig) -> None:
                         f"{list(policies)}")
     _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
     with plan_errors():
-        ENVS.get(cfg.env.name).check(cfg)
+        spec = ENVS.get(cfg.env.name)
+        spec.check(cfg)
+    if cfg.orchestrator.eval_every_steps > 0 and not spec.eval_split:
+        raise PlanError(f"orchestrator.eval_every_steps({cfg.orchestrator.eval_every_steps}) > 0 but env={spec.name} has "
+                        f"no eval split; use env=dataset with env.eval_path or env.eval_fraction")
 
 
 def check_loop(cfg: RunConfig) -> int:

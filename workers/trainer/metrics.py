@@ -85,9 +85,8 @@ def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> st
         v = record.get(key)
         return "-" if v is None else format(v, fmt)
 
-    total = f"/{num_steps}" if num_steps else ""
     parts = [
-        f"step {record['step']}{total}",
+        logs.step_label(record["step"], num_steps),
         f"loss {f('loss', '.4f')}",
         f"reward {f('reward_mean', '.3f')}",
         f"kl {f('mismatch_kl', '.2e')}",

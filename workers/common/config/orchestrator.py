@@ -46,6 +46,17 @@ class OrchestratorConfig:
     """Consecutive failed health checks after which a worker is dead: no new groups, its
     in-flight groups resubmitted elsewhere (a refused connection marks it dead at once)."""
 
+    eval_every_steps: int = 0
+    """Evaluate the policy each time the orchestrator loads weights this many versions past the last
+    evaluation (and once on the initial weights): greedy answers to the env's eval split, mean reward
+    as ``eval/reward`` in the next batch's metrics.jsonl record; 0 = off. Needs an env with an eval
+    split (env=dataset with env.eval_path or env.eval_fraction). Runs beside rollouts: no stall."""
+    eval_num_samples: int = 32
+    """Eval records answered per evaluation (the first ones of the eval split, the same each time)."""
+    log_samples_every_steps: int = 0
+    """Every this many batches, log two of the batch's samples (prompt, completion, reward) as text
+    to the orchestrator log; 0 = off. Evaluations log their first answer too."""
+
     def __post_init__(self) -> None:
         for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
             if not getattr(self, key) > 0:
@@ -55,4 +66,5 @@ class OrchestratorConfig:
 limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),
        num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
        advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
-       num_spare_groups=ge(0), health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))
+       num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), log_samples_every_steps=ge(0),
+       health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))
