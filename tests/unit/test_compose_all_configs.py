@@ -22,6 +22,9 @@ COMPANIONS: dict[str, list[str]] = {
     "inference/sglang_pd.yaml": ["cluster=h200_ib", "orchestrator.return_routed_experts=false"],
     # words in a chat: needs a pretrained model's tokenizer and chat template
     "env/reverse_text.yaml": ["model=smollm2_135m"],
+    # your own data: a path is required (the README's example set), text is byte-level on the tiny model
+    "env/dataset.yaml": [f"env.path={ROOT.parents[0] / 'docs/examples/byot/train.jsonl'}", "env.prompt_key=question",
+                         "model.vocab_size=264", "model.max_position_embeddings=128"],
 }
 """Extra overrides a file needs to plan, keyed by its path under hydra_conf."""
 

@@ -5,16 +5,14 @@ and return 1.0 or 0.0.
 
 ``math_equal`` first extracts the final answer from the completion, in this order: the last
 ``\\boxed{...}`` (braces balanced), the text after the last "answer is" / "Answer:" / "####",
-else the last number in the text. Both sides are then normalised (``$``, ``\\left``/``\\right``,
+the last ``$...$`` formula, else the last number in the text. Both sides are then normalised (``$``, ``\\left``/``\\right``,
 ``\\text{}``, ``\\dfrac``/``\\tfrac``, ``\\frac{a}{b}`` -> ``a/b``, thousands separators, a
 trailing period, a leading ``x =``, a trailing ``%`` or unit-less degree sign) and compared as
-exact fractions when both parse as numbers ("0.5" == "1/2" == "\\frac{1}{2}"), else as
-whitespace-free, case-folded strings. Floats that are not exact decimals compare with a
-relative tolerance of 1e-6.
+exact fractions when both parse as numbers ("0.5" == "1/2" == "\\frac{1}{2}"; a rounded
+"0.333" is not "1/3"), else as whitespace-free, case-folded strings.
 """
 from __future__ import annotations
 
-import math
 import re
 from fractions import Fraction
 from typing import Optional
@@ -62,6 +60,9 @@ def extract_answer(completion: str) -> str:
     if marks:
         tail = completion[marks[-1].end():].strip()
         return tail.splitlines()[0] if tail else ""
+    formulas = re.findall(r"\$([^$]+)\$", completion)
+    if formulas:
+        return formulas[-1]
     numbers = _NUMBER.findall(completion)
     return numbers[-1] if numbers else completion.strip()
 
@@ -105,11 +106,11 @@ def as_number(s: str) -> Optional[Fraction]:
 
 
 def equivalent(a: str, b: str) -> bool:
-    """Two final answers are the same value (numbers exactly or within 1e-6 relative) or the same text."""
+    """Two final answers are the same value (exact fractions) or the same text."""
     na, nb = normalize(a), normalize(b)
     x, y = as_number(na), as_number(nb)
     if x is not None and y is not None:
-        return x == y or math.isclose(float(x), float(y), rel_tol=1e-6, abs_tol=1e-12)
+        return x == y
     return "".join(na.split()).casefold() == "".join(nb.split()).casefold()
 
 
