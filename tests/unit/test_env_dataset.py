@@ -187,3 +187,45 @@ def test_a_replayed_stream_resumes_without_skipping_or_repeating(tmp_path):
     assert after == expected
     rows_trained = [t.split(":")[2] for t in [x.task_id for x in drawn] + after]
     assert sorted(rows_trained[:7]) == sorted(rows_trained[7:14]) == [str(i) for i in range(7)]  # every row once per epoch
+
+
+def test_the_orchestrator_resumes_the_data_position_from_its_ledger(tmp_path, caplog):
+    """Orchestrator.resume_from_ledger (loop.py), the real method, on a ledger left by a first run that
+    launched 6 groups and batched 4: the 2 pending groups re-run with the same records, and new groups
+    continue at draw 7; a changed dataset is reported (the task ids are data positions)."""
+    import logging
+    from collections import deque
+
+    from workers.common.protocol import RunPaths
+    from workers.orchestrator.buffer import RolloutBuffer
+    from workers.orchestrator.ledger import Ledger
+    from workers.orchestrator.loop import Orchestrator
+
+    f = write_jsonl(tmp_path / "train.jsonl", rows(5))
+    cfg = DatasetConfig(path=str(f), prompt_key="question")
+    first = make_env(cfg, seed=2)
+    paths = RunPaths(tmp_path / "run").ensure()
+    led = Ledger(paths.root / "orchestrator_ledger.jsonl")
+    launched = [first.sample_task() for _ in range(6)]
+    for gid, task in enumerate(launched):
+        led.launch(gid, task.task_id, worker=0)
+    led.batch(0, [0, 1, 2, 3])
+    led.close()
+    upcoming = [first.sample_task().task_id for _ in range(3)]
+
+    def restarted(env) -> Orchestrator:
+        orch = object.__new__(Orchestrator)  # only what resume_from_ledger reads
+        orch.env, orch.paths, orch.log = env, paths, logging.getLogger("test.resume")
+        orch.retry, orch.ledger = deque(), Ledger(paths.root / "orchestrator_ledger.jsonl")
+        orch.buffer = RolloutBuffer(max_off_policy_steps=1, groups_per_step=4)
+        orch.resume_from_ledger()
+        return orch
+
+    orch = restarted(make_env(cfg, seed=2))
+    assert orch.next_step == 1 and orch.next_group_id == 6
+    assert [(gid, t.task_id) for gid, t, _ in orch.retry] == [(4, launched[4].task_id), (5, launched[5].task_id)]
+    assert [orch.env.sample_task().task_id for _ in range(3)] == upcoming
+    write_jsonl(f, rows(6))  # the data changed under the run: its order (and so the positions) differ
+    with caplog.at_level(logging.WARNING, logger="test.resume"):
+        restarted(make_env(cfg, seed=2))
+    assert "replayed tasks differ from the ledger's" in caplog.text

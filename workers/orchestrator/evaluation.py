@@ -49,7 +49,8 @@ def reward_metrics(samples: list[Sample], prefix: str = "") -> dict[str, Any]:
 
 
 def _short(text: str) -> str:
-    text = text.replace("\n", "\\n")
+    """One log line: control characters escaped (an untrained model emits any byte), long text cut."""
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
     return text if len(text) <= MAX_LOGGED_CHARS else text[:MAX_LOGGED_CHARS] + "..."
 
 

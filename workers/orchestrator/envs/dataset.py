@@ -42,6 +42,7 @@ from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.spec import EnvSpec, check_latency, positive
 from workers.orchestrator.rewards import RewardRunner, load_reward
 
+LOGGED_FAILURES, LOG_EVERY_FAILURE = 20, 100
 #: Tokens of the byte template around the text of one user message (+ the system message's).
 BYTE_OVERHEAD = 4
 
@@ -177,6 +178,7 @@ class DatasetEnv(Env):
         else:
             self.stop_token_ids = (int(self.tokenizer.eos_token_id),)
         self.num_skipped = 0
+        self.num_failures = 0
 
     # ---- text <-> tokens ------------------------------------------------------------------
     def messages(self, prompt: str) -> list[dict]:
@@ -225,6 +227,15 @@ class DatasetEnv(Env):
     def session(self, task: Task, episode_id: str) -> "DatasetSession":
         return DatasetSession(self, task)
 
+    def log_failure(self, line: str) -> None:
+        """Log reward failures: the first LOGGED_FAILURES, then one in LOG_EVERY_FAILURE (all are counted
+        in the metrics' reward_failures; a reward failing on every sample must not flood the log)."""
+        self.num_failures += 1
+        n = self.num_failures
+        if n <= LOGGED_FAILURES or n % LOG_EVERY_FAILURE == 0:
+            more = "" if n < LOGGED_FAILURES else f" ({n} reward failures so far; logging one in {LOG_EVERY_FAILURE})"
+            self.log.warning("%s%s", line, more)
+
     def state(self) -> dict:
         return {**self.order.state(), "draws_over_num_epochs": self.order.draws_over,
                 "prompts_skipped_too_long": self.num_skipped}
@@ -248,7 +259,7 @@ class DatasetSession:
         self.completion = self.env.text(turn_ids).strip()
         score = await self.env.runner.score(self.task.prompt, self.completion, self.task.sample)
         for why in score.failures:
-            self.env.log.warning("reward failed for %s (%s): %s", self.task.record.where, self.task.task_id, why)
+            self.env.log_failure(f"reward failed for {self.task.record.where} ({self.task.task_id}): {why}")
         self.metrics = {"reward_failures": len(score.failures), **{f"reward/{k}": v for k, v in score.parts.items()}}
         return StepResult(observation_ids=[], reward=score.total, done=True)
 
