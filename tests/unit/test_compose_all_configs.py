@@ -17,6 +17,7 @@ YAMLS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.yaml"))
 COMPANIONS: dict[str, list[str]] = {
     # a byte-level chat env: the default tiny_moe vocab (16 digit tokens) cannot spell code
     "env/code_repair.yaml": ["model.vocab_size=264", "model.max_position_embeddings=576"],
+    "env/swe.yaml": ["model.vocab_size=264", "model.max_position_embeddings=576"],
     # SGLang needs GPUs (a Slurm GPU cluster); routed experts do not come back through the PD router
     "inference/sglang.yaml": ["cluster=h200_ib"],
     "inference/sglang_pd.yaml": ["cluster=h200_ib", "orchestrator.return_routed_experts=false"],
