@@ -41,6 +41,7 @@ from workers.models.spec import resolve
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
+from workers.trainer.tracking import make_tracker
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
@@ -83,7 +84,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))  # collective: every rank joins the gather
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
-            metrics = MetricsWriter(paths)
+            metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")

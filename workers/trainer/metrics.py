@@ -49,8 +49,10 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Appends step records to metrics.jsonl and mirrors numeric fields to TensorBoard."""
 
-    def __init__(self, paths: RunPaths, *, tensorboard: bool = True):
+    def __init__(self, paths: RunPaths, *, tensorboard: bool = True, tracker: Any = None):
+        """``tracker``: also log each record there (workers/trainer/tracking.py; None: off)."""
         paths.root.mkdir(parents=True, exist_ok=True)
+        self.tracker = tracker
         self._file = open(paths.metrics, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -70,6 +72,8 @@ class MetricsWriter:
                 if math.isfinite(float(value)):
                     self._tb.add_scalar(f"trainer/{key}", float(value), global_step=step, walltime=record.get("time"))
             self._tb.flush()
+        if self.tracker is not None:
+            self.tracker.log_record(record)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -77,6 +81,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> str:
