@@ -59,10 +59,34 @@ def test_eval_runs_greedy_on_the_eval_split_and_reports_once(tmp_path, caplog):
         first, second, none = asyncio.run(go())
     expected = sum(t.sample["answer"] == "1" for t in env.eval_tasks(3)) / 3
     assert first == {"eval/reward": expected, "eval/num_samples": 3, "eval/aborted": 0, "eval/policy_version": 3,
-                     "eval/reward_failures": 0}
+                     "eval/reward_failures": 0, "eval/pass@1": expected}
     assert second["eval/reward"] == expected and none == {}
     assert client.temperatures == [0.0] * 6  # greedy, 3 samples x 2 evals
     assert "eval at weights 3: reward" in caplog.text and "completion: 1" in caplog.text
+
+
+class alternating_client(fake_client):
+    """Answers "1" and "0" in turn, so each record's k samples hold both answers."""
+
+    async def generate(self, input_ids, **kw):
+        self.answer = "0" if self.answer == "1" else "1"
+        return await super().generate(input_ids, **kw)
+
+
+def test_pass_at_k_samples_k_answers_per_record(tmp_path):
+    env = make_env(tmp_path)
+    ev = Evaluator(env, every=1, num_samples=4, log=logging.getLogger("t.passk"), k=2, temperature=0.7)
+    client = alternating_client("0")
+
+    async def go():
+        ev.maybe_start(client, 0)
+        await ev.task
+        return ev.take_result()
+
+    out = asyncio.run(go())
+    assert client.temperatures == [0.7] * 8 and out["eval/num_samples"] == 8
+    # every record got one "1" and one "0": exactly one of its two answers is right
+    assert out["eval/pass@1"] == 0.5 and out["eval/pass@2"] == 1.0 and out["eval/reward"] == 0.5
 
 
 def test_reward_metrics_and_sample_logs_of_a_batch(tmp_path, caplog):

@@ -4,11 +4,12 @@ Evaluation (``orchestrator.eval_every_steps`` = k > 0, ``eval_num_samples`` = n)
 
     after a weight update to version v (and once on the initial weights):
         if no eval is running and v >= last evaluated version + k:
-            start one eval task: greedy (temperature 0) episodes on the env's first n eval
-            records, through the same inference workers and episode runner as rollouts
+            start one eval task: episodes on the env's first n eval records (one greedy answer
+            each, or ``eval_k`` sampled ones), through the same inference workers and episode
+            runner as rollouts
     when a batch is written: a finished eval's metrics go into that batch's record
-        (eval/reward, eval/num_samples, eval/policy_version, eval/reward_failures, eval/aborted,
-         eval/reward/<name> for named rewards)
+        (eval/reward, eval/pass@1, eval/pass@<eval_k>, eval/num_samples, eval/policy_version,
+         eval/reward_failures, eval/aborted, eval/reward/<name> for named rewards)
 
 Why inside the batch record: metrics.jsonl and TensorBoard are the trainer's (one record per
 step), so eval rows land in the same files with the same step numbering, without a second
@@ -70,8 +71,11 @@ def log_samples(log: logging.Logger, env, step: int, groups: list[RolloutGroup])
 class Evaluator:
     """At most one eval in flight; its metrics wait for the next batch (module docstring)."""
 
-    def __init__(self, env, *, every: int, num_samples: int, log: logging.Logger):
+    def __init__(self, env, *, every: int, num_samples: int, log: logging.Logger, k: int = 1,
+                 temperature: float = 1.0, success_reward: float = 1.0):
         self.env, self.every, self.num_samples, self.log = env, every, num_samples, log
+        self.k, self.success_reward = k, success_reward
+        self.temperature = GREEDY if k == 1 else temperature
         self.last_version: Optional[int] = None
         self.task: Optional[asyncio.Task] = None
         self.num_evals = 0
@@ -87,17 +91,29 @@ class Evaluator:
     async def run(self, client, version: int) -> dict[str, Any]:
         tasks = self.env.eval_tasks(self.num_samples)
         samples: list[Sample] = await asyncio.gather(*(
-            run_episode(client, self.env, t, episode_id=f"eval-v{version}-{i}", temperature=GREEDY,
-                        return_routed_experts=False) for i, t in enumerate(tasks)))
+            run_episode(client, self.env, t, episode_id=f"eval-v{version}-{i}-{j}", temperature=self.temperature,
+                        return_routed_experts=False) for i, t in enumerate(tasks) for j in range(self.k)))
         answered = [s for s in samples if s.finish_reason != "abort"]
         versions = [v for s in answered for v in s.token_versions if v >= 0]
         out = {"eval/reward": float(np.mean([s.reward for s in answered])) if answered else float("nan"),
                "eval/num_samples": len(answered), "eval/aborted": len(samples) - len(answered),
                "eval/policy_version": min(versions) if versions else version,
-               **reward_metrics(answered, prefix="eval/")}
+               **self.pass_at_k(samples), **reward_metrics(answered, prefix="eval/")}
         if answered:
             self.log.info("eval at weights %d: reward %.3f over %d samples; first: %s", out["eval/policy_version"],
                           out["eval/reward"], len(answered), describe(self.env, answered[0]))
+        return out
+
+    def pass_at_k(self, samples: list[Sample]) -> dict[str, float]:
+        """pass@1: the fraction of answers that succeed; pass@k (k > 1): the fraction of records with
+        at least one success among its k answers (samples are grouped k per record, in order).
+        An aborted answer counts as a failure."""
+        ok = [s.finish_reason != "abort" and s.reward >= self.success_reward for s in samples]
+        if not ok:
+            return {}
+        out = {"eval/pass@1": float(np.mean(ok))}
+        if self.k > 1:
+            out[f"eval/pass@{self.k}"] = float(np.mean([any(ok[i: i + self.k]) for i in range(0, len(ok), self.k)]))
         return out
 
     def take_result(self) -> dict[str, Any]:

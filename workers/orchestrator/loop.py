@@ -66,7 +66,8 @@ class Orchestrator:
         self.retry: deque[tuple[int, object, str]] = deque()  # groups to run again (worker died / restart)
         self.pool: Optional[WorkerPool] = None
         self.ledger = Ledger(self.paths.root / LEDGER_FILE)
-        self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log)
+        self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log,
+                                   k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward)
         self.resume_from_ledger()
 
     def resume_from_ledger(self) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import ConfigError, ge, gt, limits, one_of
+from workers.common.config.ranges import ANY_NUMBER, ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,6 +53,11 @@ class OrchestratorConfig:
     split (env=dataset with env.eval_path or env.eval_fraction). Runs beside rollouts: no stall."""
     eval_num_samples: int = 32
     """Eval records answered per evaluation (the first ones of the eval split, the same each time)."""
+    eval_k: int = 1
+    """Answers per eval record: 1 = one greedy answer; k > 1 = k samples at ``temperature``, reported
+    as ``eval/pass@k`` (records with at least one success) beside ``eval/pass@1``."""
+    eval_success_reward: float = 1.0
+    """An eval answer with at least this reward counts as a success (pass@1, pass@k)."""
     log_samples_every_steps: int = 0
     """Every this many batches, log two of the batch's samples (prompt, completion, reward) as text
     to the orchestrator log; 0 = off. Evaluations log their first answer too."""
@@ -66,5 +71,6 @@ class OrchestratorConfig:
 limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),
        num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
        advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
-       num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), log_samples_every_steps=ge(0),
+       num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), eval_k=gt(0),
+       eval_success_reward=ANY_NUMBER, log_samples_every_steps=ge(0),
        health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))
