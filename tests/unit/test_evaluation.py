@@ -116,3 +116,22 @@ def test_console_trainer_log_and_metrics_use_one_step_number():
     rec = {"step": 3, "reward_mean": 0.5, "eval/reward": 0.25}
     assert format_step(rec, 4).startswith("step   3 (4/4) | reward 0.500 | eval 0.250 |")
     assert progress_line(rec, 4).startswith("step   3 (4/4) | loss")
+
+
+def test_slurmrl_eval_refuses_what_it_cannot_evaluate(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from workers.common.protocol import RunPaths
+    from workers.orchestrator.evaluate_step import main
+
+    assert main([str(tmp_path)]) == 2 and "is not a published step directory" in capsys.readouterr().err
+    paths = RunPaths(tmp_path / "run").ensure()
+    step = paths.weights(4)
+    step.mkdir(parents=True)
+    assert main([str(step)]) == 2 and "has no STABLE marker" in capsys.readouterr().err
+    (step / "STABLE").write_text("")
+    assert main([str(step)]) == 2 and "config/run.yaml is missing" in capsys.readouterr().err
+    from tests.conftest import compose
+
+    paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(compose([]))))
+    assert main([str(step)]) == 2 and "env=reverse_digits has no eval split" in capsys.readouterr().err
