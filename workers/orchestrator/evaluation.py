@@ -91,14 +91,19 @@ class Evaluator:
     async def run(self, client, version: int) -> dict[str, Any]:
         tasks = self.env.eval_tasks(self.num_samples)
         samples: list[Sample] = await asyncio.gather(*(
-            run_episode(client, self.env, t, episode_id=f"eval-v{version}-{i}-{j}", temperature=self.temperature,
-                        return_routed_experts=False) for i, t in enumerate(tasks) for j in range(self.k)))
+            run_episode(client, *self.env.resolve(t), episode_id=f"eval-v{version}-{i}-{j}",
+                        temperature=self.temperature, return_routed_experts=False)
+            for i, t in enumerate(tasks) for j in range(self.k)))
         answered = [s for s in samples if s.finish_reason != "abort"]
         versions = [v for s in answered for v in s.token_versions if v >= 0]
         out = {"eval/reward": float(np.mean([s.reward for s in answered])) if answered else float("nan"),
                "eval/num_samples": len(answered), "eval/aborted": len(samples) - len(answered),
                "eval/policy_version": min(versions) if versions else version,
                **self.pass_at_k(samples), **reward_metrics(answered, prefix="eval/")}
+        labels = [getattr(t, "label", None) for t in tasks for _ in range(self.k)]
+        for label in sorted({lb for lb in labels if lb is not None}):  # env=mix: per entry too
+            mine = [s for s, lb in zip(samples, labels) if lb == label and s.finish_reason != "abort"]
+            out[f"eval/{label}/reward"] = float(np.mean([s.reward for s in mine])) if mine else float("nan")
         if answered:
             self.log.info("eval at weights %d: reward %.3f over %d samples; first: %s", out["eval/policy_version"],
                           out["eval/reward"], len(answered), describe(self.env, answered[0]))

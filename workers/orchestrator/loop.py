@@ -203,11 +203,13 @@ class Orchestrator:
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
         routed = o.return_routed_experts and self.cfg.model.num_experts > 0  # a dense model routes nothing
+        env, inner = self.env.resolve(env_task)  # env=mix: the entry's env and its task
         # episodes.py, for every env: turns, tools, sandbox (+ simulated latency per env step)
         task = asyncio.create_task(run_episode_group(
-            self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
+            self.generation_client(worker, gid), env, inner, group_id=gid, worker=worker,
             num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
-            started_version=self.version, meter=self.meter, latency=self.latency))
+            started_version=self.version, meter=self.meter, latency=self.latency,
+            env_tag=getattr(env_task, "label", None)))
         self.inflight[task] = worker
         self.group_of[task] = (gid, env_task)
 

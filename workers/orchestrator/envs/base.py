@@ -149,6 +149,11 @@ class Env:
         """Token ids as text, for sample logs (envs with a tokenizer decode them)."""
         return " ".join(str(int(i)) for i in ids)
 
+    def resolve(self, task) -> tuple["Env", Any]:
+        """(the env that runs ``task``, the task it runs): this env itself, except in env=mix
+        (envs/mix.py), whose tasks are other envs' tasks."""
+        return self, task
+
 
 class MultiTurnEnv(Env):
     """Base class of multi-turn envs: task stream, stop tokens, limits, env-step slots."""
