@@ -50,6 +50,7 @@ def test_own_dataset_and_reward_module_train_with_eval_rows(tmp_path):
     assert "step   0 (1/3) | reward" in proc.stdout and "step   2 (3/3) | reward" in proc.stdout
     for r in recs:
         assert {"reward/correct", "reward/short", "reward_failures", "data/drawn", "data/epoch"} <= set(r), sorted(r)
+        assert r["host_rss_gib"] > 0 and r["orchestrator_host_rss_gib"] > 0  # both roles' heartbeats
         assert 0.0 <= r["reward_mean"] <= 1.1
     evals = [r for r in recs if "eval/reward" in r]
     assert evals, "no eval row in metrics.jsonl"

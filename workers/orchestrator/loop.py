@@ -37,6 +37,7 @@ from workers.orchestrator.evaluation import Evaluator, log_samples, reward_metri
 from workers.orchestrator.faults import WorkerPool
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter
+from workers.preflight.heartbeat import Heartbeat
 
 
 class Orchestrator:
@@ -66,6 +67,7 @@ class Orchestrator:
         self.retry: deque[tuple[int, object, str]] = deque()  # groups to run again (worker died / restart)
         self.pool: Optional[WorkerPool] = None
         self.ledger = Ledger(self.paths.root / LEDGER_FILE)
+        self.beat = Heartbeat()  # the orchestrator's own host memory (and GPUs, where it has any)
         self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log,
                                    k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward)
         self.resume_from_ledger()
@@ -267,6 +269,7 @@ class Orchestrator:
                 **env_batch_metrics(groups), **self.long_episode_counters(),
                 **reward_metrics([s for g in groups for s in g.samples]), **self.env.metrics(),
                 **self.evaluator.take_result(),
+                **{f"orchestrator_{k}": v for k, v in self.beat.sample().items()},
             }
             every = self.cfg.orchestrator.log_samples_every_steps
             if every and self.next_step % every == 0:

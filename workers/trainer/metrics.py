@@ -14,6 +14,8 @@ Keys of a record (see ``loop.step_record`` for how each is computed):
   replay_unreported_tokens (only with trainer.replay_unreported=mask), num_rows,
   num_loss_tokens, tokens_per_s, step_time_s, idle_s, trainer_idle_frac,
   weight_sync_s, weight_sync_gbps, weight_bytes, lr,
+  host_rss_gib (+ gpu_mem_used_gib, gpu_util_pct, gpu_temp_c ... where NVML is present:
+  workers/preflight/heartbeat.py), the same as orchestrator_host_rss_gib ... for the orchestrator,
   reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's
   ``meta.json["orchestrator_metrics"]`` (the orchestrator's values; the trainer fills
   reward_mean / max_staleness from the batch only when the orchestrator left them out,
