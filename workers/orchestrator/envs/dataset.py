@@ -43,7 +43,7 @@ from workers.orchestrator.envs.spec import EnvSpec, check_latency, positive
 from workers.orchestrator.rewards import RewardRunner, load_reward
 
 LOGGED_FAILURES, LOG_EVERY_FAILURE = 20, 100
-#: Tokens of the byte template around the text of one user message (+ the system message's).
+#: Tokens of the byte template around the user message's text: BOS USER <text> EOT ASSISTANT.
 BYTE_OVERHEAD = 4
 
 
@@ -126,7 +126,8 @@ def check(run_cfg: Any) -> None:
     train, evals = load_splits(e)
     load_reward(e.reward_fn)
     if not pretrained:  # byte-level: lengths are known here; a pretrained tokenizer is the env's to apply
-        room = m.max_position_embeddings - e.max_new_tokens - BYTE_OVERHEAD - len(e.system_prompt.encode()) - 3
+        system = len(e.system_prompt.encode()) + 2 if e.system_prompt else 0  # USER <bytes> EOT
+        room = m.max_position_embeddings - e.max_new_tokens - BYTE_OVERHEAD - system
         for r in train + evals:
             n = len(data.prompt_text(r, prompt_key=e.prompt_key, template=e.prompt_template).encode())
             if n > room:

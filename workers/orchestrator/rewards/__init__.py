@@ -5,7 +5,7 @@ A reward is a plain Python function of the user's::
     def score(prompt: str, completion: str, sample: dict) -> float      # or ``async def``
 
 ``prompt`` is the user message (the record's prompt or filled template), ``completion`` the
-model's answer as text, ``sample`` the record's fields (plus ``answer``: the ``env.answer_key``
+model's answer as text (decoded without special tokens, outer whitespace stripped), ``sample`` the record's fields (plus ``answer``: the ``env.answer_key``
 field). The target may also be a dict of such functions (``REWARDS = {"format": f, "correct":
 g}``): the reward is their sum and each is logged as ``reward/<name>`` in metrics.jsonl.
 
