@@ -52,6 +52,7 @@ def test_own_dataset_and_reward_module_train_with_eval_rows(tmp_path):
         assert {"reward/correct", "reward/short", "reward_failures", "data/drawn", "data/epoch"} <= set(r), sorted(r)
         assert r["host_rss_gib"] > 0 and r["orchestrator_host_rss_gib"] > 0  # both roles' heartbeats
         assert 0.0 <= r["reward_mean"] <= 1.1
+    assert recs[-1]["inference_host_rss_gib_max"] > 0  # the inference workers' heartbeats, polled
     evals = [r for r in recs if "eval/reward" in r]
     assert evals, "no eval row in metrics.jsonl"
     assert all(e["eval/num_samples"] + e["eval/aborted"] == 4 and 0.0 <= e["eval/reward"] <= 1.1 for e in evals)

@@ -40,6 +40,9 @@ from workers.orchestrator.rollouts import BusyMeter
 from workers.preflight.heartbeat import Heartbeat
 
 
+HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 10.0, 5.0
+
+
 class Orchestrator:
     def __init__(self, cfg: RunConfig, topo: Topology):
         self.cfg, self.topo = cfg, topo
@@ -68,6 +71,7 @@ class Orchestrator:
         self.pool: Optional[WorkerPool] = None
         self.ledger = Ledger(self.paths.root / LEDGER_FILE)
         self.beat = Heartbeat()  # the orchestrator's own host memory (and GPUs, where it has any)
+        self.inference_beats: dict[int, dict] = {}  # worker -> its last heartbeat (watch_inference)
         self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log,
                                    k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward)
         self.resume_from_ledger()
@@ -114,6 +118,7 @@ class Orchestrator:
             self.pool = WorkerPool(self.clients, num_misses=o.num_health_misses, timeout_s=o.health_check_timeout_s,
                                    log=self.log, on_event=self.ledger.note)
             watcher = asyncio.create_task(self.watch_workers())
+            beats = asyncio.create_task(self.watch_inference())
             try:
                 while self.next_step < self.cfg.trainer.num_steps:
                     await self.maybe_update_weights()
@@ -124,10 +129,11 @@ class Orchestrator:
                 self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
             finally:
                 await self.evaluator.close()
+                beats.cancel()
                 watcher.cancel()
                 for task in self.inflight:
                     task.cancel()
-                await asyncio.gather(watcher, *self.inflight, return_exceptions=True)
+                await asyncio.gather(watcher, beats, *self.inflight, return_exceptions=True)
                 self.ledger.close()
         self.paths.orchestrator_done.write_text(str(self.next_step))
         self.log.info("all %d batches written; done", self.next_step)
@@ -157,6 +163,29 @@ class Orchestrator:
         if worker is not None:
             client = self.clients[worker] if self.router is None else self.router.for_group(-1 - self.evaluator.num_evals)
             self.evaluator.maybe_start(client, self.version)
+
+    async def watch_inference(self) -> None:
+        """Every HEARTBEAT_INTERVAL_S: each live worker's heartbeat (its /server_info ``heartbeat``: RSS,
+        GPU memory and utilization; the embedded server has one, SGLang's answer has none and is
+        skipped), kept for the next batch's metrics as ``inference_<key>_max`` over the workers. A
+        worker that does not answer is the health checks' business (watch_workers), not this one's."""
+        while True:
+            for w in self.pool.live():
+                try:
+                    info = await asyncio.wait_for(self.clients[w].server_info(), HEARTBEAT_TIMEOUT_S)
+                except (InferenceError, asyncio.TimeoutError, aiohttp.ClientError):
+                    continue
+                if isinstance(info.get("heartbeat"), dict):
+                    self.inference_beats[w] = info["heartbeat"]
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def inference_heartbeat(self) -> dict:
+        out: dict[str, float] = {}
+        for beat in self.inference_beats.values():
+            for k, v in beat.items():
+                if isinstance(v, (int, float)):
+                    out[f"inference_{k}_max"] = max(out.get(f"inference_{k}_max", v), v)
+        return out
 
     def current_weights(self) -> tuple[int, Optional[str]]:
         d = self.paths.weights(self.version)
@@ -270,6 +299,7 @@ class Orchestrator:
                 **reward_metrics([s for g in groups for s in g.samples]), **self.env.metrics(),
                 **self.evaluator.take_result(),
                 **{f"orchestrator_{k}": v for k, v in self.beat.sample().items()},
+                **self.inference_heartbeat(),
             }
             every = self.cfg.orchestrator.log_samples_every_steps
             if every and self.next_step % every == 0:
