@@ -112,6 +112,8 @@ def test_plan_refusals_name_the_key(tmp_path, reward_module):
     long = write_jsonl(tmp_path / "long.jsonl", [{"question": "x" * 200, "answer": "1"}])
     assert f"{long} line 1: its prompt is 200 bytes" in _plan_error(["env=dataset", f"env.path={long}",
                                                                      "env.prompt_key=question", *BYTES])
+    assert "set env.answer_key" in _plan_error([*base, *BYTES, "env.answer_key=''", "env.reward_fn=math_equal"])
+    assert "has no field 'tests' (env.reward_fn=code_tests)" in _plan_error([*base, *BYTES, "env.reward_fn=code_tests"])
     # evaluation needs an env with an eval split
     assert "env=reverse_digits has no eval split" in _plan_error(["orchestrator.eval_every_steps=1"])
 

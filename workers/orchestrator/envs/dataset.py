@@ -89,6 +89,8 @@ def needed_fields(e: DatasetConfig) -> dict[str, str]:
             else {e.prompt_key: "env.prompt_key"})
     if e.answer_key:
         need[e.answer_key] = "env.answer_key"
+    if e.reward_fn == "code_tests":
+        need["tests"] = "env.reward_fn=code_tests"
     return need
 
 
@@ -123,6 +125,8 @@ def check(run_cfg: Any) -> None:
     if e.max_new_tokens >= m.max_position_embeddings:
         raise ValueError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
                          f"({m.max_position_embeddings}): the prompt needs room too")
+    if e.reward_fn in ("exact_match", "math_equal") and not e.answer_key:
+        raise ValueError(f"env.reward_fn={e.reward_fn} compares with the reference answer: set env.answer_key")
     train, evals = load_splits(e)
     load_reward(e.reward_fn)
     if not pretrained:  # byte-level: lengths are known here; a pretrained tokenizer is the env's to apply
