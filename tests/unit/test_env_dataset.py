@@ -231,3 +231,40 @@ def test_the_orchestrator_resumes_the_data_position_from_its_ledger(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="test.resume"):
         restarted(make_env(cfg, seed=2))
     assert "replayed tasks differ from the ledger's" in caplog.text
+
+
+def word_tokenizer():
+    """A tiny transformers tokenizer with a chat template, standing in for a pretrained model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1, "<|user|>": 2, "<|assistant|>": 3, "<|system|>": 4}
+    for w in "what is 2 + 3 ? 5 be brief .".split():
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
+                                 additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"])
+    hf.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return hf, vocab
+
+
+def test_a_model_tokenizer_and_chat_template_are_used_when_given(tmp_path):
+    pytest.importorskip("transformers")
+    hf, vocab = word_tokenizer()
+    f = write_jsonl(tmp_path / "t.jsonl", [{"q": "what is 2 + 3 ?", "answer": "5"}, {"q": "2 " * 40, "answer": "2"}])
+
+    class Model:  # what DatasetEnv reads of a pretrained model's config
+        max_position_embeddings, pretrained = 24, "fake"
+
+    env = DatasetEnv(DatasetConfig(path=str(f), prompt_key="q", system_prompt="be brief .", shuffle=False,
+                                   max_new_tokens=4), seed=0, model=Model(), tokenizer=hf)
+    task = env.sample_task()
+    assert env.prompt_ids(task) == [4, vocab["be"], vocab["brief"], vocab["."], 0, 2, *[vocab[w] for w in
+                                    "what is 2 + 3 ?".split()], 0, 3]
+    assert env.stop_token_ids == (0,) and env.text([vocab["5"], 0]) == "5"
+    res = asyncio.run(env.session(task, "e").step([vocab["5"], 0]))
+    assert res.reward == 1.0
+    again = env.sample_task()  # the 40-word prompt does not fit 24 - 4 tokens: skipped, counted, logged
+    assert again.prompt == task.prompt and env.state()["prompts_skipped_too_long"] == 1
