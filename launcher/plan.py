@@ -126,6 +126,13 @@ def check_ranges(cfg: RunConfig) -> None:
             raise PlanError(f"plugins: module {mod!r} cannot be found (every role imports it before loading its config)")
 
 
+def check_tracking(cfg: RunConfig) -> None:
+    """A tracker that is asked for is installed where the launcher runs (the trainer imports it too)."""
+    if cfg.tracking.wandb and importlib.util.find_spec("wandb") is None:
+        raise PlanError("tracking.wandb=true needs the wandb package, not installed here: pip install wandb "
+                        "(or pip install -e '.[tracking]'); it logs offline by default (tracking.wandb_mode)")
+
+
 def check_model(cfg: RunConfig) -> None:
     """The checks every family shares (workers/models/checks.py), then the family's own (its spec);
     a family that only plans is refused unless launcher.dry_run=true."""
@@ -142,7 +149,11 @@ def check_env(cfg: RunConfig) -> None:
                         f"{list(policies)}")
     _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
     with plan_errors():
-        ENVS.get(cfg.env.name).check(cfg)
+        spec = ENVS.get(cfg.env.name)
+        spec.check(cfg)
+    if cfg.orchestrator.eval_every_steps > 0 and not spec.eval_split:
+        raise PlanError(f"orchestrator.eval_every_steps({cfg.orchestrator.eval_every_steps}) > 0 but env={spec.name} has "
+                        f"no eval split; use env=dataset with env.eval_path or env.eval_fraction")
 
 
 def check_loop(cfg: RunConfig) -> int:
@@ -274,6 +285,7 @@ def check_sections(cfg: RunConfig) -> None:
 def build_plan(cfg: RunConfig) -> JobPlan:
     check_sections(cfg)
     check_ranges(cfg)
+    check_tracking(cfg)
     check_model(cfg)
     check_env(cfg)
     samples = check_loop(cfg)

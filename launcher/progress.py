@@ -5,6 +5,7 @@ import json
 import os
 from typing import Optional
 
+from workers.common.logs import step_label
 from workers.common.protocol import RunPaths
 
 
@@ -13,7 +14,8 @@ def format_step(rec: dict, num_steps: int) -> str:
         v = rec.get(key)
         return default if v is None else format(v, fmt)
 
-    return (f"step {rec.get('step', '?') + 1:>3}/{num_steps} | reward {g('reward_mean', '.3f')} | "
+    evals = f" | eval {g('eval/reward', '.3f')}" if "eval/reward" in rec else ""
+    return (f"{step_label(rec['step'], num_steps)} | reward {g('reward_mean', '.3f')}{evals} | "
             f"staleness max {g('max_staleness', 'd')} | dropped {g('samples_dropped_stale', 'd')} | "
             f"kl {g('mismatch_kl', '.1e')} | {g('tokens_per_s', '.0f')} tok/s train, "
             f"{g('inference_tokens_per_s', '.0f')} tok/s infer | idle {g('trainer_idle_frac', '.0%')} | "

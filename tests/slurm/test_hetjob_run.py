@@ -26,7 +26,7 @@ def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     assert res.returncode == 0, (run_dir / "logs").exists() and os.listdir(run_dir / "logs")
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     assert f"job {job_id} ended COMPLETED" in res.stdout
-    assert "step   4/4 | reward" in res.stdout  # the CLI followed the job's progress
+    assert "step   3 (4/4) | reward" in res.stdout  # the CLI followed the job's progress
     rows = sacct_final(job_id, num_parts=3, num_steps=3)
     assert set(rows.values()) == {"COMPLETED"}, rows
     assert len([r for r in rows if "." not in r]) == 3  # three het components

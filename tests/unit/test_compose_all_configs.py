@@ -17,11 +17,15 @@ YAMLS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.yaml"))
 COMPANIONS: dict[str, list[str]] = {
     # a byte-level chat env: the default tiny_moe vocab (16 digit tokens) cannot spell code
     "env/code_repair.yaml": ["model.vocab_size=264", "model.max_position_embeddings=576"],
+    "env/swe.yaml": ["model.vocab_size=264", "model.max_position_embeddings=576"],
     # SGLang needs GPUs (a Slurm GPU cluster); routed experts do not come back through the PD router
     "inference/sglang.yaml": ["cluster=h200_ib"],
     "inference/sglang_pd.yaml": ["cluster=h200_ib", "orchestrator.return_routed_experts=false"],
     # words in a chat: needs a pretrained model's tokenizer and chat template
     "env/reverse_text.yaml": ["model=smollm2_135m"],
+    # your own data: a path is required (the README's example set), text is byte-level on the tiny model
+    "env/dataset.yaml": [f"env.path={ROOT.parents[0] / 'docs/examples/byot/train.jsonl'}", "env.prompt_key=question",
+                         "model.vocab_size=264", "model.max_position_embeddings=128"],
 }
 """Extra overrides a file needs to plan, keyed by its path under hydra_conf."""
 

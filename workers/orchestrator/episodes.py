@@ -157,16 +157,18 @@ async def _generate(client: InferenceClient, history: list[int], env, *, tempera
 
 async def run_episode_group(client: InferenceClient, env, task, *, group_id: int, worker: int, num_samples: int,
                             temperature: float, return_routed_experts: bool, started_version: int,
-                            meter=None, latency=None) -> RolloutGroup:
+                            meter=None, latency=None, env_tag: Optional[str] = None) -> RolloutGroup:
     """``num_samples`` concurrent episodes of one task on one worker (one group: advantages are
     relative to it; sticky: the samples share the prompt's prefix cache). ``meter`` records when
-    inference had work. Envs with ``episode_metrics`` tag the group for env_batch_metrics."""
+    inference had work. Envs with ``episode_metrics`` tag the group for env_batch_metrics, under
+    their name or ``env_tag`` (env=mix: the entry's label, given for every entry)."""
     samples = await asyncio.gather(*(
         run_episode(client, env, task, episode_id=f"g{group_id}-s{i}", temperature=temperature,
                     return_routed_experts=return_routed_experts, meter=meter, latency=latency)
         for i in range(num_samples)))
     return RolloutGroup(group_id=group_id, task_id=task.task_id, samples=list(samples), worker=worker,
-                        started_version=started_version, env_metrics={"env": env.name} if env.episode_metrics else {})
+                        started_version=started_version,
+                        env_metrics={"env": env_tag or env.name} if env.episode_metrics or env_tag else {})
 
 
 def env_batch_metrics(groups: list[RolloutGroup]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
     until every trainer step has its batch:
         if the trainer published newer weights: pause -> load or send -> verify -> continue
             (the transport's coordinator, workers/weights/<transport>/coordinator.py)
+        maybe start an evaluation of the current weights (evaluation.py), beside the rollouts
         start as many prompt groups as the next batches can still use
         wait a moment for groups to finish; put them in the buffer
         while the buffer holds a batch for the next step: write it (stale groups dropped)
@@ -32,9 +33,14 @@ from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_l
 from workers.orchestrator.envs import make_env
 from workers.orchestrator.envs.latency import LatencyModel
 from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
+from workers.orchestrator.evaluation import Evaluator, log_samples, reward_metrics
 from workers.orchestrator.faults import WorkerPool
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter
+from workers.preflight.heartbeat import Heartbeat
+
+
+HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 10.0, 5.0
 
 
 class Orchestrator:
@@ -64,6 +70,10 @@ class Orchestrator:
         self.retry: deque[tuple[int, object, str]] = deque()  # groups to run again (worker died / restart)
         self.pool: Optional[WorkerPool] = None
         self.ledger = Ledger(self.paths.root / LEDGER_FILE)
+        self.beat = Heartbeat()  # the orchestrator's own host memory (and GPUs, where it has any)
+        self.inference_beats: dict[int, dict] = {}  # worker -> its last heartbeat (watch_inference)
+        self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log,
+                                   k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward)
         self.resume_from_ledger()
 
     def resume_from_ledger(self) -> None:
@@ -73,13 +83,17 @@ class Orchestrator:
         led = self.ledger
         led.recover_batches(self.paths.root)
         self.next_step, pending = led.next_step, set(led.pending())
+        changed = []
         for gid in range(led.groups_started):
             task = self.env.sample_task()
+            if gid in led.launched and task.task_id != led.launched[gid]:
+                changed.append((gid, task.task_id))
             if gid in pending:
-                if task.task_id != led.launched[gid]:
-                    self.log.warning("group %d: replayed task %s != ledger's %s (env config changed?)", gid,
-                                     task.task_id, led.launched[gid])
                 self.retry.append((gid, task, "orchestrator restart"))
+        if changed:  # a task id is the data position for env=dataset: the data or the env config changed
+            (g, tid) = changed[0]
+            self.log.warning("%d replayed tasks differ from the ledger's (first: group %d, task %s != %s): the env "
+                             "config or its data changed since the run started", len(changed), g, tid, led.launched[g])
         self.next_group_id = led.groups_started
         state_file = self.paths.root / "orchestrator_state.json"
         if led.num_restarts and state_file.exists():
@@ -104,18 +118,22 @@ class Orchestrator:
             self.pool = WorkerPool(self.clients, num_misses=o.num_health_misses, timeout_s=o.health_check_timeout_s,
                                    log=self.log, on_event=self.ledger.note)
             watcher = asyncio.create_task(self.watch_workers())
+            beats = asyncio.create_task(self.watch_inference())
             try:
                 while self.next_step < self.cfg.trainer.num_steps:
                     await self.maybe_update_weights()
+                    self.maybe_evaluate()
                     self.launch_groups()
                     await self.collect_finished(timeout_s=0.05)
                     self.write_ready_batches()
                 self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
             finally:
+                await self.evaluator.close()
+                beats.cancel()
                 watcher.cancel()
                 for task in self.inflight:
                     task.cancel()
-                await asyncio.gather(watcher, *self.inflight, return_exceptions=True)
+                await asyncio.gather(watcher, beats, *self.inflight, return_exceptions=True)
                 self.ledger.close()
         self.paths.orchestrator_done.write_text(str(self.next_step))
         self.log.info("all %d batches written; done", self.next_step)
@@ -138,6 +156,36 @@ class Orchestrator:
             for w in range(len(self.clients)):
                 if not self.pool.alive[w]:
                     await self.pool.try_revive(w, self.current_weights)
+
+    def maybe_evaluate(self) -> None:
+        """Start an eval of the current weights when one is due (evaluation.py), on the least loaded worker."""
+        worker = self.least_loaded_worker() if self.evaluator.every > 0 else None
+        if worker is not None:
+            client = self.clients[worker] if self.router is None else self.router.for_group(-1 - self.evaluator.num_evals)
+            self.evaluator.maybe_start(client, self.version)
+
+    async def watch_inference(self) -> None:
+        """Every HEARTBEAT_INTERVAL_S: each live worker's heartbeat (its /server_info ``heartbeat``: RSS,
+        GPU memory and utilization; the embedded server has one, SGLang's answer has none and is
+        skipped), kept for the next batch's metrics as ``inference_<key>_max`` over the workers. A
+        worker that does not answer is the health checks' business (watch_workers), not this one's."""
+        while True:
+            for w in self.pool.live():
+                try:
+                    info = await asyncio.wait_for(self.clients[w].server_info(), HEARTBEAT_TIMEOUT_S)
+                except (InferenceError, asyncio.TimeoutError, aiohttp.ClientError):
+                    continue
+                if isinstance(info.get("heartbeat"), dict):
+                    self.inference_beats[w] = info["heartbeat"]
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def inference_heartbeat(self) -> dict:
+        out: dict[str, float] = {}
+        for beat in self.inference_beats.values():
+            for k, v in beat.items():
+                if isinstance(v, (int, float)):
+                    out[f"inference_{k}_max"] = max(out.get(f"inference_{k}_max", v), v)
+        return out
 
     def current_weights(self) -> tuple[int, Optional[str]]:
         d = self.paths.weights(self.version)
@@ -186,11 +234,13 @@ class Orchestrator:
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
         routed = o.return_routed_experts and self.cfg.model.num_experts > 0  # a dense model routes nothing
+        env, inner = self.env.resolve(env_task)  # env=mix: the entry's env and its task
         # episodes.py, for every env: turns, tools, sandbox (+ simulated latency per env step)
         task = asyncio.create_task(run_episode_group(
-            self.generation_client(worker, gid), self.env, env_task, group_id=gid, worker=worker,
+            self.generation_client(worker, gid), env, inner, group_id=gid, worker=worker,
             num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
-            started_version=self.version, meter=self.meter, latency=self.latency))
+            started_version=self.version, meter=self.meter, latency=self.latency,
+            env_tag=getattr(env_task, "label", None)))
         self.inflight[task] = worker
         self.group_of[task] = (gid, env_task)
 
@@ -246,14 +296,22 @@ class Orchestrator:
                 "inference_worker_deaths_total": self.pool.deaths,
                 "groups_resubmitted_total": sum(self.ledger.resubmits.values()),
                 **env_batch_metrics(groups), **self.long_episode_counters(),
+                **reward_metrics([s for g in groups for s in g.samples]), **self.env.metrics(),
+                **self.evaluator.take_result(),
+                **{f"orchestrator_{k}": v for k, v in self.beat.sample().items()},
+                **self.inference_heartbeat(),
             }
+            every = self.cfg.orchestrator.log_samples_every_steps
+            if every and self.next_step % every == 0:
+                log_samples(self.log, self.env, self.next_step, groups)
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
             self.dropped_at_last_batch = dropped_total
             write_json_atomic(self.paths.root / "orchestrator_state.json",
                               {"next_step": self.next_step + 1, "weight_version": self.version,
-                               "groups_started": self.next_group_id, "dropped_total": dropped_total})
+                               "groups_started": self.next_group_id, "dropped_total": dropped_total,
+                               "env_state": self.env.state()})
             self.next_step += 1
 
 

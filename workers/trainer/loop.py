@@ -38,9 +38,11 @@ from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
 from workers.models.spec import resolve
+from workers.preflight.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
+from workers.trainer.tracking import make_tracker
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
@@ -82,7 +84,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))  # collective: every rank joins the gather
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
-            metrics = MetricsWriter(paths)
+            metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
+            beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
             log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
@@ -108,6 +111,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             sync = publish_weights(publisher, step + 1, weights)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
+                record.update(beat.sample())
                 metrics.write(record)
                 log.info(progress_line(record, tcfg.num_steps))
             ckpt.end_step(step, model, optimizer)

@@ -14,6 +14,8 @@ Keys of a record (see ``loop.step_record`` for how each is computed):
   replay_unreported_tokens (only with trainer.replay_unreported=mask), num_rows,
   num_loss_tokens, tokens_per_s, step_time_s, idle_s, trainer_idle_frac,
   weight_sync_s, weight_sync_gbps, weight_bytes, lr,
+  host_rss_gib (+ gpu_mem_used_gib, gpu_util_pct, gpu_temp_c ... where NVML is present:
+  workers/preflight/heartbeat.py), the same as orchestrator_host_rss_gib ... for the orchestrator,
   reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's
   ``meta.json["orchestrator_metrics"]`` (the orchestrator's values; the trainer fills
   reward_mean / max_staleness from the batch only when the orchestrator left them out,
@@ -49,8 +51,10 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Appends step records to metrics.jsonl and mirrors numeric fields to TensorBoard."""
 
-    def __init__(self, paths: RunPaths, *, tensorboard: bool = True):
+    def __init__(self, paths: RunPaths, *, tensorboard: bool = True, tracker: Any = None):
+        """``tracker``: also log each record there (workers/trainer/tracking.py; None: off)."""
         paths.root.mkdir(parents=True, exist_ok=True)
+        self.tracker = tracker
         self._file = open(paths.metrics, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -70,6 +74,8 @@ class MetricsWriter:
                 if math.isfinite(float(value)):
                     self._tb.add_scalar(f"trainer/{key}", float(value), global_step=step, walltime=record.get("time"))
             self._tb.flush()
+        if self.tracker is not None:
+            self.tracker.log_record(record)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -77,6 +83,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> str:
@@ -85,9 +94,8 @@ def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> st
         v = record.get(key)
         return "-" if v is None else format(v, fmt)
 
-    total = f"/{num_steps}" if num_steps else ""
     parts = [
-        f"step {record['step']}{total}",
+        logs.step_label(record["step"], num_steps),
         f"loss {f('loss', '.4f')}",
         f"reward {f('reward_mean', '.3f')}",
         f"kl {f('mismatch_kl', '.2e')}",

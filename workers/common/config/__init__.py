@@ -14,10 +14,11 @@ from workers.common.config.model import ModelConfig
 from workers.common.config.orchestrator import OrchestratorConfig
 from workers.common.config.run import (ConfigError, RunConfig, conform_sections, load_run_config, section_schema,
                                        structure_section, to_yaml)
+from workers.common.config.tracking import TrackingConfig
 from workers.common.config.trainer import ParallelConfig, TrainerConfig
 from workers.common.config.weights import WeightsConfig
 
 __all__ = ["ClusterConfig", "ConfigError", "EnvConfig", "InferenceConfig", "LauncherConfig", "ModelConfig",
            "OrchestratorConfig", "ParallelConfig", "PreflightConfig", "RoleResources", "RunConfig", "ServerLayout",
-           "TrainerConfig", "TrainerLayout", "WeightsConfig", "conform_sections", "load_run_config",
+           "TrackingConfig", "TrainerConfig", "TrainerLayout", "WeightsConfig", "conform_sections", "load_run_config",
            "section_schema", "structure_section", "to_yaml"]

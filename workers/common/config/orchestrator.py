@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import ConfigError, ge, gt, limits, one_of
+from workers.common.config.ranges import ANY_NUMBER, ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,6 +46,22 @@ class OrchestratorConfig:
     """Consecutive failed health checks after which a worker is dead: no new groups, its
     in-flight groups resubmitted elsewhere (a refused connection marks it dead at once)."""
 
+    eval_every_steps: int = 0
+    """Evaluate the policy each time the orchestrator loads weights this many versions past the last
+    evaluation (and once on the initial weights): greedy answers to the env's eval split, mean reward
+    as ``eval/reward`` in the next batch's metrics.jsonl record; 0 = off. Needs an env with an eval
+    split (env=dataset with env.eval_path or env.eval_fraction). Runs beside rollouts: no stall."""
+    eval_num_samples: int = 32
+    """Eval records answered per evaluation (the first ones of the eval split, the same each time)."""
+    eval_k: int = 1
+    """Answers per eval record: 1 = one greedy answer; k > 1 = k samples at ``temperature``, reported
+    as ``eval/pass@k`` (records with at least one success) beside ``eval/pass@1``."""
+    eval_success_reward: float = 1.0
+    """An eval answer with at least this reward counts as a success (pass@1, pass@k)."""
+    log_samples_every_steps: int = 0
+    """Every this many batches, log two of the batch's samples (prompt, completion, reward) as text
+    to the orchestrator log; 0 = off. Evaluations log their first answer too."""
+
     def __post_init__(self) -> None:
         for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
             if not getattr(self, key) > 0:
@@ -55,4 +71,6 @@ class OrchestratorConfig:
 limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),
        num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
        advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
-       num_spare_groups=ge(0), health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))
+       num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), eval_k=gt(0),
+       eval_success_reward=ANY_NUMBER, log_samples_every_steps=ge(0),
+       health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))

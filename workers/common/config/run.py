@@ -20,6 +20,7 @@ from workers.common.config.inference import InferenceConfig
 from workers.common.config.launcher import LauncherConfig
 from workers.common.config.orchestrator import OrchestratorConfig
 from workers.common.config.ranges import NONEMPTY, SEED, ConfigError, Each, Pattern, limits
+from workers.common.config.tracking import TrackingConfig
 from workers.common.config.trainer import TrainerConfig
 from workers.common.plugins import load_plugins
 from workers.common.registry import SECTIONS
@@ -54,6 +55,8 @@ class RunConfig:
     env: Any = MISSING
     """Schema chosen by ``env.name`` (workers/orchestrator/envs)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment trackers beside metrics.jsonl and TensorBoard (``tracking.wandb=true``)."""
 
 
 MODULE = Pattern(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a module name (dotted, importable)")

@@ -40,6 +40,7 @@ from workers.inference.embedded.generate_request import parse_generate
 from workers.inference.embedded.parsing import BODY_TIMEOUT, BadRequest, _bool, _json, _version
 from workers.inference.embedded.startup import build_engine  # noqa: F401  (its home before; tools import it here)
 from workers.inference.embedded.weight_routes import weight_routes
+from workers.preflight.heartbeat import Heartbeat
 from workers.weights.base import WeightLoadError
 
 log = logging.getLogger("slurmrl.inference")
@@ -124,6 +125,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
     ``weights`` (the run's weights config) picks the transport behind the weight routes; ``extra_info``:
     more fields of /get_model_info (a backend built on this server reports its own options there);
     ``max_queued``: the admission queue (inference.max_queued_requests; guards.admission_refusal)."""
+    beat = Heartbeat()
     cfg = engine.config
     expected_auth = f"Bearer {admin_token}".encode()
     disconnects = guards.Disconnects(engine)
@@ -185,7 +187,9 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         return web.json_response(model_info())
 
     async def server_info(request):
-        return web.json_response({**model_info(), "version": "slurmrl-embedded", "rank": rank,
+        # heartbeat: this process's RSS and GPU memory/utilization (workers/preflight/heartbeat.py);
+        # the orchestrator polls it into every batch's metrics (loop.py watch_inference)
+        return web.json_response({**model_info(), "version": "slurmrl-embedded", "rank": rank, "heartbeat": beat.sample(),
                                   "max_batch_size": engine.max_batch_size, "paused": engine.paused,
                                   "num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_pending,
                                   "num_generated_tokens": engine.num_generated_tokens, "num_steps": engine.num_steps,

@@ -138,7 +138,21 @@ class Env:
         raise NotImplementedError
 
     def state(self) -> dict:
+        """Where the task stream stands (saved in orchestrator_state.json after each batch)."""
         return {}
+
+    def metrics(self) -> dict:
+        """Env-level numbers for each batch's metrics record (e.g. the data position)."""
+        return {}
+
+    def text(self, ids) -> str:
+        """Token ids as text, for sample logs (envs with a tokenizer decode them)."""
+        return " ".join(str(int(i)) for i in ids)
+
+    def resolve(self, task) -> tuple["Env", Any]:
+        """(the env that runs ``task``, the task it runs): this env itself, except in env=mix
+        (envs/mix.py), whose tasks are other envs' tasks."""
+        return self, task
 
 
 class MultiTurnEnv(Env):

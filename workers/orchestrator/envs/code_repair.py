@@ -209,19 +209,7 @@ class CodeRepairSession:
         if key in cache:
             cache.move_to_end(key)
             return cache[key]
-        nonce = secrets.token_hex(8)
-        async with self.env.step_slots:
-            res = await self.env.sandbox.run_python([self.env.sandbox.runner, self.task.test_file], project=self.dir,
-                                                    stdin=(nonce + "\n").encode())
-        self.metrics["sandbox_runs"] += 1
-        self.metrics["sandbox_mode"] = res.mode  # namespaces | userns | rlimits (the weak fallback)
-        timed_out = res.timed_out or res.signal is not None
-        self.metrics["sandbox_timeouts"] += int(timed_out)
-        results = {}
-        for line in res.stdout.splitlines():
-            parts = line.split(" ", 3)
-            if len(parts) >= 3 and parts[0] == nonce:
-                results[parts[2].split("::")[-1]] = (parts[1], parts[3] if len(parts) > 3 else "")
+        results, timed_out = await self.run_test_file(self.task.test_file)
         passed = sum(1 for n in self.task.test_names if results.get(n, ("",))[0] == "PASS")
         lines = [f"passed {passed}/{len(self.task.test_names)}" + (" (killed: time limit)" if timed_out else "")]
         lines += [f"{results[n][0]} {n} {results[n][1]}".rstrip() for n in self.task.test_names
@@ -233,6 +221,24 @@ class CodeRepairSession:
         if len(cache) > SCORE_CACHE:
             cache.popitem(last=False)
         return out
+
+    async def run_test_file(self, test_file: str) -> tuple[dict[str, tuple[str, str]], bool]:
+        """Run ``test_file`` of the project in the sandbox: ({test name: (PASS|FAIL|ERROR, message)}, timed out).
+        Only lines carrying this run's nonce count (sandbox_runner.py)."""
+        nonce = secrets.token_hex(8)
+        async with self.env.step_slots:
+            res = await self.env.sandbox.run_python([self.env.sandbox.runner, test_file], project=self.dir,
+                                                    stdin=(nonce + "\n").encode())
+        self.metrics["sandbox_runs"] += 1
+        self.metrics["sandbox_mode"] = res.mode  # namespaces | userns | rlimits (the weak fallback)
+        timed_out = res.timed_out or res.signal is not None
+        self.metrics["sandbox_timeouts"] += int(timed_out)
+        results = {}
+        for line in res.stdout.splitlines():
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[0] == nonce:
+                results[parts[2].split("::")[-1]] = (parts[1], parts[3] if len(parts) > 3 else "")
+        return results, timed_out
 
     def _file_tool(self, call: ToolCall) -> str:
         path = self._resolve(call.args["path"])

@@ -42,6 +42,9 @@ class EnvSpec(PluginSpec):
     uses the model's tokenizer (needs ``model.pretrained``)."""
     env_check: Optional[Callable[[Any], None]] = None
     """The env's own plan-time check ``env_check(run_cfg)``: pure, raises ValueError naming the key."""
+    eval_split: bool = False
+    """The env has an eval split: its object has ``eval_tasks(n)`` (the orchestrator's
+    ``eval_every_steps``); the plan refuses evaluation of an env without one."""
     host_check: Optional[Callable[[Any], None]] = None
     """``host_check(run_cfg)``: what only the machine the orchestrator runs on can answer (e.g. which
     sandbox modes work). The launcher calls it before writing anything when the roles run on its own

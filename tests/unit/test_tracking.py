@@ -1,0 +1,66 @@
+"""tracking.wandb (workers/trainer/tracking.py): the plan refuses it without wandb installed, and with
+it every metrics.jsonl record goes to the tracker at the same step (offline by default, named after
+the run, the resolved config attached); a tracker failure turns tracking off, never training."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from launcher.plan import PlanError, build_plan
+from tests.conftest import compose
+from tests.fakes.fake_wandb import FakeWandb
+from workers.common.protocol import RunPaths
+from workers.trainer.metrics import MetricsWriter
+from workers.trainer.tracking import make_tracker
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_plan_refuses_wandb_when_it_is_not_installed():
+    with pytest.raises(PlanError, match=r"tracking.wandb=true needs the wandb package.*pip install wandb"):
+        build_plan(compose(["tracking.wandb=true"]))
+    assert build_plan(compose(["tracking.wandb=false"])).roles
+    with pytest.raises(Exception, match="wandb_mode"):
+        build_plan(compose(["tracking.wandb_mode=sometimes"]))
+
+
+def test_every_record_goes_to_the_tracker_at_its_step(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    cfg = compose([])
+    cfg.tracking.wandb = True
+    paths = RunPaths(tmp_path / "run-1").ensure()
+    log = logging.getLogger("test.tracking")
+    writer = MetricsWriter(paths, tensorboard=False, tracker=make_tracker(cfg, paths, log=log))
+    for step in range(3):
+        writer.write({"step": step, "time": 1.0, "reward_mean": 0.1 * step, "eval/reward": 0.5, "loss": float("nan"),
+                      "env/swe/sandbox_mode": "userns", "weight_updates_verified": True})
+    writer.close()
+    run = fake.runs[0]
+    assert run.init["mode"] == "offline" and run.init["project"] == "slurmrl-tiny_local" and run.init["name"] == "run-1"
+    assert run.init["config"]["trainer"]["num_steps"] == cfg.trainer.num_steps and run.init["resume"] == "allow"
+    assert [s for s, _ in run.logged] == [0, 1, 2] and run.finished
+    assert run.logged[1][1] == {"reward_mean": 0.1, "eval/reward": 0.5}  # numbers only; NaN, text, bools left out
+    assert [json.loads(x)["step"] for x in paths.metrics.read_text().splitlines()] == [0, 1, 2]  # same steps
+    # a resumed trainer (same run dir) continues the same W&B run
+    again = make_tracker(cfg, paths, log=log)
+    assert fake.runs[1].init["id"] == run.init["id"]
+    again.close()
+
+
+def test_a_failing_tracker_turns_itself_off(tmp_path, monkeypatch, caplog):
+    fake = FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    cfg = compose([])
+    cfg.tracking.wandb = True
+    paths = RunPaths(tmp_path / "run").ensure()
+    writer = MetricsWriter(paths, tensorboard=False, tracker=make_tracker(cfg, paths, log=logging.getLogger("t.trk")))
+    fake.runs[0].fail_next_log = ConnectionError("no route to host")
+    with caplog.at_level(logging.ERROR, logger="t.trk"):
+        writer.write({"step": 0, "reward_mean": 0.5})
+        writer.write({"step": 1, "reward_mean": 0.6})
+    writer.close()
+    assert "wandb: logging failed (ConnectionError: no route to host)" in caplog.text
+    assert fake.runs[0].logged == [] and len(paths.metrics.read_text().splitlines()) == 2  # metrics.jsonl goes on

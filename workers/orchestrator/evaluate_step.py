@@ -1,0 +1,162 @@
+"""``slurmrl-eval STEP_DIR``: evaluate one published step on its own, outside a training run.
+
+    slurmrl-eval runs/latest/weights/step_000020 --num-samples 64 --k 4 --out eval_20.json
+
+What it does, with the same pieces a run uses (the protocol between them unchanged):
+  1. reads the run's resolved config (``<run_dir>/config/run.yaml``, run_dir = STEP_DIR/../..);
+  2. makes a scratch run directory whose ``weights/`` holds only this step (a link), with its own
+     admin token, and starts one embedded inference server on it (``python -m workers.inference``,
+     the role process the launcher starts): it loads the newest stable step there, i.e. STEP_DIR;
+  3. runs the orchestrator's evaluation (evaluation.py ``Evaluator.run``: the env's eval split,
+     one greedy answer per record or ``--k`` sampled ones) through an InferenceClient over HTTP;
+  4. prints the eval/* metrics as JSON (and writes them to ``--out``), stops the server (SIGTERM,
+     then kill after a deadline) and removes the scratch directory.
+
+The step is served by the embedded engine whatever ``inference.backend`` the run used, so this
+evaluates what the embedded engine can hold (CPU, one GPU); an env without an eval split (only
+env=dataset with env.eval_path / env.eval_fraction has one) is refused before anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+from omegaconf import OmegaConf
+
+from workers.common.config import load_run_config, structure_section, to_yaml
+from workers.common.inference_client import InferenceClient, wait_until_ready
+from workers.common.logs import get_logger
+from workers.common.protocol import RunPaths
+from workers.common.registry import ENVS
+from workers.orchestrator.envs import make_env
+from workers.orchestrator.evaluation import Evaluator
+
+STOP_GRACE_S = 15.0
+
+
+class EvalError(ValueError):
+    """A bad STEP_DIR or a run that cannot be evaluated; the message says which and why."""
+
+
+def locate(step_dir: Path) -> tuple[Path, int]:
+    """(run_dir, step) of a published ``weights/step_N`` directory."""
+    step_dir = step_dir.resolve()
+    if not step_dir.is_dir() or not step_dir.name.startswith("step_") or not step_dir.name[5:].isdigit():
+        raise EvalError(f"{step_dir} is not a published step directory (weights/step_N)")
+    if not (step_dir / "STABLE").exists():
+        raise EvalError(f"{step_dir} has no STABLE marker: the step was not completely published")
+    run_dir = step_dir.parent.parent
+    if not RunPaths(run_dir).run_config.exists():
+        raise EvalError(f"{RunPaths(run_dir).run_config} is missing: {step_dir} is not inside a run directory")
+    return run_dir, int(step_dir.name[5:])
+
+
+def scratch_run(run_dir: Path, step_dir: Path, cfg) -> RunPaths:
+    """A run directory holding only this step, the run's config (served by the embedded engine) and a token."""
+    paths = RunPaths(Path(tempfile.mkdtemp(prefix="slurmrl-eval-"))).ensure()
+    if cfg.inference.backend != "embedded":  # serve the step with the embedded engine, its defaults
+        cfg.inference = OmegaConf.to_object(structure_section("inference", {"backend": "embedded"}))
+    paths.run_config.write_text(to_yaml(cfg))
+    fd = os.open(paths.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32))
+    paths.weights(0).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(step_dir.resolve(), paths.weights(int(step_dir.name[5:])))
+    return paths
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(paths: RunPaths, url: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RANK", "WORLD_SIZE"))}
+    env.update(SLURMRL_ROLE="inference", SLURMRL_RUN_DIR=str(paths.root), SLURMRL_LOCAL="1", RANK="0",
+               SLURMRL_RANK="0", WORLD_SIZE="1", SLURMRL_INFERENCE_URLS=url, SLURMRL_BIND_HOST="127.0.0.1",
+               PYTHONUNBUFFERED="1")
+    log = open(paths.logs_dir / "inference_0.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "workers.inference"], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def evaluate(step_dir: Path, *, num_samples: Optional[int] = None, k: Optional[int] = None,
+                   timeout_s: float = 600.0) -> dict:
+    """The eval/* metrics of the step at STEP_DIR (module docstring: how)."""
+    run_dir, step = locate(step_dir)
+    cfg = load_run_config(str(RunPaths(run_dir).run_config))
+    if not ENVS.get(cfg.env.name).eval_split:
+        raise EvalError(f"env={cfg.env.name} has no eval split; slurmrl-eval needs env=dataset with env.eval_path "
+                        f"or env.eval_fraction")
+    o = cfg.orchestrator
+    log = get_logger("eval", 0)
+    env = make_env(cfg.env, seed=cfg.seed, model=cfg.model)
+    evaluator = Evaluator(env, every=1, num_samples=num_samples or o.eval_num_samples, log=log, k=k or o.eval_k,
+                          temperature=o.temperature, success_reward=o.eval_success_reward)
+    paths = scratch_run(run_dir, step_dir, cfg)
+    port = _free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(paths, url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = InferenceClient(url, paths.admin_token.read_text().strip(), session=session,
+                                     timeout_s=o.request_timeout_s)
+            await wait_until_ready([client], cfg.inference.startup_timeout_s)
+            out = await asyncio.wait_for(evaluator.run(client, step), timeout_s)
+    except Exception:
+        log_tail = (paths.logs_dir / "inference_0.log").read_text(errors="replace")[-2000:]
+        log.error("inference server log (tail):\n%s", log_tail)
+        raise
+    finally:
+        stop_server(proc)
+        shutil.rmtree(paths.root, ignore_errors=True)
+    return {"step_dir": str(step_dir), "step": step, **out}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="slurmrl-eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("step_dir", type=Path, help="a published weights/step_N directory of a run")
+    p.add_argument("--num-samples", type=int, default=None, help="eval records (default: orchestrator.eval_num_samples)")
+    p.add_argument("--k", type=int, default=None, help="answers per record (default: orchestrator.eval_k; 1 = greedy)")
+    p.add_argument("--out", type=Path, default=None, help="also write the metrics to this JSON file")
+    args = p.parse_args(argv)
+    for name in ("num_samples", "k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        out = asyncio.run(evaluate(args.step_dir, num_samples=args.num_samples, k=args.k))
+    except EvalError as e:
+        print(f"slurmrl-eval: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(out, indent=2, sort_keys=True)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
