@@ -30,6 +30,7 @@ from torch import nn
 from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
+from workers.trainer.precision import Precision, autocast
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
                                              vocab_parallel_target_logprobs)
 
@@ -42,9 +43,9 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 class ShardedMoeForCausalLM(TinyMoeForCausalLM):
     """This rank's shard of a TinyMoeForCausalLM under ``dims`` (see the module docstring)."""
 
-    def __init__(self, full: TinyMoeForCausalLM, dims: ParallelDims):
+    def __init__(self, full: TinyMoeForCausalLM, dims: ParallelDims, *, precision: Optional[Precision] = None):
         nn.Module.__init__(self)
-        self.config, self.dims = full.config, dims
+        self.config, self.dims, self.precision = full.config, dims, precision
         tp_group, ep_group = dims.get_group("tp"), dims.get_group("ep")
         self.model = full.model
         if full.config.is_dense and dims.ep > 1:
@@ -60,6 +61,11 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
         # log-probs need no vocabulary-parallel reduction (target_logprobs passes no group).
         self.lm_head = None if full.lm_head is None else VocabParallelHead(full.lm_head, tp_group, dims.tp_rank, dims.tp)
         self.placement = {name: placement(name) for name, _ in self.named_parameters()}
+
+    def compute(self):
+        """The forward's context: autocast to the compute dtype over master-dtype parameters
+        (workers/trainer/precision.py); nothing when they are one dtype."""
+        return autocast(self.dims.device, self.precision)
 
     # -- scoring ---------------------------------------------------------------------
     def target_logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor,
@@ -94,15 +100,17 @@ class ShardedMoeForCausalLM(TinyMoeForCausalLM):
         return norm
 
     # -- full HF state dict ------------------------------------------------------------
-    def full_state_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
+    def full_state_dict(self, *, to_rank: Optional[int] = 0,
+                        dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
         """The full model's HF-named state dict, gathered from the shards (detached copies).
 
         COLLECTIVE: every trainer rank must call it, in step. Returns the dict on global rank
         ``to_rank`` (on every rank with ``to_rank=None``) and None elsewhere. Keys and shapes
         are exactly ``TinyMoeForCausalLM(config).state_dict()``'s; the vocabulary padding of
-        the TP lm_head is cut off.
+        the TP lm_head is cut off. ``dtype``: cast each tensor (publishing in the compute dtype).
         """
-        return self._gather_full(lambda p: p.detach(), to_rank)
+        get = (lambda p: p.detach()) if dtype is None else (lambda p: p.detach().to(dtype))
+        return self._gather_full(get, to_rank)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
         """Like :meth:`full_state_dict` for the (synced) gradients; missing ones are zeros."""

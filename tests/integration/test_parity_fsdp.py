@@ -1,0 +1,114 @@
+"""Parity of the generic FSDP2 plan (workers/trainer/fsdp.py) with the one-process fp32 step.
+
+Each layout runs as real gloo processes (spawned, a free port each): the seeded full model in
+float32 master weights is ``fully_shard``-ed over dp_shard ranks, each rank takes its row shard
+and runs the trainer's ``backward_step`` (micro-batches, activation checkpointing, Router Replay
+as configured) and one AdamW step on its shards; rank 0 gathers the full gradients and weights
+(``DTensor.full_tensor`` per parameter). The reference is test_parity_parallel's plain model with
+the loss functions called directly. tiny_moe (routed, Router Replay on) and llama (dense, tied
+embeddings, GQA) both run: the plan only knows ``CausalLM``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.integration import test_parity_dense as dense
+from tests.integration import test_parity_parallel as moe
+from tests.netutil import free_port, gloo_dims
+from workers.common.config import TrainerConfig
+from workers.models.tiny_moe.model import build_model
+from workers.trainer.batch import shard_rows
+from workers.trainer.fsdp import parallelize
+from workers.trainer.micro import apply_activation_checkpointing
+from workers.trainer.precision import Precision
+from workers.trainer.step import backward_step
+
+FAMILIES = {"tiny_moe": (moe.CFG, moe.SEED, moe.make_batch), "llama": (dense.CFG, dense.SEED, dense.make_batch)}
+
+
+def _worker(rank: int, world: int, port: int, family: str, cfg: TrainerConfig, out: str) -> None:
+    torch.set_num_threads(1)
+    mcfg, seed, make_batch = FAMILIES[family]
+    dims = gloo_dims(rank, world, port)
+    try:
+        full = build_model(mcfg, seed)
+        apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
+        model = parallelize(full, dims, precision=Precision.of(cfg))
+        local = {n: p.to_local().numel() for n, p in model.named_parameters()}
+        stats = backward_step(model, shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards), cfg, dims)
+        grads = model.full_grad_dict()
+        torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
+        weights = model.full_state_dict()
+        if rank == 0:
+            torch.save({"stats": stats, "grads": grads, "weights": weights, "local": local}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fsdp(tmp_path, family: str, world: int, cfg: TrainerConfig, timeout_s: float = 180.0) -> dict:
+    out = str(tmp_path / f"{family}_w{world}_{time.monotonic_ns()}.pt")
+    ctx = mp.start_processes(_worker, args=(world, free_port(), family, cfg, out), nprocs=world, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"FSDP {family} world {world} did not finish in {timeout_s}s")
+    return torch.load(out)
+
+
+def reference(family: str) -> dict:
+    """The one-process step; ``clipped``: its gradients after clipping (what the trainer ends with)."""
+    if family == "llama":  # test_parity_dense's reference keeps the gradients after clipping already
+        r = dense.reference()
+        assert r["grad_norm"] > dense.TCFG.grad_clip, "grad_clip below the norm: clipping is exercised"
+        return {**r, "clipped": r["grads"]}
+    cfg = moe.tcfg()
+    r = moe.reference(moe.make_batch(), cfg)
+    scale = min(1.0, cfg.grad_clip / (r["grad_norm"] + 1e-6))
+    assert scale < 1.0, "grad_clip below the norm: clipping is exercised"
+    return {**r, "clipped": {n: g * scale for n, g in r["grads"].items()}}
+
+
+def trainer_cfg(family: str, **kw) -> TrainerConfig:
+    return dataclasses.replace(moe.tcfg() if family == "tiny_moe" else dense.TCFG, **kw)
+
+
+def check_matches(got: dict, ref: dict) -> None:
+    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert list(got["weights"]) == list(ref["weights"]), "full_state_dict keeps the HF names, in order"
+    for name, g in ref["clipped"].items():
+        err = float((got["grads"][name] - g).abs().max())
+        assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: grad differs by {err:.3g}"
+    for name, w in ref["weights"].items():
+        err = float((got["weights"][name] - w).abs().max())
+        assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
+
+
+# (family, world, micro_batch_tokens, activation_checkpointing): 24 tokens puts the 8x10 batch's
+# rows into ~3 micro-batches per rank at world 2 (and uneven counts across ranks: padding micro-batches).
+LAYOUTS = [("tiny_moe", 1, 0, "none"), ("tiny_moe", 2, 0, "none"), ("tiny_moe", 2, 24, "full"),
+           ("tiny_moe", 1, 24, "none"), ("tiny_moe", 4, 0, "full"), ("llama", 2, 0, "none"),
+           ("llama", 2, 24, "full")]
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict:
+    torch.set_num_threads(1)
+    return {f: reference(f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family,world,mbt,ac", LAYOUTS, ids=[f"{f}-dp{w}-mbt{m}-ac{a}" for f, w, m, a in LAYOUTS])
+def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, ac):
+    got = run_fsdp(tmp_path, family, world, trainer_cfg(family, micro_batch_tokens=mbt, activation_checkpointing=ac))
+    check_matches(got, refs[family])
+    total = sum(p.numel() for p in refs[family]["weights"].values())
+    assert sum(got["local"].values()) <= total // world + 64 * len(got["local"]), "each rank holds ~1/world"
