@@ -85,6 +85,7 @@ class JobPlan:
         if split:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
+        lines += [f"WARNING {w}" for w in self.trainer_dims.warnings]
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
             lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
                          f"workers itself)")
