@@ -175,20 +175,25 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
 
 def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
     """The sharding plan the trainer ranks will pick and the warnings; PlanError for what they would refuse:
-    a tp/ep layout for a family without its own plan, a master dtype below the compute dtype, a
-    micro-batch budget that cannot hold the longest sample."""
+    a tp/ep layout for a family without its own plan (a warning in a dry run, which plans presets of
+    families still being built), a master dtype below the compute dtype, a micro-batch budget that
+    cannot hold the longest sample."""
     t, par = cfg.trainer, cfg.trainer.parallel
+    warnings = []
     try:
-        plan = MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
         warning = check_precision(t.dtype, t.master_dtype)
+        plan = MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
     except ValueError as e:
-        raise PlanError(str(e)) from None
+        if not (cfg.launcher.dry_run and "ModelSpec.parallelize" in str(e)):
+            raise PlanError(str(e)) from None
+        plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
+        warnings.append(f"{e} (a real run is refused)")
     longest = cfg.model.max_position_embeddings
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "
                         f"model.max_position_embeddings({longest}): a micro-batch must fit one whole sample; "
                         f"use >= {longest}, or 0 for the whole rank batch in one pass")
-    return plan, (warning,) if warning else ()
+    return plan, tuple(warnings) + ((warning,) if warning else ())
 
 
 def _server_kinds(cfg: RunConfig, backend) -> list[tuple[str, int, ServerLayout, str]]:
