@@ -3,10 +3,15 @@
 Per step N (batch N trains step N and yields weights version N+1):
   wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
   ``ep * dp`` (TP peers take the same rows) -> barrier, rank 0 prunes old rollouts ->
-  train_step (step.py: forward with Router Replay when asked, loss with global
-  normalisers, backward, grad sync over the TP x EP x DP groups, clip, AdamW) -> every
-  rank joins the gather of the full HF state dict -> rank 0 publishes weights/step_{N+1}
+  train_step (step.py: per micro-batch forward with Router Replay when asked, loss with
+  global normalisers, backward; grad sync, clip, AdamW) -> every rank joins the gather of
+  the full HF state dict (cast to trainer.dtype) -> rank 0 publishes weights/step_{N+1}
   and appends the metrics record.
+The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
+family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
+at another dp); tp or ep > 1 -> the family's own plan (tiny_moe/llama: sharded_model.py).
+Parameters and AdamW state are in trainer.master_dtype, compute in trainer.dtype
+(workers/trainer/precision.py); activation checkpointing wraps every decoder layer first.
 Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
 after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees come from
 ``trainer.parallel`` (ParallelConfig.resolve checks tp * pp * ep * dp == trainer.num_ranks).

@@ -1,8 +1,10 @@
 """The trainer's model: tiny_moe with its modules swapped for TP / EP shards, HF names kept.
 
-This is the sharding plan (``ModelSpec.parallelize``) of the families built on tiny_moe's torch
-code, ``tiny_moe`` and the dense ``llama`` (workers/models/*/spec.py); the trainer reaches it
-through the registry, so a family with other modules names its own plan there.
+This is the tensor/expert-parallel plan (``ModelSpec.parallelize``) of the families built on
+tiny_moe's torch code, ``tiny_moe`` and the dense ``llama`` (workers/models/*/spec.py), used when
+trainer.parallel.tp or ep > 1; runs with tp = ep = 1 use the generic FSDP2 plan
+(workers/trainer/fsdp.py). With float32 master weights and a bfloat16 trainer.dtype the forward
+runs under autocast (workers/trainer/precision.py).
 
 Built from the full seeded model (every rank builds it, then keeps its slices), so any
 (tp, ep, dp) starts from bit-identical weights. ``TinyMoeForCausalLM.forward`` runs

@@ -1,12 +1,20 @@
 """One optimizer step of the parallel trainer: forward (replay, packing), loss, backward, sync.
 
+The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/fsdp.py, or a
+family's TP/EP plan such as workers/trainer/sharded_model.py), one micro-batch or several
+(``trainer.micro_batch_tokens``, workers/trainer/micro.py: gradients accumulate, the loss keeps
+the step's GLOBAL normalisers).
+
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
-  forward    per layer: TP all-reduces (attention, experts), EP all-to-alls (dispatch,
-             combine), vocab-parallel all-reduces for the log-probs;
-  counts     one all-reduce over ``batch`` of token and expert counts (global normalisers);
-  backward   the same collectives mirrored;
-  grads      dense over ``batch``, experts over ``dp``, the norm over ``mp``;
+  micro      one all-reduce (max) of the micro-batch count, when micro-batching;
+  forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
+             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs;
+  counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
+             with several micro-batches and a balance loss, after a no-grad counting forward);
+  backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
+  grads      FSDP: done; TP/EP plan: dense over ``batch``, experts over ``dp``; the norm over
+             ``batch`` (FSDP shards) or ``mp``;
   stats      two all-reduces over ``batch`` (sums, then extremes).
 Every quantity is computed in ROW layout ``[B, T]`` whether or not the forward was packed.
 """
