@@ -112,3 +112,21 @@ def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, 
     check_matches(got, refs[family])
     total = sum(p.numel() for p in refs[family]["weights"].values())
     assert sum(got["local"].values()) <= total // world + 64 * len(got["local"]), "each rank holds ~1/world"
+
+
+def test_bfloat16_compute_over_float32_masters_tracks_the_float32_step(tmp_path, refs):
+    """Mixed precision at dp 2 (bf16 forward/backward, fp32 reduce-scatter into fp32 masters): the
+    loss, norm and update stay within bf16 rounding of the fp32 reference, and the masters move
+    by the fp32 AdamW step (a bf16 weight could not hold most of them)."""
+    got = run_fsdp(tmp_path, "tiny_moe", 2, trainer_cfg("tiny_moe", dtype="bfloat16", micro_batch_tokens=24))
+    ref = refs["tiny_moe"]
+    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=1e-3)
+    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.05)
+    lr = moe.tcfg().lr  # AdamW's first step moves each weight by ~lr * sign(grad): a bf16-flipped sign costs 2 lr
+    off = total = 0
+    for name, w in ref["weights"].items():
+        assert got["weights"][name].dtype == torch.float32, name
+        diff = (got["weights"][name] - w).abs()
+        assert float(diff.max()) <= 2.02 * lr, name
+        off, total = off + int((diff > 0.5 * lr).sum()), total + w.numel()
+    assert off / total < 0.05, f"{off / total:.1%} of the weights took another step than the fp32 reference"

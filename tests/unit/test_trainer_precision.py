@@ -103,3 +103,19 @@ def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
     changed = sum(int((masters[n] != w).sum()) for n, w in before.items()) / sum(w.numel() for w in before.values())
     assert changed > 0.9, f"an lr=1e-6 step changed only {changed:.1%} of the float32 master weights"
     assert stats["grad_norm"] > 0
+
+
+def test_activation_checkpointing_recomputes_each_layer_in_the_backward_and_keeps_the_names():
+    from workers.trainer.micro import apply_activation_checkpointing
+
+    model = build_model(CFG, 7)
+    names = [n for n, _ in model.named_parameters()]
+    apply_activation_checkpointing(model.model.layers, "full")
+    assert [n for n, _ in model.named_parameters()] == names, "no wrapper module: HF names unchanged"
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+    ids = torch.randint(0, CFG.vocab_size, (2, 6))
+    model(ids).logits.sum().backward()
+    assert len(calls) == 2, "forward once, recomputed once in the backward"
+    with pytest.raises(ValueError, match="trainer.activation_checkpointing"):
+        apply_activation_checkpointing(model.model.layers, "selective")
