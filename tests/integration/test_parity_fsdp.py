@@ -25,7 +25,7 @@ from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from workers.trainer.fsdp import parallelize
-from workers.trainer.micro import apply_activation_checkpointing
+from workers.trainer.micro import apply_activation_checkpointing, split_micro_batches
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step
 
@@ -41,12 +41,15 @@ def _worker(rank: int, world: int, port: int, family: str, cfg: TrainerConfig, o
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
         model = parallelize(full, dims, precision=Precision.of(cfg))
         local = {n: p.to_local().numel() for n, p in model.named_parameters()}
-        stats = backward_step(model, shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards), cfg, dims)
+        shard = shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards)
+        num_micro = len(split_micro_batches(shard, cfg.micro_batch_tokens, packed=False, dims=dims))
+        stats = backward_step(model, shard, cfg, dims)
         grads = model.full_grad_dict()
         torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
         weights = model.full_state_dict()
         if rank == 0:
-            torch.save({"stats": stats, "grads": grads, "weights": weights, "local": local}, out)
+            torch.save({"stats": stats, "grads": grads, "weights": weights, "local": local, "num_micro": num_micro},
+                       out)
     finally:
         dist.destroy_process_group()
 
@@ -93,11 +96,12 @@ def check_matches(got: dict, ref: dict) -> None:
         assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
 
 
-# (family, world, micro_batch_tokens, activation_checkpointing): 24 tokens puts the 8x10 batch's
-# rows into ~3 micro-batches per rank at world 2 (and uneven counts across ranks: padding micro-batches).
-LAYOUTS = [("tiny_moe", 1, 0, "none"), ("tiny_moe", 2, 0, "none"), ("tiny_moe", 2, 24, "full"),
-           ("tiny_moe", 1, 24, "none"), ("tiny_moe", 4, 0, "full"), ("llama", 2, 0, "none"),
-           ("llama", 2, 24, "full")]
+# (family, world, micro_batch_tokens, activation_checkpointing, micro-batches per rank). The 8 rows
+# are 5-10 tokens long: at dp 2 a 16-token budget cuts rank 0's rows into 3 micro-batches and rank
+# 1's into 2 (+1 padding micro-batch: every rank runs as many); at dp 4 only rank 2 needs 2.
+LAYOUTS = [("tiny_moe", 1, 0, "none", 1), ("tiny_moe", 2, 0, "none", 1), ("tiny_moe", 2, 16, "full", 3),
+           ("tiny_moe", 1, 30, "none", 3), ("tiny_moe", 4, 0, "full", 1), ("tiny_moe", 4, 16, "none", 2),
+           ("llama", 2, 0, "none", 1), ("llama", 2, 16, "full", 3)]
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +110,11 @@ def refs() -> dict:
     return {f: reference(f) for f in FAMILIES}
 
 
-@pytest.mark.parametrize("family,world,mbt,ac", LAYOUTS, ids=[f"{f}-dp{w}-mbt{m}-ac{a}" for f, w, m, a in LAYOUTS])
-def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, ac):
+@pytest.mark.parametrize("family,world,mbt,ac,num_micro", LAYOUTS,
+                         ids=[f"{f}-dp{w}-mbt{m}-ac{a}" for f, w, m, a, _ in LAYOUTS])
+def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, ac, num_micro):
     got = run_fsdp(tmp_path, family, world, trainer_cfg(family, micro_batch_tokens=mbt, activation_checkpointing=ac))
+    assert got["num_micro"] == num_micro
     check_matches(got, refs[family])
     total = sum(p.numel() for p in refs[family]["weights"].values())
     assert sum(got["local"].values()) <= total // world + 64 * len(got["local"]), "each rank holds ~1/world"
@@ -118,7 +124,7 @@ def test_bfloat16_compute_over_float32_masters_tracks_the_float32_step(tmp_path,
     """Mixed precision at dp 2 (bf16 forward/backward, fp32 reduce-scatter into fp32 masters): the
     loss, norm and update stay within bf16 rounding of the fp32 reference, and the masters move
     by the fp32 AdamW step (a bf16 weight could not hold most of them)."""
-    got = run_fsdp(tmp_path, "tiny_moe", 2, trainer_cfg("tiny_moe", dtype="bfloat16", micro_batch_tokens=24))
+    got = run_fsdp(tmp_path, "tiny_moe", 2, trainer_cfg("tiny_moe", dtype="bfloat16", micro_batch_tokens=16))
     ref = refs["tiny_moe"]
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=1e-3)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.05)
