@@ -208,7 +208,7 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
     out = []
     for r in roles:
         if r.role == "trainer":
-            est = trainer_memory(params, r.num_procs, gpu_gb)
+            est = trainer_memory(params, r.num_procs, gpu_gb, cfg.trainer.master_dtype)
             key = "launcher.trainer.num_nodes"
         elif r.server is not None and r.num_gpus_per_node:
             est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)
