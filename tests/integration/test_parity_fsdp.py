@@ -101,7 +101,8 @@ def check_matches(got: dict, ref: dict) -> None:
 # 1's into 2 (+1 padding micro-batch: every rank runs as many); at dp 4 only rank 2 needs 2.
 LAYOUTS = [("tiny_moe", 1, 0, "none", 1), ("tiny_moe", 2, 0, "none", 1), ("tiny_moe", 2, 16, "full", 3),
            ("tiny_moe", 1, 30, "none", 3), ("tiny_moe", 4, 0, "full", 1), ("tiny_moe", 4, 16, "none", 2),
-           ("llama", 2, 0, "none", 1), ("llama", 2, 16, "full", 3)]
+           ("tiny_moe", 2, 16, "selective", 3), ("llama", 2, 0, "none", 1), ("llama", 2, 16, "full", 3),
+           ("llama", 1, 0, "selective", 1)]
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ RANGE_CASES = [
     ("trainer.master_dtype=float16", "trainer.master_dtype"),
     ("trainer.micro_batch_tokens=8", "trainer.micro_batch_tokens"),  # < model.max_position_embeddings
     ("trainer.micro_batch_tokens=-1", "trainer.micro_batch_tokens"),
-    ("trainer.activation_checkpointing=selective", "trainer.activation_checkpointing"),
+    ("trainer.activation_checkpointing=partial", "trainer.activation_checkpointing"),
     ("model=kimi_k2 trainer.num_ranks=2 trainer.parallel.ep=2", "trainer.parallel"),  # no build, no TP/EP plan yet
     # env: every env
     ("env.seed=-1", "env.seed"),

@@ -124,4 +124,33 @@ def test_activation_checkpointing_recomputes_each_layer_in_the_backward_and_keep
     model(ids).logits.sum().backward()
     assert len(calls) == 2, "forward once, recomputed once in the backward"
     with pytest.raises(ValueError, match="trainer.activation_checkpointing"):
-        apply_activation_checkpointing(model.model.layers, "selective")
+        apply_activation_checkpointing(model.model.layers, "sometimes")
+
+
+def test_selective_checkpointing_recomputes_the_cheap_ops_but_no_matmul():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workers.trainer.micro import apply_activation_checkpointing
+
+    mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.matmuls = self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.matmuls += func in mm
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for mode in ("none", "full", "selective"):
+        model = build_model(CFG, 7)
+        apply_activation_checkpointing(model.model.layers, mode)
+        with Count() as c:
+            model(torch.randint(0, CFG.vocab_size, (2, 12))).logits.sum().backward()
+        counts[mode] = (c.matmuls, c.ops)
+    assert counts["full"][0] > counts["none"][0], "full recomputes the matmuls"
+    assert counts["selective"][0] == counts["none"][0], "selective keeps every matmul output"
+    assert counts["selective"][1] > counts["none"][1], "selective recomputes the elementwise ops"

@@ -8,10 +8,13 @@ forwards and backwards (each holds collectives: FSDP all-gathers, EP all-to-alls
 is agreed by an all-reduce (max) and a rank with fewer pads with :func:`empty_like` micro-batches:
 one pad token, no loss token, no valid token, so they add nothing to the loss or the statistics.
 
-Activation checkpointing (``trainer.activation_checkpointing=full``): every decoder layer's
+Activation checkpointing (``trainer.activation_checkpointing``): every decoder layer's
 ``forward`` is replaced on the instance by one that runs it under
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant: the layer's ``(x, ctx)`` arguments and its
-``(x, Routing)`` result pass through as they are). Parameter names do not change (no wrapper
+``(x, Routing)`` result pass through as they are). ``full`` keeps only the layer's input and
+recomputes everything; ``selective`` keeps the outputs of the matmuls and attention kernels
+(:data:`SAVED_OPS`: the expensive FLOPs) and recomputes the cheap elementwise rest (norms,
+activations, softmax, routing), which holds most of the activation bytes. Parameter names do not change (no wrapper
 module), and FSDP2's hooks, which fire around ``__call__``, still gather a layer's weights
 before the forward and before the backward's recompute.
 """
@@ -23,10 +26,18 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.parallel import ParallelDims
+
+
+_aten = torch.ops.aten
+SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default,
+             _aten._scaled_dot_product_flash_attention.default,
+             _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default}
+"""What ``selective`` activation checkpointing keeps: matmul and attention outputs."""
 
 
 def row_lengths(batch: RolloutBatch) -> torch.Tensor:
@@ -97,18 +108,25 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
     """``mode`` ``full``: recompute each layer in the backward (see the module docstring); ``none``: no-op."""
     if mode == "none":
         return
-    if mode != "full":
-        raise ValueError(f"trainer.activation_checkpointing={mode!r}: choose none | full")
+    if mode not in ("full", "selective"):
+        raise ValueError(f"trainer.activation_checkpointing={mode!r}: choose none | full | selective")
+    context = None if mode == "full" else functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     for layer in layers:
         inner = layer.forward  # the bound method of the class: what __call__ would have run
-        layer.forward = functools.partial(_checkpointed, inner)
+        layer.forward = functools.partial(_checkpointed, inner, context)
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, context, *args, **kwargs):
     if not torch.is_grad_enabled():  # inference / no-grad passes: nothing to save
         return forward(*args, **kwargs)
     # The skeleton reuses ONE ForwardContext for every layer (ctx.layer, ctx.forced change per
     # layer): the recompute must see this layer's values, so it gets a shallow copy taken now
     # (its memo dict and cache stay shared).
     args = tuple(copy.copy(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
+    if context is not None:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

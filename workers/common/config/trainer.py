@@ -10,7 +10,7 @@ from workers.common.dtypes import COMPUTE_DTYPES
 
 MASTER_DTYPES = ("float32", "bfloat16")
 """``trainer.master_dtype`` choices (workers/trainer/precision.py explains them)."""
-ACTIVATION_CHECKPOINTING = ("none", "full")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 """``trainer.activation_checkpointing`` choices."""
 
 
@@ -81,8 +81,9 @@ class TrainerConfig:
     still normalised by the step's global token count. 0: the whole rank batch in one pass. Must
     hold the longest sample (model.max_position_embeddings tokens)."""
     activation_checkpointing: str = "none"
-    """``none`` | ``full``: recompute each decoder layer's activations in the backward instead of
-    keeping them (saves activation memory for ~1/3 more compute)."""
+    """``none`` | ``full`` | ``selective``: recompute each decoder layer's activations in the backward
+    instead of keeping them (``full``: all of them, ~1/3 more compute; ``selective``: keep the matmul and
+    attention outputs, recompute the elementwise rest; workers/trainer/micro.py)."""
     aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     ratio_cap: float = 2.0
