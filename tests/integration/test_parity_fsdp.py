@@ -24,7 +24,8 @@ from tests.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
-from workers.trainer.fsdp import parallelize
+from launcher.estimate import ParamCount, trainer_memory
+from workers.trainer.fsdp import parallelize, sharded_bytes
 from workers.trainer.micro import apply_activation_checkpointing, split_micro_batches
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step
@@ -45,11 +46,14 @@ def _worker(rank: int, world: int, port: int, family: str, cfg: TrainerConfig, o
         num_micro = len(split_micro_batches(shard, cfg.micro_batch_tokens, packed=False, dims=dims))
         stats = backward_step(model, shard, cfg, dims)
         grads = model.full_grad_dict()
-        torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas))
+        opt.step()
+        state = torch.tensor([sharded_bytes(model, opt)], dtype=torch.float64)
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
         weights = model.full_state_dict()
         if rank == 0:
-            torch.save({"stats": stats, "grads": grads, "weights": weights, "local": local, "num_micro": num_micro},
-                       out)
+            torch.save({"stats": stats, "grads": grads, "weights": weights, "local": local, "num_micro": num_micro,
+                        "state_bytes": float(state)}, out)
     finally:
         dist.destroy_process_group()
 
@@ -119,6 +123,8 @@ def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, 
     check_matches(got, refs[family])
     total = sum(p.numel() for p in refs[family]["weights"].values())
     assert sum(got["local"].values()) <= total // world + 64 * len(got["local"]), "each rank holds ~1/world"
+    planned = trainer_memory(ParamCount(total=total, active=total, mtp=0), world, 141.0).per_gpu_gb * 1e9
+    assert got["state_bytes"] == pytest.approx(planned, rel=0.25), "the planner's per-GPU state (launcher/estimate.py)"
 
 
 def test_bfloat16_compute_over_float32_masters_tracks_the_float32_step(tmp_path, refs):
