@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -74,27 +74,28 @@ class FsdpTrainerModel:
 
     def full_state_dict(self, *, to_rank: Optional[int] = 0,
                         dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
-        """The full HF-named state dict, gathered one parameter at a time (``DTensor.full_tensor``:
-        an all-gather per tensor, no second model is built), cast to ``dtype`` when given.
+        """The full HF-named state dict (parameters and persistent buffers, e.g. a sigmoid router's
+        correction bias), gathered one tensor at a time (``DTensor.full_tensor``: an all-gather per
+        parameter, no second model is built), floating tensors cast to ``dtype`` when given.
 
         COLLECTIVE: every rank calls it, in step. Returned on ``to_rank`` (every rank with None).
         """
-        return self._gather_full(lambda p: p.detach(), to_rank, dtype)
+        return self._gather_full(self.state_dict().items(), to_rank, dtype)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
-        """Like :meth:`full_state_dict` for the gradients (zeros where a parameter has none)."""
-        return self._gather_full(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), to_rank, None)
+        """Like :meth:`full_state_dict` for the parameters' gradients (zeros where one has none)."""
+        grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
+        return self._gather_full(grads, to_rank, None)
 
     @torch.no_grad()
-    def _gather_full(self, get: Callable[[nn.Parameter], torch.Tensor], to_rank: Optional[int],
+    def _gather_full(self, tensors: Iterable[tuple[str, torch.Tensor]], to_rank: Optional[int],
                      dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
         keep = to_rank is None or self.dims.rank == to_rank
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.named_parameters():  # same order on every rank: the all-gathers pair up
-            t = get(p)
-            full = t.full_tensor() if isinstance(t, DTensor) else t.clone()
+        for name, t in tensors:  # same order on every rank: the all-gathers pair up
+            full = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
             if keep:
-                out[name] = full if dtype is None else full.to(dtype)
+                out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
         return out if keep else None
 
 

@@ -29,8 +29,8 @@ import torch
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
-                                  router_stats, routing_disagreement)
+from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
+                                  routing_disagreement)
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
@@ -65,12 +65,12 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
-    with compute_context(model), capture_gate_logits(model) as gates:
+    with compute_context(model), capture_routing(model) as routers:
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
                     forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
     logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    prob_sums, counts = router_stats(gates, out.routed_experts, attention, cfg.num_experts)  # dense: no gates, [0, 0]
-    own, routed = own_topk(gates, cfg.top_k, tuple(ids.shape), ids.device), out.routed_experts
+    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
+    own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -227,6 +227,61 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
     if "slots" in g:
         stats["routing_disagreement"] = g["disagree"] / g["slots"] if g["slots"] else float("nan")
     return stats
+
+
+@contextlib.contextmanager
+def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Collect every routed layer's ``(probs [B*T, E] with grad, own choice [B*T, k])``, in layer
+    order, during one forward: the DP-exact balance loss needs the probabilities, and
+    routing_disagreement the router's OWN top-k under Router Replay.
+
+    Any family: the router of a routed layer (``routed = True``) is the first of its modules
+    with ``route(x, forced, forced_mask) -> (indices, weights, probs)`` (tiny_moe's MoeBlock,
+    blocks/router_sigmoid.py's SigmoidTopkRouter). Its ``route`` is wrapped on the instance
+    (once; it stays: the trainer's model serves nothing else) and reports only while this
+    context is open. Under replay the own choice is one more no-grad ``route`` without forcing,
+    also when an activation-checkpointing recompute runs it, so the recompute replays exactly
+    the forward's ops (selective checkpointing matches them one by one).
+    """
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
+               for layer in model.model.layers if getattr(layer, "routed", False)]
+    routers = [r for r in routers if r is not None]
+    for r in routers:
+        if not isinstance(r.__dict__.get("route"), _CapturingRoute):
+            r.route = _CapturingRoute(type(r).route.__get__(r))
+        r.route.sink = captured
+    try:
+        yield captured
+    finally:
+        for r in routers:
+            r.route.sink = None
+
+
+class _CapturingRoute:
+    def __init__(self, route):
+        self.route, self.sink = route, None
+
+    def __call__(self, x, *args, **kwargs):
+        idx, weights, probs = self.route(x, *args, **kwargs)
+        forced = args[0] if args else kwargs.get("forced")
+        if forced is None:
+            own = idx
+        else:
+            with torch.no_grad():
+                own = self.route(x, None, None)[0]
+        if self.sink is not None:
+            self.sink.append((probs, own.detach()))
+        return idx, weights, probs
+
+
+def stack_own(routers: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, int],
+              device: torch.device) -> torch.Tensor:
+    """``[B, T, L, k]`` own choices of the captured routers (``[B, T, 0, 0]`` for a dense model)."""
+    b, t = shape
+    if not routers:
+        return torch.zeros(b, t, 0, 0, dtype=torch.long, device=device)
+    return torch.stack([own.view(b, t, -1) for _, own in routers], dim=2)
 
 
 def compute_context(model):
