@@ -33,6 +33,13 @@ def _worker(rank: int, world: int, port: int, run_dir: str, phase: str, out: str
         model = parallelize(build_model(moe.CFG, moe.SEED if phase == "save" else 99), dims)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas))
         ckpt = Checkpointer(run_dir, rank=rank, world_size=world, every=0, keep=2)
+        if phase == "signal":  # SIGUSR1 reached rank 0 only: the ranks agree, both save
+            ckpt.save_requested = rank == 0
+            ckpt.begin_step()
+            ckpt.end_step(0, model, opt)
+            if rank == 0:
+                torch.save({"resume_step": ckpt.resume_step}, out)
+            return
         if phase == "save":
             train_step(model, opt, shard_rows(moe.make_batch(seed=0), dims.batch_rank, dims.num_batch_shards), cfg, dims)
             ckpt.save(1, model, opt)
@@ -72,3 +79,9 @@ def test_saved_at_dp2_resumes_at_dp1_and_dp4_on_the_same_curve(tmp_path):
         for name, w in base["weights"].items():
             err = float((got["weights"][name] - w).abs().max())
             assert err < 1e-5, f"dp {world}: {name} differs by {err:.3g} after the resumed step"
+
+
+def test_a_signal_on_one_rank_saves_on_every_rank(tmp_path):
+    got = run(tmp_path, 2, "signal")
+    assert got["resume_step"] == 1
+    assert next((tmp_path / "run" / "checkpoints").glob("step_*/COMPLETE"), None) is not None

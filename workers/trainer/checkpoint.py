@@ -16,8 +16,11 @@ When: after every ``trainer.checkpoint_every_steps`` steps, after the step in pr
 SIGUSR1 arrives (Slurm's ``--signal=USR1@grace`` before a requeue; training continues), and
 on SIGTERM: during a step the stop waits for the step to finish (publish included) and
 saves it; between steps (waiting for a batch) the state is already consistent, so it is
-saved at once; then the loop's own SIGTERM path exits 143. SIGKILL saves nothing: the run
-resumes from the last complete checkpoint and the steps after it are redone (``steps_lost``).
+saved at once (on a multi-rank FSDP trainer, whose DCP saves are collective, it stops without
+saving: workers/trainer/dcp_state.py); then the loop's own SIGTERM path exits 143. There, the
+ranks also agree after every step on the SIGUSR1 / SIGTERM flags: one signalled rank acts for
+all. SIGKILL saves nothing: the run resumes from the last complete checkpoint and the steps
+after it are redone (``steps_lost``).
 
 The FSDP plan's models (DTensor parameters) save through torch.distributed.checkpoint instead
 (workers/trainer/dcp_state.py: one COLLECTIVE save per step, reshardable, so the resume may
@@ -103,11 +106,24 @@ class Checkpointer:
         if self.in_step:
             self.stop_requested = True  # end_step saves and stops
             return
+        if self._model is not None and self._collective(self._model):
+            # A DCP save is collective, and between steps the peers may be anywhere (one may
+            # already be in the next step's barrier): stop without one rather than mismatch them.
+            self.log.warning(f"SIGTERM between steps: no checkpoint on a {self.world_size}-rank FSDP trainer (its "
+                             f"saves are collective); a resume redoes the steps after {self.resume_step}. Slurm's "
+                             f"SIGUSR1 before a requeue (or a SIGTERM during a step) saves on every rank")
+            self._stop(signum, frame)
         self._save_and_stop(signum, frame)
+
+    def _collective(self, model) -> bool:
+        return self.world_size > 1 and dcp_state.reshardable(model)
 
     def _save_and_stop(self, signum, frame) -> None:
         if self._model is not None and self.done_step > self.resume_step:
             self.save(self.done_step, self._model, self._optimizer)
+        self._stop(signum, frame)
+
+    def _stop(self, signum, frame) -> None:
         signal.signal(signal.SIGTERM, self._prev_term)
         if callable(self._prev_term):
             self._prev_term(signum, frame)  # the loop's TrainerStopped
@@ -121,6 +137,8 @@ class Checkpointer:
         """Step ``step`` is trained and published: save if due or asked; stop if SIGTERM came."""
         self.done_step = step + 1
         try:  # still "in step" while saving: a SIGTERM now waits for this save, then stops
+            if self._collective(model):  # a signal that reached one rank saves / stops on all of them
+                self.save_requested, self.stop_requested = dcp_state.agree(self.save_requested, self.stop_requested)
             if self.save_requested or (self.every > 0 and self.done_step % self.every == 0):
                 self.save_requested = False
                 self.save(self.done_step, model, optimizer)

@@ -19,6 +19,9 @@ Protocol (COLLECTIVE, every rank, in step; deadlines: the process group's timeou
      looks at the directory before the rename.
 A rank killed at any point leaves ``.step_N.tmp`` (ignored by readers) and the previous step.
 Resume: RNG of the same rank if that rank saved, else rank 0's (a new rank has no own stream).
+Signals (workers/trainer/checkpoint.py): after every step the ranks agree (:func:`agree`) on the
+SIGUSR1 / SIGTERM flags, so one signalled rank saves and stops them all together; a SIGTERM
+between steps stops WITHOUT a save when there are several ranks (peers may be elsewhere).
 """
 from __future__ import annotations
 
@@ -73,6 +76,14 @@ def load(path: Path, model, optimizer, *, rank: int) -> None:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+
+
+def agree(*flags: bool) -> list[bool]:
+    """Each flag true on every rank if it is true on any (COLLECTIVE: one all-reduce of max), so a
+    signal that reached one rank makes every rank take the same collective save / stop."""
+    t = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
 
 
 def is_complete(d: Path, meta: dict) -> bool:
