@@ -194,7 +194,6 @@ RANGE_CASES = [
     ("trainer.micro_batch_tokens=8", "trainer.micro_batch_tokens"),  # < model.max_position_embeddings
     ("trainer.micro_batch_tokens=-1", "trainer.micro_batch_tokens"),
     ("trainer.activation_checkpointing=partial", "trainer.activation_checkpointing"),
-    ("model=kimi_k2 trainer.num_ranks=2 trainer.parallel.ep=2", "trainer.parallel"),  # no build, no TP/EP plan yet
     # env: every env
     ("env.seed=-1", "env.seed"),
     ("env.latency=lognormal env.latency_median_s=nan", "env.latency_median_s"),

@@ -51,6 +51,14 @@ def test_tp_ep_one_runs_fsdp_for_every_family_and_others_need_their_own_plan():
     with pytest.raises(ValueError, match=r"tp\(1\) x ep\(4\).*'deepseek_v3'"):
         MODELS.get("deepseek_v3").trainer_plan(1, 4)
     assert plan(["trainer.num_ranks=2"]).trainer_dims.plan == FSDP_PLAN
+    from launcher.plan import PlanError
+    from launcher.resources import check_trainer_options
+    from tests.conftest import compose
+
+    layout = ["model=kimi_k2", "trainer.num_ranks=2", "trainer.parallel.ep=2"]
+    with pytest.raises(PlanError, match=r"trainer.parallel.tp\(1\) x ep\(2\): model family 'deepseek_v3'"):
+        check_trainer_options(compose(["launcher.dry_run=false", *layout]))  # a real run: refused with the numbers
+    assert "(a real run is refused)" in check_trainer_options(compose(layout))[1][0]  # a dry run: a warning
 
 
 def test_micro_batches_hold_the_budget_and_every_rank_runs_as_many():
