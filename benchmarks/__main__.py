@@ -23,6 +23,9 @@ BENCHMARKS = [
     ("benchmarks.weight_sync", [], "weight_sync.json",
      [("fs_vs_raw (1GB)", ("summary", "fs_vs_raw"), ">= 0.8"), ("broadcast_vs_raw", ("summary", "broadcast_vs_raw"), ">= 0.8")]),
     ("benchmarks.router_replay", [], "router_replay.json", [("kl_reduction", ("summary", "kl_reduction"), ">= 10")]),
+    ("benchmarks.trainer_memory", [], "trainer_memory.json",
+     [("FSDP state/rank, world 4 / world 1", ("setup", "state_ratio_world_max"), "<= 0.30"),
+      ("lr 1e-6 update fraction, bf16 master", ("master_update_fraction", "bfloat16"), "(fp32: ~1.0)")]),
     ("benchmarks.simulate", ["experiment=glm5_swe_28xh200", "orchestrator.num_prompts_per_step=32"],
      "simulate_glm5_swe_28xh200.json", [("28 nodes, 256 rollouts: best step_s", ("search", 0, "step_s"), "<= 300")]),
 ]

@@ -15,7 +15,9 @@ import dataclasses
 from workers.models.spec import ParamCount, architecture  # noqa: F401  (ParamCount re-exported)
 
 TRAIN_BYTES_PER_PARAM = 16
-"""bf16 weights (2) + bf16 grads (2) + fp32 master weights, Adam m and v (4 + 4 + 4)."""
+"""float32 master weights (4) + float32 gradients (4: FSDP reduce-scatters into them) + AdamW m and v
+(4 + 4); the bf16 compute copies are gathered one layer at a time (transient). trainer.master_dtype
+=bfloat16 halves all four (8)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SERVER_MEM_FRACTION = 0.9
 """Share of a GPU an inference server may use (SGLang's --mem-fraction-static is of this order)."""
@@ -63,11 +65,13 @@ class MemoryEstimate:
         return self.per_gpu_gb <= self.gpu_gb
 
 
-def trainer_memory(params: ParamCount, num_gpus: int, gpu_gb: float) -> MemoryEstimate:
-    """States fully sharded over every trainer GPU (FSDP / distributed optimizer, experts over EP)."""
-    per_gpu = (params.total + params.mtp) * TRAIN_BYTES_PER_PARAM / num_gpus / 1e9
+def trainer_memory(params: ParamCount, num_gpus: int, gpu_gb: float, master_dtype: str = "float32") -> MemoryEstimate:
+    """States fully sharded over every trainer GPU (the FSDP plan, workers/trainer/fsdp.py): master
+    weights, their gradients and AdamW's two moments, all in ``trainer.master_dtype``."""
+    per_param = TRAIN_BYTES_PER_PARAM * DTYPE_BYTES[master_dtype] // DTYPE_BYTES["float32"]
+    per_gpu = (params.total + params.mtp) * per_param / num_gpus / 1e9
     return MemoryEstimate(what="trainer", per_gpu_gb=per_gpu, gpu_gb=gpu_gb,
-                          detail=f"{TRAIN_BYTES_PER_PARAM} B/param x {human(params.total + params.mtp)} params / "
+                          detail=f"{per_param} B/param x {human(params.total + params.mtp)} params / "
                                  f"{num_gpus} GPUs = {per_gpu:.1f} GB/GPU of {gpu_gb:.0f} "
                                  f"({gpu_gb - per_gpu:.0f} GB left for activations)")
 

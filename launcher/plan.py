@@ -87,6 +87,7 @@ class JobPlan:
         if split:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
+        lines += [f"WARNING {w}" for w in self.trainer_dims.warnings]
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
             lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
                          f"workers itself)")
@@ -236,7 +237,7 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
     out = []
     for r in roles:
         if r.role == "trainer":
-            est = trainer_memory(params, r.num_procs, gpu_gb)
+            est = trainer_memory(params, r.num_procs, gpu_gb, cfg.trainer.master_dtype)
             key = "launcher.trainer.num_nodes"
         elif r.server is not None and r.num_gpus_per_node:
             est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional
 
 from workers.common.config import RunConfig, ServerLayout
-from workers.common.registry import BACKENDS
+from workers.common.config.trainer import check_precision
+from workers.common.registry import BACKENDS, MODELS
 
 
 class PlanError(ValueError):
@@ -79,6 +80,10 @@ class TrainerDims:
     num_nodes: int
     num_gpus_per_node: int
     num_experts: int
+    plan: str = ""
+    """The trainer's sharding plan (``module:callable``): FSDP2 at tp = ep = 1, else the family's own."""
+    warnings: tuple[str, ...] = ()
+    """Plan-time warnings about the trainer's settings (printed with the plan summary)."""
 
     def describe(self) -> str:
         where = (f"{self.num_nodes} node(s) x {self.num_gpus_per_node} GPUs" if self.num_gpus_per_node
@@ -168,15 +173,39 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
     if gpn and par.tp > gpn:
         raise PlanError(f"trainer.parallel.tp({par.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
                         f"inside a node (NVLink)")
+    plan, warnings = check_trainer_options(cfg)
     if check_fit:
         _check_cpus(cfg, "trainer", "launcher.trainer.num_cpus_per_task", tpn, lt.num_cpus_per_task)
-    dims = TrainerDims(**d, num_ranks=ranks, num_nodes=lt.num_nodes,
-                       num_gpus_per_node=gpn, num_experts=m.num_experts)
+    dims = TrainerDims(**d, num_ranks=ranks, num_nodes=lt.num_nodes, num_gpus_per_node=gpn,
+                       num_experts=m.num_experts, plan=plan, warnings=warnings)
     role = RolePlan(role="trainer", num_procs=ranks, module="workers.trainer", num_nodes=lt.num_nodes,
                     num_tasks_per_node=tpn, num_cpus_per_task=lt.num_cpus_per_task, num_gpus_per_node=gpn,
                     mem_gb=lt.mem_gb, main=True, config_key="launcher.trainer",
                     description=f"trainer: {ranks} rank(s), {tpn} per node")
     return role, dims
+
+
+def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
+    """The sharding plan the trainer ranks will pick and the warnings; PlanError for what they would refuse:
+    a tp/ep layout for a family without its own plan (a warning in a dry run, which plans presets of
+    families still being built), a master dtype below the compute dtype, a micro-batch budget that
+    cannot hold the longest sample."""
+    t, par = cfg.trainer, cfg.trainer.parallel
+    warnings = []
+    try:
+        warning = check_precision(t.dtype, t.master_dtype)
+        plan = MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
+    except ValueError as e:
+        if not (cfg.launcher.dry_run and "ModelSpec.parallelize" in str(e)):
+            raise PlanError(str(e)) from None
+        plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
+        warnings.append(f"{e} (a real run is refused)")
+    longest = cfg.model.max_position_embeddings
+    if 0 < t.micro_batch_tokens < longest:
+        raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "
+                        f"model.max_position_embeddings({longest}): a micro-batch must fit one whole sample; "
+                        f"use >= {longest}, or 0 for the whole rank batch in one pass")
+    return plan, tuple(warnings) + ((warning,) if warning else ())
 
 
 def _server_kinds(cfg: RunConfig, backend) -> list[tuple[str, int, ServerLayout, str]]:

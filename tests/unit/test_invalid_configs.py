@@ -188,6 +188,12 @@ RANGE_CASES = [
     (DRY + "model=glm5 model.num_indexer_heads=-2", "model.num_indexer_heads"),
     (DRY + "model=nemotron3_ultra model.num_shared_experts=-1", "model.num_shared_experts"),
     (DRY + "model=nemotron3_ultra model.num_mtp_layers=-3", "model.num_mtp_layers"),
+    # trainer precision, micro-batches, sharding plans (issue 19)
+    ("trainer.master_dtype=bfloat16", "trainer.master_dtype"),  # below the float32 compute dtype
+    ("trainer.master_dtype=float16", "trainer.master_dtype"),
+    ("trainer.micro_batch_tokens=8", "trainer.micro_batch_tokens"),  # < model.max_position_embeddings
+    ("trainer.micro_batch_tokens=-1", "trainer.micro_batch_tokens"),
+    ("trainer.activation_checkpointing=partial", "trainer.activation_checkpointing"),
     # env: every env
     ("env.seed=-1", "env.seed"),
     ("env.latency=lognormal env.latency_median_s=nan", "env.latency_median_s"),

@@ -42,22 +42,12 @@ def check_base(cfg, spec) -> None:
         raise ValueError(f"model.family={m.family} (model {m.name}) can be planned but not built yet: the trainer "
                          f"and the embedded engine build {' and '.join(buildable_families())}; plan it with "
                          f"launcher.dry_run=true")
-    if not spec.parallelize and not cfg.launcher.dry_run:
-        raise ValueError(f"model.family={m.family} (model {m.name}) can be planned but not trained yet: the trainer "
-                         f"has no sharding plan for it (ModelSpec.parallelize is empty; it trains "
-                         f"{' and '.join(trainable_families())}); plan it with launcher.dry_run=true")
 
 
 def buildable_families() -> list[str]:
     from workers.common.registry import MODELS
 
     return [s.name for s in MODELS.specs() if s.buildable]
-
-
-def trainable_families() -> list[str]:
-    from workers.common.registry import MODELS
-
-    return [s.name for s in MODELS.specs() if s.buildable and s.parallelize]
 
 
 def check_pretrained(cfg) -> None:

@@ -18,9 +18,10 @@ The interface (every callable takes the family's own config dataclass, ``model_c
   ``model_cfg.init_seed``, or a converted pretrained checkpoint), on CPU.
 - ``to_hf(state) / from_hf(state)``: this family's parameter names <-> Hugging Face names
   (published weights and checkpoints use HF names). Identity where the modules use HF names.
-- ``parallelize``: ``"module:callable"``, the trainer's sharding plan ``(full_model, dims) ->
-  sharded model`` (which parameters are TP-split, replicated or expert-owned); resolved by the
-  trainer with :func:`resolve`.
+- ``parallelize``: ``"module:callable"``, the family's TP/EP sharding plan ``(full_model, dims, *,
+  precision) -> sharded model`` (which parameters are TP-split, replicated or expert-owned), used
+  when tp or ep > 1; runs with tp = ep = 1 use the generic FSDP2 plan of any CausalLM
+  (workers/trainer/fsdp.py). :meth:`ModelSpec.trainer_plan` decides; :func:`resolve` loads it.
 - ``hf_architectures`` / ``to_hf_config`` / ``from_hf_config``: the family's config.json (HF names
   and values <-> this family's ``model.*`` fields), for checkpoints in (``model.path``) and out.
 - ``router_hook``: the forward keyword through which Router Replay forces experts (int64
@@ -36,6 +37,10 @@ from typing import Any, Callable, Optional
 from workers.common.config.ranges import check_fields
 from workers.common.registry import PluginSpec
 from workers.models.facts import Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
+
+
+FSDP_PLAN = "workers.trainer.fsdp:parallelize"
+"""The generic plan of any ``CausalLM`` (FSDP2 over data parallel): what tp = ep = 1 runs use."""
 
 
 def identity(state: dict) -> dict:
@@ -61,7 +66,9 @@ class ModelSpec(PluginSpec):
     from_hf: Callable[[dict], dict] = identity
     """State dict in Hugging Face names -> this family's names."""
     parallelize: str = ""
-    """``"module:callable"`` of the trainer's sharding plan, ``(full_model, dims) -> sharded model``."""
+    """``"module:callable"`` of the family's tensor/expert-parallel plan, ``(full_model, dims, *, precision)
+    -> sharded model``, used when trainer.parallel.tp or ep > 1; empty: the family trains only with
+    tp = ep = 1, under the generic FSDP plan (:meth:`trainer_plan`)."""
     router_hook: Optional[str] = None
     """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
     hf_architectures: tuple[str, ...] = ()
@@ -72,6 +79,18 @@ class ModelSpec(PluginSpec):
     from_hf_config: Optional[Callable[[dict], dict]] = None
     """``config.json dict -> {model field: value}`` for ``model.path``; raises ValueError naming any
     config.json key whose value the family does not implement. Torch-free (the launcher calls it)."""
+
+    def trainer_plan(self, tp: int, ep: int) -> str:
+        """The sharding plan a run with these degrees uses (plan time and every trainer rank agree):
+        tp = ep = 1: the generic FSDP2 plan (:data:`FSDP_PLAN`), for every family; otherwise the
+        family's own ``parallelize``, and a family without one is refused with the numbers."""
+        if tp == 1 and ep == 1:
+            return FSDP_PLAN
+        if not self.parallelize:
+            raise ValueError(f"trainer.parallel.tp({tp}) x ep({ep}): model family {self.name!r} has no tensor/expert-"
+                             f"parallel plan (ModelSpec.parallelize is empty); use tp=1 and ep=1 (FSDP over all "
+                             f"trainer.num_ranks data-parallel ranks)")
+        return self.parallelize
 
     @property
     def buildable(self) -> bool:

@@ -16,10 +16,17 @@ When: after every ``trainer.checkpoint_every_steps`` steps, after the step in pr
 SIGUSR1 arrives (Slurm's ``--signal=USR1@grace`` before a requeue; training continues), and
 on SIGTERM: during a step the stop waits for the step to finish (publish included) and
 saves it; between steps (waiting for a batch) the state is already consistent, so it is
-saved at once; then the loop's own SIGTERM path exits 143. SIGKILL saves nothing: the run
-resumes from the last complete checkpoint and the steps after it are redone (``steps_lost``).
+saved at once (on a multi-rank FSDP trainer, whose DCP saves are collective, it stops without
+saving: workers/trainer/dcp_state.py); then the loop's own SIGTERM path exits 143. There, the
+ranks also agree after every step on the SIGUSR1 / SIGTERM flags: one signalled rank acts for
+all. SIGKILL saves nothing: the run resumes from the last complete checkpoint and the steps
+after it are redone (``steps_lost``).
 
-Resume (``load``): newest complete checkpoint of the same world size; rank 0 cuts
+The FSDP plan's models (DTensor parameters) save through torch.distributed.checkpoint instead
+(workers/trainer/dcp_state.py: one COLLECTIVE save per step, reshardable, so the resume may
+run at another data-parallel size); the family TP/EP plans keep the per-rank files.
+
+Resume (``load``): newest complete checkpoint (per-rank files: of the same world size); rank 0 cuts
 ``metrics.jsonl`` back to the records before the resume step (so the curve continues with
 no duplicate steps) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}.
 Rollout batches the resumed trainer needs again are kept: ``prune_bound``.
@@ -40,13 +47,15 @@ import numpy as np
 import torch
 
 from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, step_name
+from workers.trainer import dcp_state
 from workers.trainer.batch import KEEP_ROLLOUTS
 
 RESUMES_FILE = "resumes.jsonl"
 
 
 def complete_checkpoints(root: Path, world_size: int) -> list[int]:
-    """Steps of complete checkpoints (COMPLETE + every rank file), oldest first."""
+    """Steps of complete checkpoints, oldest first: DCP ones of any world size (workers/trainer/dcp_state.py),
+    per-rank ones with COMPLETE and every rank file of ``world_size``."""
     steps = []
     if not root.is_dir():
         return steps
@@ -57,7 +66,8 @@ def complete_checkpoints(root: Path, world_size: int) -> list[int]:
             meta = json.loads((d / COMPLETE).read_text())
         except ValueError:
             continue
-        if meta.get("world_size") == world_size and all((d / f"rank_{r}.pt").exists() for r in range(world_size)):
+        if dcp_state.is_complete(d, meta) or (
+                meta.get("world_size") == world_size and all((d / f"rank_{r}.pt").exists() for r in range(world_size))):
             steps.append(int(d.name[5:]))
     return sorted(steps)
 
@@ -96,11 +106,24 @@ class Checkpointer:
         if self.in_step:
             self.stop_requested = True  # end_step saves and stops
             return
+        if self._model is not None and self._collective(self._model):
+            # A DCP save is collective, and between steps the peers may be anywhere (one may
+            # already be in the next step's barrier): stop without one rather than mismatch them.
+            self.log.warning(f"SIGTERM between steps: no checkpoint on a {self.world_size}-rank FSDP trainer (its "
+                             f"saves are collective); a resume redoes the steps after {self.resume_step}. Slurm's "
+                             f"SIGUSR1 before a requeue (or a SIGTERM during a step) saves on every rank")
+            self._stop(signum, frame)
         self._save_and_stop(signum, frame)
+
+    def _collective(self, model) -> bool:
+        return self.world_size > 1 and dcp_state.reshardable(model)
 
     def _save_and_stop(self, signum, frame) -> None:
         if self._model is not None and self.done_step > self.resume_step:
             self.save(self.done_step, self._model, self._optimizer)
+        self._stop(signum, frame)
+
+    def _stop(self, signum, frame) -> None:
         signal.signal(signal.SIGTERM, self._prev_term)
         if callable(self._prev_term):
             self._prev_term(signum, frame)  # the loop's TrainerStopped
@@ -114,6 +137,8 @@ class Checkpointer:
         """Step ``step`` is trained and published: save if due or asked; stop if SIGTERM came."""
         self.done_step = step + 1
         try:  # still "in step" while saving: a SIGTERM now waits for this save, then stops
+            if self._collective(model):  # a signal that reached one rank saves / stops on all of them
+                self.save_requested, self.stop_requested = dcp_state.agree(self.save_requested, self.stop_requested)
             if self.save_requested or (self.every > 0 and self.done_step % self.every == 0):
                 self.save_requested = False
                 self.save(self.done_step, model, optimizer)
@@ -134,6 +159,12 @@ class Checkpointer:
         if (final / COMPLETE).exists():
             return final  # the same step saved before a rewind: identical by construction
         tmp = self.root / f".{final.name}.tmp"
+        if dcp_state.reshardable(model):  # the FSDP plan: one collective DCP save, resumable at another dp
+            if dcp_state.save(tmp, final, step, model, optimizer, rank=self.rank, world_size=self.world_size):
+                self.resume_step = max(self.resume_step, step)
+                self._retain()
+                self.log.info(f"checkpoint step {step} complete in {final} (DCP, {time.perf_counter() - t0:.2f}s)")
+            return final
         tmp.mkdir(parents=True, exist_ok=True)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "rank": self.rank, "world_size": self.world_size,
@@ -170,18 +201,24 @@ class Checkpointer:
         """Restore the newest complete checkpoint; returns the step to start at (0: none)."""
         skipped = [d.name for d in self.root.glob(".step_*.tmp")]
         for step in reversed(complete_checkpoints(self.root, self.world_size)):
-            path = self.root / step_name(step) / f"rank_{self.rank}.pt"
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=False)
-                model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-            except Exception as e:  # corrupt or mismatched: an older one may still do
-                self.log.warning(f"skipping checkpoint {path}: {type(e).__name__}: {e}")
-                skipped.append(step_name(step))
+            if dcp_state.reshardable(model) != dcp_state.is_complete(self.root / step_name(step), self._meta(step)):
+                skipped.append(step_name(step))  # the other plan's format (tp/ep changed): not loadable here
                 continue
-            torch.set_rng_state(state["rng"]["torch"])
-            np.random.set_state(state["rng"]["numpy"])
-            random.setstate(state["rng"]["python"])
+            path = self.root / step_name(step) / f"rank_{self.rank}.pt"
+            if dcp_state.reshardable(model):  # collective: every rank loads the same step
+                dcp_state.load(self.root / step_name(step), model, optimizer, rank=self.rank)
+            else:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=False)
+                    model.load_state_dict(state["model"])
+                    optimizer.load_state_dict(state["optimizer"])
+                except Exception as e:  # corrupt or mismatched: an older one may still do
+                    self.log.warning(f"skipping checkpoint {path}: {type(e).__name__}: {e}")
+                    skipped.append(step_name(step))
+                    continue
+                torch.set_rng_state(state["rng"]["torch"])
+                np.random.set_state(state["rng"]["numpy"])
+                random.setstate(state["rng"]["python"])
             self.resume_step = self.done_step = step
             if self.rank == 0:
                 lost = self._rewind_metrics(step)
@@ -191,6 +228,9 @@ class Checkpointer:
                 self.log.info(f"resumed from checkpoint step {step} ({lost} steps to redo; skipped {skipped or 'none'})")
             return step
         return 0
+
+    def _meta(self, step: int) -> dict:
+        return json.loads((self.root / step_name(step) / COMPLETE).read_text())
 
     def _rewind_metrics(self, step: int) -> int:
         """Keep metrics records of steps < ``step``; returns how many later ones were cut."""

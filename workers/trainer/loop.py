@@ -3,10 +3,15 @@
 Per step N (batch N trains step N and yields weights version N+1):
   wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
   ``ep * dp`` (TP peers take the same rows) -> barrier, rank 0 prunes old rollouts ->
-  train_step (step.py: forward with Router Replay when asked, loss with global
-  normalisers, backward, grad sync over the TP x EP x DP groups, clip, AdamW) -> every
-  rank joins the gather of the full HF state dict -> rank 0 publishes weights/step_{N+1}
+  train_step (step.py: per micro-batch forward with Router Replay when asked, loss with
+  global normalisers, backward; grad sync, clip, AdamW) -> every rank joins the gather of
+  the full HF state dict (cast to trainer.dtype) -> rank 0 publishes weights/step_{N+1}
   and appends the metrics record.
+The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
+family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
+at another dp); tp or ep > 1 -> the family's own plan (tiny_moe/llama: sharded_model.py).
+Parameters and AdamW state are in trainer.master_dtype, compute in trainer.dtype
+(workers/trainer/precision.py); activation checkpointing wraps every decoder layer first.
 Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
 after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees come from
 ``trainer.parallel`` (ParallelConfig.resolve checks tp * pp * ep * dp == trainer.num_ranks).
@@ -32,8 +37,7 @@ from typing import Optional
 
 import torch
 
-from workers.common.config import RunConfig, TrainerConfig
-from workers.common.dtypes import check_name, torch_dtype
+from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
@@ -45,7 +49,9 @@ from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
 from workers.trainer.tracking import make_tracker
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
-from workers.trainer.sharded_model import FullWeights, ShardedMoeForCausalLM
+from workers.trainer.micro import apply_activation_checkpointing
+from workers.trainer.precision import Precision
+from workers.trainer.sharded_model import FullWeights
 from workers.trainer.step import train_step
 from workers.weights.base import NonFiniteWeights, WeightPublisher
 
@@ -71,7 +77,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                              f"in this process's environment: the launcher started the wrong number of ranks")
         tp, ep = parallel_degrees(cfg)
         dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
-        full = initial_model(cfg).to(dims.device)
+        full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
+        apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
         model = parallelize(cfg, full, dims)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
@@ -81,12 +88,14 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
                                                                     world_size=dims.world_size, device=dims.device)
         to_hf = MODELS.get(cfg.model.family).to_hf  # published weights carry HF names
-        weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))  # collective: every rank joins the gather
+        compute = Precision.of(tcfg).compute  # published weights: the compute dtype, as inference runs them
+        weights = FullWeights(to_hf(model.full_state_dict(to_rank=None, dtype=compute)))  # collective: every rank joins
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
-            log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), "
+            log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
+                     f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
@@ -107,7 +116,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
-            weights = FullWeights(to_hf(model.full_state_dict(to_rank=None)))
+            weights = FullWeights(to_hf(model.full_state_dict(to_rank=None, dtype=compute)))
             sync = publish_weights(publisher, step + 1, weights)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
@@ -190,23 +199,25 @@ def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
 
 
 def initial_model(cfg: RunConfig):
-    """Step-0 weights, as the model family makes them (``ModelSpec.init``: the seeded init, or the
-    converted pretrained checkpoint of model.pretrained)."""
-    return MODELS.get(cfg.model.family).init(cfg.model, dtype_of(cfg.trainer))
+    """Step-0 weights in the MASTER dtype, as the model family makes them (``ModelSpec.init``: the
+    seeded init, or the converted pretrained checkpoint of model.pretrained)."""
+    return MODELS.get(cfg.model.family).init(cfg.model, Precision.of(cfg.trainer).master)
 
 
-def parallelize(cfg: RunConfig, full, dims: ParallelDims) -> ShardedMoeForCausalLM:
-    """This rank's shard of ``full`` under the family's sharding plan (``ModelSpec.parallelize``)."""
-    return resolve(MODELS.get(cfg.model.family).parallelize)(full, dims)
+def trainer_plan(cfg: RunConfig) -> str:
+    """``module:callable`` of the sharding plan (FSDP2 when tp = ep = 1, else the family's own)."""
+    par = cfg.trainer.parallel
+    return MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
+
+
+def parallelize(cfg: RunConfig, full, dims: ParallelDims):
+    """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision."""
+    return resolve(trainer_plan(cfg))(full, dims, precision=Precision.of(cfg.trainer))
 
 
 def num_parameters(cfg: RunConfig) -> int:
     """Parameters of the full model (built on the meta device: nothing allocated)."""
     return sum(p.numel() for p in MODELS.get(cfg.model.family).build(cfg.model, device="meta").parameters())
-
-
-def dtype_of(tcfg: TrainerConfig) -> torch.dtype:
-    return torch_dtype(check_name("trainer.dtype", tcfg.dtype), "trainer.dtype")
 
 
 _STOPPING: list[bool] = []  # non-empty once SIGTERM arrived

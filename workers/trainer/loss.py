@@ -156,15 +156,22 @@ def router_stats(gate_logits: Sequence[torch.Tensor], routed: torch.Tensor, vali
                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``prob_sums [L, E]`` (with grad) and ``counts [L, E]`` (float, detached) for one rank.
 
-    ``gate_logits[l]`` is layer l's router output ``[B*T, E]``; ``routed [B, T, L, k]`` the
+    ``gate_logits[l]`` is layer l's softmax-router output ``[B*T, E]``; ``routed [B, T, L, k]`` the
     experts actually used (the forced ones under Router Replay, as in the model's own loss).
     No gate logits (a dense model): both ``[0, 0]``.
     """
-    if not gate_logits:
+    return prob_stats([F.softmax(g.float(), dim=-1) for g in gate_logits], routed, valid, num_experts)
+
+
+def prob_stats(probs: Sequence[torch.Tensor], routed: torch.Tensor, valid: torch.Tensor,
+               num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_stats` from each routed layer's router probabilities ``[B*T, E]`` (any router:
+    softmax, or the sigmoid router's normalised scores), as ``route`` returns them."""
+    if not probs:
         empty = torch.zeros(0, 0, device=valid.device)
         return empty, empty
     v = valid.reshape(-1).to(torch.float32)
-    prob_sums = torch.stack([(F.softmax(g.float(), dim=-1) * v[:, None]).sum(0) for g in gate_logits])
+    prob_sums = torch.stack([(p.float() * v[:, None]).sum(0) for p in probs])
     onehot = F.one_hot(routed.long(), num_experts).to(torch.float32)  # [B, T, L, k, E]
     counts = (onehot.sum(3) * valid.to(torch.float32)[:, :, None, None]).sum((0, 1))
     return prob_sums, counts.detach()

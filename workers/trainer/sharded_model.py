@@ -1,9 +1,11 @@
 """The trainer's model: a GQA + SwiGLU/MoE decoder with its modules swapped for TP / EP shards, HF names kept.
 
-This is the sharding plan (``ModelSpec.parallelize``) of the families built from the pre-norm
-decoder layer (workers/models/blocks/layer.py): ``tiny_moe``, the dense ``llama`` and
-``qwen3_moe`` (dense and MoE layers mixed; per-head q/k norms); the trainer reaches it through
-the registry, so a family with other modules names its own plan there.
+This is the tensor/expert-parallel plan (``ModelSpec.parallelize``) of the families built from the
+pre-norm decoder layer (workers/models/blocks/layer.py): ``tiny_moe``, the dense ``llama`` and
+``qwen3_moe`` (dense and MoE layers mixed; per-head q/k norms), used when trainer.parallel.tp or
+ep > 1; runs with tp = ep = 1 use the generic FSDP2 plan (workers/trainer/fsdp.py). With float32
+master weights and a bfloat16 trainer.dtype the forward runs under autocast
+(workers/trainer/precision.py).
 
 Built from the full seeded model (every rank builds it, then keeps its slices), so any
 (tp, ep, dp) starts from bit-identical weights. ``CausalLM.forward`` runs unchanged: only
@@ -32,6 +34,7 @@ from torch import nn
 from workers.models.blocks.decoder import CausalLM
 from workers.trainer.expert_parallel import ExpertParallelMoeBlock
 from workers.trainer.parallel import ParallelDims
+from workers.trainer.precision import Precision, autocast
 from workers.trainer.tensor_parallel import (TensorParallelAttention, TensorParallelMlp, VocabParallelHead,
                                              vocab_parallel_target_logprobs)
 
@@ -45,9 +48,9 @@ class ShardedMoeForCausalLM(CausalLM):
     """This rank's shard of a full model (TinyMoeForCausalLM, Qwen3MoeForCausalLM) under ``dims``
     (see the module docstring)."""
 
-    def __init__(self, full: CausalLM, dims: ParallelDims):
+    def __init__(self, full: CausalLM, dims: ParallelDims, *, precision: Optional[Precision] = None):
         super().__init__()
-        self.config, self.dims = full.config, dims
+        self.config, self.dims, self.precision = full.config, dims, precision
         self.full_type = type(full)  # what full_state_dict's names and shapes are those of
         tp_group, ep_group = dims.get_group("tp"), dims.get_group("ep")
         self.model = full.model
@@ -64,6 +67,11 @@ class ShardedMoeForCausalLM(CausalLM):
         # log-probs need no vocabulary-parallel reduction (target_logprobs passes no group).
         self.lm_head = None if full.lm_head is None else VocabParallelHead(full.lm_head, tp_group, dims.tp_rank, dims.tp)
         self.placement = {name: placement(name) for name, _ in self.named_parameters()}
+
+    def compute(self):
+        """The forward's context: autocast to the compute dtype over master-dtype parameters
+        (workers/trainer/precision.py); nothing when they are one dtype."""
+        return autocast(self.dims.device, self.precision)
 
     # -- scoring ---------------------------------------------------------------------
     def target_logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor,
@@ -98,15 +106,17 @@ class ShardedMoeForCausalLM(CausalLM):
         return norm
 
     # -- full HF state dict ------------------------------------------------------------
-    def full_state_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
+    def full_state_dict(self, *, to_rank: Optional[int] = 0,
+                        dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
         """The full model's HF-named state dict, gathered from the shards (detached copies).
 
         COLLECTIVE: every trainer rank must call it, in step. Returns the dict on global rank
         ``to_rank`` (on every rank with ``to_rank=None``) and None elsewhere. Keys and shapes
         are exactly the full model's ``state_dict()``'s; the vocabulary padding of
-        the TP lm_head is cut off.
+        the TP lm_head is cut off. ``dtype``: cast each tensor (publishing in the compute dtype).
         """
-        return self._gather_full(lambda p: p.detach(), to_rank)
+        get = (lambda p: p.detach()) if dtype is None else (lambda p: p.detach().to(dtype))
+        return self._gather_full(get, to_rank)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
         """Like :meth:`full_state_dict` for the (synced) gradients; missing ones are zeros."""

@@ -1,12 +1,20 @@
 """One optimizer step of the parallel trainer: forward (replay, packing), loss, backward, sync.
 
+The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/fsdp.py, or a
+family's TP/EP plan such as workers/trainer/sharded_model.py), one micro-batch or several
+(``trainer.micro_batch_tokens``, workers/trainer/micro.py: gradients accumulate, the loss keeps
+the step's GLOBAL normalisers).
+
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
-  forward    per layer: TP all-reduces (attention, experts), EP all-to-alls (dispatch,
-             combine), vocab-parallel all-reduces for the log-probs;
-  counts     one all-reduce over ``batch`` of token and expert counts (global normalisers);
-  backward   the same collectives mirrored;
-  grads      dense over ``batch``, experts over ``dp``, the norm over ``mp``;
+  micro      one all-reduce (max) of the micro-batch count, when micro-batching;
+  forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
+             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs;
+  counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
+             with several micro-batches and a balance loss, after a no-grad counting forward);
+  backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
+  grads      FSDP: done; TP/EP plan: dense over ``batch``, experts over ``dp``; the norm over
+             ``batch`` (FSDP shards) or ``mp``;
   stats      two all-reduces over ``batch`` (sums, then extremes).
 Every quantity is computed in ROW layout ``[B, T]`` whether or not the forward was packed.
 """
@@ -21,8 +29,9 @@ import torch
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, own_topk, policy_loss,
-                                  router_stats, routing_disagreement)
+from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
+                                  routing_disagreement)
+from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
@@ -46,6 +55,7 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
+    pack = pack and bool(batch.attention_mask.any())  # a padding micro-batch has nothing to pack
     if pack:
         packing = plan_packing(attention)
         ids, attention = packing.pack(ids), packing.attention_mask
@@ -55,12 +65,12 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
-    with capture_gate_logits(model) as gates:
+    with compute_context(model), capture_routing(model) as routers:
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
                     forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
     logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    prob_sums, counts = router_stats(gates, out.routed_experts, attention, cfg.num_experts)  # dense: no gates, [0, 0]
-    own, routed = own_topk(gates, cfg.top_k, tuple(ids.shape), ids.device), out.routed_experts
+    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
+    own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -79,43 +89,105 @@ def scatter_logprobs(model: ShardedMoeForCausalLM, logits: torch.Tensor, ids: to
 
 def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: TrainerConfig,
                   dims: ParallelDims) -> dict[str, float]:
-    """Forward, loss with GLOBAL normalisers, backward, gradient sync and clip (no optimizer step).
+    """Forward, loss with GLOBAL normalisers, backward (per micro-batch, gradients accumulating),
+    gradient sync and clip (no optimizer step).
 
     Returns the step's global statistics. Split from :func:`train_step` so the parity test
-    can compare the synced gradients of any (tp, ep, dp) with a one-process reference.
+    can compare the synced gradients of any layout with a one-process reference. With one
+    micro-batch the balance loss takes its global expert counts from the training forward
+    itself; with several (workers/trainer/micro.py) every micro-batch's balance loss needs the
+    counts of them all first, so a no-grad forward over the micro-batches counts them (only
+    when the model routes and trainer.aux_loss_coef > 0; its cost is one forward).
     """
     mcfg = model.config
     replay = tcfg.router_replay and shard.routed_experts is not None
     model.train()
-    fwd = forward_rows(model, shard, replay=replay, pack=tcfg.pack_sequences)
-    loss_mask = shard.loss_mask
-    if replay and tcfg.replay_unreported == "mask":
-        loss_mask = mask_unreported(loss_mask, shard.routed_mask)
-    local = torch.cat([torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())],
-                                    dtype=torch.float64, device=fwd.counts.device), fwd.counts.flatten().double()])
-    totals = dims.all_reduce(local)
-    num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
-    counts = totals[2:].view(fwd.counts.shape)
-    pg_loss, tok = policy_loss(fwd.logp, shard.inference_logprobs, shard.advantages, loss_mask,
-                               num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
-                               ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
-                               entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
-    aux_loss = load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
-    loss = pg_loss + tcfg.aux_loss_coef * aux_loss
+    micro = split_micro_batches(shard, tcfg.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims)
     for p in model.parameters():
         p.grad = None
-    loss.backward()
+    tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
+                          device=dims.device)
+    counts = None
+    if len(micro) == 1:
+        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences)
+        totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
+        counts = totals[2:].view(fwd.counts.shape)
+        fwds = [fwd]
+    else:
+        totals = dims.all_reduce(tokens)
+        if mcfg.num_routed_layers and tcfg.aux_loss_coef > 0:
+            counts = dims.all_reduce(count_experts(model, micro, replay=replay, pack=tcfg.pack_sequences))
+        fwds = [None] * len(micro)
+    num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
+    acc = _Accumulator()
+    for i, mb in enumerate(micro):
+        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences)
+        fwds[i] = None  # drop the graph's owner as soon as it is used
+        loss_mask = mb.loss_mask
+        if replay and tcfg.replay_unreported == "mask":
+            loss_mask = mask_unreported(loss_mask, mb.routed_mask)
+        pg_loss, tok = policy_loss(fwd.logp, mb.inference_logprobs, mb.advantages, loss_mask,
+                                   num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
+                                   ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
+                                   entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
+        loss = pg_loss
+        if counts is not None and tcfg.aux_loss_coef > 0:
+            loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
+        loss.backward()
+        acc.add(mb, fwd, tok, pg_loss=pg_loss.item(), unreported=float((mb.loss_mask & ~loss_mask).sum()))
+    if counts is None:  # several micro-batches, no balance gradient: the counts are still a metric
+        counts = dims.all_reduce(acc.counts) if acc.counts.numel() else acc.counts
     model.sync_grads()
     grad_norm = model.clip_grad_norm_(tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
-
-    extra = {"unreported": float((shard.loss_mask & ~loss_mask).sum())}
-    if shard.routed_experts is not None:
-        slots = loss_relevant_inputs(shard.loss_mask) & shard.routed_mask
-        extra["disagree"], extra["slots"] = routing_disagreement(fwd.own, shard.routed_experts, slots)
-    stats = reduce_stats(dims, tok, pg_loss=pg_loss.item(), aux_loss=aux_loss.item(), aux_coef=tcfg.aux_loss_coef,
-                         grad_norm=grad_norm, extra=extra)
+    # The balance loss is linear in prob_sums (its routed fractions are detached): the sum of the
+    # micro-batches' detached sums gives its value exactly.
+    aux_loss = float(load_balance_loss(acc.prob_sums, counts, num_valid, mcfg.top_k)) if acc.prob_sums is not None else 0.0
+    stats = reduce_stats(dims, acc.tok, pg_loss=acc.pg_loss, aux_loss=aux_loss, aux_coef=tcfg.aux_loss_coef,
+                         grad_norm=grad_norm, extra=acc.extra(shard.routed_experts is not None))
     stats.update(expert_load_metrics(counts))
     return stats
+
+
+@torch.no_grad()
+def count_experts(model: ShardedMoeForCausalLM, micro: list[RolloutBatch], *, replay: bool, pack: bool) -> torch.Tensor:
+    """``[L, E]`` float64 routed slots per expert over this rank's micro-batches (no graph kept)."""
+    total = None
+    for mb in micro:
+        counts = forward_rows(model, mb, replay=replay, pack=pack).counts.double()
+        total = counts if total is None else total + counts
+    return total
+
+
+class _Accumulator:
+    """Per-rank sums over the micro-batches of what the statistics need."""
+
+    def __init__(self):
+        self.tok: TokenStats | None = None
+        self.pg_loss = 0.0
+        self.prob_sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.sums = {"unreported": 0.0, "disagree": 0.0, "slots": 0.0}
+
+    def add(self, mb: RolloutBatch, fwd: RowForward, tok: TokenStats, *, pg_loss: float, unreported: float) -> None:
+        self.pg_loss += pg_loss
+        self.sums["unreported"] += unreported
+        ps, c = fwd.prob_sums.detach().double(), fwd.counts.double()
+        self.prob_sums = ps if self.prob_sums is None else self.prob_sums + ps
+        self.counts = c if self.counts is None else self.counts + c
+        if mb.routed_experts is not None:
+            slots = loss_relevant_inputs(mb.loss_mask) & mb.routed_mask
+            d, n = routing_disagreement(fwd.own, mb.routed_experts, slots)
+            self.sums["disagree"] += d
+            self.sums["slots"] += n
+        self.tok = tok if self.tok is None else _merge(self.tok, tok)
+
+    def extra(self, routed: bool) -> dict[str, float]:
+        return dict(self.sums) if routed else {"unreported": self.sums["unreported"]}
+
+
+def _merge(a: TokenStats, b: TokenStats) -> TokenStats:
+    sums = {f: getattr(a, f) + getattr(b, f) for f in TokenStats.SUM_FIELDS}
+    return TokenStats(**sums, ratio_max=max(a.ratio_max, b.ratio_max), ratio_min=min(a.ratio_min, b.ratio_min))
 
 
 def train_step(model: ShardedMoeForCausalLM, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
@@ -155,6 +227,67 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
     if "slots" in g:
         stats["routing_disagreement"] = g["disagree"] / g["slots"] if g["slots"] else float("nan")
     return stats
+
+
+@contextlib.contextmanager
+def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Collect every routed layer's ``(probs [B*T, E] with grad, own choice [B*T, k])``, in layer
+    order, during one forward: the DP-exact balance loss needs the probabilities, and
+    routing_disagreement the router's OWN top-k under Router Replay.
+
+    Any family: the router of a routed layer (``routed = True``) is the first of its modules
+    with ``route(x, forced, forced_mask) -> (indices, weights, probs)`` (tiny_moe's MoeBlock,
+    blocks/router_sigmoid.py's SigmoidTopkRouter). Its ``route`` is wrapped on the instance
+    (once; it stays: the trainer's model serves nothing else) and reports only while this
+    context is open. Under replay the own choice is one more no-grad ``route`` without forcing,
+    also when an activation-checkpointing recompute runs it, so the recompute replays exactly
+    the forward's ops (selective checkpointing matches them one by one).
+    """
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
+               for layer in model.model.layers if getattr(layer, "routed", False)]
+    routers = [r for r in routers if r is not None]
+    for r in routers:
+        if not isinstance(r.__dict__.get("route"), _CapturingRoute):
+            r.route = _CapturingRoute(type(r).route.__get__(r))
+        r.route.sink = captured
+    try:
+        yield captured
+    finally:
+        for r in routers:
+            r.route.sink = None
+
+
+class _CapturingRoute:
+    def __init__(self, route):
+        self.route, self.sink = route, None
+
+    def __call__(self, x, *args, **kwargs):
+        idx, weights, probs = self.route(x, *args, **kwargs)
+        forced = args[0] if args else kwargs.get("forced")
+        if forced is None:
+            own = idx
+        else:
+            with torch.no_grad():
+                own = self.route(x, None, None)[0]
+        if self.sink is not None:
+            self.sink.append((probs, own.detach()))
+        return idx, weights, probs
+
+
+def stack_own(routers: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, int],
+              device: torch.device) -> torch.Tensor:
+    """``[B, T, L, k]`` own choices of the captured routers (``[B, T, 0, 0]`` for a dense model)."""
+    b, t = shape
+    if not routers:
+        return torch.zeros(b, t, 0, 0, dtype=torch.long, device=device)
+    return torch.stack([own.view(b, t, -1) for _, own in routers], dim=2)
+
+
+def compute_context(model):
+    """The plan's forward context (mixed precision: workers/trainer/precision.py); none for a bare model."""
+    compute = getattr(model, "compute", None)
+    return compute() if compute is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
+from typing import Optional
 
 from workers.common.config.ranges import ConfigError, Each, between, ge, gt, limits, one_of
 from workers.common.dtypes import COMPUTE_DTYPES
+
+MASTER_DTYPES = ("float32", "bfloat16")
+"""``trainer.master_dtype`` choices (workers/trainer/precision.py explains them)."""
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+"""``trainer.activation_checkpointing`` choices."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,7 +70,20 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     dtype: str = "float32"
-    """Training compute dtype."""
+    """Training compute dtype (forward and backward matmuls; published weights are cast to it)."""
+    master_dtype: str = "float32"
+    """Master weights and AdamW state (workers/trainer/precision.py): float32 (default; with dtype=bfloat16
+    that is mixed precision, gradients reduced in float32) or bfloat16 (pure bf16 state: updates below
+    ~2^-9 of a weight round away; only with dtype=bfloat16, and the plan warns)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward on a rank (rows x padded length, or summed lengths when
+    pack_sequences): the rank's rows are split into micro-batches and gradients accumulate, the loss
+    still normalised by the step's global token count. 0: the whole rank batch in one pass. Must
+    hold the longest sample (model.max_position_embeddings tokens)."""
+    activation_checkpointing: str = "none"
+    """``none`` | ``full`` | ``selective``: recompute each decoder layer's activations in the backward
+    instead of keeping them (``full``: all of them, ~1/3 more compute; ``selective``: keep the matmul and
+    attention outputs, recompute the elementwise rest; workers/trainer/micro.py)."""
     aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     ratio_cap: float = 2.0
@@ -103,7 +122,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         # Checked here so a typo fails in the launcher (which builds this dataclass), not on a rank.
         for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
-                             ("replay_unreported", ("recompute", "mask"))):
+                             ("replay_unreported", ("recompute", "mask")),
+                             ("master_dtype", MASTER_DTYPES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
         if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
@@ -111,9 +131,26 @@ class TrainerConfig:
                              f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")
 
 
+def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
+    """Plan time (torch-free; the trainer calls it too): ValueError naming the key for a combination the trainer refuses;
+    the warning text for pure-bfloat16 state; None when all is well."""
+    if master_dtype not in MASTER_DTYPES:
+        raise ValueError(f"trainer.master_dtype={master_dtype!r} is not supported; choose one of {list(MASTER_DTYPES)}")
+    if master_dtype == "bfloat16" and dtype != "bfloat16":
+        raise ValueError(f"trainer.master_dtype=bfloat16 with trainer.dtype={dtype}: master weights cannot be less "
+                         f"precise than the compute dtype; use trainer.master_dtype=float32")
+    if master_dtype == "bfloat16":
+        return ("trainer.master_dtype=bfloat16: weights and AdamW state are pure bfloat16, so updates smaller than "
+                "~2^-9 of a weight round away (at lr 1e-6 most weights never change); float32 master weights and "
+                "AdamW state (the default) take 16 instead of 8 B/param, sharded over the trainer ranks by FSDP")
+    return None
+
+
 limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), dp=gt(0, also=(-1,)))
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
+       master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0),
+       activation_checkpointing=one_of(*ACTIVATION_CHECKPOINTING),
        aux_loss_coef=ge(0), ratio_cap=ge(1), ratio_mask_low=between(0, 1, lo_open=True), ratio_mask_high=ge(1),
        replay_unreported=one_of("recompute", "mask"), ratio_level=one_of("token", "sequence", "geometric"),
        batch_timeout_s=gt(0), num_threads=gt(0), simulated_step_delay_s=ge(0), checkpoint_every_steps=ge(0),

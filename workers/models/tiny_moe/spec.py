@@ -1,8 +1,9 @@
 """Registers model family ``tiny_moe`` (every layer a top-k routed MoE MLP; HF Qwen3-MoE names).
 
 Torch-free at import: ``build`` and ``init`` import workers/models/tiny_moe/model.py when called.
-The trainer shards it with workers/trainer/sharded_model.py (TP attention and lm_head, experts
-over EP by the HF name's placement); Router Replay forces experts through ``forced_experts``.
+The trainer shards it with FSDP2 at tp = ep = 1 (workers/trainer/fsdp.py, every family's default)
+and with workers/trainer/sharded_model.py when tp or ep > 1 (TP attention and lm_head, experts over
+EP by the HF name's placement); Router Replay forces experts through ``forced_experts``.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from workers.models.spec import ModelSpec
 from workers.models.tiny_moe.config import TinyMoeConfig
 
 SHARDED = "workers.trainer.sharded_model:ShardedMoeForCausalLM"
-"""The trainer's sharding plan of the tiny_moe/llama decoder (placement() by HF parameter name)."""
+"""The trainer's TP/EP plan of the tiny_moe/llama decoder (placement() by HF parameter name)."""
 
 
 def build(model_cfg, *, device=None, dtype=None):

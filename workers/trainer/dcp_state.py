@@ -1,0 +1,105 @@
+"""Reshardable checkpoints of the FSDP plan through torch.distributed.checkpoint (DCP).
+
+Why: the per-rank ``rank_R.pt`` files of workers/trainer/checkpoint.py hold each rank's shards
+in that layout only, so a requeued job must get the same number of ranks. DCP stores every
+tensor by its GLOBAL name, shape and the offsets of each shard; a load plans, per rank, which
+slices of which files make up the shards of the NEW layout. So a run saved at dp 2 resumes at
+dp 1 or 4 (``trainer.num_ranks`` may change between submissions of one run directory).
+
+What (one directory ``step_N``): ``dcp/`` (DCP's files + ``.metadata``: model and AdamW state,
+fully qualified by parameter name, through ``get_state_dict``), ``rng_R.pt`` per saving rank
+(torch, numpy, python RNG states), then ``COMPLETE`` {step, world_size, format: "dcp"}: the
+step is the data position (batch N is ``rollouts/step_N``, re-sharded over the new ranks).
+
+Protocol (COLLECTIVE, every rank, in step; deadlines: the process group's timeout):
+  1. each rank writes ``rng_R.pt`` into ``.step_N.tmp/``;
+  2. ``dcp.save``: DCP gathers the ranks' write plans on rank 0, each rank writes its shards,
+     rank 0 writes ``.metadata`` once every rank reported its writes;
+  3. rank 0 writes COMPLETE and renames the directory to ``step_N``; a barrier, so no rank
+     looks at the directory before the rename.
+A rank killed at any point leaves ``.step_N.tmp`` (ignored by readers) and the previous step.
+Resume: RNG of the same rank if that rank saved, else rank 0's (a new rank has no own stream).
+Signals (workers/trainer/checkpoint.py): after every step the ranks agree (:func:`agree`) on the
+SIGUSR1 / SIGTERM flags, so one signalled rank saves and stops them all together; a SIGTERM
+between steps stops WITHOUT a save when there are several ranks (peers may be elsewhere).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from workers.common.protocol import COMPLETE
+
+FORMAT = "dcp"
+DCP_DIR = "dcp"
+
+
+def reshardable(model) -> bool:
+    """True for models whose parameters are DTensors (the FSDP plan): they checkpoint through DCP."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def save(tmp: Path, final: Path, step: int, model, optimizer, *, rank: int, world_size: int) -> bool:
+    """Write checkpoint ``step`` (COLLECTIVE, see the module docstring); True once ``final`` is complete."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                       tmp / f"rng_{rank}.pt")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    if rank == 0:
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world_size, "format": FORMAT,
+                                                "time": time.time()}))
+        os.rename(tmp, final)
+    _barrier()
+    return (final / COMPLETE).exists()
+
+
+def load(path: Path, model, optimizer, *, rank: int) -> None:
+    """Restore model, AdamW state and RNG from ``path`` into this rank's shards (any saving world size)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # this layout's shards: DCP fills them in place
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = path / f"rng_{rank}.pt"
+    rng = torch.load(own if own.exists() else path / "rng_0.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def agree(*flags: bool) -> list[bool]:
+    """Each flag true on every rank if it is true on any (COLLECTIVE: one all-reduce of max), so a
+    signal that reached one rank makes every rank take the same collective save / stop."""
+    t = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def is_complete(d: Path, meta: dict) -> bool:
+    """A DCP checkpoint is complete with its COMPLETE marker, DCP's ``.metadata`` and rank 0's RNG."""
+    return meta.get("format") == FORMAT and (d / DCP_DIR / ".metadata").exists() and (d / "rng_0.pt").exists()
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, path)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

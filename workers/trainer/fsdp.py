@@ -1,0 +1,148 @@
+"""The generic sharding plan: FSDP2 over the data-parallel ranks, for ANY ``CausalLM``.
+
+Used for every run with tp = ep = 1 (workers/trainer/plans.py picks the plan), whatever the
+family: ``fully_shard`` each decoder layer of ``model.model.layers`` (every layer has its own
+``forward(x, ctx)``, which FSDP2 needs to hook), then the root (embeddings, final norm, lm_head).
+Each parameter becomes a DTensor sharded on dim 0 over the ``dp_shard`` mesh: a rank holds
+1/world of the parameters, of their gradients and of the AdamW state.
+
+Per layer, in the forward: all-gather the layer's shards (cast to the compute dtype by
+``MixedPrecisionPolicy``), run it, free the gathered copy; in the backward: all-gather again,
+backward, reduce-scatter the gradients in float32 into the float32 sharded gradients. Gradients
+are SUMMED (divide factor 1), not averaged: the loss is already normalised by the GLOBAL token
+count (workers/trainer/loss.py), as the flat all-reduce of the TP/EP plan sums too. Unused
+parameters (an expert no token of this rank chose) reduce-scatter zeros, so every rank runs the
+same collectives.
+
+The returned module is the family's own model (``fully_shard`` swaps its class in place), so its
+forward, parameter names (the HF names) and ``config`` are unchanged; :class:`FsdpTrainerModel`
+adds what the trainer's step and loop call on any plan: ``target_logprobs``, ``sync_grads``,
+``clip_grad_norm_``, ``full_state_dict`` and ``full_grad_dict``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from workers.trainer.parallel import ParallelDims
+from workers.trainer.precision import Precision
+from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+
+
+class FsdpTrainerModel:
+    """Mixed into the fully-sharded model's class (see :func:`parallelize`): the trainer's interface."""
+
+    dims: ParallelDims
+    precision: Precision
+
+    def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p and entropy of ``targets [N]`` under full-vocabulary ``logits [N, V]`` (FSDP keeps
+        the whole vocabulary on every rank: no vocabulary-parallel reduction)."""
+        return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=0, group=None)
+
+    def compute(self):
+        """The forward's context: nothing (MixedPrecisionPolicy casts the gathered parameters)."""
+        return contextlib.nullcontext()
+
+    def sync_grads(self) -> None:
+        """Nothing to do: the backward already reduce-scattered every gradient over ``dp``."""
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of the full gradient and clipping by ``torch.nn.utils.clip_grad_norm_``'s rule.
+
+        Each rank sums the squares of its LOCAL shards (disjoint slices of every parameter, so
+        nothing is counted twice); one all-reduce over the ranks gives the full model's norm.
+        """
+        sq = torch.zeros((), dtype=torch.float64, device=self.dims.device)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        for g in grads:
+            sq += _local(g).detach().double().pow(2).sum()
+        norm = float(self.dims.all_reduce(sq, group="batch").sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def full_state_dict(self, *, to_rank: Optional[int] = 0,
+                        dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
+        """The full HF-named state dict (parameters and persistent buffers, e.g. a sigmoid router's
+        correction bias), gathered one tensor at a time (``DTensor.full_tensor``: an all-gather per
+        parameter, no second model is built), floating tensors cast to ``dtype`` when given.
+
+        COLLECTIVE: every rank calls it, in step. Returned on ``to_rank`` (every rank with None).
+        """
+        return self._gather_full(self.state_dict().items(), to_rank, dtype)
+
+    def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
+        """Like :meth:`full_state_dict` for the parameters' gradients (zeros where one has none)."""
+        grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
+        return self._gather_full(grads, to_rank, None)
+
+    @torch.no_grad()
+    def _gather_full(self, tensors: Iterable[tuple[str, torch.Tensor]], to_rank: Optional[int],
+                     dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
+        keep = to_rank is None or self.dims.rank == to_rank
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors:  # same order on every rank: the all-gathers pair up
+            full = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+            if keep:
+                out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+        return out if keep else None
+
+
+def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Precision] = None) -> nn.Module:
+    """Shard ``full`` (a ``CausalLM`` in the MASTER dtype, identical on every rank) with FSDP2 over
+    all trainer ranks; returns the same module, now an :class:`FsdpTrainerModel` too.
+
+    ``precision`` None: compute in the parameters' dtype (no casts).
+    """
+    if dims.tp != 1 or dims.ep != 1:
+        raise ValueError(f"the FSDP plan shards over data parallel only; tp({dims.tp}) x ep({dims.ep}) needs the "
+                         f"family's own plan (ModelSpec.parallelize)")
+    master = next(full.parameters()).dtype
+    precision = precision or Precision(master=master, compute=master)
+    assert precision.master == master, (precision, master)
+    mesh = init_device_mesh(dims.device.type, (dims.world_size,), mesh_dim_names=("dp_shard",))
+    policy = MixedPrecisionPolicy(param_dtype=None if not precision.mixed else precision.compute,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    layers = list(full.model.layers)
+    for i, layer in enumerate(layers):
+        # The last layer's gathered weights are needed again at once by the backward: keep them.
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(full, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in [*layers, full]:
+        module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        module.set_reduce_scatter_unused_params(True)
+    full.__class__ = type(f"Fsdp{type(full).__name__}", (FsdpTrainerModel, type(full)), {})
+    full.dims, full.precision = dims, precision
+    return full
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+    total = 0
+    for p in module.parameters():
+        total += _local(p).numel() * _local(p).element_size()
+        if p.grad is not None:
+            total += _local(p.grad).numel() * _local(p.grad).element_size()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    total += _local(v).numel() * _local(v).element_size()
+    return total
+

@@ -1,0 +1,132 @@
+"""Micro-batches (gradient accumulation by a token budget) and per-layer activation checkpointing.
+
+Micro-batches: ``trainer.micro_batch_tokens`` bounds the tokens one forward holds: a rank's rows,
+in order, are cut greedily so that rows x (longest row of the micro-batch) -- or the summed row
+lengths when ``pack_sequences`` packs them -- stays within the budget; each micro-batch is cut
+to its longest row (trailing columns are padding). Every rank must run the SAME number of
+forwards and backwards (each holds collectives: FSDP all-gathers, EP all-to-alls), so the count
+is agreed by an all-reduce (max) and a rank with fewer pads with :func:`empty_like` micro-batches:
+one pad token, no loss token, no valid token, so they add nothing to the loss or the statistics.
+
+Activation checkpointing (``trainer.activation_checkpointing``): every decoder layer's
+``forward`` is replaced on the instance by one that runs it under
+``torch.utils.checkpoint.checkpoint`` (non-reentrant: the layer's ``(x, ctx)`` arguments and its
+``(x, Routing)`` result pass through as they are). ``full`` keeps only the layer's input and
+recomputes everything; ``selective`` keeps the outputs of the matmuls and attention kernels
+(:data:`SAVED_OPS`: the expensive FLOPs) and recomputes the cheap elementwise rest (norms,
+activations, softmax, routing), which holds most of the activation bytes. Parameter names do not change (no wrapper
+module), and FSDP2's hooks, which fire around ``__call__``, still gather a layer's weights
+before the forward and before the backward's recompute.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from workers.trainer.batch import RolloutBatch
+from workers.trainer.parallel import ParallelDims
+
+
+_aten = torch.ops.aten
+SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default,
+             _aten._scaled_dot_product_flash_attention.default,
+             _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default}
+"""What ``selective`` activation checkpointing keeps: matmul and attention outputs."""
+
+
+def row_lengths(batch: RolloutBatch) -> torch.Tensor:
+    """``[B]`` columns each row needs: up to and including its last valid token."""
+    valid = batch.attention_mask.bool()
+    cols = torch.arange(1, valid.shape[1] + 1, device=valid.device)
+    return (valid * cols).amax(1) if valid.shape[1] else valid.new_zeros(valid.shape[0], dtype=torch.long)
+
+
+def plan_micro_batches(lengths: list[int], budget: int, *, packed: bool) -> list[list[int]]:
+    """Row indices of each micro-batch (in order); ``budget`` 0: one micro-batch of every row.
+    A row longer than the budget gets a micro-batch of its own (the plan refuses such budgets)."""
+    if budget <= 0 or not lengths:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = [[]]
+    longest = total = 0
+    for i, n in enumerate(lengths):
+        cost = (total + n) if packed else (len(groups[-1]) + 1) * max(longest, n)
+        if groups[-1] and cost > budget:
+            groups.append([])
+            longest = total = 0
+        groups[-1].append(i)
+        longest, total = max(longest, n), total + n
+    return groups
+
+
+def take(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """Rows ``rows`` of ``batch``, cut to the longest of them (at least one column)."""
+    sub = batch.rows(torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device))
+    width = max(1, int(row_lengths(sub).max())) if rows else 1
+    return cut_columns(sub, width)
+
+
+def cut_columns(batch: RolloutBatch, width: int) -> RolloutBatch:
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        per_token = isinstance(v, torch.Tensor) and v.dim() >= 2 and f.name != "rewards"
+        fields[f.name] = v[:, :width] if per_token else v
+    return RolloutBatch(**fields)
+
+
+def empty_like(batch: RolloutBatch) -> RolloutBatch:
+    """A one-row, one-column micro-batch with nothing valid: the padding micro-batch."""
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor):
+            shape = (1,) + ((1,) + tuple(v.shape[2:]) if v.dim() >= 2 else ())
+            fields[f.name] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        else:
+            fields[f.name] = v
+    return RolloutBatch(**fields)
+
+
+def split_micro_batches(shard: RolloutBatch, budget: int, *, packed: bool, dims: ParallelDims) -> list[RolloutBatch]:
+    """This rank's micro-batches, as many as the rank that needs the most (COLLECTIVE over ``batch``
+    when ``budget`` > 0: one all-reduce of the count)."""
+    if budget <= 0:
+        return [shard]
+    groups = plan_micro_batches(row_lengths(shard).tolist(), budget, packed=packed)
+    count = dims.all_reduce(torch.tensor([len(groups)], dtype=torch.int64, device=dims.device), op="max")
+    micro = [take(shard, g) for g in groups]
+    return micro + [empty_like(shard)] * (int(count[0]) - len(micro))
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
+    """``mode`` ``full``: recompute each layer in the backward (see the module docstring); ``none``: no-op."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"trainer.activation_checkpointing={mode!r}: choose none | full | selective")
+    context = None if mode == "full" else functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    for layer in layers:
+        inner = layer.forward  # the bound method of the class: what __call__ would have run
+        layer.forward = functools.partial(_checkpointed, inner, context)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward, context, *args, **kwargs):
+    if not torch.is_grad_enabled():  # inference / no-grad passes: nothing to save
+        return forward(*args, **kwargs)
+    # The skeleton reuses ONE ForwardContext for every layer (ctx.layer, ctx.forced change per
+    # layer): the recompute must see this layer's values, so it gets a shallow copy taken now
+    # (its memo dict and cache stay shared).
+    args = tuple(copy.copy(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
+    if context is not None:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
