@@ -3,6 +3,7 @@
 Sections (each fails alone, recorded as ``{"error": ...}``; the JSON is rewritten after
 each one, so a run cut short still returns what it measured):
   trainer         step tokens/s and MFU, dense and MoE, packed 4k and 16k sequences
+  trainer_step    the REAL trainer step (FSDP2 plan, fp32 master, train_step) vs the direct one, 4 x 4096
   inference       embedded engine vs transformers generate, 64 prompts x 512 new tokens
   weight_sync     filesystem transport vs disk, /dev/shm, pinned and pageable staging
   router_replay   mismatch KL without / with Router Replay, bf16 and fp8 inference
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu import bench_trainer_step
 from benchmarks.gpu.common import device_info, free_cuda
 
-SECTIONS = ("trainer", "inference", "weight_sync", "router_replay", "smoke_loop", "trainer_compiled")
+SECTIONS = ("trainer", "trainer_step", "inference", "weight_sync", "router_replay", "smoke_loop", "trainer_compiled")
 OPTIONAL = {"trainer_compiled"}
 
 
@@ -78,6 +80,12 @@ def smoke_loop(args: argparse.Namespace, device: torch.device) -> dict:
     return res
 
 
+def trainer_step(args: argparse.Namespace, device: torch.device) -> dict:
+    """benchmarks/gpu/bench_trainer_step.py at its defaults (4 x 4096 tokens; tiny: 2 x 64)."""
+    return bench_trainer_step.run(bench_trainer_step.parse_args((["--tiny"] if args.tiny else [])
+                                                                 + ["--iters", str(args.iters)]), device)
+
+
 def summary_rows(results: dict) -> list[str]:
     rows = []
     tr = results.get("trainer", {})
@@ -87,6 +95,8 @@ def summary_rows(results: dict) -> list[str]:
                     f"  sdpa {r.get('causal_sdpa_backends')}")
     for r in results.get("trainer_compiled", {}).get("runs", []):
         rows.append(f"trainer {r['model']:5s} seq {r['seq_len']:>6d}  {r['tokens_per_s']:>10.0f} tok/s  MFU {r['mfu']:.3f} compiled")
+    for r in results.get("trainer_step", {}).get("runs", []):
+        rows.append("trainer_step " + bench_trainer_step.table_row(r))
     inf = results.get("inference", {})
     if "engine" in inf:
         rows.append(f"inference engine {inf['engine']['output_tokens_per_s']:.0f} tok/s, HF generate "
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     from benchmarks.gpu import bench_inference, bench_router_replay, bench_trainer, bench_weight_sync
 
-    funcs = {"trainer": bench_trainer.run, "inference": bench_inference.run, "weight_sync": bench_weight_sync.run,
+    funcs = {"trainer": bench_trainer.run, "trainer_step": trainer_step, "inference": bench_inference.run, "weight_sync": bench_weight_sync.run,
              "router_replay": bench_router_replay.run, "smoke_loop": smoke_loop,
              "trainer_compiled": bench_trainer.run_compiled}
     for name in [s for s in args.only.split(",") if s]:
