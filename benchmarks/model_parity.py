@@ -146,7 +146,8 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
     rows = []
     for family in families:
         model_type, kw = configs[family]
-        with tempfile.TemporaryDirectory() as tmp:
+        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None  # GB-sized checkpoints: memory, not a slow disk
+        with tempfile.TemporaryDirectory(dir=shm) as tmp:
             hf, ours, cfg = build_pair(family, model_type, kw, Path(tmp), dtype, device)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, kw["vocab_size"], (batch, seq), generator=gen).to(device)

@@ -20,9 +20,9 @@ from torch import nn
 from tests.integration import test_parity_parallel as moe
 from tests.netutil import free_port, gloo_dims
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
-from workers.models.tiny_moe.layers import Expert
+from workers.models.blocks.mlp import Expert
 from workers.models.tiny_moe.model import build_model
-from workers.models.tiny_moe.moe import MoeBlock
+from workers.models.blocks.moe_softmax import MoeBlock
 from workers.trainer.batch import shard_rows
 from workers.trainer.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing

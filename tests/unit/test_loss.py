@@ -165,3 +165,19 @@ def test_own_topk_matches_unforced_routing_and_replay_forces():
     b, t = ids.shape
     dis, n = routing_disagreement(own_topk(gates2, 2, (b, t)), forced, torch.ones(b, t, dtype=torch.bool))
     assert n == b * t * 2 and dis > 0
+
+
+def test_router_counts_equal_the_one_hot_definition_without_building_it():
+    """prob_stats counts by scatter-add (issue 20: no [B, T, L, k, E] tensor); same numbers as one-hot."""
+    import torch.nn.functional as F
+
+    from workers.trainer.loss import prob_stats
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, layers, k, e = 3, 7, 2, 3, 8
+    routed = torch.randint(0, e, (b, t, layers, k), generator=gen)
+    valid = torch.rand(b, t, generator=gen) > 0.3
+    probs = [torch.rand(b * t, e, generator=gen) for _ in range(layers)]
+    _, counts = prob_stats(probs, routed, valid, e)
+    want = (F.one_hot(routed, e).float().sum(3) * valid.float()[:, :, None, None]).sum((0, 1))
+    assert torch.equal(counts, want) and counts.sum() == valid.sum() * layers * k
