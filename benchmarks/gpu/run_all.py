@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu import bench_trainer_step
 from benchmarks.gpu.common import device_info, free_cuda
 
 SECTIONS = ("trainer", "trainer_step", "inference", "weight_sync", "router_replay", "smoke_loop", "trainer_compiled")
@@ -81,7 +80,10 @@ def smoke_loop(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def trainer_step(args: argparse.Namespace, device: torch.device) -> dict:
-    """benchmarks/gpu/bench_trainer_step.py at its defaults (4 x 4096 tokens; tiny: 2 x 64)."""
+    """benchmarks/gpu/bench_trainer_step.py at its defaults (4 x 4096 tokens; tiny: 2 x 64). Imported
+    here: the trainer's imports failing must fail this section alone."""
+    from benchmarks.gpu import bench_trainer_step
+
     return bench_trainer_step.run(bench_trainer_step.parse_args((["--tiny"] if args.tiny else [])
                                                                  + ["--iters", str(args.iters)]), device)
 
@@ -95,8 +97,11 @@ def summary_rows(results: dict) -> list[str]:
                     f"  sdpa {r.get('causal_sdpa_backends')}")
     for r in results.get("trainer_compiled", {}).get("runs", []):
         rows.append(f"trainer {r['model']:5s} seq {r['seq_len']:>6d}  {r['tokens_per_s']:>10.0f} tok/s  MFU {r['mfu']:.3f} compiled")
-    for r in results.get("trainer_step", {}).get("runs", []):
-        rows.append("trainer_step " + bench_trainer_step.table_row(r))
+    step_runs = results.get("trainer_step", {}).get("runs", [])
+    if step_runs:
+        from benchmarks.gpu.bench_trainer_step import table_row
+
+        rows.extend("trainer_step " + table_row(r) for r in step_runs)
     inf = results.get("inference", {})
     if "engine" in inf:
         rows.append(f"inference engine {inf['engine']['output_tokens_per_s']:.0f} tok/s, HF generate "
