@@ -138,6 +138,18 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 _REFS: dict[str, dict] = {}
 
 
+ADAM_EPS_SCALE = 1e-6
+"""Gradient elements below this are within a few AdamW eps (1e-8): the first step's update
+lr * g / (|g| + eps) turns their last-bit differences (summation order across ranks) into
+lr-sized ones, so weights are compared only where the gradient is well above eps."""
+
+
+def weight_error(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor) -> float:
+    """Max |got - want| over the elements whose reference gradient is above :data:`ADAM_EPS_SCALE`."""
+    keep = grad.abs() >= ADAM_EPS_SCALE
+    return float((got - want).abs()[keep].max()) if bool(keep.any()) else 0.0
+
+
 def reference_step(model: str) -> dict:
     """The one-process reference of ``model`` (computed once per module run)."""
     if model in _REFS:
@@ -168,7 +180,7 @@ def test_layout_matches_one_process_reference(tmp_path, model, tp, ep, dp):
         err = float((got["grads"][name] - g).abs().max())
         assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: grad differs by {err:.3g}"
     for name, w in ref["weights"].items():
-        err = float((got["weights"][name] - w).abs().max())
+        err = weight_error(got["weights"][name], w, ref["clipped"][name])
         assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
 
 
@@ -185,11 +197,12 @@ def test_packed_and_unreplayed_forward_match_too(tmp_path):
     assert free["stats"]["routing_disagreement"] == pytest.approx(one["stats"]["routing_disagreement"])
 
 
-def test_micro_batches_and_activation_checkpointing_on_the_tp_ep_plan(tmp_path, ref):
+def test_micro_batches_and_activation_checkpointing_on_the_tp_ep_plan(tmp_path):
     """tp2 x ep2 with a 16-token budget (3 micro-batches on one EP rank, 2 + a padding one on the
     other: the empty micro-batch still joins every all-to-all) and every layer recomputed."""
+    ref = reference_step("tiny_moe")
     got = run_layout(tmp_path, 2, 2, 1, tcfg(micro_batch_tokens=16, activation_checkpointing="full"))
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     for name, w in ref["weights"].items():
-        assert float((got["weights"][name] - w).abs().max()) < 1e-5, name
+        assert weight_error(got["weights"][name], w, ref["clipped"][name]) < 1e-5, name
