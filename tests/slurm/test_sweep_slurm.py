@@ -24,11 +24,15 @@ def test_multirun_submits_one_hetjob_per_point(slurm_cluster, tmp_path):
                   timeout=400)
     assert res.returncode == 0
     assert "sweep: submitted 2 jobs:" in res.stdout and "sweep: 2/2 jobs COMPLETED" in res.stdout
-    listed = re.findall(r"job (\d+)  #(\d) trainer\.lr=(\S+)  (\S+)", res.stdout)
+    # job names carry the swept value: slurmrl-<experiment>-<hash>-lr=<value>
+    listed = re.findall(r"job (\d+)  #(\d) (slurmrl-\S+-lr=(\S+))  (\S+)", res.stdout)
     assert len(listed) == 2 and len({j for j, *_ in listed}) == 2
-    record = json.loads((tmp_path / "runs" / "multirun" / "sweep.json").read_text())
-    assert [r["job_id"] for r in record] == [j for j, *_ in listed]
-    for job_id, _num, lr, run_dir in listed:
+    (manifest,) = (tmp_path / "runs" / "multirun").glob("*/sweep.json")  # this sweep's own directory
+    record = json.loads(manifest.read_text())
+    assert record["dry_run"] is False
+    assert [r["job_id"] for r in record["points"]] == [j for j, *_ in listed]
+    assert [r["job_name"] for r in record["points"]] == [name for _, _, name, *_ in listed]
+    for job_id, _num, _name, lr, run_dir in listed:
         rows = sacct_final(job_id, num_parts=3, num_steps=3)
         assert set(rows.values()) == {"COMPLETED"}, rows
         cfg = load_run_config(f"{run_dir}/config/run.yaml")
