@@ -122,7 +122,10 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     for module in [*layers, full]:
         module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-        module.set_reduce_scatter_unused_params(True)
+        # torch >= 2.12. The H200 image's 2.11 lacks it: fine at world 1 (nothing to reduce-scatter);
+        # with several ranks an expert unused on one rank could skip a collective there (untested on 2.11).
+        if hasattr(module, "set_reduce_scatter_unused_params"):
+            module.set_reduce_scatter_unused_params(True)
     full.__class__ = type(f"Fsdp{type(full).__name__}", (FsdpTrainerModel, type(full)), {})
     full.dims, full.precision = dims, precision
     return full
