@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
 
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
-        if getattr(cfg, "path", ""):
+        if cfg.path:
             from workers.common.registry import MODELS
             from workers.models.hf_checkpoint import load_pretrained
 
