@@ -78,7 +78,8 @@ class JobPlan:
         """Human-readable lines the launcher prints (and the dry run shows)."""
         p = self.params
         lines = [f"model: {self.model + ': ' if self.model else ''}{human(p.total)} params ({human(p.active)} active per token"
-                 + (f", +{human(p.mtp)} in MTP layers: counted, not built or trained" if p.mtp else "") + ")"]
+                 + (f", +{human(p.mtp)} in MTP layers: counted; skipped on load, not trained, "
+                                      "not in published steps" if p.mtp else "") + ")"]
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
             lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "

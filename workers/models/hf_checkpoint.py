@@ -183,7 +183,7 @@ def check_model_path(model_cfg) -> None:
     read_config(model_cfg.path)
     model = spec.build(model_cfg, device="meta")
     expected = {n: list(t.shape) for n, t in model.state_dict().items()}
-    check_tensors(HFCheckpoint(model_cfg.path), expected, spec.from_hf,
+    check_tensors(HFCheckpoint(model_cfg.path), expected, spec.checkpoint_from_hf(model_cfg),
                   tied=getattr(model_cfg, "tie_word_embeddings", False))
 
 

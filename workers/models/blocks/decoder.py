@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
             from workers.common.registry import MODELS
             from workers.models.hf_checkpoint import load_pretrained
 
-            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf)
+            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).checkpoint_from_hf(cfg))
         if not cfg.pretrained:
             return cls(cfg).init_weights(cfg.init_seed).to(dtype)
         from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only
