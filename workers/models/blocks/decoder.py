@@ -114,10 +114,9 @@ class CausalLM(nn.Module):
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         if cfg.path:
-            from workers.common.registry import MODELS
             from workers.models.hf_checkpoint import load_pretrained
 
-            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).checkpoint_from_hf(cfg))
+            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg)
         if not cfg.pretrained:
             return cls(cfg).init_weights(cfg.init_seed).to(dtype)
         from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only

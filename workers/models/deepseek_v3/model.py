@@ -116,10 +116,7 @@ def init_module(cls, cfg, dtype=torch.float32):
     if cfg.path:
         from workers.models.hf_checkpoint import load_pretrained
 
-        from workers.common.registry import MODELS
-
-        return keep_fp32(load_pretrained(build_module(cls, cfg, device="meta", dtype=dtype), cfg,
-                                         MODELS.get(cfg.family).checkpoint_from_hf(cfg)))
+        return keep_fp32(load_pretrained(build_module(cls, cfg, device="meta", dtype=dtype), cfg))
     if cfg.pretrained:
         raise ValueError(f"model.pretrained={cfg.pretrained!r}: family {cfg.family} has no pretrained sources")
     return keep_fp32(cls(cfg).init_weights(cfg.init_seed).to(dtype))

@@ -196,10 +196,8 @@ def init(cfg: NemotronHConfig, dtype) -> NemotronHForCausalLM:
     """The step-0 model on CPU in ``dtype``: the checkpoint at ``cfg.path`` (streamed; ``mtp.*`` dropped
     by the family's ``from_hf``), else seeded from ``init_seed``."""
     if cfg.path:
-        from workers.common.registry import MODELS
         from workers.models.hf_checkpoint import load_pretrained
 
-        return in_dtype(load_pretrained(build(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf),
-                        dtype)
+        return in_dtype(load_pretrained(build(cfg, device="meta", dtype=dtype), cfg), dtype)
     return in_dtype(NemotronHForCausalLM(cfg).init_weights(cfg.init_seed), dtype)
 
