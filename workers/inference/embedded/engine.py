@@ -179,11 +179,17 @@ class InferenceEngine:
             self.weight_version = int(weight_version)
             self.model_path = source
             self.weight_hashes = dict(hashes or {})
+            self._weights_changed_locked()
             return self.num_running + self.num_pending
 
     def set_weight_version(self, version: int) -> None:
         with self._model_lock:
             self.weight_version = int(version)
+            self._weights_changed_locked()
+
+    def _weights_changed_locked(self) -> None:
+        """Hook for engines that keep copies of the weights or the version (the static engine's
+        CUDA graphs: workers/inference/embedded/decode_loop.py); nothing to do here."""
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything (callers get abort results) and stop the thread."""

@@ -170,3 +170,18 @@ class MoeBlock(nn.Module):
                    torch.stack(ws[2::3]))
         self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
         return stacked
+
+    @torch.no_grad()
+    def restack_in_place(self) -> None:
+        """Refresh the cached expert stacks inside the tensors they already occupy. A captured CUDA
+        graph (workers/inference/embedded/cuda_graphs.py) reads those addresses, so after a weight
+        update the stacks must be overwritten, not replaced."""
+        cached = self.__dict__.get("_stack_cache")
+        if cached is None:
+            return
+        self.__dict__["_stack_cache"] = None
+        fresh = self._stacked_weights()
+        for old, new in zip(cached[1], fresh):
+            old.copy_(new)
+        key = self.__dict__["_stack_cache"][0] if self.__dict__.get("_stack_cache") else None
+        self.__dict__["_stack_cache"] = (key, cached[1]) if key is not None else None

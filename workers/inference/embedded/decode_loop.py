@@ -1,0 +1,222 @@
+"""The static embedded engine: fixed KV slots, chunked prefill, decode blocks replayed as CUDA graphs.
+
+Why: the dynamic engine (workers/inference/embedded/engine.py) is host-bound on a GPU -- every
+step it concatenates the KV cache, moves the sampled tokens to the host and loops over the
+sequences in Python (issue 24: 0.63x transformers' generate on an H200). This engine keeps the
+dynamic engine's contract (same requests, results, locks, pause/abort/weight-update semantics:
+it subclasses :class:`InferenceEngine`) and changes how a step runs:
+
+- every running request owns one slot of a preallocated cache
+  (workers/inference/embedded/static_cache.py) and of the per-slot state
+  (workers/inference/embedded/slot_state.py); a finished request frees its slot, and queued
+  requests are admitted into free slots at step boundaries (continuous batching);
+- admission prefills the new requests together, right-padded, ``prefill_chunk`` positions at a
+  time (a long prompt never needs one huge attention matrix; the chunks see the earlier ones
+  through the cache), then samples their first token;
+- decode runs ``sync_every`` steps back to back over slots ``0..B-1`` (B: the smallest captured
+  size covering the highest busy slot); on CUDA each step is one CUDA-graph replay that also
+  samples, records logprobs, weight versions and routed experts and tests the stop conditions;
+- only then does the host read the ``done`` flags (one small copy) and collect finished slots.
+  A request that finishes mid-block idles (its writes go to scratch) until the block ends.
+
+Reproducibility: greedy tokens equal the dynamic engine's; sampling uses the engine's seeded
+generator (exponential race, slot_state.py), so draws depend on batch composition as before.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Optional
+
+import torch
+
+from workers.inference.embedded.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from workers.inference.embedded.engine import InferenceEngine
+from workers.inference.embedded.requests import GenRequest, _Seq
+from workers.inference.embedded.slot_state import GREEDY_EPS, MAX_STOP_IDS, SlotState
+from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
+from workers.models.blocks.decoder import CausalLM
+from workers.models.blocks.moe_softmax import MoeBlock
+
+log = logging.getLogger("slurmrl.inference")
+
+
+class StaticEngine(InferenceEngine):
+    """:class:`InferenceEngine` over fixed slots; ``cuda_graphs`` applies on CUDA devices only."""
+
+    def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
+                 max_seq_len: int = 4096, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True):
+        super().__init__(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+        assert prefill_chunk >= 1 and sync_every >= 1, (prefill_chunk, sync_every)
+        self.max_seq_len = min(int(max_seq_len), self.max_seq_len)  # submit() refuses prompts that do not fit
+        self.prefill_chunk, self.sync_every = prefill_chunk, sync_every
+        dtype = next(model.parameters()).dtype
+        self.slots = StaticKVCache(model, num_slots=max_batch_size, max_len=self.max_seq_len, device=self.device,
+                                   dtype=dtype)
+        routed_shape = (model.num_routed_layers, int(getattr(self.config, "top_k", 0) or 0))
+        self.state = SlotState(num_slots=max_batch_size, max_len=self.max_seq_len, vocab=self.config.vocab_size,
+                               routed_shape=routed_shape if routed_shape[0] else (0, 0), device=self.device)
+        self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
+        self._use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[bool, DecodeGraphs] = {}
+        self._pinned = torch.zeros(max_batch_size, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        log.info("static engine: %d slots x %d positions (%.2f GiB KV cache), prefill chunk %d, host sync every "
+                 "%d steps, CUDA graphs %s", max_batch_size, self.max_seq_len, self.slots.bytes / 2**30,
+                 prefill_chunk, sync_every, "on" if self._use_graphs else "off")
+
+    # ---- public API additions ----------------------------------------------------------
+    def submit(self, req: GenRequest, on_done) -> None:
+        if len(req.stop_token_ids) > MAX_STOP_IDS:
+            msg = f"at most {MAX_STOP_IDS} stop_token_ids are supported, got {len(req.stop_token_ids)}"
+            self._finish(_Seq(req, on_done), {"type": "abort", "message": msg}, error=msg)
+            return
+        super().submit(req, on_done)
+
+    def _weights_changed_locked(self) -> None:
+        """Captured graphs read the MoE expert stacks and the version tensor in place."""
+        self.state.version.fill_(int(self.weight_version))
+        for m in self.model.modules():
+            if isinstance(m, MoeBlock):
+                m.restack_in_place()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _step_locked(self) -> None:
+        if self._use_graphs and not self._graphs:
+            self._capture()  # before the first admission: every slot is still inactive
+        with self._cond:
+            if self._paused or self._stopping:
+                return
+            admit = []
+            while self._pending and len(admit) < len(self._free):
+                admit.append(self._pending.popleft())
+        if admit:
+            self._admitting = admit
+            for s in admit:
+                s.slot = heapq.heappop(self._free)
+            self._prefill(admit)
+            self._rows = self._rows + admit
+            self._admitting = []
+        self._apply_aborts_locked()
+        if self._rows:
+            self._decode_block()
+            self._collect()
+
+    def _capture(self) -> None:
+        sizes = graph_batch_sizes(self.max_batch_size)
+        for sample in (False, True):
+            self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), sizes, self.device)
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
+        st, dev = self.state, self.device
+        rows = st.admit([s.slot for s in seqs], [s.req for s in seqs], dev)
+        lens = torch.tensor([len(s.req.input_ids) for s in seqs])
+        n, t_max = len(seqs), int(lens.max())
+        ids = torch.zeros(n, t_max, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s.req.input_ids)] = torch.tensor(s.req.input_ids)
+        ids, lens_d = ids.to(dev), lens.to(dev)
+        last = torch.empty(n, self.config.vocab_size, device=dev, dtype=torch.float32)
+        self.slots.use(rows, prefix=False)
+        for c0 in range(0, t_max, self.prefill_chunk):
+            t = min(self.prefill_chunk, t_max - c0)
+            pos = torch.arange(c0, c0 + t, device=dev).expand(n, t)
+            valid = pos < lens_d[:, None]
+            ends = ((lens - 1 >= c0) & (lens - 1 < c0 + t)).nonzero()[:, 0]  # rows whose prompt ends here
+            want = torch.zeros(n, t, dtype=torch.bool)
+            want[ends, lens[ends] - 1 - c0] = True
+            out = self.model(ids[:, c0:c0 + t], position_ids=pos, attention_mask=valid, cache=self.slots,
+                             logits_mask=want.to(dev))
+            if len(ends):
+                last[ends.to(dev)] = out.logits.float()
+            if out.routed_experts.shape[2]:
+                st.record_routing(rows, pos, valid, out.routed_experts)
+        sample = any(s.req.temperature >= GREEDY_EPS for s in seqs)
+        st.advance(rows, last, lens_d - 1, self._noise(n) if sample else None)
+
+    def _noise(self, n: int) -> torch.Tensor:
+        return self.state.noise[:n].exponential_(generator=self._gen)
+
+    def _decode_step(self, b: int, sample: bool) -> None:
+        """One token for slots 0..b-1: pure device work (what the graphs capture)."""
+        st = self.state
+        rows = st.arange[:b]
+        self.slots.use(rows, prefix=True)
+        fed = st.pos[:b]
+        out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
+        routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
+        st.advance(rows, out.logits[:, -1], fed, st.noise[:b] if sample else None, routed)
+
+    def _decode_block(self) -> None:
+        n = 1 + max(s.slot for s in self._rows)
+        sample = any(s.req.temperature >= GREEDY_EPS for s in self._rows)
+        graphs = self._graphs.get(sample)
+        b = graphs.size_for(n) if graphs is not None else n
+        for _ in range(self.sync_every):
+            if sample:
+                self._noise(b)
+            if graphs is not None:
+                graphs.run(b)
+            else:
+                self._decode_step(b, sample)
+        self.num_steps += self.sync_every
+
+    def _collect(self) -> None:
+        """Read the done flags (one copy) and finish the slots that are done."""
+        n = 1 + max(s.slot for s in self._rows)
+        flags = self._pinned[:n]
+        flags.copy_(self.state.done[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        hit = [bool(flags[s.slot]) for s in self._rows]
+        self._retire(hit, [None] * len(hit))
+
+    def _apply_aborts_locked(self) -> None:
+        with self._cond:
+            rids, every = self._abort_rids, self._abort_all
+            self._abort_rids, self._abort_all = set(), False
+        if self._rows and (every or rids):
+            hit = [every or s.req.rid in rids for s in self._rows]
+            self._retire(hit, [{"type": "abort", "message": "aborted"}] * len(hit))
+
+    def _retire(self, done: list[bool], reasons: list[Optional[dict]]) -> None:
+        """Copy the finished slots' histories to their requests, answer them, free the slots."""
+        if not any(done):
+            return
+        gone = [s for s, d in zip(self._rows, done) if d]
+        why = [r for r, d in zip(reasons, done) if d]
+        self._rows = [s for s, d in zip(self._rows, done) if not d]
+        slots = [s.slot for s in gone]
+        hist = self.state.history(slots, self.device)
+        self.state.active[torch.tensor(slots, device=self.device)] = False
+        for i, (s, reason) in enumerate(zip(gone, why)):
+            p, k = len(s.req.input_ids), int(hist["ngen"][i])
+            s.out_ids = hist["tokens"][i, p:p + k].tolist()
+            s.logprobs = hist["logprobs"][i, p:p + k].tolist()
+            s.versions = hist["versions"][i, p:p + k].tolist()
+            if s.req.return_routed_experts and self.state.routed is not None:
+                s.routed = [self.state.routed[s.slot, :s.seqlen - 1].to(torch.int32).cpu()]
+            self.num_generated_tokens += k
+            self._finish(s, reason if reason is not None else self._stop_reason(s))
+            heapq.heappush(self._free, s.slot)
+
+
+def create_engine(model: CausalLM, *, max_batch_size: int, seed: int, options=None,
+                  weight_version: int = 0) -> InferenceEngine:
+    """The engine ``options`` (an EmbeddedInferenceConfig, or None: defaults) asks for.
+
+    ``static_cache``: ``auto`` is the static engine on CUDA and the dynamic one on CPU; ``on``
+    / ``off`` force it. Families the static cache cannot hold fall back to the dynamic engine
+    with a log line saying why (recurrent Mamba-2 state, DSA index keys)."""
+    mode = getattr(options, "static_cache", "auto")
+    device = next(model.parameters()).device
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning("static KV cache unavailable for %s (%s): using the dynamic engine",
+                    getattr(model.config, "family", type(model).__name__), reason)
+        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+    kw = {k: getattr(options, k) for k in ("max_seq_len", "prefill_chunk", "sync_every", "cuda_graphs")
+          if options is not None and hasattr(options, k)}
+    return StaticEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version, **kw)
