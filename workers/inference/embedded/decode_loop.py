@@ -59,7 +59,9 @@ class StaticEngine(InferenceEngine):
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[bool, DecodeGraphs] = {}
-        self._pinned = torch.zeros(max_batch_size, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
+        self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._retired_tokens = 0
         log.info("static engine: %d slots x %d positions (%.2f GiB KV cache), prefill chunk %d, host sync every "
                  "%d steps, CUDA graphs %s", max_batch_size, self.max_seq_len, self.slots.bytes / 2**30,
                  prefill_chunk, sync_every, "on" if self._use_graphs else "off")
@@ -163,13 +165,16 @@ class StaticEngine(InferenceEngine):
 
     def _collect(self) -> None:
         """Read the done flags (one copy) and finish the slots that are done."""
-        n = 1 + max(s.slot for s in self._rows)
-        flags = self._pinned[:n]
-        flags.copy_(self.state.done[:n], non_blocking=True)
+        st, n = self.state, 1 + max(s.slot for s in self._rows)
+        host = self._pinned[:2 * n + 1]
+        host.copy_(torch.cat([st.done[:n].long(), st.ngen[:n], st.bad.long()]), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        hit = [bool(flags[s.slot]) for s in self._rows]
-        self._retire(hit, [None] * len(hit))
+        if host[2 * n]:  # the dynamic engine's sampler raises on such logits; so does this one
+            raise RuntimeError("non-finite logits: the sampled logprobs contain inf or NaN")
+        done, ngen = host[:n].tolist(), host[n:2 * n].tolist()
+        self._retire([bool(done[s.slot]) for s in self._rows], [None] * len(self._rows))
+        self.num_generated_tokens = self._retired_tokens + sum(ngen[s.slot] for s in self._rows)
 
     def _apply_aborts_locked(self) -> None:
         with self._cond:
@@ -194,9 +199,11 @@ class StaticEngine(InferenceEngine):
             s.out_ids = hist["tokens"][i, p:p + k].tolist()
             s.logprobs = hist["logprobs"][i, p:p + k].tolist()
             s.versions = hist["versions"][i, p:p + k].tolist()
-            if s.req.return_routed_experts and self.state.routed is not None:
-                s.routed = [self.state.routed[s.slot, :s.seqlen - 1].to(torch.int32).cpu()]
-            self.num_generated_tokens += k
+            if s.req.return_routed_experts:  # a dense model's record is [n, 0, 0], as the dynamic engine's
+                routed = self.state.routed
+                s.routed = [torch.zeros(s.seqlen - 1, 0, 0, dtype=torch.int32) if routed is None
+                            else routed[s.slot, :s.seqlen - 1].to(torch.int32).cpu()]
+            self._retired_tokens += k
             self._finish(s, reason if reason is not None else self._stop_reason(s))
             heapq.heappush(self._free, s.slot)
 

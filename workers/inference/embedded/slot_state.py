@@ -63,6 +63,7 @@ class SlotState:
         self.stop = torch.full((s, MAX_STOP_IDS), -1, dtype=torch.long, device=d)
         self.noise = torch.ones(s, vocab, dtype=torch.float32, device=d)
         self.version = torch.zeros(1, dtype=torch.int32, device=d)
+        self.bad = torch.zeros(1, dtype=torch.bool, device=d)  # a live row sampled from non-finite logits
         self.tokens = torch.zeros(s, n + 1, dtype=torch.long, device=d)
         self.logprobs = torch.zeros(s, n + 1, dtype=torch.float32, device=d)
         self.versions = torch.zeros(s, n + 1, dtype=torch.int32, device=d)
@@ -102,6 +103,7 @@ class SlotState:
         self.versions[rows, at] = self.version.expand(rows.shape[0])
         if routed is not None and self.routed is not None:
             self.routed[rows, torch.where(live, fed_pos, self.max_len)] = routed.to(self.routed.dtype)
+        self.bad |= (live & ~lp.isfinite()).any()
         ngen = self.ngen[rows] + live.long()
         self.ngen[rows] = ngen
         stopped = (tok[:, None] == self.stop[rows]).any(-1) | (ngen >= self.max_new[rows]) | (nxt + 1 >= self.max_len)
