@@ -49,6 +49,8 @@ def engine_seed(run_seed: int, rank: int) -> int:
 class InferenceEngine:
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
 
+    samples_top_p = False  # the static engine (decode_loop.py) samples within the top-p nucleus
+
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
         assert max_batch_size >= 1, max_batch_size
         self.model = model.eval()
@@ -93,6 +95,10 @@ class InferenceEngine:
         thread for aborts), with the result. It must not block."""
         assert req.input_ids and len(req.input_ids) < self.max_seq_len, len(req.input_ids)
         seq = _Seq(req, on_done)
+        if req.top_p < 1.0 and not self.samples_top_p:
+            msg = "top_p < 1 needs the static engine (inference.static_cache)"
+            self._finish(seq, {"type": "abort", "message": msg}, error=msg)
+            return
         with self._cond:
             if not self._stopping:
                 self._pending.append(seq)

@@ -1,0 +1,127 @@
+"""The static engine (workers/inference/embedded/decode_loop.py) on CPU, where it runs without CUDA
+graphs but with the same fixed slots, device-side slot state, chunked prefill and block-wise host
+reads as on a GPU.
+
+First the dynamic engine's whole behaviour suite (tests/unit/test_engine.py: greedy and sampled
+outputs against no-cache references, logprobs, Router Replay records, stop conditions, pause,
+abort, weight updates with per-token versions, a crash) runs again with ``make_engine`` building a
+static engine with small chunks and blocks. Then what only the static engine has: chunked prefill
+equal to one-shot prefill, admission into a freed slot while others decode, slot reuse over
+prompts of different lengths (stale keys masked), top-p, the per-slot length limit, the factory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+
+import torch
+
+import tests.unit.test_engine as dynamic_suite
+from tests.unit.test_engine import CFG, PROMPTS, model, reference_greedy, run  # noqa: F401  (model: fixture)
+from workers.inference.embedded.decode_loop import StaticEngine, create_engine
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.slot_state import MAX_STOP_IDS
+
+
+def make_static(model, *, max_batch_size=3, seed=11, **kw) -> StaticEngine:
+    opts = dict(max_seq_len=64, prefill_chunk=4, sync_every=3) | kw
+    return StaticEngine(model, max_batch_size=max_batch_size, seed=seed, **opts)
+
+
+def _static_everywhere(model, max_batch_size, seed, **kw):
+    return make_static(model, max_batch_size=max_batch_size, seed=seed)
+
+
+# The dynamic suite's tests, rebound so that every engine they build is a static one.
+_globals = dict(vars(dynamic_suite), make_engine=make_static,
+                InferenceEngine=lambda model, *, max_batch_size, seed, **kw: _static_everywhere(model, max_batch_size, seed))
+for _name, _fn in list(vars(dynamic_suite).items()):
+    if _name.startswith("test_") and isinstance(_fn, types.FunctionType):
+        globals()[f"{_name}__static"] = types.FunctionType(_fn.__code__, _globals, _name, _fn.__defaults__, _fn.__closure__)
+
+
+def test_chunked_prefill_equals_one_shot_prefill(model):
+    prompts = [list(range(1, 30)), [3, 1, 4, 1, 5, 9, 2, 6], [7]]
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=6, return_routed_experts=True) for p in prompts]
+    outs = {c: run(make_static(model, prefill_chunk=c), [dataclasses.replace(r) for r in reqs]) for c in (1, 5, 64)}
+    for one, five, whole in zip(outs[1], outs[5], outs[64]):
+        assert one.output_ids == five.output_ids == whole.output_ids
+        assert torch.equal(one.routed_experts, whole.routed_experts) and torch.equal(five.routed_experts, whole.routed_experts)
+        assert max(abs(a - b) for a, b in zip(one.logprobs + five.logprobs, whole.logprobs * 2)) < 1e-5
+
+
+def test_admission_mid_run_into_a_freed_slot(model):
+    """A request submitted while others decode joins at a block boundary and gets exactly its solo
+    output; the long-running ones are not disturbed; every slot is free again at the end."""
+    engine = make_static(model, max_batch_size=2).start()
+    results = {}
+    try:
+        engine.submit(GenRequest(rid="long", input_ids=PROMPTS[1], temperature=0.0, max_new_tokens=40),
+                      lambda o: results.__setitem__(o.rid, o))
+        engine.submit(GenRequest(rid="short", input_ids=PROMPTS[0], temperature=0.0, max_new_tokens=3),
+                      lambda o: results.__setitem__(o.rid, o))
+        deadline = time.monotonic() + 20
+        while "short" not in results:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert engine.num_running == 1  # "long" still decodes; "short"'s slot is free
+        late = engine.generate([GenRequest(rid="late", input_ids=PROMPTS[4], temperature=0.0, max_new_tokens=9)])[0]
+        while "long" not in results:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    finally:
+        engine.shutdown()
+    assert late.output_ids == reference_greedy(model, PROMPTS[4], 9)
+    assert results["long"].output_ids == reference_greedy(model, PROMPTS[1], 40)
+    assert sorted(engine._free) == [0, 1]
+
+
+def test_slots_are_reused_across_prompt_lengths(model):
+    """One slot, long prompts then short ones: the stale keys a longer previous owner left above the
+    new prompt are masked (outputs equal the no-cache reference)."""
+    prompts = [[i % 30 + 1 for i in range(40)], [5], [6, 7], list(range(9, 30)), [1, 2]]
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=5) for p in prompts]
+    outs = run(make_static(model, max_batch_size=1), reqs)
+    assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in prompts]
+
+
+def test_greedy_equals_the_dynamic_engine_under_continuous_batching(model):
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=n, return_routed_experts=True)
+            for p, n in zip(PROMPTS, [6, 3, 9, 5, 2, 7])]
+    dyn = run(InferenceEngine(model, max_batch_size=2, seed=0), reqs)
+    sta = run(make_static(model, max_batch_size=2), [dataclasses.replace(r) for r in reqs])
+    for a, b in zip(dyn, sta):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_top_p_keeps_the_nucleus(model):
+    tiny = [GenRequest(input_ids=p, temperature=1.0, top_p=1e-6, max_new_tokens=6) for p in PROMPTS[:3]]
+    outs = run(make_static(model), tiny)
+    assert [o.output_ids for o in outs] == [reference_greedy(model, p, 6) for p in PROMPTS[:3]]
+    wide = run(make_static(model), [dataclasses.replace(r, top_p=1.0) for r in tiny])
+    assert [o.output_ids for o in wide] != [o.output_ids for o in outs]  # sampling is on otherwise
+    refused = run(InferenceEngine(model, max_batch_size=2, seed=0), [dataclasses.replace(tiny[0])])[0]
+    assert refused.error and "top_p" in refused.error  # the dynamic engine does not sample top-p
+
+
+def test_slot_length_limit_and_refusals(model):
+    (out,) = run(make_static(model, max_seq_len=12), [GenRequest(input_ids=PROMPTS[3], temperature=0.0,
+                                                                 max_new_tokens=50)])
+    assert out.finish_reason == {"type": "length", "length": 12 - len(PROMPTS[3])}
+    assert out.output_ids == reference_greedy(model, PROMPTS[3], 12 - len(PROMPTS[3]))
+    (bad,) = run(make_static(model), [GenRequest(input_ids=[1], stop_token_ids=tuple(range(MAX_STOP_IDS + 1)))])
+    assert bad.error and "stop_token_ids" in bad.error
+
+
+def test_create_engine_picks_by_device_and_option(model):
+    from workers.inference.embedded.config import EmbeddedInferenceConfig
+
+    opts = EmbeddedInferenceConfig(max_seq_len=48, prefill_chunk=7, sync_every=2)
+    assert type(create_engine(model, max_batch_size=2, seed=0, options=opts)) is InferenceEngine  # auto on CPU
+    on = create_engine(model, max_batch_size=2, seed=0, options=dataclasses.replace(opts, static_cache="on"))
+    assert isinstance(on, StaticEngine) and (on.max_seq_len, on.prefill_chunk, on.sync_every) == (48, 7, 2)
+    assert not on._use_graphs  # graphs are for CUDA devices
+    off = create_engine(model, max_batch_size=2, seed=0, options=dataclasses.replace(opts, static_cache="off"))
+    assert type(off) is InferenceEngine
