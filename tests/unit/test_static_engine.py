@@ -15,27 +15,31 @@ import dataclasses
 import time
 import types
 
+import pytest
 import torch
 
 import tests.unit.test_engine as dynamic_suite
-from tests.unit.test_engine import CFG, PROMPTS, model, reference_greedy, run  # noqa: F401  (model: fixture)
+from tests.unit.test_engine import CFG, PROMPTS, reference_greedy, run
 from workers.inference.embedded.decode_loop import StaticEngine, create_engine
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.inference.embedded.slot_state import MAX_STOP_IDS
+from workers.models.tiny_moe.model import build_model
 
 
-def make_static(model, *, max_batch_size=3, seed=11, **kw) -> StaticEngine:
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG, seed=3)
+
+
+def make_static(lm, *, max_batch_size=3, seed=11, **kw) -> StaticEngine:
     opts = dict(max_seq_len=64, prefill_chunk=4, sync_every=3) | kw
-    return StaticEngine(model, max_batch_size=max_batch_size, seed=seed, **opts)
-
-
-def _static_everywhere(model, max_batch_size, seed, **kw):
-    return make_static(model, max_batch_size=max_batch_size, seed=seed)
+    return StaticEngine(lm, max_batch_size=max_batch_size, seed=seed, **opts)
 
 
 # The dynamic suite's tests, rebound so that every engine they build is a static one.
 _globals = dict(vars(dynamic_suite), make_engine=make_static,
-                InferenceEngine=lambda model, *, max_batch_size, seed, **kw: _static_everywhere(model, max_batch_size, seed))
+                InferenceEngine=lambda lm, *, max_batch_size, seed, **kw: make_static(lm, max_batch_size=max_batch_size,
+                                                                                       seed=seed))
 for _name, _fn in list(vars(dynamic_suite).items()):
     if _name.startswith("test_") and isinstance(_fn, types.FunctionType):
         globals()[f"{_name}__static"] = types.FunctionType(_fn.__code__, _globals, _name, _fn.__defaults__, _fn.__closure__)
