@@ -84,6 +84,7 @@ def graph_step_ms(engine, n: int, iters: int = 20):
     graphs = getattr(engine, "_graphs", {}).get(False)
     if graphs is None:
         return None
+    n = next(b for b in graphs.sizes if b >= n)
     with engine._model_lock:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graphs.run(n)

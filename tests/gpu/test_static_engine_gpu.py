@@ -10,6 +10,7 @@ graphs read the MoE expert stacks in place), and seeded sampling is reproducible
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -71,7 +72,16 @@ def test_weight_update_reaches_running_graphs_bfloat16():
     try:
         graph_engine.generate(_greedy(8), timeout_s=300)
         graph_engine.apply_weights(scaled, 2, source="test")
-        after = graph_engine.generate(_greedy(16), timeout_s=300)
+        graph_engine.pause()  # queue the whole batch first: the admission order of a fresh engine
+        done = []
+        for r in _greedy(16):
+            graph_engine.submit(r, done.append)
+        graph_engine.resume()
+        deadline = time.monotonic() + 300
+        while len(done) < len(PROMPTS):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        after = sorted(done, key=lambda o: int(o.rid))
     finally:
         graph_engine.shutdown()
     eager = _run(_static(model, graphs=False), _greedy(16))

@@ -37,7 +37,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """``step(b)`` captured for every size; :meth:`run` replays the smallest one that fits ``n`` rows."""
+    """``step(b)`` captured for every size in ``sizes``; :meth:`run` replays one."""
 
     def __init__(self, step: Callable[[int], None], sizes: list[int], device: torch.device):
         self.sizes = sorted(sizes)
@@ -54,17 +54,12 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         for b in reversed(self.sizes):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # other threads may use CUDA
                 step(b)
             self.graphs[b] = g
         torch.cuda.synchronize(device)
         log.info("captured decode CUDA graphs for batch sizes %s in %.2fs", self.sizes, time.perf_counter() - t0)
 
-    def size_for(self, n: int) -> int:
-        for b in self.sizes:
-            if b >= n:
-                return b
-        raise ValueError(f"{n} rows exceed the largest captured batch {self.sizes[-1]}")
-
-    def run(self, n: int) -> None:
-        self.graphs[self.size_for(n)].replay()
+    def run(self, b: int) -> None:
+        """Replay the graph of batch size ``b`` (one of ``sizes``: the caller pads)."""
+        self.graphs[b].replay()

@@ -60,6 +60,7 @@ class StaticEngine(InferenceEngine):
                                routed_shape=routed_shape if routed_shape[0] else (0, 0), device=self.device)
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
         self._graphs: dict[bool, DecodeGraphs] = {}
         # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
         self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -106,9 +107,8 @@ class StaticEngine(InferenceEngine):
             self._collect()
 
     def _capture(self) -> None:
-        sizes = graph_batch_sizes(self.max_batch_size)
         for sample in (False, True):
-            self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), sizes, self.device)
+            self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), self._sizes, self.device)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
@@ -155,7 +155,7 @@ class StaticEngine(InferenceEngine):
         n = 1 + max(s.slot for s in self._rows)
         sample = any(s.req.temperature >= GREEDY_EPS for s in self._rows)
         graphs = self._graphs.get(sample)
-        b = graphs.size_for(n) if graphs is not None else n
+        b = next(size for size in self._sizes if size >= n)
         for _ in range(self.sync_every):
             if sample:
                 self._noise(b)
