@@ -86,6 +86,8 @@ class StaticEngine(InferenceEngine):
 
     # ---- engine thread -----------------------------------------------------------------
     def _step_locked(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's current device: graphs capture and replay there
         if self._use_graphs and not self._graphs:
             self._capture()  # before the first admission: every slot is still inactive
         with self._cond:
