@@ -27,9 +27,11 @@ class EmbeddedInferenceConfig(InferenceConfig):
     """Engine kind: ``auto`` (the static engine on CUDA, the dynamic one on CPU), ``on`` (static on
     any device; CUDA graphs only on CUDA) or ``off`` (dynamic: KV cache grown per step). Families the
     static cache cannot hold (Mamba-2 state, DSA index keys) use the dynamic engine (a log line says so)."""
-    max_seq_len: int = 4096
-    """Static engine: positions per KV slot (prompt + output; capped by the model's
-    max_position_embeddings). The cache holds ``max_batch_size x max_seq_len`` positions per layer."""
+    max_seq_len: int = 0
+    """Static engine: positions per KV slot (prompt + output); 0: model.max_position_embeddings, the
+    dynamic engine's limit. The cache holds ``max_batch_size x max_seq_len`` positions per layer,
+    allocated at start: lower it for long-context models (longer prompts are then refused with
+    400, longer outputs end with finish_reason length)."""
     prefill_chunk: int = 512
     """Static engine: prompt positions prefilled per forward (longer prompts take several)."""
     sync_every: int = 8
@@ -45,4 +47,4 @@ class EmbeddedInferenceConfig(InferenceConfig):
 
 limits(EmbeddedInferenceConfig, device=Pattern(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N (N a GPU index)"),
        num_threads=gt(0), max_queued_requests=gt(0), idle_timeout_s=gt(0),
-       static_cache=one_of("auto", "on", "off"), max_seq_len=ge(2), prefill_chunk=gt(0), sync_every=gt(0))
+       static_cache=one_of("auto", "on", "off"), max_seq_len=ge(0), prefill_chunk=gt(0), sync_every=gt(0))

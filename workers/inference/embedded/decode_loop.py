@@ -47,10 +47,11 @@ class StaticEngine(InferenceEngine):
     samples_top_p = True
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
-                 max_seq_len: int = 4096, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True):
+                 max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True):
         super().__init__(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
-        assert prefill_chunk >= 1 and sync_every >= 1, (prefill_chunk, sync_every)
-        self.max_seq_len = min(int(max_seq_len), self.max_seq_len)  # submit() refuses prompts that do not fit
+        assert prefill_chunk >= 1 and sync_every >= 1 and max_seq_len != 1, (prefill_chunk, sync_every, max_seq_len)
+        if max_seq_len:  # 0: the model's max_position_embeddings, as the dynamic engine
+            self.max_seq_len = min(int(max_seq_len), self.max_seq_len)  # the server refuses prompts that do not fit
         self.prefill_chunk, self.sync_every = prefill_chunk, sync_every
         dtype = next(model.parameters()).dtype
         self.slots = StaticKVCache(model, num_slots=max_batch_size, max_len=self.max_seq_len, device=self.device,
