@@ -109,7 +109,8 @@ def engine_run(model, kind: str, ps: list[list[int]], new_tokens: int, max_len: 
     toks = sum(len(o.output_ids) for o in outs)
     res = {"kind": type(engine).__name__, "wall_s": wall, "output_tokens": toks, "output_tokens_per_s": toks / wall,
            "decode_steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1), "warmup_s": warm,
-           "graph_replay_ms_per_step": replay_ms}
+           "graph_replay_ms_per_step": replay_ms, "cuda_graphs": bool(getattr(engine, "_graphs", None)),
+           "graph_error": getattr(engine, "graph_error", None)}
     print(f"  {kind} engine, {len(ps)} prompts: {toks} tokens in {wall:.2f}s = {toks / wall:.0f} tok/s "
           f"({res['ms_per_step']:.2f} ms/step; warm-up incl. graph capture {warm:.1f}s)", flush=True)
     return res, outs

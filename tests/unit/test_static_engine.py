@@ -129,3 +129,13 @@ def test_create_engine_picks_by_device_and_option(model):
     assert not on._use_graphs  # graphs are for CUDA devices
     off = create_engine(model, max_batch_size=2, seed=0, options=dataclasses.replace(opts, static_cache="off"))
     assert type(off) is InferenceEngine
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
+    """On CPU a capture cannot work: forced on, it fails, the engine says why and decodes eagerly."""
+    engine = make_static(model)
+    engine._use_graphs = True
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=5) for p in PROMPTS[:4]]
+    outs = run(engine, reqs)
+    assert engine.graph_error and not engine._graphs
+    assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in PROMPTS[:4]]

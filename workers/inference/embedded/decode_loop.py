@@ -63,6 +63,7 @@ class StaticEngine(InferenceEngine):
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
         self._graphs: dict[bool, DecodeGraphs] = {}
+        self.graph_error: Optional[str] = None
         # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
         self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._retired_tokens = 0
@@ -110,8 +111,17 @@ class StaticEngine(InferenceEngine):
             self._collect()
 
     def _capture(self) -> None:
-        for sample in (False, True):
-            self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), self._sizes, self.device)
+        """Capture both graph sets (greedy; sampling). A failed capture leaves the slots as they
+        were (every one is inactive here), so the engine goes on eagerly, saying so loudly:
+        ``graph_error`` keeps why (the GPU tests and the benchmark report it)."""
+        try:
+            for sample in (False, True):
+                self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), self._sizes,
+                                                    self.device)
+        except Exception as e:  # noqa: BLE001 - any capture failure has the same remedy
+            self._graphs, self._use_graphs = {}, False
+            self.graph_error = f"{type(e).__name__}: {e}"[:1000]
+            log.error("CUDA graph capture failed, decoding without graphs: %s", self.graph_error)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
