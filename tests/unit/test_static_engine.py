@@ -139,3 +139,51 @@ def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
     outs = run(engine, reqs)
     assert engine.graph_error and not engine._graphs
     assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in PROMPTS[:4]]
+
+
+SYNCING_OPS = {"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::equal",
+               "aten::is_nonzero", "aten::bincount", "aten::_unique2", "aten::unique_consecutive"}
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read device data on the host (on CUDA: a sync, which a graph cannot capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        bool_index = name.startswith(("aten::index", "aten::index_put")) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 and
+                                                                             isinstance(args[1], (list, tuple)) else ()))
+        if name in SYNCING_OPS or bool_index:
+            self.hits.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["tiny_moe", "deepseek_v3"])
+def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatch):
+    """What a CUDA graph captures (forward on the GPU fast path, sampling, records, stop test) has no
+    op that needs a device-to-host copy: checked on CPU with the fast path forced on, bf16."""
+    import workers.models.blocks.kernels as kernels
+    from tests.models.test_parity_deepseek_v3 import BASE as DSV3
+    from workers.common.registry import MODELS
+
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", True)
+    if family == "tiny_moe":
+        lm = build_model(CFG, seed=3)
+    else:
+        spec = MODELS.get("deepseek_v3")
+        from transformers import AutoConfig
+
+        cfg = spec.config(name="t", **spec.from_hf_config(AutoConfig.for_model("deepseek_v3", **DSV3).to_dict()))
+        lm = spec.build(cfg, dtype=torch.float32).init_weights(0)
+    lm = lm.to(torch.bfloat16)
+    engine = make_static(lm, max_batch_size=4)
+    run(engine, [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=3) for p in PROMPTS[:3]])
+    spy = _HostReads()
+    with torch.inference_mode(), spy:
+        for sample in (False, True):
+            engine._decode_step(4, sample)
+    assert spy.hits == []
