@@ -80,17 +80,18 @@ def engine_generate(model, ps: list[list[int]], new_tokens: int, *, temperature:
 
 
 def graph_step_ms(engine, n: int, iters: int = 20):
-    """GPU time of one decode-graph replay at ``n`` rows (every slot idle: replays only touch scratch)."""
-    graphs = getattr(engine, "_graphs", {}).get(False)
+    """GPU time of one greedy decode-graph replay at ``n`` rows over the whole KV slot (the longest
+    key window; every slot idle, so replays only touch scratch)."""
+    graphs = getattr(engine, "_graphs", None)
     if graphs is None:
         return None
-    n = next(b for b in graphs.sizes if b >= n)
+    key = (next(b for b in engine._sizes if b >= n), engine._windows[-1], False)
     with engine._model_lock:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graphs.run(n)
+        graphs.run(key)
         start.record()
         for _ in range(iters):
-            graphs.run(n)
+            graphs.run(key)
         end.record()
         end.synchronize()
     return start.elapsed_time(end) / iters
@@ -109,7 +110,7 @@ def engine_run(model, kind: str, ps: list[list[int]], new_tokens: int, max_len: 
     toks = sum(len(o.output_ids) for o in outs)
     res = {"kind": type(engine).__name__, "wall_s": wall, "output_tokens": toks, "output_tokens_per_s": toks / wall,
            "decode_steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1), "warmup_s": warm,
-           "graph_replay_ms_per_step": replay_ms, "cuda_graphs": bool(getattr(engine, "_graphs", None)),
+           "graph_replay_ms_per_step": replay_ms, "cuda_graphs": len(getattr(getattr(engine, "_graphs", None), "graphs", ())),
            "graph_error": getattr(engine, "graph_error", None)}
     print(f"  {kind} engine, {len(ps)} prompts: {toks} tokens in {wall:.2f}s = {toks / wall:.0f} tok/s "
           f"({res['ms_per_step']:.2f} ms/step; warm-up incl. graph capture {warm:.1f}s)", flush=True)

@@ -47,7 +47,7 @@ def test_graph_path_greedy_equals_the_dynamic_engine_float32():
     engine = _static(model)
     dyn = _run(InferenceEngine(model, max_batch_size=8, seed=0), _greedy())
     sta = _run(engine, _greedy())
-    assert engine._graphs and engine.graph_error is None and engine.num_steps > 0
+    assert engine._graphs.graphs and engine.graph_error is None and engine.num_steps > 0
     for a, b in zip(dyn, sta):
         assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
         assert torch.equal(a.routed_experts, b.routed_experts)

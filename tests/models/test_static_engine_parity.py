@@ -24,7 +24,7 @@ from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.inference.embedded.static_cache import unsupported_reason
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 8, 7, 6, 5]]
-STATIC = functools.partial(StaticEngine, max_seq_len=40, prefill_chunk=3, sync_every=3)
+STATIC = functools.partial(StaticEngine, max_seq_len=40, prefill_chunk=3, sync_every=3, smallest_key_window=8)
 
 
 def _tokens(engine, prompts, n=7):

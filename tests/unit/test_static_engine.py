@@ -32,7 +32,7 @@ def model():
 
 
 def make_static(lm, *, max_batch_size=3, seed=11, **kw) -> StaticEngine:
-    opts = dict(max_seq_len=64, prefill_chunk=4, sync_every=3) | kw
+    opts = dict(max_seq_len=64, prefill_chunk=4, sync_every=3, smallest_key_window=8) | kw  # windows 8..64
     return StaticEngine(lm, max_batch_size=max_batch_size, seed=seed, **opts)
 
 
@@ -133,11 +133,13 @@ def test_create_engine_picks_by_device_and_option(model):
 
 def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
     """On CPU a capture cannot work: forced on, it fails, the engine says why and decodes eagerly."""
+    from workers.inference.embedded.cuda_graphs import DecodeGraphs
+
     engine = make_static(model)
-    engine._use_graphs = True
+    engine._graphs = DecodeGraphs(engine._decode_step, engine._quiesced, engine.device)
     reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=5) for p in PROMPTS[:4]]
     outs = run(engine, reqs)
-    assert engine.graph_error and not engine._graphs
+    assert engine.graph_error and engine._graphs is None
     assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in PROMPTS[:4]]
 
 
@@ -185,5 +187,33 @@ def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatc
     spy = _HostReads()
     with torch.inference_mode(), spy:
         for sample in (False, True):
-            engine._decode_step(4, sample)
+            engine._decode_step(4, 16, sample)
     assert spy.hits == []
+
+
+def test_graph_warmups_while_requests_run_change_nothing(model):
+    """Graphs are captured on first use of a (batch, key window, mode) key, also mid-run; before a
+    capture the step runs eagerly with every slot quiesced. A CPU stand-in that runs exactly those
+    warm-ups (then replays eagerly) leaves every output equal to the no-cache reference."""
+    from workers.inference.embedded.cuda_graphs import WARMUP_RUNS, DecodeGraphs
+
+    class Eager:
+        def __init__(self, step, key):
+            self.replay = lambda: step(*key)
+
+    class CpuStandIn(DecodeGraphs):
+        def _capture(self, key):
+            with self.quiesce():
+                for _ in range(WARMUP_RUNS):
+                    self.step(*key)
+            return Eager(self.step, key)
+
+    engine = make_static(model, max_batch_size=2)
+    engine._graphs = CpuStandIn(engine._decode_step, engine._quiesced, engine.device)
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=n, return_routed_experts=True)
+            for p, n in zip(PROMPTS, [30, 3, 40, 5, 2, 20])]
+    outs = run(engine, reqs)
+    assert len(engine._graphs.graphs) >= 3 and engine.graph_error is None  # several windows and sizes
+    for r, o in zip(reqs, outs):
+        assert o.output_ids == reference_greedy(model, r.input_ids, r.max_new_tokens)
+        assert torch.equal(o.routed_experts, dynamic_suite.full_forward(model, r.input_ids, o.output_ids, 0.0)[1])

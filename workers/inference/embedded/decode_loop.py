@@ -13,9 +13,12 @@ it subclasses :class:`InferenceEngine`) and changes how a step runs:
 - admission prefills the new requests together, right-padded, ``prefill_chunk`` positions at a
   time (a long prompt never needs one huge attention matrix; the chunks see the earlier ones
   through the cache), then samples their first token;
-- decode runs ``sync_every`` steps back to back over slots ``0..B-1`` (B: the smallest captured
-  size covering the highest busy slot); on CUDA each step is one CUDA-graph replay that also
-  samples, records logprobs, weight versions and routed experts and tests the stop conditions;
+- decode runs ``sync_every`` steps back to back over slots ``0..B-1`` (B: the smallest graph
+  size covering the highest busy slot) attending over a key window that covers every running
+  sequence until the block ends (a bound the host knows: prompt length + steps since admission);
+  on CUDA each step is one CUDA-graph replay (captured on first use of its size, window and
+  mode: cuda_graphs.py) that also samples, records logprobs, weight versions and routed experts
+  and tests the stop conditions;
 - only then does the host read the ``done`` flags (one small copy) and collect finished slots.
   A request that finishes mid-block idles (its writes go to scratch) until the block ends.
 
@@ -24,13 +27,14 @@ generator (exponential race, slot_state.py), so draws depend on batch compositio
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 from typing import Optional
 
 import torch
 
-from workers.inference.embedded.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from workers.inference.embedded.cuda_graphs import DecodeGraphs, first_at_least, graph_batch_sizes, key_buckets
 from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.requests import GenRequest, _Seq
 from workers.inference.embedded.slot_state import GREEDY_EPS, MAX_STOP_IDS, SlotState
@@ -47,7 +51,8 @@ class StaticEngine(InferenceEngine):
     samples_top_p = True
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
-                 max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True):
+                 max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True,
+                 smallest_key_window: int = 256):
         super().__init__(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
         assert prefill_chunk >= 1 and sync_every >= 1 and max_seq_len != 1, (prefill_chunk, sync_every, max_seq_len)
         if max_seq_len:  # 0: the model's max_position_embeddings, as the dynamic engine
@@ -62,7 +67,8 @@ class StaticEngine(InferenceEngine):
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
-        self._graphs: dict[bool, DecodeGraphs] = {}
+        self._windows = key_buckets(self.max_seq_len, smallest_key_window)
+        self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None
         self.graph_error: Optional[str] = None
         # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
         self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -90,8 +96,6 @@ class StaticEngine(InferenceEngine):
     def _step_locked(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this thread's current device: graphs capture and replay there
-        if self._use_graphs and not self._graphs:
-            self._capture()  # before the first admission: every slot is still inactive
         with self._cond:
             if self._paused or self._stopping:
                 return
@@ -110,18 +114,29 @@ class StaticEngine(InferenceEngine):
             self._decode_block()
             self._collect()
 
-    def _capture(self) -> None:
-        """Capture both graph sets (greedy; sampling). A failed capture leaves the slots as they
-        were (every one is inactive here), so the engine goes on eagerly, saying so loudly:
-        ``graph_error`` keeps why (the GPU tests and the benchmark report it)."""
+    @contextlib.contextmanager
+    def _quiesced(self):
+        """Every slot inactive for a graph's warm-up runs (cuda_graphs.py says why that is harmless)."""
+        active = self.state.active.clone()
+        self.state.active.zero_()
         try:
-            for sample in (False, True):
-                self._graphs[sample] = DecodeGraphs(lambda b, s=sample: self._decode_step(b, s), self._sizes,
-                                                    self.device)
-        except Exception as e:  # noqa: BLE001 - any capture failure has the same remedy
-            self._graphs, self._use_graphs = {}, False
-            self.graph_error = f"{type(e).__name__}: {e}"[:1000]
-            log.error("CUDA graph capture failed, decoding without graphs: %s", self.graph_error)
+            yield
+        finally:
+            self.state.active.copy_(active)
+
+    def _step(self, b: int, window: int, sample: bool) -> None:
+        """One decode step: a graph replay (captured on first use), or eagerly. A failed capture
+        leaves the slots as they were, so the engine goes on eagerly, saying so loudly:
+        ``graph_error`` keeps why (the GPU tests and the benchmark report it)."""
+        if self._graphs is not None:
+            try:
+                self._graphs.run((b, window, sample))
+                return
+            except Exception as e:  # noqa: BLE001 - any capture failure has the same remedy
+                self._graphs, self._use_graphs = None, False
+                self.graph_error = f"{type(e).__name__}: {e}"[:1000]
+                log.error("CUDA graph capture failed, decoding without graphs: %s", self.graph_error)
+        self._decode_step(b, window, sample)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
@@ -137,6 +152,7 @@ class StaticEngine(InferenceEngine):
         self.slots.use(rows, prefix=False)
         for c0 in range(0, t_max, self.prefill_chunk):
             t = min(self.prefill_chunk, t_max - c0)
+            self.slots.window = first_at_least(self._windows, c0 + t)
             pos = torch.arange(c0, c0 + t, device=dev).expand(n, t)
             valid = pos < lens_d[:, None]
             ends = ((lens - 1 >= c0) & (lens - 1 < c0 + t)).nonzero()[:, 0]  # rows whose prompt ends here
@@ -150,15 +166,19 @@ class StaticEngine(InferenceEngine):
                 st.record_routing(rows, pos, valid, out.routed_experts)
         sample = any(s.req.temperature >= GREEDY_EPS for s in seqs)
         st.advance(rows, last, lens_d - 1, self._noise(n) if sample else None)
+        for s in seqs:
+            s.next_pos = len(s.req.input_ids)  # an upper bound of the position each row feeds next
 
     def _noise(self, n: int) -> torch.Tensor:
         return self.state.noise[:n].exponential_(generator=self._gen)
 
-    def _decode_step(self, b: int, sample: bool) -> None:
-        """One token for slots 0..b-1: pure device work (what the graphs capture)."""
+    def _decode_step(self, b: int, window: int, sample: bool) -> None:
+        """One token for slots 0..b-1 attending over key positions [0, window): pure device work
+        (what the graphs capture)."""
         st = self.state
         rows = st.arange[:b]
         self.slots.use(rows, prefix=True)
+        self.slots.window = window
         fed = st.pos[:b]
         out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
         routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
@@ -167,15 +187,15 @@ class StaticEngine(InferenceEngine):
     def _decode_block(self) -> None:
         n = 1 + max(s.slot for s in self._rows)
         sample = any(s.req.temperature >= GREEDY_EPS for s in self._rows)
-        graphs = self._graphs.get(sample)
-        b = next(size for size in self._sizes if size >= n)
+        b = first_at_least(self._sizes, n)
+        # Rows feed positions up to next_pos + sync_every - 1 in this block; a query sees keys <= its position.
+        window = first_at_least(self._windows, min(self.max_seq_len, max(s.next_pos for s in self._rows) + self.sync_every))
         for _ in range(self.sync_every):
             if sample:
                 self._noise(b)
-            if graphs is not None:
-                graphs.run(b)
-            else:
-                self._decode_step(b, sample)
+            self._step(b, window, sample)
+        for s in self._rows:
+            s.next_pos += self.sync_every
         self.num_steps += self.sync_every
 
     def _collect(self) -> None:

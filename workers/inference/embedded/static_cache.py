@@ -16,7 +16,9 @@ is stale (a previous owner of the slot, a padded prefill column) and is masked u
 overwrites it, which is why slots are reused without clearing.
 
 The engine picks the rows of a forward with :meth:`use`: a prefix ``0..B-1`` for decode (views,
-no copy: what the CUDA graphs capture), or any slot list for a prefill (a gather).
+no copy: what the CUDA graphs capture), or any slot list for a prefill (a gather), and the key
+``window``: attention reads positions ``[0, window)`` only, a bound the engine knows on the host
+(every running sequence's next positions), so a short batch does not read the whole slot.
 
 Families whose layers keep other state (Mamba-2 recurrent state: nemotron_h; the DSA indexer's
 keys: glm_moe_dsa) are not supported here: :func:`unsupported_reason` names the layer and the
@@ -72,7 +74,7 @@ class StaticKVCache(KVCache):
                 self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
         self.key_index = torch.arange(max_len, device=device)
         self.all_slots = torch.arange(num_slots, device=device)
-        self.slots, self.prefix = self.all_slots, True
+        self.slots, self.prefix, self.window = self.all_slots, True, max_len
         self._pos: Optional[torch.Tensor] = None
 
     @property
@@ -89,13 +91,13 @@ class StaticKVCache(KVCache):
 
     def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Starts a forward at ``position_ids`` [B, T] (remembered for the writes); returns the
-        attention mask [B, T, max_len]: a query sees the keys at indices up to its position."""
+        attention mask [B, T, window]: a query sees the keys at indices up to its position."""
         self._pos = position_ids
-        return self.key_index[None, None, :] <= position_ids[:, :, None]
+        return self.key_index[None, None, :self.window] <= position_ids[:, :, None]
 
     def _rows(self, buf: torch.Tensor) -> torch.Tensor:
-        n = self.slots.shape[0]
-        return buf[:n] if self.prefix else buf.index_select(0, self.slots)
+        n, w = self.slots.shape[0], self.window
+        return buf[:n, :w] if self.prefix else buf[:, :w].index_select(0, self.slots)
 
     def _write(self, buf: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` [B, T, ...] goes to each row's slot at its positions (index_put: graph-safe)."""
@@ -113,14 +115,14 @@ class StaticKVCache(KVCache):
         keys = self._rows(self.keys[layer]).transpose(1, 2)  # [B, kv_heads, L, D], a view in decode
         values = self._rows(self.values[layer]).transpose(1, 2)
         b, h, t, d = q.shape
-        hkv, g, n = keys.shape[1], h // keys.shape[1], self.max_len
+        hkv, g, n = keys.shape[1], h // keys.shape[1], self.window
         rows = q.reshape(b, hkv, g * t, d)
         m = mask[:, :, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
         out = kernels.attend(rows, keys, values, m)
         return out.reshape(b, h, t, out.shape[-1])
 
     def write_latent(self, layer: int, entry: torch.Tensor) -> torch.Tensor:
-        """Store MLA's ``[B, T, r + dr]`` entries; returns every position of the rows' slots."""
+        """Store MLA's ``[B, T, r + dr]`` entries; returns the rows' slots over the key window."""
         self._write(self.keys[layer], entry)
         return self._rows(self.keys[layer])
 
