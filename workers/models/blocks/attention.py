@@ -73,6 +73,8 @@ class Attention(nn.Module):
                               lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache, layer = ctx.cache, ctx.layer
+        if cache is not None and cache.static:  # preallocated slots: it writes k/v and attends (grouped heads)
+            return self.o_proj(cache.attend(layer, q, k, v, ctx.mask).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
             if cache.keys[layer] is not None:
                 k = torch.cat([cache.keys[layer], k], dim=2)

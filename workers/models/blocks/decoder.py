@@ -170,16 +170,20 @@ class CausalLM(nn.Module):
         b, t = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(b, t, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
-        past = 0 if cache is None else cache.length
-        if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=dev).expand(b, t)
-        key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
-        if cache is not None:
-            cache.key_mask = key_mask
         x = self.model.embed_tokens(input_ids)
-        fast_causal = (cache is None and segment_ids is None and fast(x)
-                       and (attention_mask is None or right_padded(valid)))
-        mask = None if fast_causal else dense_mask(key_mask, t, past)
+        if cache is not None and cache.static:  # slots hold every position at its own index: causal by position
+            assert position_ids is not None, "a static cache needs explicit positions"
+            past, mask = 0, cache.mask(position_ids)
+        else:
+            past = 0 if cache is None else cache.length
+            if position_ids is None:
+                position_ids = torch.arange(past, past + t, device=dev).expand(b, t)
+            key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
+            if cache is not None:
+                cache.key_mask = key_mask
+            fast_causal = (cache is None and segment_ids is None and fast(x)
+                           and (attention_mask is None or right_padded(valid)))
+            mask = None if fast_causal else dense_mask(key_mask, t, past)
         if segment_ids is not None:
             assert cache is None, "sequence packing is for full-sequence forwards"
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])

@@ -70,7 +70,9 @@ class MLAttention(nn.Module):
         q_rot = rotate(q_rot, cos, sin, self.interleaved)
         k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
         entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached
-        if ctx.cache is not None:
+        if ctx.cache is not None and ctx.cache.static:  # preallocated slots: all L positions, masked
+            entry = ctx.cache.write_latent(ctx.layer, entry)
+        elif ctx.cache is not None:
             past = ctx.cache.keys[ctx.layer]
             if past is not None:
                 entry = torch.cat([past, entry], dim=1)
