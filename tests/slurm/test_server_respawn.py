@@ -6,7 +6,8 @@ launcher/supervisor.py starts the same srun line again as a new step on het grou
 after cluster.respawn_backoff_s; the orchestrator resubmits the groups the dead servers had
 (same ids), re-admits the new servers at its current weights (worker_back), and the run ends
 COMPLETED with every group trained exactly once (benchmarks/chaos.py's measure, as the local
-fault tests use).
+fault tests use). With weights=broadcast the weight group is re-formed with the new servers
+(workers/weights/broadcast/coordinator.py), which are readmitted by the next update.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.slurm
 NUM_STEPS = 12
 
 
-def test_cancelled_server_step_is_respawned_and_nothing_is_lost(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("weights", ["filesystem", "broadcast"])
+def test_cancelled_server_step_is_respawned_and_nothing_is_lost(slurm_cluster, tmp_path, weights):
     run_dir = tmp_path / "run"
-    res = slurmrl(["cluster=local_slurm", *SMALL, f"trainer.num_steps={NUM_STEPS}", "launcher.follow=false",
+    res = slurmrl(["cluster=local_slurm", *SMALL, f"weights={weights}", f"trainer.num_steps={NUM_STEPS}", "launcher.follow=false",
                    f"launcher.run_dir={run_dir}", "cluster.respawn_backoff_s=1", "trainer.simulated_step_delay_s=1.5",
                    # one step of staleness: the orchestrator waits for the trainer, so it still needs
                    # servers after the kill (a wide window would let it finish every batch first)
@@ -60,6 +62,11 @@ def test_cancelled_server_step_is_respawned_and_nothing_is_lost(slurm_cluster, t
     events = [json.loads(line) for line in (run_dir / "orchestrator_ledger.jsonl").read_text().splitlines()]
     back = {e["worker"] for e in events if e["ev"] == "worker_back" and e["t"] > t_kill}
     assert back == {0, 1}, "both respawned servers were re-admitted"
+    if weights == "broadcast":  # the group was re-formed with both new servers (one generation for both)
+        group = json.loads((run_dir / "weights" / "broadcast" / "group.json").read_text())
+        assert group["generation"] == 1, group
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["weight_updates_mismatched"] == 0, last
     deadline = time.monotonic() + 60
     while (rows := sacct(job_id)).get(f"{job_id}+0") != "COMPLETED" and time.monotonic() < deadline:
         time.sleep(0.5)  # sacct lags slurmctld for hetjobs
