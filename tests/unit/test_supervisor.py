@@ -109,3 +109,10 @@ def test_non_server_failure_is_fatal_at_once(tmp_path):
     trainer = sh("trainer", "import sys; sys.exit(7)", main=True)
     server = sh("inference", "import time; time.sleep(60)", respawn=True)
     assert run(tmp_path, [trainer, server]) == 1 and not (tmp_path / "restarts.jsonl").exists()
+
+
+def test_backoff_cap_below_first_wait_is_refused_at_plan_time():
+    from launcher.plan import PlanError
+
+    with pytest.raises(PlanError, match=r"cluster.respawn_backoff_max_s\(2\) < cluster.respawn_backoff_s\(5\)"):
+        plan([*TINY_SLURM, "cluster.respawn_backoff_max_s=2"])

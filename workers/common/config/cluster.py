@@ -65,15 +65,6 @@ class PreflightConfig:
 class GroupSlurmOptions:
     """Slurm options of one het group (added after, and overriding, ``cluster.sbatch_flags``)."""
 
-    server_respawns: int = 2
-    """Slurm: times each inference server step (``inference``/``prefill``/``decode``) that died
-    (crash, SIGKILL, ``scancel JOB.STEP``) is started again as a new ``srun --het-group=K`` step on
-    its nodes before the job fails (launcher/supervisor.py); 0 is fail-fast. The orchestrator
-    re-admits the new servers at its current weights (workers/orchestrator/faults.py)."""
-    respawn_backoff_s: float = 5.0
-    """Seconds before the first respawn of a server step; doubled for each further one."""
-    respawn_backoff_max_s: float = 60.0
-    """Longest wait before a respawn (the doubling stops here)."""
     sbatch_flags: dict[str, str] = field(default_factory=dict)
     """Extra ``#SBATCH --key=value`` flags of this group only (``constraint``, ``exclusive``, ``gres``,
     ``reservation``, ``mem`` ...); value "" renders a bare ``--key``."""
