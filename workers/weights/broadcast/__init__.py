@@ -37,7 +37,8 @@ A worker that died (and was respawned: the local launcher, or launcher/superviso
      the same store under a new group name; rank 0 rewrites group.json {generation: G+1}.
   O  POSTs /init_weights_update_group to every worker; the revived ones (booted from step 0 on
      disk) are readmitted once the next update, a full one, reached them.
-A death in the middle of a transfer still fails that update on the senders (the trainer stops).
+A death in the middle of a transfer fails that version (the senders skip it, the live workers
+refuse it once their receives time out) and the next one goes to the re-formed group.
 
 Only the embedded engine speaks the bucket protocol (SGLang servers receive per tensor), so
 the plan refuses inference.backend=sglang (:func:`check`). Modules: publisher.py (T),

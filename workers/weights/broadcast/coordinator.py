@@ -68,7 +68,7 @@ class BroadcastCoordinator(WeightCoordinator):
         self.group: Optional[dict] = None  # group.json once every worker joined
         self.requested_version = 0
         self.clients: list = []
-        self.generation, self.reforming = 0, False
+        self.generation, self.reforming, self.updating = 0, False, False
         self.rejoined: set[int] = set()  # revived workers in the re-formed group, readmitted by the next update
         self.attempted = cfg.weights.group_name  # the last group name the workers were asked to join
 
@@ -92,6 +92,7 @@ class BroadcastCoordinator(WeightCoordinator):
         if any(not pool.alive[i] and i not in self.rejoined for i in range(len(self.clients))):
             return  # a member is gone: wait for it to come back and rejoin (revive)
         v = self.requested_version = offer["version"]  # each version is sent once: a refusal waits for the next
+        self.updating = True
         try:
             swap = await update_all_workers_distributed(self.clients, self.group, v,
                                                         request=lambda: self.handshake.request(v),
@@ -101,6 +102,8 @@ class BroadcastCoordinator(WeightCoordinator):
         except WeightUpdateError as e:
             self.log.warning("%s", e)
             return
+        finally:
+            self.updating = False
         for w in sorted(self.rejoined):
             pool.readmit(w, v)
         self.rejoined.clear()
@@ -108,8 +111,8 @@ class BroadcastCoordinator(WeightCoordinator):
     async def revive(self, pool: Any, worker: int, current: Callable[[], tuple[int, Optional[str]]]) -> bool:
         """Once every dead worker answers again, re-form the group with them (module docstring).
         They are readmitted by the next update (maybe_update), so this returns False."""
-        if self.group is None or self.reforming or pool.alive[worker] or worker in self.rejoined:
-            return False
+        if self.group is None or self.reforming or self.updating or pool.alive[worker] or worker in self.rejoined:
+            return False  # (an update in flight ends first: its receives must not meet a destroyed group)
         dead = [i for i in range(len(self.clients)) if not pool.alive[i] and i not in self.rejoined]
         if not all([await pool.healthy(i) for i in dead]):
             return False

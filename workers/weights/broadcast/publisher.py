@@ -100,6 +100,7 @@ class BroadcastPublisher(WeightPublisher):
         self.sender: Optional[BucketSender] = None
         self.finished = False
         self.generation = 0
+        self.broken_generation: Optional[int] = None  # a transfer of this generation failed (_send)
         self.store: Optional[dist.Store] = None
         self.addr: tuple[str, int] = (host, port)
         self.metas: list[TensorMeta] = []
@@ -133,20 +134,41 @@ class BroadcastPublisher(WeightPublisher):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
-        self.sender.send(version, state)
+        failed = self._send(version, state)
         seconds = time.perf_counter() - t1
-        if self.peers.world_size > 1:  # the update lasts until the slowest sender is done
-            seconds = max(self.peers.all_gather_object(seconds))
+        if self.peers.world_size > 1:  # the update lasts until the slowest sender is done; failed if one failed
+            got = self.peers.all_gather_object((seconds, failed))
+            seconds, failed = max(s for s, _ in got), any(f for _, f in got)
+        if failed:
+            return SyncStats(bytes=0, seconds=seconds, wait_s=t1 - t0, skipped=True)
         return SyncStats(bytes=sum(b.nbytes for b in self.group.plan), seconds=seconds, wait_s=t1 - t0)
+
+    def _send(self, version: int, state: Mapping[str, torch.Tensor]) -> bool:
+        """Send this rank's buckets; True when the transfer failed.
+
+        A receiver that dies during an update breaks the group for every member: this version is
+        skipped, and the next one waits for the orchestrator to re-form the group with the
+        respawned worker (reform.json). A second failure in the same generation is no death
+        the orchestrator will repair: it stops the trainer."""
+        try:
+            self.sender.send(version, state)
+            return False
+        except TimeoutError as e:
+            if self.broken_generation == self.generation:
+                raise
+            self.broken_generation = self.generation
+            log.warning("trainer rank %d: weights v%d not delivered (%s); skipped until the orchestrator re-forms "
+                        "the weight group", self.peers.rank, version, e)
+            return True
 
     def _wait_for_request(self, version: int) -> bool:
         deadline = time.monotonic() + self.cfg.broadcast_timeout_s
         while True:
-            if self.handshake.requested() == version:
-                return True
-            if self.handshake.reform_requested() > self.generation:  # revived workers: a new generation
+            if self.handshake.reform_requested() > self.generation:  # revived workers: a new generation first
                 self._join(self.handshake.reform_requested())
                 deadline = time.monotonic() + self.cfg.broadcast_timeout_s
+            if self.handshake.requested() == version:
+                return True
             if self.paths.orchestrator_done.exists():
                 return False  # the orchestrator finished: no worker will ever receive this
             if time.monotonic() > deadline:
