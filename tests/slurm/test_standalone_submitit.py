@@ -1,10 +1,12 @@
 """Standalone jobs submitted through submitit (launcher/standalone.py) on the real local cluster:
 ``slurmrl submit preflight`` across 2 nodes (one report per node), ``slurmrl submit export`` of
 a delta step into a self-contained HF directory, a failing export reported with the task's
-output, and ``slurmrl status --all``'s batched sacct watcher reading those jobs' states."""
+output, ``slurmrl submit eval`` of a published step, and ``slurmrl status --all``'s batched
+sacct watcher reading those jobs' states."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -64,3 +66,26 @@ def test_export_a_delta_step_and_a_failing_one(slurm_cluster, tmp_path):
     assert bad.returncode == 1 and "exited with 2" in bad.stderr and "step_000009" in bad.stderr, bad.stderr
     states = slurm_states([job, bad_job])
     assert states == {job: ("COMPLETED", ""), bad_job: ("FAILED", "")}, states
+
+
+def test_eval_of_a_published_step(slurm_cluster, tmp_path):
+    """``slurmrl submit eval``: slurmrl-eval of step 1 of a short local run of the bring-your-own-task
+    example (its own embedded server on the Slurm node), pass@k written where asked."""
+    byot = REPO / "docs" / "examples" / "byot"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{byot}", "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    train = subprocess.run([sys.executable, "-m", "launcher", f"cluster.runs_root={tmp_path / 'runs'}", "env=dataset",
+                            f"env.path={byot / 'train.jsonl'}", "env.prompt_key=question", "env.reward_fn=my_rewards:REWARDS",
+                            f"env.eval_path={byot / 'eval.jsonl'}", "model.vocab_size=264", "model.max_position_embeddings=128",
+                            "env.max_new_tokens=4", "orchestrator.num_prompts_per_step=4", "trainer.num_steps=2",
+                            f"launcher.run_dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    out = tmp_path / "eval.json"
+    res = subprocess.run([sys.executable, "-m", "launcher", "submit", "eval", "--cluster", "local_slurm", "--folder",
+                          str(tmp_path / "submitit" / "%j"), "--", str(run_dir / "weights" / "step_000001"),
+                          "--num-samples", "3", "--k", "2", "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    print(res.stdout[-3000:], res.stderr[-3000:])
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    assert result["step"] == 1 and {"eval/reward", "eval/pass@1", "eval/pass@2"} <= set(result), result
