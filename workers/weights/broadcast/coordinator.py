@@ -101,6 +101,7 @@ class BroadcastCoordinator(WeightCoordinator):
             self.verify(v, self.clients, swap.digests, offer.get("digest"))
         except WeightUpdateError as e:
             self.log.warning("%s", e)
+            self.rejoined.clear()  # not readmitted: once they answer again the group is re-formed anew
             return
         finally:
             self.updating = False
