@@ -160,6 +160,9 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
         "env": sorted({**BASE_ENV, **dict(plan.slurm.env)}.items()),
         "setup": list(plan.slurm.setup),
         "preflight": plan.preflight,
+        # The batch step runs on the host even when the steps run in a container; the supervisor
+        # needs only the standard library, so a containerised job runs it with the host's python3.
+        "supervisor_python": "python3" if plan.slurm.container_runtime != "none" else '"$SLURMRL_PYTHON"',
     }
 
 
