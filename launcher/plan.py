@@ -226,6 +226,9 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
                         f"port_span({c.port_span}) = {top}) must lie in [1024, 65536)")
     _positive("cluster.signal_grace_s", c.signal_grace_s)
     _positive("cluster.max_requeues", c.max_requeues, allow_zero=True)
+    if c.respawn_backoff_max_s < c.respawn_backoff_s:
+        raise PlanError(f"cluster.respawn_backoff_max_s({c.respawn_backoff_max_s:g}) < "
+                        f"cluster.respawn_backoff_s({c.respawn_backoff_s:g}): the cap is below the first wait")
     if "{node}" not in c.node_address and not re.match(r"^[\w.:-]+$", c.node_address):
         raise PlanError(f"cluster.node_address={c.node_address!r} must contain '{{node}}' or be a plain address")
 

@@ -118,6 +118,9 @@ class SlurmJobPlan:
     container_image: str = ""
     container_mounts: tuple[str, ...] = ()
     container_workdir: str = ""
+    server_respawns: int = 0
+    respawn_backoff_s: float = 5.0
+    respawn_backoff_max_s: float = 60.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
@@ -130,7 +133,8 @@ class SlurmJobPlan:
                    shutdown_grace_s=int(round(cfg.launcher.shutdown_grace_s)), template_dir=c.template_dir,
                    python=c.python, gpu_mem_whole_node=c.gpu_mem_whole_node, container_runtime=c.container.runtime,
                    container_image=c.container.image, container_mounts=tuple(c.container.mounts),
-                   container_workdir=c.container.workdir)
+                   container_workdir=c.container.workdir, server_respawns=c.server_respawns,
+                   respawn_backoff_s=c.respawn_backoff_s, respawn_backoff_max_s=c.respawn_backoff_max_s)
 
 
 def _need_positive(key: str, value: int) -> None:

@@ -155,7 +155,7 @@ class Orchestrator:
                         task.cancel()
             for w in range(len(self.clients)):
                 if not self.pool.alive[w]:
-                    await self.pool.try_revive(w, self.current_weights)
+                    await self.weights.revive(self.pool, w, self.current_weights)
 
     def maybe_evaluate(self) -> None:
         """Start an eval of the current weights when one is due (evaluation.py), on the least loaded worker."""
