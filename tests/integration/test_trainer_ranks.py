@@ -38,7 +38,7 @@ METRIC_KEYS = {"step", "reward_mean", "max_staleness", "samples_dropped_stale", 
 def test_two_gloo_ranks_match_one_rank_reference(tmp_path):
     steps = 2
     dp, ref = write_run(tmp_path / "dp", num_steps=steps, num_ranks=2), write_run(tmp_path / "ref", num_steps=steps)
-    for s in range(steps):
+    for s in range(1, steps + 1):
         tensors, meta = make_batch(s)
         publish_batch(dp, s, tensors, meta)
         publish_batch(ref, s, tensors, meta)
@@ -61,7 +61,7 @@ def test_two_gloo_ranks_match_one_rank_reference(tmp_path):
 
     recs_dp = [json.loads(l) for l in dp.metrics.read_text().splitlines()]
     recs_ref = [json.loads(l) for l in ref.metrics.read_text().splitlines()]
-    assert [r["step"] for r in recs_dp] == list(range(steps))
+    assert [r["step"] for r in recs_dp] == list(range(1, steps + 1))
     for rd, rr in zip(recs_dp, recs_ref):
         assert METRIC_KEYS <= rd.keys(), f"missing keys {sorted(METRIC_KEYS - rd.keys())}"
         for key in ("grad_norm", "loss", "mismatch_kl", "entropy", "aux_loss", "routing_disagreement",

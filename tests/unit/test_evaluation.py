@@ -113,9 +113,9 @@ def test_reward_metrics_and_sample_logs_of_a_batch(tmp_path, caplog):
 
 
 def test_console_trainer_log_and_metrics_use_one_step_number():
-    rec = {"step": 3, "reward_mean": 0.5, "eval/reward": 0.25}
-    assert format_step(rec, 4).startswith("step   3 (4/4) | reward 0.500 | eval 0.250 |")
-    assert progress_line(rec, 4).startswith("step   3 (4/4) | loss")
+    rec = {"step": 4, "reward_mean": 0.5, "eval/reward": 0.25}
+    assert format_step(rec, 4).startswith("step   4/4 | reward 0.500 | eval 0.250 |")
+    assert progress_line(rec, 4).startswith("step   4/4 | loss")
 
 
 def test_slurmrl_eval_refuses_what_it_cannot_evaluate(tmp_path, capsys):

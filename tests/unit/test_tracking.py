@@ -34,16 +34,16 @@ def test_every_record_goes_to_the_tracker_at_its_step(tmp_path, monkeypatch):
     paths = RunPaths(tmp_path / "run-1").ensure()
     log = logging.getLogger("test.tracking")
     writer = MetricsWriter(paths, tensorboard=False, tracker=make_tracker(cfg, paths, log=log))
-    for step in range(3):
+    for step in range(1, 4):  # 1-based, as the trainer writes them
         writer.write({"step": step, "time": 1.0, "reward_mean": 0.1 * step, "eval/reward": 0.5, "loss": float("nan"),
                       "env/swe/sandbox_mode": "userns", "weight_updates_verified": True})
     writer.close()
     run = fake.runs[0]
     assert run.init["mode"] == "offline" and run.init["project"] == "slurmrl-tiny_local" and run.init["name"] == "run-1"
     assert run.init["config"]["trainer"]["num_steps"] == cfg.trainer.num_steps and run.init["resume"] == "allow"
-    assert [s for s, _ in run.logged] == [0, 1, 2] and run.finished
-    assert run.logged[1][1] == {"reward_mean": 0.1, "eval/reward": 0.5}  # numbers only; NaN, text, bools left out
-    assert [json.loads(x)["step"] for x in paths.metrics.read_text().splitlines()] == [0, 1, 2]  # same steps
+    assert [s for s, _ in run.logged] == [1, 2, 3] and run.finished
+    assert run.logged[0][1] == {"reward_mean": 0.1, "eval/reward": 0.5}  # numbers only; NaN, text, bools left out
+    assert [json.loads(x)["step"] for x in paths.metrics.read_text().splitlines()] == [1, 2, 3]  # same steps
     # a resumed trainer (same run dir) continues the same W&B run
     again = make_tracker(cfg, paths, log=log)
     assert fake.runs[1].init["id"] == run.init["id"]

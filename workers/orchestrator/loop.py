@@ -57,7 +57,7 @@ class Orchestrator:
         self.clients: list[InferenceClient] = []  # every server, directly: readiness and admin calls
         self.router: Optional[Any] = None  # a backend's router (spec.make_router; SGLang: smg): generation only
         self.version = 0
-        self.next_step = 0
+        self.next_step = 1  # the step whose batch comes next; steps are 1-based (trainer step N trains batch N)
         self.next_group_id = 0
         self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
@@ -120,7 +120,7 @@ class Orchestrator:
             watcher = asyncio.create_task(self.watch_workers())
             beats = asyncio.create_task(self.watch_inference())
             try:
-                while self.next_step < self.cfg.trainer.num_steps:
+                while self.next_step <= self.cfg.trainer.num_steps:
                     await self.maybe_update_weights()
                     self.maybe_evaluate()
                     self.launch_groups()
@@ -135,8 +135,8 @@ class Orchestrator:
                     task.cancel()
                 await asyncio.gather(watcher, beats, *self.inflight, return_exceptions=True)
                 self.ledger.close()
-        self.paths.orchestrator_done.write_text(str(self.next_step))
-        self.log.info("all %d batches written; done", self.next_step)
+        self.paths.orchestrator_done.write_text(str(self.next_step - 1))
+        self.log.info("all %d batches written; done", self.next_step - 1)
 
     async def maybe_update_weights(self) -> None:
         """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist."""
@@ -274,7 +274,7 @@ class Orchestrator:
             self.buffer.add(group)
 
     def write_ready_batches(self) -> None:
-        while self.next_step < self.cfg.trainer.num_steps:
+        while self.next_step <= self.cfg.trainer.num_steps:
             before = {g.group_id for g in self.buffer.groups}
             groups = self.buffer.take(self.next_step)
             self.ledger.drop(before - {g.group_id for g in self.buffer.groups} - {g.group_id for g in groups or []})

@@ -1,7 +1,7 @@
 """Experiment trackers beside metrics.jsonl and TensorBoard: ``tracking.wandb=true`` (trainer rank 0).
 
 Every record the trainer writes to metrics.jsonl (metrics.py ``MetricsWriter.write``) is also
-logged to the tracker with the same ``step`` (0-based, as everywhere), numeric fields only —
+logged to the tracker with the same ``step`` (1-based, as everywhere), numeric fields only —
 including the orchestrator's (reward/<name>, reward_failures, data/*) and evaluation rows
 (eval/reward). The run is named after the run directory, its id is derived from it (a resumed
 trainer continues the same W&B run), and the resolved config (run.yaml) is its config.
