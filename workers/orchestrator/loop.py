@@ -302,8 +302,9 @@ class Orchestrator:
                 **self.inference_heartbeat(),
             }
             every = self.cfg.orchestrator.log_samples_every_steps
-            if every and self.next_step % every == 0:
-                log_samples(self.log, self.env, self.next_step, groups)
+            if every and self.next_step % every == 0:  # text in the log; metrics.jsonl, TensorBoard and W&B
+                extra["samples"] = log_samples(self.log, self.env, self.next_step, groups,
+                                               self.cfg.orchestrator.num_logged_samples)
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
