@@ -136,6 +136,19 @@ def test_a_user_env_by_override_and_by_own_yaml_is_built(user_pkg):
     assert echo.limits.max_turns == 4 and echo.model_name == cfg.model.name
 
 
+def test_a_target_on_another_env_points_at_env_target():
+    """``+env._target_=...`` on the default env (reverse_digits) is refused with the way to do it."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from launcher.config_store import reject_unknown_keys
+    from tests.conftest import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = hydra_compose("config", overrides=["+env._target_=my_pkg.envs:MyEnv"])
+    with pytest.raises(KeyError, match=r"env._target_ is not a config key \(an env class of your own: env=target "):
+        reject_unknown_keys(cfg)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ([], "env._target_ is required with env=target"),
     (["env._target_=nope_module:Env"], "cannot import module 'nope_module'"),
