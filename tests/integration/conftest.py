@@ -108,7 +108,7 @@ def write_ranks_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_re
 
 
 def make_batch(step: int, *, rows: int = 12, length: int = 10, seed: int = 0) -> tuple[dict, dict]:
-    """A batch in the protocol.py format: prompts of 2-4 tokens, completions of varying length."""
+    """A batch in the protocol.py format for (1-based) step ``step``: prompts of 2-4 tokens, completions of varying length."""
     rng = np.random.default_rng(seed + 1000 * (step - 1))  # steps are 1-based; the data of batch 1 is seed + 0
     L, k, E = RANKS_MODEL["num_layers"], RANKS_MODEL["top_k"], RANKS_MODEL["num_experts"]
     ids = rng.integers(0, RANKS_MODEL["vocab_size"], (rows, length)).astype(np.int64)
