@@ -39,7 +39,7 @@ def run_against_one_rank(tmp_path, num_ranks: int, steps: int, **layout):
     """The same batches through the loop at ``num_ranks`` with ``layout`` and at 1 rank; (par, ref) paths."""
     par = write_run(tmp_path / "par", num_ranks=num_ranks, num_steps=steps, **layout)
     ref = write_run(tmp_path / "ref", num_ranks=1, tp=1, ep=1, num_steps=steps)
-    for s in range(steps):
+    for s in range(1, steps + 1):
         tensors, meta = make_batch(s)
         publish_batch(par, s, tensors, meta)
         publish_batch(ref, s, tensors, meta)
