@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
+from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
                                   routing_disagreement)
 from workers.trainer.micro import split_micro_batches
-from workers.trainer.packing import plan_packing
+from workers.trainer.packing import RowPacking, plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
 from workers.trainer.sharded_model import ShardedMoeForCausalLM
@@ -52,7 +53,35 @@ class RowForward:
 
 def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
     """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
-    cfg = model.config
+    dims = getattr(model, "dims", None)
+    if dims is not None and dims.cp > 1:  # one sequence over several ranks
+        return context_parallel.forward_rows_cp(model, batch, replay=replay, pack=pack)
+    x = forward_inputs(batch, replay=replay, pack=pack)
+    with compute_context(model), capture_routing(model) as routers:
+        out = model(x.ids, position_ids=x.positions, attention_mask=x.attention, forced_experts=x.forced,
+                    forced_mask=x.forced_mask, segment_ids=x.segments, logits_mask=x.need)
+    logp, entropy = scatter_logprobs(model, out.logits, x.ids, x.need, batch.temperature)
+    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, x.attention,
+                                   model.config.num_experts)  # dense: [0, 0]
+    own = stack_own(routers, tuple(x.ids.shape), x.ids.device)
+    return row_forward(x.packing, logp, entropy, own, out.routed_experts, prob_sums, counts)
+
+
+@dataclasses.dataclass
+class ForwardInputs:
+    """The model's inputs for one micro-batch, in forward layout (packed rows when packing)."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    positions: Optional[torch.Tensor]
+    segments: Optional[torch.Tensor]
+    forced: Optional[torch.Tensor]
+    forced_mask: Optional[torch.Tensor]
+    need: torch.Tensor  # [B, T] bool: logits that predict a loss token, the only ones scored
+    packing: Optional[RowPacking]
+
+
+def forward_inputs(batch: RolloutBatch, *, replay: bool, pack: bool) -> ForwardInputs:
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
     pack = pack and bool(batch.attention_mask.any())  # a padding micro-batch has nothing to pack
@@ -62,15 +91,16 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
         positions, segments = packing.position_ids, packing.segment_ids
         if forced is not None:
             forced, forced_mask = packing.pack(forced), packing.pack(forced_mask, False)
-    need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
+    need = loss_relevant_inputs(batch.loss_mask)
     if packing is not None:
         need = packing.pack(need, False)
-    with compute_context(model), capture_routing(model) as routers:
-        out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
-                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
-    logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
-    own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
+    return ForwardInputs(ids=ids, attention=attention, positions=positions, segments=segments, forced=forced,
+                         forced_mask=forced_mask, need=need, packing=packing)
+
+
+def row_forward(packing: Optional[RowPacking], logp: torch.Tensor, entropy: torch.Tensor, own: torch.Tensor,
+                routed: torch.Tensor, prob_sums: torch.Tensor, counts: torch.Tensor) -> RowForward:
+    """Forward-layout results back in row layout."""
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -107,6 +137,8 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
         p.grad = None
     tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
                           device=dims.device)
+    if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
+        micro, tokens = context_parallel.own_chunks(micro, dims)
     counts = None
     if len(micro) == 1:
         fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences)
