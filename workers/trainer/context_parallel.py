@@ -33,9 +33,7 @@ from typing import Optional
 import torch
 
 from workers.models.blocks.ulysses import SeqShard
-from workers.trainer import step as _step  # this module extends the step; attributes are read at call time
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import prob_stats
 from workers.trainer.parallel import ParallelDims
 
 
@@ -62,34 +60,46 @@ def own_chunks(micro: list[RolloutBatch], dims: ParallelDims) -> tuple[list[Roll
     return out, torch.tensor([loss_tokens, valid], dtype=torch.float64, device=dims.device)
 
 
-def forward_rows_cp(model, batch: RolloutBatch, *, replay: bool, pack: bool) -> "_step.RowForward":
-    """:func:`workers.trainer.step.forward_rows` for a cp rank: the model on this rank's chunk,
-    results in row layout with zeros at the other ranks' tokens/positions."""
-    dims: ParallelDims = model.dims
-    x = _step.forward_inputs(batch, replay=replay, pack=pack)
-    b, width = x.ids.shape
+@dataclasses.dataclass
+class CpSplit:
+    """One micro-batch's forward on a cp rank (workers/trainer/step.py ``forward_rows``)."""
+
+    inputs: dict  # the model's keyword arguments: this rank's chunk, and ``cp`` (the SeqShard)
+    ids: torch.Tensor  # [B, cp*t] the whole padded rows: the targets of the chunk's logits
+    need: torch.Tensor  # [B, cp*t] logits to compute: this rank's positions only
+    width: int  # the micro-batch's own width (before padding)
+
+    def whole(self, logp: torch.Tensor, entropy: torch.Tensor, own: torch.Tensor,
+              routed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Results back on the whole rows (log-probs are there already), trimmed to the micro-batch."""
+        shard: SeqShard = self.inputs["cp"]
+        own, routed = (_place(x, shard, self.ids.shape[1]) for x in (own, routed))
+        return tuple(x[:, :self.width] for x in (logp, entropy, own, routed))
+
+
+def split(model, inputs: dict) -> Optional[CpSplit]:
+    """None unless the model's ``dims.cp`` > 1; else the rows padded to a multiple of cp and this
+    rank's chunk of every per-position input (``position_ids`` the tokens' global, or packed, positions)."""
+    dims: Optional[ParallelDims] = getattr(model, "dims", None)
+    if dims is None or dims.cp == 1:
+        return None
+    ids, need = inputs["input_ids"], inputs["logits_mask"]
+    b, width = ids.shape
     t = chunk_len(width, dims.cp)
     full = t * dims.cp
-    positions = x.positions if x.positions is not None else torch.arange(width, device=x.ids.device).expand(b, width)
-    attention = _pad(x.attention.bool(), full, False)
-    cols = torch.arange(full, device=x.ids.device)
-    need = _pad(x.need, full, False) & (cols // t == dims.cp_rank)
+    positions = inputs["position_ids"]
+    if positions is None:
+        positions = torch.arange(width, device=ids.device).expand(b, width)
+    segments = inputs["segment_ids"]
+    attention = _pad(inputs["attention_mask"].bool(), full, False)
     shard = SeqShard(group=dims.get_group("cp"), size=dims.cp, rank=dims.cp_rank, valid=attention,
-                     segment_ids=None if x.segments is None else _pad(x.segments, full, -1))
-    ids = _pad(x.ids, full, 0)
-    local = shard.local
-    forced = None if x.forced is None else local(_pad(x.forced, full, 0))
-    forced_mask = None if x.forced_mask is None else local(_pad(x.forced_mask, full, False))
-    with _step.compute_context(model), _step.capture_routing(model) as routers:
-        out = model(local(ids), position_ids=local(_pad(positions, full, 0)), attention_mask=local(attention),
-                    forced_experts=forced, forced_mask=forced_mask, logits_mask=local(need), cp=shard)
-    logp, entropy = _step.scatter_logprobs(model, out.logits, ids, need, batch.temperature)  # row layout
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, local(attention),
-                                   model.config.num_experts)
-    own = _place(_step.stack_own(routers, (b, t), ids.device), shard, full)
-    routed = _place(out.routed_experts, shard, full)
-    return _step.row_forward(x.packing, logp[:, :width], entropy[:, :width], own[:, :width], routed[:, :width],
-                             prob_sums, counts)
+                     segment_ids=None if segments is None else _pad(segments, full, -1))
+    need = _pad(need, full, False) & (torch.arange(full, device=ids.device) // t == dims.cp_rank)
+    fills = {"input_ids": 0, "position_ids": 0, "forced_experts": 0, "forced_mask": False}
+    local = {k: None if inputs[k] is None else shard.local(_pad(inputs[k] if k != "position_ids" else positions, full, v))
+             for k, v in fills.items()}
+    local.update(attention_mask=shard.local(attention), logits_mask=shard.local(need), cp=shard)
+    return CpSplit(inputs=local, ids=_pad(ids, full, 0), need=need, width=width)
 
 
 def _pad(x: torch.Tensor, width: int, fill) -> torch.Tensor:

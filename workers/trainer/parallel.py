@@ -76,7 +76,8 @@ class ParallelDims:
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer {key}({getattr(self, key)}) must be >= 1")
         if self.tp * self.cp * self.ep * self.dp != self.world_size:
-            raise ValueError(f"tp({self.tp}) * cp({self.cp}) * ep({self.ep}) * dp({self.dp}) = "
+            cp = f"cp({self.cp}) * " if self.cp != 1 else ""
+            raise ValueError(f"tp({self.tp}) * {cp}ep({self.ep}) * dp({self.dp}) = "
                              f"{self.tp * self.cp * self.ep * self.dp} != trainer world size({self.world_size})")
         assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
 

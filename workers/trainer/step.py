@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -33,7 +33,7 @@ from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
                                   routing_disagreement)
 from workers.trainer.micro import split_micro_batches
-from workers.trainer.packing import RowPacking, plan_packing
+from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
 from workers.trainer.sharded_model import ShardedMoeForCausalLM
@@ -53,35 +53,7 @@ class RowForward:
 
 def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
     """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
-    dims = getattr(model, "dims", None)
-    if dims is not None and dims.cp > 1:  # one sequence over several ranks
-        return context_parallel.forward_rows_cp(model, batch, replay=replay, pack=pack)
-    x = forward_inputs(batch, replay=replay, pack=pack)
-    with compute_context(model), capture_routing(model) as routers:
-        out = model(x.ids, position_ids=x.positions, attention_mask=x.attention, forced_experts=x.forced,
-                    forced_mask=x.forced_mask, segment_ids=x.segments, logits_mask=x.need)
-    logp, entropy = scatter_logprobs(model, out.logits, x.ids, x.need, batch.temperature)
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, x.attention,
-                                   model.config.num_experts)  # dense: [0, 0]
-    own = stack_own(routers, tuple(x.ids.shape), x.ids.device)
-    return row_forward(x.packing, logp, entropy, own, out.routed_experts, prob_sums, counts)
-
-
-@dataclasses.dataclass
-class ForwardInputs:
-    """The model's inputs for one micro-batch, in forward layout (packed rows when packing)."""
-
-    ids: torch.Tensor
-    attention: torch.Tensor
-    positions: Optional[torch.Tensor]
-    segments: Optional[torch.Tensor]
-    forced: Optional[torch.Tensor]
-    forced_mask: Optional[torch.Tensor]
-    need: torch.Tensor  # [B, T] bool: logits that predict a loss token, the only ones scored
-    packing: Optional[RowPacking]
-
-
-def forward_inputs(batch: RolloutBatch, *, replay: bool, pack: bool) -> ForwardInputs:
+    cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
     pack = pack and bool(batch.attention_mask.any())  # a padding micro-batch has nothing to pack
@@ -91,16 +63,22 @@ def forward_inputs(batch: RolloutBatch, *, replay: bool, pack: bool) -> ForwardI
         positions, segments = packing.position_ids, packing.segment_ids
         if forced is not None:
             forced, forced_mask = packing.pack(forced), packing.pack(forced_mask, False)
-    need = loss_relevant_inputs(batch.loss_mask)
+    need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
-    return ForwardInputs(ids=ids, attention=attention, positions=positions, segments=segments, forced=forced,
-                         forced_mask=forced_mask, need=need, packing=packing)
-
-
-def row_forward(packing: Optional[RowPacking], logp: torch.Tensor, entropy: torch.Tensor, own: torch.Tensor,
-                routed: torch.Tensor, prob_sums: torch.Tensor, counts: torch.Tensor) -> RowForward:
-    """Forward-layout results back in row layout."""
+    inputs = dict(input_ids=ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
+                  forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
+    cp = context_parallel.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
+    if cp is not None:
+        inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
+    with compute_context(model), capture_routing(model) as routers:
+        out = model(**inputs)
+    logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
+    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, inputs["attention_mask"],
+                                   cfg.num_experts)  # dense: [0, 0]
+    own, routed = stack_own(routers, tuple(out.routed_experts.shape[:2]), ids.device), out.routed_experts
+    if cp is not None:  # back to the whole rows, zeros at the other cp ranks' tokens
+        logp, entropy, own, routed = cp.whole(logp, entropy, own, routed)
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)

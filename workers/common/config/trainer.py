@@ -44,16 +44,16 @@ class ParallelConfig:
             raise ValueError(f"trainer.parallel.pp({self.pp}) > 1: the trainer has no pipeline parallelism yet; "
                              f"use tp / ep / dp")
         shard = self.tp * self.pp * self.ep * self.cp
+        sizes = f"tp({self.tp}) * pp({self.pp}) * ep({self.ep})" + (f" * cp({self.cp})" if self.cp != 1 else "")
         if self.dp == -1:
             if num_ranks % shard:
-                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) * cp({self.cp}) = "
-                                 f"{shard} does not divide trainer.num_ranks({num_ranks}), so dp cannot be derived")
+                raise ValueError(f"trainer.parallel: {sizes} = {shard} does not divide trainer.num_ranks({num_ranks}), "
+                                 f"so dp cannot be derived")
             dp = num_ranks // shard
         else:
             dp = self.dp
             if dp < 1 or shard * dp != num_ranks:
-                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) * cp({self.cp}) * "
-                                 f"dp({dp}) = {shard * dp} != trainer.num_ranks({num_ranks})")
+                raise ValueError(f"trainer.parallel: {sizes} * dp({dp}) = {shard * dp} != trainer.num_ranks({num_ranks})")
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "dp": dp}
 
 
