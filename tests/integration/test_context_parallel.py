@@ -28,6 +28,7 @@ from tests.integration import test_parity_fsdp as fsdp_parity
 from tests.integration import test_parity_parallel as moe
 from tests.netutil import gloo_dims, run_ranks
 from workers.common.registry import MODELS
+from workers.models.blocks import kernels
 from workers.models.blocks.ulysses import SeqShard
 from workers.trainer.batch import shard_rows
 from workers.trainer.fsdp import parallelize
@@ -108,6 +109,18 @@ CASES = [(f, cp) for f in FAMILIES for cp in (2, 4)]
 
 @pytest.mark.parametrize("family,cp", CASES, ids=[f"{f}-cp{c}" for f, c in CASES])
 def test_context_parallel_forward_and_backward_equal_one_rank(tmp_path, family, cp):
+    check_family(tmp_path, family, cp)
+
+
+@pytest.mark.parametrize("family,cp", [("qwen3_moe", 4), ("nemotron_h", 2)])
+def test_the_causal_fast_path_without_a_mask_too(tmp_path, monkeypatch, family, cp):
+    """On GPU right-padded rows take plain causal attention (``ctx.mask`` None, no [T, T] mask):
+    the forked ranks inherit the switch, so the same comparison runs through that branch."""
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", True)
+    check_family(tmp_path, family, cp)
+
+
+def check_family(tmp_path, family: str, cp: int) -> None:
     torch.set_num_threads(1)
     mcfg = tiny(family)
     x = inputs(mcfg)
