@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tests.conftest import compose
 from tests.integration import test_parity_fsdp as fsdp_parity
 from tests.integration import test_parity_parallel as moe
+from tests.integration import test_parity_trainer_loop as loop
 from tests.netutil import gloo_dims, run_ranks
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
@@ -188,3 +189,25 @@ def test_trainer_step_with_cp_equals_one_rank(tmp_path, family, world, cp, over)
         g = ref["clipped"][name]
         bound = torch.where(g.abs() < 1e-6, cfg.lr, 1e-5)
         assert bool(((got["weights"][name] - w).abs() <= bound).all()), f"{name}: weights after AdamW differ"
+
+
+def test_the_trainer_loop_at_cp2_publishes_the_one_rank_weights(tmp_path):
+    """``python -m workers.trainer`` with trainer.parallel.cp=2 on 2 gloo ranks (dp 1 x cp 2: the
+    degrees read from the config, ParallelDims.init's cp groups, the loop's metrics) against the
+    1-rank loop, two steps, micro-batches and activation checkpointing on."""
+    par, ref = loop.run_against_one_rank(tmp_path, 2, 2, tp=1, ep=1, cp=2, micro_batch_tokens=20,
+                                         activation_checkpointing="full")
+    loop.assert_same_run(par, ref, 2, ("loss", "grad_norm", "aux_loss", "routing_disagreement", "num_loss_tokens",
+                                       "mismatch_kl", "expert_load_max_l0"), "cp2")
+    assert "tp 1 x cp 2 x ep 1 x dp 1 (gloo, cpu)" in (par.logs_dir / "trainer_0.log").read_text()
+
+
+def test_bfloat16_compute_with_cp_tracks_the_float32_step(tmp_path):
+    """Mixed precision (bf16 forward/backward, so the all-to-alls carry bf16) at cp 2: within bf16
+    rounding of the fp32 one-rank step."""
+    cfg = dataclasses.replace(moe.tcfg(), dtype="bfloat16")
+    out = str(tmp_path / "bf16.pt")
+    run_ranks(_step_worker, 2, ("tiny_moe", 2, cfg, out), what="bf16 trainer step cp2")
+    got, ref = torch.load(out), step_reference("tiny_moe")
+    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=0.01)
+    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.01)
