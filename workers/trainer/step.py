@@ -9,7 +9,8 @@ Who talks to whom inside a step (every rank, in the same order; deadlines are th
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
   forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
-             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs;
+             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs,
+             context-parallel all-to-alls around attention / Mamba (workers/trainer/context_parallel.py);
   counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
              with several micro-batches and a balance loss, after a no-grad counting forward);
   backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
