@@ -21,9 +21,11 @@ test_context_parallel.py). A row-level ratio (``ratio_level`` sequence / geometr
 the whole row on one rank: the plan refuses it with cp > 1 (launcher/resources.py), as it refuses
 cp with tp/ep, a cp that does not divide the heads, and a sequence cp does not divide.
 
-Collectives added per step (every rank of a cp group, same order): per attention / Mamba layer two
-all-to-alls forward (q, k, v in; the output back) and the same mirrored in the backward; per DSA
-indexer layer two all-gathers (keys, chosen indices), no gradient.
+Collectives added per step (every rank of a cp group, in the same order, each bounded by the
+process group's timeout like the step's other collectives): per attention layer four all-to-alls
+forward (q, k, v to heads; the output back to tokens), per Mamba-2 layer five (x, B, C, dt; y
+back), the same mirrored in the backward (and again in an activation-checkpointing recompute);
+per DSA indexer layer two all-gathers (keys, chosen indices), no gradient.
 """
 from __future__ import annotations
 
@@ -83,21 +85,18 @@ def split(model, inputs: dict) -> Optional[CpSplit]:
     dims: Optional[ParallelDims] = getattr(model, "dims", None)
     if dims is None or dims.cp == 1:
         return None
-    ids, need = inputs["input_ids"], inputs["logits_mask"]
+    ids, need, segments = inputs["input_ids"], inputs["logits_mask"], inputs["segment_ids"]
     b, width = ids.shape
     t = chunk_len(width, dims.cp)
     full = t * dims.cp
-    positions = inputs["position_ids"]
-    if positions is None:
-        positions = torch.arange(width, device=ids.device).expand(b, width)
-    segments = inputs["segment_ids"]
+    if inputs["position_ids"] is None:  # each chunk needs its tokens' global positions
+        inputs = {**inputs, "position_ids": torch.arange(width, device=ids.device).expand(b, width)}
     attention = _pad(inputs["attention_mask"].bool(), full, False)
     shard = SeqShard(group=dims.get_group("cp"), size=dims.cp, rank=dims.cp_rank, valid=attention,
                      segment_ids=None if segments is None else _pad(segments, full, -1))
     need = _pad(need, full, False) & (torch.arange(full, device=ids.device) // t == dims.cp_rank)
     fills = {"input_ids": 0, "position_ids": 0, "forced_experts": 0, "forced_mask": False}
-    local = {k: None if inputs[k] is None else shard.local(_pad(inputs[k] if k != "position_ids" else positions, full, v))
-             for k, v in fills.items()}
+    local = {k: None if inputs[k] is None else shard.local(_pad(inputs[k], full, fill)) for k, fill in fills.items()}
     local.update(attention_mask=shard.local(attention), logits_mask=shard.local(need), cp=shard)
     return CpSplit(inputs=local, ids=_pad(ids, full, 0), need=need, width=width)
 
@@ -110,8 +109,8 @@ def _pad(x: torch.Tensor, width: int, fill) -> torch.Tensor:
     return torch.cat([x, x.new_full((x.shape[0], extra, *x.shape[2:]), fill)], dim=1)
 
 
-def _place(local: torch.Tensor, shard: SeqShard, width: int, fill: Optional[int] = 0) -> torch.Tensor:
+def _place(local: torch.Tensor, shard: SeqShard, width: int) -> torch.Tensor:
     """A chunk's per-position values (no gradient) at their columns of a ``width``-wide zero tensor."""
-    out = local.new_full((local.shape[0], width, *local.shape[2:]), fill)
+    out = local.new_zeros((local.shape[0], width, *local.shape[2:]))
     out[:, shard.rank * shard.local_len:(shard.rank + 1) * shard.local_len] = local
     return out
