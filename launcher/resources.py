@@ -191,22 +191,21 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
 
 def check_context_parallel(cfg: RunConfig) -> None:
     """``trainer.parallel.cp`` (workers/trainer/context_parallel.py): PlanError naming the numbers for a
-    layout the trainer cannot run. Ulysses splits every sequence-mixing layer by heads, so cp must
-    divide each head count (attention heads; Mamba-2 heads for hybrids; kv heads and Mamba groups are
-    repeated as needed, so they need not), and the sequence by cp (the longest, model.max_position_embeddings;
-    shorter rows are padded to a multiple of cp). There is no ring attention for models with too few
-    heads, and no context parallelism in the tensor/expert-parallel plan."""
+    layout the trainer cannot run. Ulysses splits the Mamba-2 scan by heads, so cp must divide
+    model.mamba_num_heads (Mamba groups are repeated as needed, so they need not); attention splits
+    by heads when cp divides model.num_heads and gathers the keys/values otherwise (no constraint).
+    cp must divide the sequence (the longest, model.max_position_embeddings; shorter rows are padded
+    to a multiple of cp). There is no context parallelism in the tensor/expert-parallel plan."""
     par, m, t = cfg.trainer.parallel, cfg.model, cfg.trainer
     if par.cp == 1:
         return
     if par.tp != 1 or par.ep != 1:
         raise PlanError(f"trainer.parallel.cp({par.cp}) needs tp(1) and ep(1) (got tp({par.tp}), ep({par.ep})): "
                         f"context parallelism runs in the FSDP plan only")
-    heads = {"model.num_heads": m.num_heads, "model.mamba_num_heads": getattr(m, "mamba_num_heads", 0)}
-    for key, n in heads.items():
-        if n and n % par.cp:
-            raise PlanError(f"trainer.parallel.cp({par.cp}) must divide {key}({n}): Ulysses context parallelism "
-                            f"splits the heads over the cp ranks (there is no ring attention for fewer heads)")
+    mamba = getattr(m, "mamba_num_heads", 0) if "M" in getattr(m, "hybrid_override_pattern", "") else 0
+    if mamba % par.cp:
+        raise PlanError(f"trainer.parallel.cp({par.cp}) must divide model.mamba_num_heads({mamba}): context "
+                        f"parallelism splits the Mamba-2 scan's heads over the cp ranks")
     if m.max_position_embeddings % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide the sequence, model.max_position_embeddings"
                         f"({m.max_position_embeddings}): each cp rank holds an equal contiguous chunk")

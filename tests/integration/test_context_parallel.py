@@ -41,9 +41,9 @@ T = 16
 SMALL = {"tiny_moe": ["model.hidden_size=32", "model.num_layers=2", "model.expert_intermediate_size=32"]}
 
 
-def tiny(family: str):
+def tiny(family: str, *overrides: str):
     preset = {"tiny_moe": "tiny_moe"}.get(family, f"{family}_tiny")
-    return compose([f"model={preset}", *SMALL.get(family, [])]).model
+    return compose([f"model={preset}", *SMALL.get(family, []), *overrides]).model
 
 
 def inputs(mcfg) -> dict:
@@ -113,6 +113,17 @@ def test_context_parallel_forward_and_backward_equal_one_rank(tmp_path, family, 
     check_family(tmp_path, family, cp)
 
 
+FEW_HEADS = {"tiny_moe": ["model.num_heads=2"], "deepseek_v3": ["model.num_heads=2"],
+             "glm_moe_dsa": ["model.num_heads=2"], "nemotron_h": ["model.num_heads=2", "model.num_kv_heads=1"]}
+
+
+@pytest.mark.parametrize("family", sorted(FEW_HEADS))
+def test_attention_with_fewer_heads_than_cp_gathers_keys_and_values(tmp_path, family):
+    """2 attention heads over cp 4 (GQA with one kv head, MLA, MLA + DSA; nemotron_h's Mamba-2 still
+    splits its 4 heads): keys/values all-gathered, each rank's own queries; the same numbers."""
+    check_family(tmp_path, family, 4, FEW_HEADS[family])
+
+
 @pytest.mark.parametrize("family,cp", [("qwen3_moe", 4), ("nemotron_h", 2)])
 def test_the_causal_fast_path_without_a_mask_too(tmp_path, monkeypatch, family, cp):
     """On GPU right-padded rows take plain causal attention (``ctx.mask`` None, no [T, T] mask):
@@ -121,9 +132,9 @@ def test_the_causal_fast_path_without_a_mask_too(tmp_path, monkeypatch, family, 
     check_family(tmp_path, family, cp)
 
 
-def check_family(tmp_path, family: str, cp: int) -> None:
+def check_family(tmp_path, family: str, cp: int, overrides: tuple[str, ...] = ()) -> None:
     torch.set_num_threads(1)
-    mcfg = tiny(family)
+    mcfg = tiny(family, *overrides)
     x = inputs(mcfg)
     ref = model_reference(mcfg, x)
     out = str(tmp_path / "cp.pt")

@@ -30,8 +30,9 @@ class ParallelConfig:
     """Expert parallel size: routed experts are split over ep ranks; divides model.num_experts."""
     cp: int = 1
     """Context parallel size: each sequence is split into cp contiguous chunks, one per rank, with
-    Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/context_parallel.py);
-    divides every head count of the model and model.max_position_embeddings; FSDP plan only (tp = ep = 1)."""
+    Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/context_parallel.py; attention
+    with fewer heads than cp gathers keys/values instead); divides model.max_position_embeddings and a
+    hybrid's model.mamba_num_heads; FSDP plan only (tp = ep = 1)."""
     dp: int = -1
     """Data-parallel replicas of each (tp, pp, ep, cp) shard; -1 derives num_ranks / (tp * pp * ep * cp)."""
 

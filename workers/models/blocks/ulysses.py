@@ -7,8 +7,10 @@ A mixer that needs the whole sequence (softmax attention, the Mamba-2 scan and i
 the split around it with one all-to-all: sequence-sharded, all heads ``[B, H, T/cp, D]`` ->
 head-sharded, whole sequence ``[B, H/cp, T, D]``; it runs unchanged on its heads; the inverse
 all-to-all brings the output back to the rank's tokens. Heads are independent in attention and
-in the scan, so this is exact; it needs ``cp`` to divide the number of heads (the plan refuses
-otherwise, launcher/resources.py; there is no ring attention for models with too few heads).
+in the scan, so this is exact when ``cp`` divides the number of heads. Attention with fewer heads
+(H % cp != 0) falls back to gathering the keys and values (:func:`attend_gathered`: each rank's
+queries against the whole sequence's keys; no ring attention); the Mamba-2 scan has no such
+fallback, so the plan refuses a cp that does not divide its heads (launcher/resources.py).
 
 Where several heads share one input (GQA's key/value heads, Mamba-2's B/C groups) and their count
 is not a multiple of ``cp``, :func:`spread_groups` repeats each group just enough times (keeping
@@ -118,8 +120,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
 
     The kv heads travel as they are when cp divides their number (rank r gets exactly the ones its
     query heads read); otherwise :func:`spread_groups` repeats them first, never more than needed.
+    With fewer heads than cp (H % cp != 0) Ulysses cannot split them: :func:`attend_gathered`.
     """
     nh = q.shape[1]
+    if nh % cp.size:
+        return attend_gathered(q, k, v, mask, cp, scale)
     k, groups = spread_groups(k, k.shape[1], nh, cp.size, dim=1)
     v, _ = spread_groups(v, v.shape[1], nh, cp.size, dim=1)
     q, k, v = (seq_to_heads(x, cp, head_dim=1, seq_dim=2) for x in (q, k, v))
@@ -127,3 +132,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         k = k.repeat_interleave(nh // groups, dim=1)
         v = v.repeat_interleave(nh // groups, dim=1)
     return heads_to_seq(kernels.attend(q, k, v, mask, scale), cp, head_dim=1, seq_dim=2)
+
+
+def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], cp: SeqShard,
+                    scale: Optional[float] = None) -> torch.Tensor:
+    """:func:`attend` for models with too few heads for Ulysses (H % cp != 0): every rank all-gathers
+    the keys and values of the whole sequence (the all-gather form of context parallelism; ring
+    attention would pass them around instead) and attends with its own queries, all heads. Keys
+    and values cost ``T x Hkv x D`` per rank (linear in T; the queries, scores and outputs stay
+    the chunk's). Backward: each rank's key/value gradients for every position are summed onto the
+    rank that owns the position (a reduce-scatter, through all-to-all)."""
+    nh, lo, t = q.shape[1], cp.rank * cp.local_len, cp.local_len
+    k, v = _GatherSeq.apply(k, cp.group, cp.size, 2), _GatherSeq.apply(v, cp.group, cp.size, 2)
+    if mask is None:  # plain causal over the whole sequence: this chunk's rows of it
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = (keys[None, :] <= torch.arange(lo, lo + t, device=q.device)[:, None])[None, None]
+    else:
+        mask = mask.narrow(2, lo, t)
+    if k.shape[1] != nh:  # query head h reads kv head h // (H / Hkv)
+        k = k.repeat_interleave(nh // k.shape[1], dim=1)
+        v = v.repeat_interleave(nh // v.shape[1], dim=1)
+    return kernels.attend(q, k, v, mask, scale)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along ``dim`` (rank order); backward: the sum over ranks of each rank's gradient
+    for this rank's chunk (one all-to-all of the chunks, then a sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.dim = group, size, dim
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        send = torch.stack(grad.chunk(ctx.size, dim=ctx.dim)).contiguous()  # row j: rank j's chunk
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ctx.group)
+        return recv.sum(0), None, None, None
