@@ -25,11 +25,11 @@ from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.filesystem.receiver import load_step
 
 
-def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int, **trainer) -> RunPaths:
+def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int, cp: int = 1, **trainer) -> RunPaths:
     paths = RunPaths(root).ensure()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**MODEL), env=ReverseDigitsConfig(),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=True,
-                                          batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep), **trainer),
+                                          batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep, cp=cp), **trainer),
                     weights=WeightsConfig(keep_last=5))
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return paths

@@ -77,8 +77,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         if tcfg.num_ranks != topology.world_size:
             raise ValueError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
                              f"in this process's environment: the launcher started the wrong number of ranks")
-        tp, ep = parallel_degrees(cfg)
-        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
+        tp, ep, cp = parallel_degrees(cfg)
+        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep, cp=cp)
         full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
         apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
         model = parallelize(cfg, full, dims)
@@ -96,7 +96,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
-            log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
+            log.info(f"tp {dims.tp} x cp {dims.cp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
                      f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
@@ -194,10 +194,10 @@ def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
     return publisher.publish(version, model.state_dict()).metrics()
 
 
-def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
-    """(tp, ep) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
+def parallel_degrees(cfg: RunConfig) -> tuple[int, int, int]:
+    """(tp, ep, cp) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
     d = cfg.trainer.parallel.resolve(cfg.trainer.num_ranks)
-    return d["tp"], d["ep"]
+    return d["tp"], d["ep"], d["cp"]
 
 
 def initial_model(cfg: RunConfig):

@@ -9,7 +9,8 @@ Who talks to whom inside a step (every rank, in the same order; deadlines are th
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
   forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
-             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs;
+             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs,
+             context-parallel all-to-alls around attention / Mamba (workers/trainer/context_parallel.py);
   counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
              with several micro-batches and a balance loss, after a no-grad counting forward);
   backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
@@ -28,6 +29,7 @@ import torch
 
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
+from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
                                   routing_disagreement)
@@ -65,12 +67,19 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
+    inputs = dict(input_ids=ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
+                  forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
+    cp = context_parallel.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
+    if cp is not None:
+        inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
     with compute_context(model), capture_routing(model) as routers:
-        out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
-                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
+        out = model(**inputs)
     logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
-    own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
+    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, inputs["attention_mask"],
+                                   cfg.num_experts)  # dense: [0, 0]
+    own, routed = stack_own(routers, tuple(out.routed_experts.shape[:2]), ids.device), out.routed_experts
+    if cp is not None:  # back to the whole rows, zeros at the other cp ranks' tokens
+        logp, entropy, own, routed = cp.whole(logp, entropy, own, routed)
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -107,6 +116,8 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
         p.grad = None
     tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
                           device=dims.device)
+    if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
+        micro, tokens = context_parallel.own_chunks(micro, dims)
     counts = None
     if len(micro) == 1:
         fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences)

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels
+from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.norm import RMSNorm
 
 
@@ -80,6 +80,8 @@ class Attention(nn.Module):
                 k = torch.cat([cache.keys[layer], k], dim=2)
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
+        if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
+            return self.o_proj(ulysses.attend(q, k, v, ctx.mask, ctx.cp).transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)

@@ -53,6 +53,7 @@ class ForwardContext:
     layer: int = 0  # index of the layer being run (cache slot)
     forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
+    cp: Optional[Any] = None  # context parallel: this rank's SeqShard (workers/models/blocks/ulysses.py)
     memo: dict = dataclasses.field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -157,7 +158,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 forced_experts: Optional[torch.Tensor] = None, forced_mask: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None) -> ModelOutput:
+                segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None,
+                cp: Optional[Any] = None) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
         With a cache, keys are the cached ones plus the new ones; attention is causal over the
@@ -165,7 +167,10 @@ class CausalLM(nn.Module):
         replays routing. Every query may also see itself, so pad rows never produce NaN.
         ``segment_ids`` [B, T] (packing, full-sequence forwards only): a query attends only to its
         own segment; pass per-segment ``position_ids`` with it. ``logits_mask`` [B, T] bool:
-        logits only there, returned flat ``[N, V]`` in row-major order.
+        logits only there, returned flat ``[N, V]`` in row-major order. ``cp`` (a
+        workers/models/blocks/ulysses.py ``SeqShard``, training only): the inputs are this rank's
+        chunk of the sequence (``position_ids`` its global positions); masks come from ``cp.valid``
+        and ``cp.segment_ids`` over the whole sequence, and outputs are the chunk's.
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -176,19 +181,23 @@ class CausalLM(nn.Module):
             past, mask = 0, cache.mask(position_ids)
         else:
             past = 0 if cache is None else cache.length
+            assert cp is None or cache is None, "context parallelism is for full-sequence (training) forwards"
             if position_ids is None:
-                position_ids = torch.arange(past, past + t, device=dev).expand(b, t)
-            key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
+                start = past if cp is None else cp.rank * t
+                position_ids = torch.arange(start, start + t, device=dev).expand(b, t)
+            key_valid, segment_ids = (valid, segment_ids) if cp is None else (cp.valid, cp.segment_ids)
+            key_mask = (key_valid if cache is None or cache.key_mask is None
+                        else torch.cat([cache.key_mask, valid], dim=1))
             if cache is not None:
                 cache.key_mask = key_mask
             fast_causal = (cache is None and segment_ids is None and fast(x)
-                           and (attention_mask is None or right_padded(valid)))
-            mask = None if fast_causal else dense_mask(key_mask, t, past)
+                           and ((attention_mask is None and cp is None) or right_padded(key_valid)))
+            mask = None if fast_causal else dense_mask(key_mask, key_valid.shape[1], past)
         if segment_ids is not None:
             assert cache is None, "sequence packing is for full-sequence forwards"
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
-                             cache=cache, past=past, forced_mask=forced_mask)
+                             cache=cache, past=past, forced_mask=forced_mask, cp=cp)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):

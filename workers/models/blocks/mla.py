@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels
+from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
@@ -87,5 +87,9 @@ class MLAttention(nn.Module):
             mask = self.indexer.restrict(x, q_latent, cos, sin, ctx)
         elif self.reuses_index:
             mask = shared_mask(ctx)
-        out = kernels.attend(torch.cat([q_nope, q_rot], dim=-1), k, v, mask, self.scale)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence (after kv_b_proj)
+            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale)
+        else:
+            out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
