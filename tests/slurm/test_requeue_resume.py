@@ -47,6 +47,6 @@ def test_requeue_resumes_from_checkpoint(slurm_cluster, tmp_path):
     finally:
         subprocess.run([sys.executable, "-m", "launcher", "cancel", str(run_dir)], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
-    assert _steps(run_dir) == list(range(NUM_STEPS))  # one continuous curve across the requeue
+    assert _steps(run_dir) == list(range(1, NUM_STEPS + 1))  # one continuous curve across the requeue (1-based)
     led = read_ledger(run_dir / "orchestrator_ledger.jsonl").summary()
     assert led["groups_trained_twice"] == 0 and led["orchestrator_restarts"] >= 1, led
