@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from workers.common.config import TrainerConfig
 from workers.common.registry import MODELS
+from workers.models.deepseek_v3.config import DeepseekV3Config
 from workers.models.qwen3_moe.config import Qwen3MoeConfig
 from workers.models.tiny_moe.model import TinyMoeConfig
 from workers.trainer.batch import RolloutBatch, shard_rows
@@ -40,7 +41,11 @@ CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, nu
 QWEN3 = Qwen3MoeConfig(name="q", vocab_size=15, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12,
                        num_experts=4, top_k=2, expert_intermediate_size=16, dense_intermediate_size=24,
                        mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=32)
-CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3}
+DSV3 = DeepseekV3Config(name="d", vocab_size=15, hidden_size=32, num_layers=3, num_heads=4, num_experts=4, top_k=2,
+                        expert_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, dense_intermediate_size=24,
+                        num_expert_groups=2, topk_groups=1, routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=32)
+CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3, "deepseek_v3": DSV3}
 SEED = 7
 START_METHOD = "fork"
 
