@@ -170,6 +170,9 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
         raise PlanError(f"trainer.parallel.ep({par.ep}) must divide model.num_experts({m.num_experts})")
     if m.num_heads % par.tp:
         raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.num_heads({m.num_heads})")
+    for key in ("num_kv_heads", "kv_heads"):  # GQA families: the mesh plan splits KV heads over tp too
+        if getattr(m, key, 0) and getattr(m, key) % par.tp:
+            raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.{key}({getattr(m, key)})")
     if gpn and par.tp > gpn:
         raise PlanError(f"trainer.parallel.tp({par.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
                         f"inside a node (NVLink)")

@@ -140,7 +140,7 @@ def _resume_worker(rank, world, port, tp, ep, model_name, run_dir, phase, out):
         dist.destroy_process_group()
 
 
-RESUMES = [("qwen3_moe", (1, 2, 2), (2, 1, 1)), ("deepseek_v3", (1, 2, 1), (1, 1, 2))]
+RESUMES = [("qwen3_moe", (1, 2, 2), (2, 1, 1)), ("deepseek_v3", (1, 2, 1), (1, 1, 2)), ("deepseek_v3", (1, 1, 4), (1, 2, 2))]
 
 
 @pytest.mark.parametrize("model,saved,resumed", RESUMES, ids=[f"{m}-{s}-to-{r}" for m, s, r in RESUMES])

@@ -13,7 +13,6 @@ from workers.models.facts import Architecture
 from workers.models.spec import ModelSpec
 from workers.models.tiny_moe.config import TinyMoeConfig
 
-SHARDED = "workers.trainer.sharded_model:ShardedMoeForCausalLM"
 """The trainer's TP/EP plan of the tiny_moe/llama decoder (placement() by HF parameter name)."""
 
 
@@ -44,5 +43,5 @@ def check(cfg) -> None:
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="tiny_moe", config=TinyMoeConfig, check=check, arch=arch, build=build, init=init, parallelize=SHARDED,
+    name="tiny_moe", config=TinyMoeConfig, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", summary="small causal MoE decoder in plain torch (every layer top-k routed)"))
