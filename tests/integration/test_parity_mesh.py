@@ -8,7 +8,10 @@ every way) and one AdamW step; rank 0 gathers the full HF gradients and weights.
 the plain model with the loss functions called directly. qwen3_moe covers GQA with per-head q/k
 norms, a dense layer and softmax routing; deepseek_v3 covers MLA (q and kv LoRA, rope/nope
 split), a dense first layer, sigmoid grouped top-k routing with scaling and shared experts. The
-vocabulary (15) does not divide tp = 2: the vocab-parallel embedding and head are uneven.
+vocabulary (15) does not divide tp = 2: the vocab-parallel embedding and head are uneven. glm_moe_dsa
+adds the DSA indexer (index_topk 4 of 10 keys: sparse), replicated over tp; nemotron_h the hybrid
+Mamba-2 (replicated over tp) / attention / MLP / LatentMoE (latent projections, squared-ReLU experts)
+layers.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def reference(model_name: str) -> dict:
                         ratio_mask_low=cfg.ratio_mask_low, ratio_mask_high=cfg.ratio_mask_high)
     loss = pg + cfg.aux_loss_coef * load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), mcfg.top_k)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     assert norm > cfg.grad_clip, "grad_clip below the norm: clipping is exercised"
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
@@ -88,7 +91,8 @@ _REFS: dict[str, dict] = {}
 
 CASES = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 1, 2),
          ("deepseek_v3", 1, 2, 1), ("deepseek_v3", 1, 1, 2), ("deepseek_v3", 1, 2, 2), ("deepseek_v3", 1, 1, 4),
-         ("deepseek_v3", 2, 2, 1)]
+         ("deepseek_v3", 2, 2, 1), ("glm_moe_dsa", 1, 2, 2), ("glm_moe_dsa", 2, 1, 2), ("nemotron_h", 1, 2, 1),
+         ("nemotron_h", 1, 1, 2), ("nemotron_h", 1, 2, 2)]
 
 
 @pytest.mark.parametrize("model,dp,tp,ep", CASES, ids=[f"{m}-dp{a}-tp{b}-ep{c}" for m, a, b, c in CASES])

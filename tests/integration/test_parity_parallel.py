@@ -16,6 +16,7 @@ layers, raw softmax gate weights (norm_topk_prob off).
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -27,6 +28,8 @@ import torch.multiprocessing as mp
 from workers.common.config import TrainerConfig
 from workers.common.registry import MODELS
 from workers.models.deepseek_v3.config import DeepseekV3Config
+from workers.models.glm_moe_dsa.config import GlmMoeDsaConfig
+from workers.models.nemotron_h.config import NemotronHConfig
 from workers.models.qwen3_moe.config import Qwen3MoeConfig
 from workers.models.tiny_moe.model import TinyMoeConfig
 from workers.trainer.batch import RolloutBatch, shard_rows
@@ -45,7 +48,14 @@ DSV3 = DeepseekV3Config(name="d", vocab_size=15, hidden_size=32, num_layers=3, n
                         expert_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, dense_intermediate_size=24,
                         num_expert_groups=2, topk_groups=1, routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16,
                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=32)
-CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3, "deepseek_v3": DSV3}
+GLM5 = GlmMoeDsaConfig(**{f.name: getattr(DSV3, f.name) for f in dataclasses.fields(DSV3) if f.name != "family"},
+                       family="glm_moe_dsa", num_indexer_heads=2, indexer_head_dim=8, index_topk=4)
+NEMOTRON = NemotronHConfig(name="n", vocab_size=15, hidden_size=32, num_layers=4, hybrid_override_pattern="ME*-",
+                           num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+                           mamba_head_dim=8, ssm_state_size=16, mamba_n_groups=2, num_experts=4, top_k=2,
+                           expert_intermediate_size=24, shared_expert_intermediate_size=40, moe_latent_size=16,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=32)
+CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3, "deepseek_v3": DSV3, "glm_moe_dsa": GLM5, "nemotron_h": NEMOTRON}
 SEED = 7
 START_METHOD = "fork"
 
