@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 
 from tests.integration import test_parity_parallel as moe
 from tests.netutil import free_port, gloo_dims
-from workers.common.registry import MODELS
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.fsdp import parallelize as fsdp_parallelize

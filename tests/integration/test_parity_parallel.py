@@ -36,7 +36,6 @@ from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
 from tests.netutil import gloo_dims
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
 from workers.trainer.step import backward_step, capture_gate_logits
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
@@ -118,7 +117,7 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
     try:
         full = build_model(CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        model = ShardedMoeForCausalLM(full, dims)
+        model = MODELS.get(full.config.family).shard(full, dims)  # the trainer's plan for (tp, ep)
         shard = shard_rows(make_batch(model=model_name), dims.batch_rank, dims.num_batch_shards)
         stats = backward_step(model, shard, cfg, dims)
         grads = model.full_grad_dict()  # after clipping: compare with the clipped reference below

@@ -97,6 +97,10 @@ class ModelSpec(PluginSpec):
                              f"trainer.num_ranks data-parallel ranks)")
         return self.parallelize
 
+    def shard(self, full, dims, *, precision=None):
+        """This rank's shard of ``full`` under :meth:`trainer_plan` for ``dims`` (what every trainer rank runs)."""
+        return resolve(self.trainer_plan(dims.tp, dims.ep))(full, dims, precision=precision)
+
     @property
     def buildable(self) -> bool:
         """False for families that only plan (facts and checks, no torch code yet)."""

@@ -9,7 +9,8 @@ Per step N (batch N trains step N and yields weights version N+1):
   and appends the metrics record.
 The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
 family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
-at another dp); tp or ep > 1 -> the family's own plan (tiny_moe/llama: sharded_model.py).
+at another layout); tp or ep > 1 -> the mesh plan (workers/trainer/mesh_plan.py: FSDP2 + DTensor
+tensor parallel + expert parallel on one DeviceMesh, for every family; DCP checkpoints too).
 Parameters and AdamW state are in trainer.master_dtype, compute in trainer.dtype
 (workers/trainer/precision.py); activation checkpointing wraps every decoder layer first.
 Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
@@ -41,7 +42,6 @@ from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
-from workers.models.spec import resolve
 from workers.preflight.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
@@ -51,7 +51,6 @@ from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
-from workers.trainer.sharded_model import FullWeights
 from workers.trainer.step import train_step
 from workers.weights.base import NonFiniteWeights, WeightPublisher
 
@@ -150,6 +149,19 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             dims.destroy()
 
 
+class FullWeights:
+    """What ``publish_weights`` needs of a model: ``state_dict()`` of FULL HF tensors (the result of
+    the plan's collective ``full_state_dict``), so the publisher's signature stays ``(paths, version,
+    model, ...)``."""
+
+    def __init__(self, state: Optional[dict[str, torch.Tensor]]):
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        assert self._state is not None, "full weights exist only on the gathering rank"
+        return self._state
+
+
 def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle_s: float, step_time_s: float,
                 lr: float) -> dict:
     """The metrics.jsonl record of one step (keys listed in workers/trainer/metrics.py).
@@ -212,7 +224,7 @@ def trainer_plan(cfg: RunConfig) -> str:
 
 def parallelize(cfg: RunConfig, full, dims: ParallelDims):
     """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision."""
-    return resolve(trainer_plan(cfg))(full, dims, precision=Precision.of(cfg.trainer))
+    return MODELS.get(cfg.model.family).shard(full, dims, precision=Precision.of(cfg.trainer))
 
 
 def num_parameters(cfg: RunConfig) -> int:

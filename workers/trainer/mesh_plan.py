@@ -16,7 +16,7 @@ Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors
              (q_a_proj, kv_a_proj_with_mqa), their norms and a DSA indexer replicated; Mamba-2
              mixers stay replicated (no TP split of their fused in_proj yet);
   dense MLP  SwiGLU / squared-ReLU (and a MoE block's shared experts): gate/up Colwise, down Rowwise;
-  MoE        experts split over ep (workers/trainer/expert_dispatch.py), router replicated;
+  MoE        experts split over ep (workers/trainer/expert_parallel.py), router replicated;
   vocab      embed_tokens RowwiseParallel (vocab-parallel lookup), lm_head ColwiseParallel with
              its output left vocab-sharded: :meth:`MeshTrainerModel.target_logprobs` computes the
              log-probs vocab-parallel (workers/trainer/tensor_parallel.py), never [T, V]. Tied
@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from workers.trainer.expert_dispatch import LocalExperts, shard_experts
+from workers.trainer.expert_parallel import LocalExperts, shard_experts
 from workers.trainer.fsdp import FsdpTrainerModel
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision

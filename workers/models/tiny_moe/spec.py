@@ -2,8 +2,8 @@
 
 Torch-free at import: ``build`` and ``init`` import workers/models/tiny_moe/model.py when called.
 The trainer shards it with FSDP2 at tp = ep = 1 (workers/trainer/fsdp.py, every family's default)
-and with workers/trainer/sharded_model.py when tp or ep > 1 (TP attention and lm_head, experts over
-EP by the HF name's placement); Router Replay forces experts through ``forced_experts``.
+and with the mesh plan when tp or ep > 1 (workers/trainer/mesh_plan.py: DTensor TP attention,
+vocab-parallel embedding and lm_head, experts over EP); Router Replay forces experts through ``forced_experts``.
 """
 from __future__ import annotations
 
