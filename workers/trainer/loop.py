@@ -79,7 +79,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
         apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
         model = parallelize(cfg, full, dims)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+        optimizer = build_optimizer(model, tcfg)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
         start = ckpt.load(model, optimizer)  # 0 unless a checkpoint exists (restart, Slurm requeue)
@@ -208,6 +208,15 @@ def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
     """(tp, ep) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
     d = cfg.trainer.parallel.resolve(cfg.trainer.num_ranks)
     return d["tp"], d["ep"]
+
+
+def build_optimizer(model, tcfg) -> torch.optim.AdamW:
+    """AdamW over this rank's (sharded) parameters. On CUDA the fused kernel (one launch per dtype
+    group instead of foreach's several passes and per-parameter copies: the H200 profile of
+    2026-12-03 had AdamW at 16% of the step's GPU time); elsewhere the default implementation."""
+    fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                             fused=fused or None)
 
 
 def initial_model(cfg: RunConfig):
