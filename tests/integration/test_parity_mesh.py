@@ -25,11 +25,14 @@ import torch.multiprocessing as mp
 
 from tests.integration import test_parity_parallel as moe
 from tests.netutil import free_port, gloo_dims
+from workers.common.registry import MODELS
+from workers.models.blocks import kernels
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
 from workers.trainer.mesh_plan import parallelize
+from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step, capture_routing, train_step
 
 SEED = moe.SEED
@@ -113,6 +116,37 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep):
     for name, w in ref["weights"].items():
         err = moe.weight_error(got["weights"][name], w, ref["clipped"].get(name, torch.ones_like(w)))
         assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
+
+
+def _fast_worker(rank, world, port, tp, ep, model_name, out):
+    """bfloat16 compute over float32 masters on the GPU code path (kernels.FAST_PATH_ON_CPU): grouped
+    GEMMs over the local experts, the all-to-all exchange with device-side counts."""
+    torch.set_num_threads(1)
+    kernels.FAST_PATH_ON_CPU = True  # this forked process only
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
+    cfg = dataclasses.replace(moe.tcfg(), dtype="bfloat16")
+    try:
+        full = moe.build_model(moe.CONFIGS[model_name], SEED)
+        model = MODELS.get(full.config.family).shard(full, dims, precision=Precision.of(cfg))
+        stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
+                                                dims.num_batch_shards), cfg, dims)
+        if rank == 0:
+            torch.save({"stats": stats}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "nemotron_h"])
+def test_bfloat16_gpu_code_path_matches_the_fsdp_plan(tmp_path, model):
+    """tp 2 x ep 2 in bfloat16 on the fast path against one FSDP rank on the same path: the same
+    step up to bfloat16 rounding (the float32 tests above pin the exact math)."""
+    got = {}
+    for dp, tp, ep in ((1, 1, 1), (1, 2, 2)):
+        out = str(tmp_path / f"{tp}{ep}.pt")
+        spawn(_fast_worker, dp * tp * ep, (tp, ep, model, out))
+        got[tp, ep] = torch.load(out)["stats"]
+    for key in ("loss", "grad_norm", "aux_loss"):
+        assert got[2, 2][key] == pytest.approx(got[1, 1][key], rel=2e-2, abs=1e-3), key
 
 
 def _resume_worker(rank, world, port, tp, ep, model_name, run_dir, phase, out):
