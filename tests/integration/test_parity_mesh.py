@@ -31,7 +31,7 @@ from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
-from workers.trainer.mesh_plan import parallelize
+from workers.trainer.mesh_plan import materialize, parallelize
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step, capture_routing, train_step
 
@@ -198,3 +198,35 @@ def test_checkpoint_of_one_layout_resumes_at_another(tmp_path, model, saved, res
     # of near-zero elements into up to a few percent of lr (1e-3): compare at 5% of lr.
     for name, w in a["weights"].items():
         assert float((b["weights"][name] - w).abs().max()) < 5e-5, name
+
+
+def _meta_worker(rank, world, port, tp, ep, model_name, out):
+    """The mesh plan on a model built on the meta device, filled from the seeded stream."""
+    torch.set_num_threads(1)
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
+    try:
+        cfg = moe.CONFIGS[model_name]
+        meta = MODELS.get(cfg.family).build(cfg, device="meta")
+        seeds = meta.seeded_tensors(SEED)
+        model = materialize(parallelize(meta, dims), seeds, dims.device)
+        local = sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in model.state_dict().values())
+        state = model.full_state_dict()
+        if rank == 0:
+            torch.save({"state": state, "local": local}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model,tp,ep", [("deepseek_v3", 2, 2), ("nemotron_h", 2, 2), ("qwen3_moe", 1, 4)])
+def test_meta_built_model_filled_shard_by_shard_equals_the_seeded_model(tmp_path, model, tp, ep):
+    """No rank builds the full model: meta -> mesh plan -> each rank cuts its shards from the seeded
+    stream, one full tensor at a time. The gathered weights (buffers included) are the seeded
+    model's exactly, and rank 0 holds well under the whole of them."""
+    out = str(tmp_path / "meta.pt")
+    spawn(_meta_worker, tp * ep, (tp, ep, model, out))
+    got = torch.load(out)
+    want = moe.build_model(moe.CONFIGS[model], SEED).state_dict()
+    assert list(got["state"]) == list(want)
+    for name, t in want.items():
+        assert torch.equal(got["state"][name], t), name
+    assert got["local"] < 0.5 * sum(t.numel() for t in want.values())

@@ -42,6 +42,7 @@ from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
+from workers.models.spec import MESH_PLAN
 from workers.preflight.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
@@ -76,9 +77,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                              f"in this process's environment: the launcher started the wrong number of ranks")
         tp, ep = parallel_degrees(cfg)
         dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
-        full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
-        apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
-        model = parallelize(cfg, full, dims)
+        model = step0_model(cfg, dims)  # this rank's shard of the step-0 weights, master dtype
         optimizer = build_optimizer(model, tcfg)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
@@ -217,6 +216,28 @@ def build_optimizer(model, tcfg) -> torch.optim.AdamW:
     fused = all(p.is_cuda for p in model.parameters())
     return torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                              fused=fused or None)
+
+
+def step0_model(cfg: RunConfig, dims: ParallelDims):
+    """This rank's shard of the step-0 model under :func:`trainer_plan`, activation checkpointing applied.
+
+    Seeded init under the mesh plan (tp or ep > 1): built on the meta device, sharded, then each
+    rank fills only its shards from ``seeded_tensors`` (one full tensor at a time): no rank holds
+    the whole model (the GLM-5 / Kimi-K2 layouts could not). Otherwise (tp = ep = 1, or
+    ``model.path`` / ``model.pretrained`` checkpoints) every rank builds the full model on the CPU
+    first, then shards it."""
+    spec, master = MODELS.get(cfg.model.family), Precision.of(cfg.trainer).master
+    if trainer_plan(cfg) == MESH_PLAN and not cfg.model.path and not cfg.model.pretrained:
+        from workers.trainer.mesh_plan import materialize
+
+        full = spec.build(cfg.model, device="meta", dtype=master)
+        apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
+        seeds = full.seeded_tensors(cfg.model.init_seed)  # reads shapes before sharding changes them
+        model = parallelize(cfg, full, dims)
+        return materialize(model, seeds, dims.device)
+    full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
+    apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
+    return parallelize(cfg, full, dims)
 
 
 def initial_model(cfg: RunConfig):
