@@ -221,20 +221,22 @@ def build_optimizer(model, tcfg) -> torch.optim.AdamW:
 def step0_model(cfg: RunConfig, dims: ParallelDims):
     """This rank's shard of the step-0 model under :func:`trainer_plan`, activation checkpointing applied.
 
-    Seeded init under the mesh plan (tp or ep > 1): built on the meta device, sharded, then each
-    rank fills only its shards from ``seeded_tensors`` (one full tensor at a time): no rank holds
-    the whole model (the GLM-5 / Kimi-K2 layouts could not). Otherwise (tp = ep = 1, or
-    ``model.path`` / ``model.pretrained`` checkpoints) every rank builds the full model on the CPU
-    first, then shards it."""
+    Under the mesh plan (tp or ep > 1) with a seeded init or a ``model.path`` checkpoint: built on the
+    meta device, sharded, then each rank fills only its shards, one full tensor at a time
+    (``seeded_tensors``, or the checkpoint tensors it holds: hf_checkpoint.checkpoint_tensors), so
+    no rank holds the whole model (the GLM-5 / Kimi-K2 layouts could not). Otherwise (tp = ep = 1,
+    or a ``model.pretrained`` conversion) every rank builds the full model on the CPU, then shards it."""
     spec, master = MODELS.get(cfg.model.family), Precision.of(cfg.trainer).master
-    if trainer_plan(cfg) == MESH_PLAN and not cfg.model.path and not cfg.model.pretrained:
+    if trainer_plan(cfg) == MESH_PLAN and not cfg.model.pretrained:
+        from workers.models.hf_checkpoint import checkpoint_tensors
         from workers.trainer.mesh_plan import materialize
 
         full = spec.build(cfg.model, device="meta", dtype=master)
         apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
-        seeds = full.seeded_tensors(cfg.model.init_seed)  # reads shapes before sharding changes them
-        model = parallelize(cfg, full, dims)
-        return materialize(model, seeds, dims.device)
+        # both streams read names and full shapes now, before sharding changes them
+        tensors = (checkpoint_tensors(full, cfg.model, full.from_checkpoint(spec.from_hf)) if cfg.model.path
+                   else full.seeded_tensors(cfg.model.init_seed))
+        return materialize(parallelize(cfg, full, dims), tensors, dims.device)
     full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
     apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
     return parallelize(cfg, full, dims)

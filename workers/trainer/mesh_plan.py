@@ -192,8 +192,9 @@ class MeshTrainerModel(FsdpTrainerModel):
 @torch.no_grad()
 def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> nn.Module:
     """Allocate a model sharded while on the meta device (``parallelize`` of ``build(device="meta")``)
-    and fill this rank's shards from ``tensors``: ``(name, FULL tensor)`` pairs taken one at a time
-    (e.g. ``CausalLM.seeded_tensors``), so no rank ever holds more than one full tensor. Each DTensor
+    and fill this rank's shards from ``tensors``: ``(name, FULL tensor or a callable reading it)``
+    pairs taken one at a time (``CausalLM.seeded_tensors``, hf_checkpoint.checkpoint_tensors), so no
+    rank ever holds more than one full tensor and a callable is called only for names it holds. Each DTensor
     shard is cut locally (``distribute_tensor(src_data_rank=None)``: no communication, any placement
     incl. FSDP's strided shards over TP); names this rank does not hold (other EP ranks' experts)
     are skipped. Every parameter and persistent buffer must come by (checked)."""
@@ -204,7 +205,7 @@ def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], d
         t = state.get(name)
         if t is None:
             continue
-        full = full.to(device=device, dtype=t.dtype)
+        full = (full() if callable(full) else full).to(device=device, dtype=t.dtype)
         if isinstance(t, DTensor):
             t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
         else:

@@ -160,6 +160,11 @@ class CausalLM(nn.Module):
         scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
         return torch.randn(shape, generator=gen) * scale
 
+    def from_checkpoint(self, from_hf: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        """The checkpoint-name map this model loads with (the family's ``from_hf``); DeepSeek-V3 drops
+        its multi-token-prediction layers here too."""
+        return from_hf
+
     def init_buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A persistent buffer's step-0 value: zeros (the sigmoid router's correction bias, the only one)."""
         return torch.zeros(shape)

@@ -70,6 +70,10 @@ class DeepseekV3ForCausalLM(CausalLM):
                               RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
         self.make_head()
 
+    def from_checkpoint(self, from_hf):
+        """Checkpoint tensors of the MTP layers (``model.layers.{>= num_layers}``) are not built: dropped."""
+        return lambda state: drop_mtp(from_hf(state), self.config.num_layers)
+
     def init_tensor(self, name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
         """Seeded init (CausalLM.seeded_tensors): norms 1 (biases 0), every other weight normal(0,
         init_std); the router's correction bias (a buffer) starts at 0 (CausalLM.init_buffer)."""
