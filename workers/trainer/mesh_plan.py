@@ -131,12 +131,13 @@ class MeshTrainerModel(FsdpTrainerModel):
         an expert's EP rank; shards: the product of the sharded dims of its mesh)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.dims.device)
         grads = []
-        for name, p in self.named_parameters():
+        experts = {id(p) for _, m in self.expert_modules() for p in m.parameters()}
+        for p in self.parameters():
             if p.grad is None:
                 continue
             g = p.grad
             grads.append(g)
-            holders = self.dims.world_size // (self.dims.ep if ".experts." in name else 1)
+            holders = self.dims.world_size // (self.dims.ep if id(p) in experts else 1)
             shards = 1
             if isinstance(g, DTensor):
                 # not is_shard(): FSDP over a TP-sharded dim uses _StridedShard, whose is_shard() is False
@@ -166,10 +167,12 @@ class MeshTrainerModel(FsdpTrainerModel):
     def _gather_all(self, tensors: Iterable[tuple[str, torch.Tensor]], names: list[str], to_rank: Optional[int],
                     dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
         tensors = dict(tensors)
-        dense = [(n, t) for n, t in tensors.items() if ".experts." not in n]
+        local = self.expert_modules()
+        prefixes = tuple(prefix + "." for prefix, _ in local)
+        dense = [(n, t) for n, t in tensors.items() if not n.startswith(prefixes)]
         out = self._gather_full(dense, None, dtype)
         ep_group = self.dims.get_group("ep")
-        for prefix, experts in self.expert_modules():  # same order on every rank
+        for prefix, experts in local:  # same order on every rank
             ids = list(experts.keys())
             for suffix, _ in experts[ids[0]].named_parameters():
                 local = [tensors[f"{prefix}.{i}.{suffix}"] for i in ids]
