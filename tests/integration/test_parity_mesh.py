@@ -30,6 +30,7 @@ from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
+from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
 from workers.trainer.mesh_plan import materialize, parallelize
@@ -63,12 +64,14 @@ def reference(model_name: str) -> dict:
             "weights": model.state_dict()}
 
 
-def _worker(rank, world, port, tp, ep, model_name, out):
+def _worker(rank, world, port, tp, ep, model_name, out, extra=None):
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
-    cfg = moe.tcfg()
+    cfg = moe.tcfg(**(extra or {}))
     try:
-        model = parallelize(moe.build_model(moe.CONFIGS[model_name], SEED), dims)
+        full = moe.build_model(moe.CONFIGS[model_name], SEED)
+        apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
+        model = parallelize(full, dims)
         stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
                                                 dims.num_batch_shards), cfg, dims)
         grads = model.full_grad_dict()
@@ -98,14 +101,21 @@ CASES = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 1, 2, 2),
          ("nemotron_h", 1, 1, 2), ("nemotron_h", 1, 2, 2)]
 
 
-@pytest.mark.parametrize("model,dp,tp,ep", CASES, ids=[f"{m}-dp{a}-tp{b}-ep{c}" for m, a, b, c in CASES])
-def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep):
+MICRO_AC = {"micro_batch_tokens": 16, "activation_checkpointing": "full"}
+CASES += [("deepseek_v3", 1, 2, 2, MICRO_AC), ("nemotron_h", 1, 2, 2, MICRO_AC)]
+
+
+@pytest.mark.parametrize("model,dp,tp,ep,extra", [c if len(c) == 5 else (*c, None) for c in CASES],
+                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}" + ("-micro-ac" if len(c) == 5 else "") for c in CASES])
+def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, extra):
+    """Also with micro-batches of 16 tokens (uneven counts per EP rank: the padding micro-batch
+    still joins every all-to-all) and activation checkpointing (recompute replays the dispatch)."""
     if model not in _REFS:
         torch.set_num_threads(1)
         _REFS[model] = reference(model)
     ref = _REFS[model]
     out = str(tmp_path / "got.pt")
-    spawn(_worker, dp * tp * ep, (tp, ep, model, out))
+    spawn(_worker, dp * tp * ep, (tp, ep, model, out, extra))
     got = torch.load(out)
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
