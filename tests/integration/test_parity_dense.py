@@ -1,5 +1,6 @@
 """Parity of the parallel trainer on a DENSE model (grouped-query attention, tied embeddings):
-TP splits query and kv heads and the SwiGLU MLP; DP splits rows; each layout, as real gloo
+the trainer's plan for each layout (the mesh plan with tp: DTensor TP splits query and kv heads and
+the SwiGLU MLP, the tied embedding stays replicated; DP splits rows); each layout, as real gloo
 processes, must compute the one-process step (loss, grad norm, every gradient, the weights
 after AdamW). The reference is the plain model with the loss functions called directly.
 """

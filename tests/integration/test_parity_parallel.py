@@ -1,7 +1,9 @@
 """Parity of the parallel trainer: every (TP, EP, DP) computes the one-process step.
 
 Same tiny_moe weights, same batch: each layout runs as real gloo processes
-(torch.multiprocessing spawn, a free port each), takes its row shard, runs the trainer's
+(torch.multiprocessing spawn, a free port each), shards the model with the plan the trainer picks
+for it (ModelSpec.shard: FSDP2 at tp = ep = 1, else workers/trainer/mesh_plan.py), takes its row
+shard, runs the trainer's
 ``backward_step`` (forward with Router Replay, vocab-parallel log-probs, loss with global
 normalisers, backward, grad sync, clip) and one AdamW step; rank 0 gathers the FULL HF
 gradient and weight dicts. The reference is the plain ``TinyMoeForCausalLM`` with the loss
