@@ -113,6 +113,9 @@ class MeshTrainerModel(FsdpTrainerModel):
     """The trainer's interface on the mesh plan (see :class:`FsdpTrainerModel` for the FSDP-only one)."""
 
     vocab_sharded: bool
+    mesh: DeviceMesh
+    """The plan's mesh: its tp and ep groups carry every TP / EP collective of the model (the step's
+    batch statistics go over ParallelDims' ``batch`` group, the same ranks as the mesh's)."""
     full_param_names: list[str]
     full_state_names: list[str]
 
@@ -124,7 +127,7 @@ class MeshTrainerModel(FsdpTrainerModel):
             return super().target_logprobs(logits, targets, temperature)
         start = self.dims.tp_rank * -(-self.config.vocab_size // self.dims.tp)
         return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=start,
-                                              group=self.dims.get_group("tp"))
+                                              group=self.mesh.get_group("tp"))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm with each element counted once: a rank's local shard of a parameter is
@@ -172,7 +175,7 @@ class MeshTrainerModel(FsdpTrainerModel):
         prefixes = tuple(prefix + "." for prefix, _ in local)
         dense = [(n, t) for n, t in tensors.items() if not n.startswith(prefixes)]
         out = self._gather_full(dense, None, dtype)
-        ep_group = self.dims.get_group("ep")
+        ep_group = self.mesh.get_group("ep") if self.dims.ep > 1 else None
         for prefix, experts in local:  # same order on every rank
             ids = list(experts.keys())
             for suffix, _ in experts[ids[0]].named_parameters():
