@@ -41,7 +41,7 @@ from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig, Revers
 from workers.trainer.batch import RolloutBatch, load_batch
 from workers.trainer.loss import loss_relevant_inputs, policy_loss, routing_disagreement
 from workers.trainer.parallel import ParallelDims
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
+from workers.trainer.fsdp import FsdpTrainerModel, unsharded
 from workers.trainer.step import forward_rows
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_replay.json"
@@ -86,7 +86,7 @@ def sample(master: TinyMoeForCausalLM, *, num_prompts: int, new_tokens: int, see
 
 
 @torch.no_grad()
-def score(trainer: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool) -> dict:
+def score(trainer: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool) -> dict:
     fwd = forward_rows(trainer, batch, replay=replay, pack=False)
     lm = batch.loss_mask
     _, st = policy_loss(fwd.logp.float(), batch.inference_logprobs, torch.zeros(batch.num_rows), lm,
@@ -102,7 +102,7 @@ def measure(name: str, weights: str, master: TinyMoeForCausalLM, args) -> list[d
     for dtype in ("float32", "bfloat16"):
         full = TinyMoeForCausalLM(master.config).to(getattr(torch, dtype))
         full.load_state_dict(master.state_dict())
-        trainer = ShardedMoeForCausalLM(full, ONE).eval()
+        trainer = unsharded(full, ONE).eval()
         no, yes = score(trainer, batch, replay=False), score(trainer, batch, replay=True)
         rows.append({"model": name, "weights": weights, "params_m": num_parameters(master.config) / 1e6,
                      "trainer_dtype": dtype, "inference_dtype": "bfloat16", "num_tokens": no["num_tokens"],

@@ -13,6 +13,7 @@ from typing import Optional
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision
 from workers.common.registry import BACKENDS, MODELS
+from workers.models.spec import MESH_PLAN
 
 
 class PlanError(ValueError):
@@ -178,6 +179,9 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
     if m.num_heads % par.tp:
         raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.num_heads({m.num_heads})")
     check_context_parallel(cfg)
+    for key in ("num_kv_heads", "kv_heads"):  # GQA families: the mesh plan splits KV heads over tp too
+        if getattr(m, key, 0) and getattr(m, key) % par.tp:
+            raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.{key}({getattr(m, key)})")
     if gpn and par.tp > gpn:
         raise PlanError(f"trainer.parallel.tp({par.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
                         f"inside a node (NVLink)")
@@ -233,6 +237,11 @@ def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
             raise PlanError(str(e)) from None
         plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
         warnings.append(f"{e} (a real run is refused)")
+    if plan == MESH_PLAN and t.activation_checkpointing == "selective" and cfg.model.num_experts:
+        raise PlanError(f"trainer.activation_checkpointing=selective with trainer.parallel tp({par.tp}) x ep({par.ep}) on "
+                        f"a MoE model: the experts' own FSDP unit inside each checkpointed layer runs other hook ops "
+                        f"in the recompute than in the forward, which selective checkpointing refuses; use full "
+                        f"(or none)")
     longest = cfg.model.max_position_embeddings
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "

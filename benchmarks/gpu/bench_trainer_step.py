@@ -40,7 +40,7 @@ from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_inf
 from workers.common.config import RunConfig, TrainerConfig
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.fsdp import _local
-from workers.trainer.loop import initial_model, parallelize, trainer_plan
+from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.step import forward_rows, train_step
@@ -111,8 +111,7 @@ def trainer_model(cfg: RunConfig, dims: ParallelDims, *, init: str, cpu_init):
         full = copy.deepcopy(cpu_init).to(dims.device)
     apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
     model = parallelize(cfg, full, dims)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas),
-                                  weight_decay=tcfg.weight_decay)
+    optimizer = build_optimizer(model, tcfg)
     return model, optimizer
 
 

@@ -1,5 +1,6 @@
 """Parity of the parallel trainer on a DENSE model (grouped-query attention, tied embeddings):
-TP splits query and kv heads and the SwiGLU MLP; DP splits rows; each layout, as real gloo
+the trainer's plan for each layout (the mesh plan with tp: DTensor TP splits query and kv heads and
+the SwiGLU MLP, the tied embedding stays replicated; DP splits rows); each layout, as real gloo
 processes, must compute the one-process step (loss, grad norm, every gradient, the weights
 after AdamW). The reference is the plain model with the loss functions called directly.
 """
@@ -16,7 +17,7 @@ from workers.models.llama.config import LlamaConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import policy_loss, token_logprobs
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
+from workers.common.registry import MODELS
 from workers.trainer.step import backward_step
 
 CFG = LlamaConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -56,7 +57,7 @@ def _worker(rank: int, world: int, port: int, tp: int, out: str) -> None:
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp)
     try:
-        model = ShardedMoeForCausalLM(build_model(CFG, SEED), dims)
+        model = MODELS.get(CFG.family).shard(build_model(CFG, SEED), dims)  # the trainer's plan for tp
         stats = backward_step(model, shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards), TCFG, dims)
         grads = model.full_grad_dict()
         torch.optim.AdamW(model.parameters(), lr=TCFG.lr, betas=tuple(TCFG.betas)).step()

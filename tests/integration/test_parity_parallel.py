@@ -1,7 +1,9 @@
 """Parity of the parallel trainer: every (TP, EP, DP) computes the one-process step.
 
 Same tiny_moe weights, same batch: each layout runs as real gloo processes
-(torch.multiprocessing spawn, a free port each), takes its row shard, runs the trainer's
+(torch.multiprocessing spawn, a free port each), shards the model with the plan the trainer picks
+for it (ModelSpec.shard: FSDP2 at tp = ep = 1, else workers/trainer/mesh_plan.py), takes its row
+shard, runs the trainer's
 ``backward_step`` (forward with Router Replay, vocab-parallel log-probs, loss with global
 normalisers, backward, grad sync, clip) and one AdamW step; rank 0 gathers the FULL HF
 gradient and weight dicts. The reference is the plain ``TinyMoeForCausalLM`` with the loss
@@ -16,6 +18,7 @@ layers, raw softmax gate weights (norm_topk_prob off).
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -26,13 +29,15 @@ import torch.multiprocessing as mp
 
 from workers.common.config import TrainerConfig
 from workers.common.registry import MODELS
+from workers.models.deepseek_v3.config import DeepseekV3Config
+from workers.models.glm_moe_dsa.config import GlmMoeDsaConfig
+from workers.models.nemotron_h.config import NemotronHConfig
 from workers.models.qwen3_moe.config import Qwen3MoeConfig
 from workers.models.tiny_moe.model import TinyMoeConfig
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
 from tests.netutil import gloo_dims
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
 from workers.trainer.step import backward_step, capture_gate_logits
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
@@ -40,7 +45,18 @@ CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, nu
 QWEN3 = Qwen3MoeConfig(name="q", vocab_size=15, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12,
                        num_experts=4, top_k=2, expert_intermediate_size=16, dense_intermediate_size=24,
                        mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=32)
-CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3}
+DSV3 = DeepseekV3Config(name="d", vocab_size=15, hidden_size=32, num_layers=3, num_heads=4, num_experts=4, top_k=2,
+                        expert_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, dense_intermediate_size=24,
+                        num_expert_groups=2, topk_groups=1, routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=32)
+GLM5 = GlmMoeDsaConfig(**{f.name: getattr(DSV3, f.name) for f in dataclasses.fields(DSV3) if f.name != "family"},
+                       family="glm_moe_dsa", num_indexer_heads=2, indexer_head_dim=8, index_topk=4)
+NEMOTRON = NemotronHConfig(name="n", vocab_size=15, hidden_size=32, num_layers=4, hybrid_override_pattern="ME*-",
+                           num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+                           mamba_head_dim=8, ssm_state_size=16, mamba_n_groups=2, num_experts=4, top_k=2,
+                           expert_intermediate_size=24, shared_expert_intermediate_size=40, moe_latent_size=16,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=32)
+CONFIGS = {"tiny_moe": CFG, "qwen3_moe": QWEN3, "deepseek_v3": DSV3, "glm_moe_dsa": GLM5, "nemotron_h": NEMOTRON}
 SEED = 7
 START_METHOD = "fork"
 
@@ -103,7 +119,7 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
     try:
         full = build_model(CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        model = ShardedMoeForCausalLM(full, dims)
+        model = MODELS.get(full.config.family).shard(full, dims)  # the trainer's plan for (tp, ep)
         shard = shard_rows(make_batch(model=model_name), dims.batch_rank, dims.num_batch_shards)
         stats = backward_step(model, shard, cfg, dims)
         grads = model.full_grad_dict()  # after clipping: compare with the clipped reference below

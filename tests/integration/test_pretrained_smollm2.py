@@ -55,7 +55,7 @@ def test_one_generate_and_one_train_step(cfg, tmp_path):
     from workers.orchestrator.envs.reverse_text import ReverseTextEnv
     from workers.trainer.batch import RolloutBatch
     from workers.trainer.loop import initial_model
-    from workers.trainer.sharded_model import ShardedMoeForCausalLM
+    from workers.common.registry import MODELS
     from workers.trainer.step import train_step
 
     env = ReverseTextEnv(cfg.env, seed=0, model=cfg.model)
@@ -87,14 +87,15 @@ def test_one_generate_and_one_train_step(cfg, tmp_path):
                          routed_mask=None, meta={"temperature": 1.0, "step": 0})
     dims = gloo_dims(0, 1, free_port())
     try:
-        model = ShardedMoeForCausalLM(initial_model(cfg), dims)
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model = MODELS.get(cfg.model.family).shard(initial_model(cfg), dims)
+        before = model.full_state_dict(to_rank=None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         stats = train_step(model, optimizer, batch, cfg.trainer, dims)
+        after = model.full_state_dict(to_rank=None)
     finally:
         dist.destroy_process_group()
     # engine and trainer compute the same function in float32: the sampled tokens' log-probs agree
     assert stats["mismatch_kl"] < 1e-6, stats
     assert stats["num_loss_tokens"] == int(loss.sum()) and torch.isfinite(torch.tensor(stats["loss"]))
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    changed = [n for n, p in after.items() if not torch.equal(p, before[n])]
     assert "model.embed_tokens.weight" in changed and len(changed) == len(before)

@@ -56,4 +56,4 @@ def init(model_cfg: TinyMoeScaledConfig, dtype):
 
 SPEC = MODELS.register(ModelSpec(
     name=NAME, config=TinyMoeScaledConfig, check=check, arch=tiny_moe.arch, build=tiny_moe.build, init=init,
-    parallelize=tiny_moe.SHARDED, router_hook="forced_experts", summary="test only: tiny_moe with a scaled init"))
+    router_hook="forced_experts", summary="test only: tiny_moe with a scaled init"))

@@ -15,6 +15,7 @@ from tests.conftest import compose
 from tests.unit.conftest import slurmrl
 from workers.common.registry import MODELS
 from workers.models.facts import architecture
+from workers.models.spec import MESH_PLAN
 
 PRESETS = {  # preset -> (family, total, active, mtp): the plan's counts before the families had homes
     "tiny_moe": ("tiny_moe", 3_417_216, 1_057_920, 0),
@@ -67,13 +68,13 @@ def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
 
 
 @pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"])
-def test_tp_ep_layouts_of_families_without_a_tp_ep_plan_are_refused_when_a_run_would_start(experiment):
-    """deepseek_v3, glm_moe_dsa, nemotron_h train under the generic FSDP plan (tp = ep = 1); the presets'
-    expert-parallel layouts need a TP/EP plan they do not have: refused at plan time, not in the trainer."""
-    cfg = compose([f"experiment={experiment}", "cluster=h200_ib", "launcher.dry_run=false"])
-    with pytest.raises(PlanError, match=rf"model family '{cfg.model.family}' has no tensor/expert-parallel plan"):
-        build_plan(cfg)
-    assert build_plan(compose([f"experiment={experiment}", "cluster=h200_ib"])).num_params > 0  # dry run: plans
+def test_tp_ep_layouts_of_the_large_presets_plan_onto_the_mesh_plan(experiment):
+    """deepseek_v3, glm_moe_dsa, nemotron_h presets' expert-parallel layouts (ep 32/64) plan for a real
+    run onto the mesh plan (workers/trainer/mesh_plan.py), with no refusal and no dry-run WARNING."""
+    for dry in ("false", "true"):
+        plan = build_plan(compose([f"experiment={experiment}", "cluster=h200_ib", f"launcher.dry_run={dry}"]))
+        assert plan.trainer_dims.ep > 1 and plan.trainer_dims.plan == MESH_PLAN
+        assert not any("refused" in w for w in plan.trainer_dims.warnings), plan.trainer_dims.warnings
 
 
 @pytest.mark.parametrize("args, key, schema", [

@@ -1,4 +1,4 @@
-"""ParallelDims (rank layout, groups, the tp * ep * dp check), parameter placement and the
+"""ParallelDims (rank layout, groups, the tp * ep * dp check) and the
 parallel degrees read from the config (the plan refuses the same mistakes first)."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from launcher.plan import build_plan
 from tests.conftest import compose, plan_error
 from workers.trainer.loop import parallel_degrees
 from workers.trainer.parallel import ParallelDims
-from workers.trainer.sharded_model import placement
 
 
 def dims(rank: int = 0, *, world: int = 8, tp: int = 2, ep: int = 2) -> ParallelDims:
@@ -60,16 +59,11 @@ def test_parallel_degrees_come_from_trainer_parallel():
     assert "trainer dims: tp(2) x pp(1) x ep(2) x dp(1) = 4 ranks" in "\n".join(
         build_plan(compose(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2"])).summary())
     assert "must divide model.num_experts(8)" in plan_error(["trainer.num_ranks=3", "trainer.parallel.ep=3"])
+    assert "selective checkpointing refuses; use full" in plan_error(  # workers/trainer/mesh_plan.py says why
+        ["trainer.num_ranks=2", "trainer.parallel.ep=2", "trainer.activation_checkpointing=selective"])
+    assert "must divide model.num_kv_heads(2)" in plan_error(
+        ["model=qwen3_moe_tiny", "trainer.num_ranks=4", "trainer.parallel.tp=4", "model.num_heads=4", "model.num_kv_heads=2"])
 
-
-@pytest.mark.parametrize("name,where", [
-    ("model.embed_tokens.weight", "replicated"), ("model.norm.weight", "replicated"),
-    ("model.layers.0.input_layernorm.weight", "replicated"), ("model.layers.3.mlp.gate.weight", "replicated"),
-    ("model.layers.1.self_attn.q_proj.weight", "tp"), ("model.layers.1.self_attn.o_proj.weight", "tp"),
-    ("lm_head.weight", "tp"), ("model.layers.2.mlp.experts.7.down_proj.weight", "expert"),
-])
-def test_placement_of_hf_names(name, where):
-    assert placement(name) == where
 
 
 def test_cp_sits_between_tp_and_ep_and_shares_rows():

@@ -14,7 +14,7 @@ from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import BatchFormatError, RolloutBatch, load_batch
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT, expert_load_metrics, mask_unreported
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
+from workers.trainer.fsdp import FsdpTrainerModel, unsharded
 from workers.trainer.step import backward_step, forward_rows
 from workers.trainer.loss import loss_relevant_inputs, routing_disagreement
 
@@ -28,8 +28,8 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def trainer_model(seed: int = 3) -> ShardedMoeForCausalLM:
-    return ShardedMoeForCausalLM(build_model(CFG, seed), ONE)
+def trainer_model(seed: int = 3) -> FsdpTrainerModel:
+    return unsharded(build_model(CFG, seed), ONE)
 
 
 def other_experts(routed: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from tests.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
 from workers.common.config.trainer import check_precision
 from workers.common.registry import MODELS
-from workers.models.spec import FSDP_PLAN
+from workers.models.spec import FSDP_PLAN, MESH_PLAN
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.micro import empty_like, plan_micro_batches, split_micro_batches, take
 from workers.trainer.precision import Precision, update_fraction
@@ -44,21 +44,22 @@ def test_the_planned_trainer_memory_follows_the_master_dtype(master, per_param):
     assert any(line.startswith(f"memory trainer: {per_param} B/param") for line in p.summary()), p.summary()
 
 
-def test_tp_ep_one_runs_fsdp_for_every_family_and_others_need_their_own_plan():
-    assert MODELS.get("tiny_moe").trainer_plan(1, 1) == FSDP_PLAN
-    assert MODELS.get("tiny_moe").trainer_plan(2, 2) == "workers.trainer.sharded_model:ShardedMoeForCausalLM"
-    assert MODELS.get("deepseek_v3").trainer_plan(1, 1) == FSDP_PLAN
-    with pytest.raises(ValueError, match=r"tp\(1\) x ep\(4\).*'deepseek_v3'"):
-        MODELS.get("deepseek_v3").trainer_plan(1, 4)
+def test_tp_ep_one_runs_fsdp_and_tp_ep_the_mesh_plan_for_every_family():
+    import dataclasses
+
+    for family in ("tiny_moe", "llama", "qwen3_moe", "deepseek_v3", "glm_moe_dsa", "nemotron_h"):
+        assert MODELS.get(family).trainer_plan(1, 1) == FSDP_PLAN
+        assert MODELS.get(family).trainer_plan(2, 2) == MODELS.get(family).trainer_plan(1, 4) == MESH_PLAN
+    bare = dataclasses.replace(MODELS.get("tiny_moe"), name="bare", parallelize="")  # a plugin opting out
+    with pytest.raises(ValueError, match=r"tp\(1\) x ep\(4\).*'bare'"):
+        bare.trainer_plan(1, 4)
     assert plan(["trainer.num_ranks=2"]).trainer_dims.plan == FSDP_PLAN
-    from launcher.plan import PlanError
     from launcher.resources import check_trainer_options
     from tests.conftest import compose
 
     layout = ["model=kimi_k2", "trainer.num_ranks=2", "trainer.parallel.ep=2"]
-    with pytest.raises(PlanError, match=r"trainer.parallel.tp\(1\) x ep\(2\): model family 'deepseek_v3'"):
-        check_trainer_options(compose(["launcher.dry_run=false", *layout]))  # a real run: refused with the numbers
-    assert "(a real run is refused)" in check_trainer_options(compose(layout))[1][0]  # a dry run: a warning
+    for dry in ("false", "true"):  # a real run plans it, a dry run has no warning
+        assert check_trainer_options(compose([f"launcher.dry_run={dry}", *layout])) == (MESH_PLAN, ())
 
 
 def test_micro_batches_hold_the_budget_and_every_rank_runs_as_many():
@@ -86,10 +87,10 @@ def _bare_dims():
     return ParallelDims(rank=0, world_size=1, dp=1, backend="gloo", device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("plan_name", ["fsdp", "sharded"])
+@pytest.mark.parametrize("plan_name", ["fsdp", "mesh"])
 def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
+    from workers.trainer import mesh_plan
     from workers.trainer.fsdp import parallelize
-    from workers.trainer.sharded_model import ShardedMoeForCausalLM
     from workers.trainer.step import train_step
     from tests.integration.test_parity_parallel import make_batch
 
@@ -100,7 +101,7 @@ def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
         full = build_model(CFG, 7)
         before = {n: p.detach().clone() for n, p in full.named_parameters()}
         model = (parallelize(full, dims, precision=precision) if plan_name == "fsdp"
-                 else ShardedMoeForCausalLM(full, dims, precision=precision))
+                 else mesh_plan.parallelize(full, dims, precision=precision))
         seen = []
         hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr)

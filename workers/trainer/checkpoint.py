@@ -22,9 +22,10 @@ ranks also agree after every step on the SIGUSR1 / SIGTERM flags: one signalled 
 all. SIGKILL saves nothing: the run resumes from the last complete checkpoint and the steps
 after it are redone (``steps_lost``).
 
-The FSDP plan's models (DTensor parameters) save through torch.distributed.checkpoint instead
-(workers/trainer/dcp_state.py: one COLLECTIVE save per step, reshardable, so the resume may
-run at another data-parallel size); the family TP/EP plans keep the per-rank files.
+Both plans' models (DTensor parameters: the FSDP plan and the tp/ep mesh plan) save through
+torch.distributed.checkpoint instead (workers/trainer/dcp_state.py: one COLLECTIVE save per step,
+under the HF names, reshardable, so the resume may run at another layout); the per-rank files
+remain for models without DTensor parameters (one process, nothing sharded).
 
 Resume (``load``): newest complete checkpoint (per-rank files: of the same world size); rank 0 cuts
 ``metrics.jsonl`` back to the records before the resume step (so the curve continues with

@@ -1,10 +1,12 @@
-"""Reshardable checkpoints of the FSDP plan through torch.distributed.checkpoint (DCP).
+"""Reshardable checkpoints of the FSDP and mesh plans through torch.distributed.checkpoint (DCP).
 
 Why: the per-rank ``rank_R.pt`` files of workers/trainer/checkpoint.py hold each rank's shards
 in that layout only, so a requeued job must get the same number of ranks. DCP stores every
 tensor by its GLOBAL name, shape and the offsets of each shard; a load plans, per rank, which
 slices of which files make up the shards of the NEW layout. So a run saved at dp 2 resumes at
-dp 1 or 4 (``trainer.num_ranks`` may change between submissions of one run directory).
+dp 1 or 4, one saved at tp 2 x ep 2 (mesh plan) at dp 2 (FSDP plan), one at ep 4 at tp 2 x ep 2: experts are
+stored by their HF per-expert names, each held by the ranks of its EP group
+(``trainer.num_ranks`` and the layout may change between submissions of one run directory).
 
 What (one directory ``step_N``): ``dcp/`` (DCP's files + ``.metadata``: model and AdamW state,
 fully qualified by parameter name, through ``get_state_dict``), ``rng_R.pt`` per saving rank

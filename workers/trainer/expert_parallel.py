@@ -1,25 +1,35 @@
-"""Expert parallelism: routed experts sharded over the EP group, tokens moved by all-to-all.
+"""Expert parallelism of the mesh plan: routed experts split over the ``ep`` mesh dimension,
+tokens moved by all-to-all, the local experts run as one grouped GEMM.
 
-Layout (Megatron-Core's): the ``ep`` ranks of an EP group hold DIFFERENT rows of the batch
-(attention is data parallel over them) and disjoint experts: EP rank r owns experts
-``[r * E/ep, (r+1) * E/ep)``. Inside one MoE layer, per rank:
+Layout (workers/trainer/mesh_plan.py): EP rank r owns experts ``[r * E/ep, (r+1) * E/ep)`` of every
+MoE block, in a :class:`LocalExperts` keyed by the GLOBAL expert id, so parameter names stay the
+HF ones (``mlp.experts.5.up_proj.weight`` exists on the ranks of EP rank 1 when E/ep = 4). The ep
+ranks of one EP group hold different rows of the batch; the tp ranks of a TP group hold the SAME
+rows (attention is tensor parallel). Inside a MoE block (:class:`ExpertParallel`, which the
+block calls from ``routed_experts`` instead of its own expert loop):
 
-  1. route: top-k over this model's router (or the replayed experts, Router Replay) ->
-     ``idx [N, k]``, gate weights from this router either way;
-  2. dispatch: the N*k (token, slot) copies sorted by expert; per-expert counts swapped
-     with one all-to-all of ``[ep, E/ep]`` ints, then the hidden states with
-     ``all_to_all_single`` (uneven splits: rank r receives what every peer routed to r);
-  3. local experts on what arrived (one contiguous segment per local expert);
-  4. combine: the reverse all-to-all returns each output to the rank and slot it came from;
-  5. with tp > 1 the expert MLPs are tensor parallel too (gate/up column, down row): the
-     partial outputs are summed over the TP group after the combine, then weighted by the
-     gate weights and summed over the k slots.
-The backward of an all-to-all is the all-to-all with the splits swapped (:class:`_AllToAll`).
+  1. the router ran on all tokens, replicated over tp (identical on the TP peers);
+  2. tp > 1: each TP rank keeps 1/tp of the tokens (:class:`_ScatterTokens`, backward: all-gather
+     of the gradient), so the experts do not compute the same rows tp times;
+  3. dispatch: the (token, slot) copies sorted by global expert; per-expert counts exchanged with
+     one ``all_to_all_single`` of ``[ep, E/ep]`` ints (stays on the device), then the rows with
+     ``all_to_all_single_autograd`` (torch.distributed._functional_collectives: its backward is
+     the reverse all-to-all; checked on gloo, torch 2.13);
+  4. the local experts on what arrived, regrouped by local expert: ONE grouped GEMM per
+     projection on the GPU path (``F.grouped_mm`` with device-side offsets, no host sync);
+     the CPU path loops over the local experts (CPU runs are tests and the local loop);
+  5. combine: the reverse all-to-all, the k slots weighted by the gate and summed, then
+     tp > 1: all-gather over tp (:class:`_GatherTokens`, backward: this rank's slice).
 
-Backends: gloo (CPU) implements ``all_to_all_single`` with uneven splits in torch 2.13
-(checked), so CPU and NCCL run this same code. DeepEP (GPU clusters) would replace steps
-2 and 4 with ``deep_ep.Buffer.dispatch / combine``; it is not wired in (nothing here can
-build or test it), see :class:`AllToAllDispatcher` for the seam.
+Host syncs: ``all_to_all_single`` needs its split sizes on the host, so each MoE block reads
+``2 * ep`` ints per micro-batch (one ``tolist`` of the stacked send/receive totals); that is the
+only sync of the block. Removing it needs an all-to-all with device-side splits (NVSHMEM:
+torch.ops.symm_mem.all_to_all_vdev, or DeepEP's dispatch/combine), which nothing here can build
+or test; see the report of issue 19. With ep = 1 there is no exchange and no sync.
+
+Gradients: the experts' parameters are fully_shard-ed over the expert-data-parallel mesh
+(``dp_shard x tp``: the ranks holding the same experts, with different tokens), whose
+reduce-scatter sums their gradients.
 """
 from __future__ import annotations
 
@@ -27,108 +37,140 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from workers.models.blocks.mlp import Expert
-from workers.models.blocks.moe_softmax import MoeBlock
-from workers.trainer.tensor_parallel import copy_to, reduce_from, shard_linear
+from workers.models.blocks import kernels
 
 
-class _AllToAll(torch.autograd.Function):
+class LocalExperts(nn.ModuleDict):
+    """This EP rank's experts, keyed by global expert id (HF names). ``forward(rows, counts)``
+    runs expert ``i``-th-local on the ``counts[i]`` consecutive rows of ``rows`` (the unit
+    ``fully_shard`` hooks: its forward gathers the expert shards)."""
+
+    def __init__(self, experts: dict[str, nn.Module]):
+        super().__init__(experts)
+        first = next(iter(experts.values()))
+        self.gated = hasattr(first, "gate_proj")  # SwiGLU experts; else squared-ReLU (Nemotron-H)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if kernels.fast(rows) and hasattr(F, "grouped_mm") and rows.dtype == torch.bfloat16:
+            return self._grouped(rows, counts)
+        outs = [expert(seg) for expert, seg in zip(self.values(), rows.split(counts.tolist()))]
+        return torch.cat(outs) if outs else rows
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync
+        experts = list(self.values())
+
+        def stack(name):  # [E_local, in, out] for rows @ W^T
+            return torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
+        if self.gated:
+            h = F.silu(F.grouped_mm(rows, stack("gate_proj"), offs=offs)) * F.grouped_mm(rows, stack("up_proj"), offs=offs)
+        else:
+            h = F.relu(F.grouped_mm(rows, stack("up_proj"), offs=offs)).square()
+        return F.grouped_mm(h, stack("down_proj"), offs=offs)
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Forward: this TP rank's slice of replicated rows; backward: all-gather of the slices'
+    gradients (every TP rank then holds the same full gradient, as its replicated input needs)."""
+
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+    def forward(ctx, x, group, rank, size):
+        ctx.group, ctx.size = group, size
+        return x.chunk(size)[rank].contiguous()
 
     @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(ctx.size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts), None, None, None
 
 
-class AllToAllDispatcher:
-    """Moves (token, slot) rows to the EP rank owning their expert and back.
+class _GatherTokens(torch.autograd.Function):
+    """Forward: all-gather of the TP ranks' slices (the output is replicated); backward: the
+    gradient of a replicated output is the same on every TP rank, so take this rank's slice."""
 
-    ``dispatch(xs, counts)`` takes rows sorted by global expert with ``counts [E]`` and returns
-    (rows for this rank's experts, per-local-expert counts, a handle); ``combine(ys, handle)``
-    returns the outputs in the original order. With ep == 1 both are identities.
-    """
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.rank, ctx.size = rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
 
-    def __init__(self, group: Optional[dist.ProcessGroup], ep: int, num_experts: int):
-        self.group, self.ep, self.num_local = group, ep, num_experts // ep
-
-    def dispatch(self, xs: torch.Tensor, counts: torch.Tensor):
-        if self.group is None:
-            return xs, counts, None
-        send = counts.view(self.ep, self.num_local)  # [dest rank, its local expert]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # [source rank, my expert]
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        got = _AllToAll.apply(xs, out_splits, in_splits, self.group)
-        # Arrived rows are grouped by source, then expert: regroup by expert (stable sort).
-        expert_of_row = torch.arange(self.num_local, device=xs.device).repeat(self.ep).repeat_interleave(recv.flatten())
-        order = expert_of_row.argsort(stable=True)
-        return got.index_select(0, order), recv.sum(0), (order, in_splits, out_splits)
-
-    def combine(self, ys: torch.Tensor, handle) -> torch.Tensor:
-        if handle is None:
-            return ys
-        order, in_splits, out_splits = handle
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(ys.index_select(0, back), in_splits, out_splits, self.group)
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
 
 
-class ExpertParallelMoeBlock(MoeBlock):
-    """MoeBlock with this rank's experts only (TP-sharded when tp > 1) and EP token exchange.
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
 
-    Same router and rule (``MoeBlock.route``), same balance loss (``MoeBlock.balance``);
-    ``experts`` is a ModuleDict keyed by the GLOBAL expert index, so parameter names are the
-    HF ones (``mlp.experts.5.up_proj.weight`` lives on the rank that owns expert 5).
-    """
 
-    def __init__(self, full: MoeBlock, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int, tp_rank: int):
-        nn.Module.__init__(self)
-        self.num_experts, self.top_k, self.norm_topk_prob = full.num_experts, full.top_k, full.norm_topk_prob
-        if self.num_experts % ep:
-            raise ValueError(f"expert parallel ep({ep}) must divide num_experts({self.num_experts})")
-        self.gate = full.gate
-        local = range(ep_rank * self.num_experts // ep, (ep_rank + 1) * self.num_experts // ep)
-        self.first_expert = local.start
-        self.experts = nn.ModuleDict({str(e): _shard_expert(full.experts[e], tp_rank, tp) for e in local})
-        self.tp_group = tp_group
-        self.dispatcher = AllToAllDispatcher(ep_group, ep, self.num_experts)
+class ExpertParallel:
+    """What a MoE block's ``routed_experts(flat, idx, weights)`` runs under the mesh plan (module
+    docstring). Not an nn.Module: the block keeps it in ``__dict__`` (no parameters of its own)."""
 
-    def forward(self, x, forced, valid, forced_mask=None):
-        b, t, h = x.shape
-        flat = x.reshape(-1, h)
-        idx, weights, probs = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
-                                         None if forced_mask is None else forced_mask.reshape(-1))
+    def __init__(self, experts: LocalExperts, *, num_experts: int, top_k: int, ep_group: Optional[dist.ProcessGroup],
+                 ep: int, tp_group: Optional[dist.ProcessGroup], tp: int, tp_rank: int):
+        self.experts, self.num_experts, self.top_k = experts, num_experts, top_k
+        self.ep_group, self.ep, self.num_local = ep_group, ep, num_experts // ep
+        self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
+
+    def __call__(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, h = flat.shape
+        k = self.top_k
+        if self.tp > 1:
+            pad = (-n) % self.tp  # zero rows on expert 0 with gate weight 0: no output, no gradient
+            if pad:
+                flat, idx, weights = (F.pad(t, (0, 0, 0, pad)) for t in (flat, idx, weights))
+            flat = _ScatterTokens.apply(flat, self.tp_group, self.tp_rank, self.tp)
+            weights = _ScatterTokens.apply(weights, self.tp_group, self.tp_rank, self.tp)
+            idx = idx.chunk(self.tp)[self.tp_rank]
         slots = idx.reshape(-1)  # slot s is (token s // k, choice s % k)
         order = slots.argsort(stable=True)
-        xs = copy_to(flat, self.tp_group).index_select(0, order // self.top_k)
-        counts = torch.bincount(slots, minlength=self.num_experts)
-        rows, local_counts, handle = self.dispatcher.dispatch(xs, counts)
-        outs = [self.experts[str(self.first_expert + e)](seg)
-                for e, seg in enumerate(rows.split(local_counts.tolist())) if seg.shape[0]]
-        ys = torch.cat(outs) if outs else rows.new_zeros((0, h))
-        ys = reduce_from(self.dispatcher.combine(ys, handle), self.tp_group)  # [N*k, H] in `order`
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        y = ys.index_select(0, inv).view(-1, self.top_k, h)
+        xs = flat.index_select(0, order // k)  # grouped by global expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
+        if self.ep_group is None:
+            ys = self.experts(xs, counts)
+        else:
+            ys = self._exchange(xs, counts)
+        y = ys.index_select(0, _inverse(order)).view(-1, k, h)
         out = (y * weights[..., None].to(y.dtype)).sum(1)
-        aux, frac = self.balance(idx, probs, valid)
-        return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac
+        if self.tp > 1:
+            out = _GatherTokens.apply(out, self.tp_group, self.tp_rank, self.tp)[:n]
+        return out
+
+    def _exchange(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert -> this rank's experts (all-to-all) -> back, same order."""
+        send = counts.view(self.ep, self.num_local)  # [destination EP rank, its local expert]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # [source EP rank, my expert]
+        in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the block's one host sync
+        got = all_to_all_single_autograd(xs.contiguous(), out_splits, in_splits, self.ep_group)
+        # Arrived rows are grouped by source rank, then expert: regroup by local expert (stable).
+        expert_of_row = torch.arange(self.num_local, device=xs.device).repeat(self.ep).repeat_interleave(
+            recv.flatten(), output_size=sum(out_splits))
+        regroup = expert_of_row.argsort(stable=True)
+        ys = self.experts(got.index_select(0, regroup), recv.sum(0))
+        back = ys.index_select(0, _inverse(regroup)).contiguous()
+        return all_to_all_single_autograd(back, in_splits, out_splits, self.ep_group)
 
 
-def _shard_expert(full: Expert, tp_rank: int, tp: int) -> Expert:
-    e = Expert.__new__(Expert)
-    nn.Module.__init__(e)
-    e.gate_proj = shard_linear(full.gate_proj, 0, tp_rank, tp)
-    e.up_proj = shard_linear(full.up_proj, 0, tp_rank, tp)
-    e.down_proj = shard_linear(full.down_proj, 1, tp_rank, tp)
-    return e
+def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int, tp_rank: int) -> LocalExperts:
+    """Keep this EP rank's experts of ``block`` (a MoE block with ``experts``, ``num_experts``,
+    ``top_k`` and ``routed_experts``) and route its expert compute through :class:`ExpertParallel`."""
+    e = block.num_experts
+    if e % ep:
+        raise ValueError(f"trainer.parallel.ep({ep}) must divide model.num_experts({e})")
+    local = range(ep_rank * e // ep, (ep_rank + 1) * e // ep)
+    block.experts = LocalExperts({str(i): block.experts[i] for i in local})
+    block.__dict__["expert_parallel"] = ExpertParallel(block.experts, num_experts=e, top_k=block.top_k,
+                                                       ep_group=ep_group if ep > 1 else None, ep=ep,
+                                                       tp_group=tp_group, tp=tp, tp_rank=tp_rank)
+    return block.experts

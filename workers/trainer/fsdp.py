@@ -1,6 +1,6 @@
 """The generic sharding plan: FSDP2 over the data-parallel ranks, for ANY ``CausalLM``.
 
-Used for every run with tp = ep = 1 (workers/trainer/plans.py picks the plan), whatever the
+Used for every run with tp = ep = 1 (ModelSpec.trainer_plan picks the plan), whatever the
 family: ``fully_shard`` each decoder layer of ``model.model.layers`` (every layer has its own
 ``forward(x, ctx)``, which FSDP2 needs to hook), then the root (embeddings, final norm, lm_head).
 Each parameter becomes a DTensor sharded on dim 0 over the ``dp_shard`` mesh: a rank holds
@@ -10,7 +10,7 @@ Per layer, in the forward: all-gather the layer's shards (cast to the compute dt
 ``MixedPrecisionPolicy``), run it, free the gathered copy; in the backward: all-gather again,
 backward, reduce-scatter the gradients in float32 into the float32 sharded gradients. Gradients
 are SUMMED (divide factor 1), not averaged: the loss is already normalised by the GLOBAL token
-count (workers/trainer/loss.py), as the flat all-reduce of the TP/EP plan sums too. Unused
+count (workers/trainer/loss.py), as the mesh plan sums too. Unused
 parameters (an expert no token of this rank chose) reduce-scatter zeros, so every rank runs the
 same collectives.
 
@@ -107,7 +107,7 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     """
     if dims.tp != 1 or dims.ep != 1:
         raise ValueError(f"the FSDP plan shards over data parallel only; tp({dims.tp}) x ep({dims.ep}) needs the "
-                         f"family's own plan (ModelSpec.parallelize)")
+                         f"mesh plan (workers/trainer/mesh_plan.py)")
     master = next(full.parameters()).dtype
     precision = precision or Precision(master=master, compute=master)
     assert precision.master == master, (precision, master)
@@ -128,6 +128,17 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
             module.set_reduce_scatter_unused_params(True)
     full.__class__ = type(f"Fsdp{type(full).__name__}", (FsdpTrainerModel, type(full)), {})
     full.dims, full.precision = dims, precision
+    return full
+
+
+def unsharded(full: nn.Module, dims: ParallelDims) -> nn.Module:
+    """The trainer's interface (:class:`FsdpTrainerModel`) on the plain model, nothing sharded and no
+    process group: one-process scoring and steps in unit tests and benchmarks (the trainer itself
+    always runs a plan). Compute runs in the parameters' dtype."""
+    assert dims.world_size == 1 and dims.tp == dims.ep == 1, dims
+    master = next(full.parameters()).dtype
+    full.__class__ = type(f"Unsharded{type(full).__name__}", (FsdpTrainerModel, type(full)), {})
+    full.dims, full.precision = dims, Precision(master=master, compute=master)
     return full
 
 

@@ -116,6 +116,14 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         layer.forward = functools.partial(_checkpointed, inner, context)
 
 
+def checkpoint_mode(layer: nn.Module) -> str:
+    """``none`` | ``full`` | ``selective``: what :func:`apply_activation_checkpointing` did to ``layer``."""
+    fwd = layer.__dict__.get("forward")
+    if not (isinstance(fwd, functools.partial) and fwd.func is _checkpointed):
+        return "none"
+    return "full" if fwd.args[1] is None else "selective"
+
+
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -7,12 +7,10 @@ parameters ARE bfloat16 barely learns (issue 19 measured 1.9% of a matrix's weig
 three steps on the H200, 99.98% with float32 master weights). The master copy is what the
 optimizer steps; the forward sees it cast to the compute dtype:
 
-- FSDP plan (workers/trainer/fsdp.py): FSDP2's ``MixedPrecisionPolicy(param_dtype=compute,
-  reduce_dtype=float32)`` casts each layer's gathered parameters once per forward and reduces the
-  gradients in float32 into float32 sharded gradients;
-- a family's own TP/EP plan (e.g. workers/trainer/sharded_model.py): the forward runs under
-  ``torch.autocast(compute)``; gradients land on the float32 parameters, so their all-reduce is
-  float32 too.
+- both plans (workers/trainer/fsdp.py, and workers/trainer/mesh_plan.py with tp/ep): FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` casts each layer's (and each
+  MoE block's experts') gathered parameters once per forward and reduces the gradients in float32
+  into float32 sharded gradients.
 
 float32 compute over float32 master weights is exactly the old float32 trainer (no cast, no
 autocast). ``master_dtype=bfloat16`` (only with ``dtype=bfloat16``) is the old pure-bf16
@@ -20,9 +18,7 @@ trainer; the plan warns about it (workers.common.config.trainer.check_precision)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -46,14 +42,6 @@ class Precision:
     @property
     def mixed(self) -> bool:
         return self.master != self.compute
-
-
-def autocast(device: torch.device, precision: Optional[Precision]):
-    """The forward's context for plans that keep master-dtype parameters in the forward (not FSDP's
-    mixed precision): autocast to the compute dtype when it differs, else nothing."""
-    if precision is None or not precision.mixed:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=precision.compute)
 
 
 def update_fraction(master: torch.dtype, *, size: int = 1024, steps: int = 3, lr: float = 1e-6,

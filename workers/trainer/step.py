@@ -1,21 +1,22 @@
 """One optimizer step of the parallel trainer: forward (replay, packing), loss, backward, sync.
 
-The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/fsdp.py, or a
-family's TP/EP plan such as workers/trainer/sharded_model.py), one micro-batch or several
+The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/fsdp.py, or the
+tp/ep mesh plan's, workers/trainer/mesh_plan.py), one micro-batch or several
 (``trainer.micro_batch_tokens``, workers/trainer/micro.py: gradients accumulate, the loss keeps
 the step's GLOBAL normalisers).
 
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
-  forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
-             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs,
+  forward    per layer: FSDP all-gathers; with tp/ep, DTensor TP all-reduces (attention, MLPs), EP
+             all-to-alls (dispatch, combine) and tp token all-gathers in MoE blocks, vocab-parallel
+             all-reduces for the log-probs,
              context-parallel all-to-alls around attention / Mamba (workers/trainer/context_parallel.py);
   counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
              with several micro-batches and a balance loss, after a no-grad counting forward);
   backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
-  grads      FSDP: done; TP/EP plan: dense over ``batch``, experts over ``dp``; the norm over
-             ``batch`` (FSDP shards) or ``mp``;
+  grads      done by FSDP's reduce-scatters (mesh plan: dense over ``batch``, experts over the
+             expert-data-parallel ranks); the norm: one all-reduce of a scalar;
   stats      two all-reduces over ``batch`` (sums, then extremes).
 Every quantity is computed in ROW layout ``[B, T]`` whether or not the forward was packed.
 """
@@ -37,7 +38,7 @@ from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
-from workers.trainer.sharded_model import ShardedMoeForCausalLM
+from workers.trainer.fsdp import FsdpTrainerModel
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class RowForward:
     counts: torch.Tensor  # [L, E] routed slots per expert over valid tokens (this rank)
 
 
-def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
+def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
     """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
@@ -86,7 +87,7 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     return RowForward(logp=logp, entropy=entropy, routed=routed, own=own, prob_sums=prob_sums, counts=counts)
 
 
-def scatter_logprobs(model: ShardedMoeForCausalLM, logits: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
+def scatter_logprobs(model: FsdpTrainerModel, logits: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` log p(token t) and entropy from logits computed only at ``need`` (position t-1
     predicts token t), zero elsewhere: the layout of ``loss.token_logprobs``."""
@@ -96,7 +97,7 @@ def scatter_logprobs(model: ShardedMoeForCausalLM, logits: torch.Tensor, ids: to
     return zeros.masked_scatter(at, logp), zeros.masked_scatter(at, entropy)
 
 
-def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: TrainerConfig,
+def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerConfig,
                   dims: ParallelDims) -> dict[str, float]:
     """Forward, loss with GLOBAL normalisers, backward (per micro-batch, gradients accumulating),
     gradient sync and clip (no optimizer step).
@@ -160,7 +161,7 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
 
 
 @torch.no_grad()
-def count_experts(model: ShardedMoeForCausalLM, micro: list[RolloutBatch], *, replay: bool, pack: bool) -> torch.Tensor:
+def count_experts(model: FsdpTrainerModel, micro: list[RolloutBatch], *, replay: bool, pack: bool) -> torch.Tensor:
     """``[L, E]`` float64 routed slots per expert over this rank's micro-batches (no graph kept)."""
     total = None
     for mb in micro:
@@ -201,7 +202,7 @@ def _merge(a: TokenStats, b: TokenStats) -> TokenStats:
     return TokenStats(**sums, ratio_max=max(a.ratio_max, b.ratio_max), ratio_min=min(a.ratio_min, b.ratio_min))
 
 
-def train_step(model: ShardedMoeForCausalLM, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
+def train_step(model: FsdpTrainerModel, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
                tcfg: TrainerConfig, dims: ParallelDims) -> dict[str, float]:
     """One optimizer step on this rank's rows; returns GLOBAL statistics. Every rank ends with
     the same dense weights as its ``batch`` peers and the same experts as its ``dp`` peers."""

@@ -1,20 +1,17 @@
-"""Megatron-style tensor parallelism for the tiny MoE, in plain torch.distributed.
+"""Tensor-parallel pieces the DTensor plan (workers/trainer/mesh_plan.py) needs beside
+``parallelize_module``, in plain torch.distributed.
 
-Why these pieces: TP splits every big matmul over the ranks of a TP group, and the only
-communication is at the two ends of each split region (Shoeybi et al., Megatron-LM):
-  - ``copy_to(x)``    "f": identity forward, all-reduce of the gradient backward
-                      (each rank's slice used the same replicated input);
-  - ``reduce_from(x)`` "g": all-reduce forward (sum of partial outputs), identity backward
-                      (what follows is replicated, so every rank already has the gradient).
-A column-parallel linear (output features split) opens a region, a row-parallel linear
-(input features split) closes it: attention = f -> q/k/v column -> heads -> o row -> g;
-an expert MLP = gate/up column -> down row, closed after the EP combine.
+Why these: DTensor's ColwiseParallel / RowwiseParallel handle the ends of every split matmul, but a
+tensor that every head shares and that is used OUTSIDE a DTensor region gets a partial gradient
+on each TP rank (only its own heads contribute), which must be summed over the group:
+  - ``copy_to(x)`` (Megatron's "f"): identity forward, all-reduce of the gradient backward; used
+    for MLA's shared rope key and, through :class:`HeadSharedNorm`, Qwen3's per-head q/k norms;
+  - ``reduce_from(x)`` ("g"): all-reduce forward, identity backward (the vocab-parallel sums).
 
-The lm_head is column-parallel over the (padded) vocabulary and never gathered:
-:func:`vocab_parallel_target_logprobs` computes log p(target) and the entropy from the local
-vocabulary slice with three all-reduces of ``[N]`` tensors (max, sum of exp, target logit),
-as Megatron's vocab-parallel cross-entropy does; N counts only the positions that predict a
-loss token (the forward's ``logits_mask``).
+The lm_head's logits stay vocab-sharded: :func:`vocab_parallel_target_logprobs` computes log
+p(target) and the entropy from the local vocabulary slice with three all-reduces of ``[N]``
+tensors (max, sum of exp, target logit), as Megatron's vocab-parallel cross-entropy does; N counts
+only the positions that predict a loss token (the forward's ``logits_mask``).
 
 Every function is a no-op when the group is None (tp == 1): one code path for all degrees.
 """
@@ -24,14 +21,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from workers.models.blocks.attention import Attention
-from workers.models.blocks.mlp import SwiGLU
 from workers.models.blocks.norm import RMSNorm, rms_normalize
-
-PAD_LOGIT = -1.0e4
 
 
 class _CopyTo(torch.autograd.Function):
@@ -69,25 +61,6 @@ def reduce_from(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
     return x if group is None else _ReduceFrom.apply(x, group)
 
 
-def shard_linear(full: nn.Linear, dim: int, rank: int, size: int, *, pad_to: Optional[int] = None) -> nn.Linear:
-    """A bias-free ``nn.Linear`` holding slice ``rank`` of ``size`` of ``full.weight`` along ``dim``.
-
-    ``dim=0`` (output features) is column parallel, ``dim=1`` (input features) row parallel.
-    ``pad_to`` first zero-pads dim 0 to that many rows (the vocabulary, so any tp divides it).
-    """
-    assert full.bias is None, "tiny_moe linears have no bias"
-    w = full.weight.detach()
-    if pad_to is not None and pad_to > w.shape[0]:
-        w = torch.cat([w, w.new_zeros(pad_to - w.shape[0], w.shape[1])])
-    if w.shape[dim] % size:
-        raise ValueError(f"tensor parallel tp({size}) must divide {tuple(w.shape)}[{dim}] = {w.shape[dim]}")
-    part = w.chunk(size, dim=dim)[rank].clone()
-    out = nn.Linear(part.shape[1], part.shape[0], bias=False, device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        out.weight.copy_(part)
-    return out
-
-
 class HeadSharedNorm(RMSNorm):
     """A per-head RMSNorm (Qwen3's q_norm / k_norm) inside a TP region: the same ``[head_dim]``
     weight on every rank, each rank applying it to its own heads only. Its gradient on a rank
@@ -100,72 +73,6 @@ class HeadSharedNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to(self.weight, self.group) * rms_normalize(x, self.eps)
-
-
-class TensorParallelAttention(Attention):
-    """Attention over this rank's ``num_heads / tp`` heads; the HF parameter names stay.
-
-    q/k/v hold the rows of this rank's heads (head-major layout, so a contiguous slice is
-    whole heads), o_proj the matching columns; Attention.forward then runs unchanged on
-    the local heads and its partial output is summed over the group. Per-head q/k norms
-    (Qwen3) are replicated and applied to the local heads (:class:`HeadSharedNorm`).
-    """
-
-    def __init__(self, full: Attention, group: Optional[dist.ProcessGroup], rank: int, size: int):
-        nn.Module.__init__(self)
-        if full.nh % size or full.nkv % size:
-            raise ValueError(f"tensor parallel tp({size}) must divide num_heads({full.nh}) and num_kv_heads({full.nkv})")
-        self.nh, self.hd, self.nkv, self.group = full.nh // size, full.hd, full.nkv // size, group
-        self.rope_theta = full.rope_theta
-        self.q_proj, self.k_proj, self.v_proj = (shard_linear(getattr(full, n), 0, rank, size)
-                                                 for n in ("q_proj", "k_proj", "v_proj"))
-        self.o_proj = shard_linear(full.o_proj, 1, rank, size)
-        self.q_norm = None if full.q_norm is None else HeadSharedNorm(full.q_norm, group)
-        self.k_norm = None if full.k_norm is None else HeadSharedNorm(full.k_norm, group)
-
-    def forward(self, x, ctx):
-        return reduce_from(super().forward(copy_to(x, self.group), ctx), self.group)
-
-
-class TensorParallelMlp(nn.Module):
-    """A dense layer's SwiGLU MLP (HF Llama names) split over the group: gate/up column
-    parallel, down row parallel, partial outputs summed (f -> gate/up -> down -> g)."""
-
-    def __init__(self, full: SwiGLU, group: Optional[dist.ProcessGroup], rank: int, size: int):
-        super().__init__()
-        self.group = group
-        self.gate_proj = shard_linear(full.gate_proj, 0, rank, size)
-        self.up_proj = shard_linear(full.up_proj, 0, rank, size)
-        self.down_proj = shard_linear(full.down_proj, 1, rank, size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, self.group)
-        return reduce_from(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.group)
-
-
-class VocabParallelHead(nn.Module):
-    """lm_head with the vocabulary (zero-padded to a multiple of tp) split over the group.
-
-    Returns LOCAL logits ``[..., padded_vocab / tp]``; padding columns hold PAD_LOGIT: no
-    probability, no gradient, and finite (so p * z stays 0, where -inf would give NaN).
-    """
-
-    def __init__(self, full: nn.Linear, group: Optional[dist.ProcessGroup], rank: int, size: int):
-        super().__init__()
-        vocab = full.weight.shape[0]
-        self.vocab_size, self.group = vocab, group
-        padded = -(-vocab // size) * size
-        inner = shard_linear(full, 0, rank, size, pad_to=padded)
-        self.weight = inner.weight
-        self.vocab_start = rank * (padded // size)
-        self.num_real = max(0, min(vocab - self.vocab_start, padded // size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(copy_to(x, self.group), self.weight)
-        if self.num_real < logits.shape[-1]:
-            pad = torch.arange(logits.shape[-1], device=logits.device) >= self.num_real
-            logits = logits.masked_fill(pad, PAD_LOGIT)
-        return logits
 
 
 def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Tensor, temperature: float, *,

@@ -128,18 +128,41 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> "CausalLM":
-        """Deterministic init from ``seed``, independent of the global RNG state: norms 1, every
-        other tensor N(0, std) drawn in sorted-name order, the residual projections (o_proj,
-        down_proj) scaled down by sqrt(2 * num_layers) so the residual stream does not grow."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        for name, p in sorted(self.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        """Deterministic init from ``seed``, independent of the global RNG state: :meth:`seeded_tensors`."""
+        state = self.state_dict(keep_vars=True)
+        for name, t in self.seeded_tensors(seed):
+            state[name].copy_(t)
         return self
+
+    def seeded_tensors(self, seed: int):
+        """``(name, float32 tensor)`` of every parameter (sorted names, one generator: :meth:`init_tensor`)
+        and persistent buffer (:meth:`init_buffer`), ONE AT A TIME and from shapes only, so a model built
+        on the meta device and sharded (workers/trainer/mesh_plan.py ``materialize``) gets the very
+        values ``init_weights`` gives the full model without any rank holding all of them. The names
+        and full shapes are read NOW (before a sharding plan changes them); the values when iterated."""
+        params = sorted((n, tuple(p.shape)) for n, p in self.named_parameters())
+        buffers = [(n, tuple(b.shape)) for n, b in self.state_dict(keep_vars=True).items() if n not in dict(params)]
+
+        def stream():
+            gen = torch.Generator().manual_seed(seed)
+            for name, shape in params:
+                yield name, self.init_tensor(name, shape, gen)
+            for name, shape in buffers:
+                yield name, self.init_buffer(name, shape)
+        return stream()
+
+    def init_tensor(self, name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+        """The default rule: norms 1, every other tensor N(0, std), the residual projections (o_proj,
+        down_proj) scaled down by sqrt(2 * num_layers) so the residual stream does not grow."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        std = self.config.init_std
+        scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+        return torch.randn(shape, generator=gen) * scale
+
+    def init_buffer(self, name: str, shape: tuple) -> torch.Tensor:
+        """A persistent buffer's step-0 value: zeros (the sigmoid router's correction bias, the only one)."""
+        return torch.zeros(shape)
 
     def make_head(self) -> None:
         cfg = self.config

@@ -67,12 +67,18 @@ class LatentMoE(nn.Module):
         idx, weights, probs = self.gate.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
                                               None if forced_mask is None else forced_mask.reshape(-1))
         routed = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = self._experts(routed, idx, weights)
+        routed = self.routed_experts(routed, idx, weights)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.view(b, t, h) + self.shared_experts(x)
         aux, load = self.balance(idx, probs, valid)
         return out, idx.view(b, t, self.top_k), aux, load
+
+    def routed_experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts on the (latent) tokens: the trainer's expert-parallel plan sets
+        ``expert_parallel`` (workers/trainer/expert_parallel.py), else the reference loop."""
+        ep = self.__dict__.get("expert_parallel")
+        return ep(flat, idx, weights) if ep is not None else self._experts(flat, idx, weights)
 
     def _experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference)."""

@@ -67,6 +67,9 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         q_nope, q_rot = q.view(b, t, self.nh, self.dn + self.dr).transpose(1, 2).split([self.dn, self.dr], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        shared = self.__dict__.get("tp_shared")  # tensor parallel: heads on other ranks use k_rot too
+        if shared is not None:
+            k_rot = shared(k_rot)
         q_rot = rotate(q_rot, cos, sin, self.interleaved)
         k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
         entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached

@@ -83,14 +83,22 @@ class MoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         idx, weights, probs = self.route(flat, None if forced is None else forced.reshape(-1, self.top_k),
                                          None if forced_mask is None else forced_mask.reshape(-1))
-        if kernels.fast(flat) and self._grouped_ok(flat):
-            out = self._experts_grouped(flat, idx, weights)
-        elif flat.is_cuda and torch.cuda.is_current_stream_capturing():
-            out = self._experts_dense(flat, idx, weights)
-        else:
-            out = self._experts_loop(flat, idx, weights)
+        out = self.routed_experts(flat, idx, weights)
         aux, frac = self.balance(idx, probs, valid)
         return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac
+
+    def routed_experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[:, k] * expert_{idx[:, k]}(flat): grouped GEMM on the fast path, else the loop.
+        Under the trainer's expert-parallel plan an :class:`ExpertParallel` object set as
+        ``expert_parallel`` (workers/trainer/expert_parallel.py) runs it instead (all-to-all dispatch)."""
+        ep = self.__dict__.get("expert_parallel")
+        if ep is not None:
+            return ep(flat, idx, weights)
+        if kernels.fast(flat) and self._grouped_ok(flat):
+            return self._experts_grouped(flat, idx, weights)
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():  # the static engine's CUDA graphs
+            return self._experts_dense(flat, idx, weights)
+        return self._experts_loop(flat, idx, weights)
 
     def balance(self, idx: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]):
         """Switch-Transformer balance loss over valid tokens, E * sum_e f_e * P_e, and f [E].

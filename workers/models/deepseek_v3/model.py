@@ -70,22 +70,14 @@ class DeepseekV3ForCausalLM(CausalLM):
                               RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
         self.make_head()
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> "DeepseekV3ForCausalLM":
-        """Deterministic init from ``seed`` (independent of the global RNG): norms 1 (biases 0), every
-        other weight normal(0, init_std), the router's correction bias 0 (a buffer)."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in sorted(self.named_parameters()):
-            if re.search(r"norm\.weight$", name):
-                p.fill_(1.0)
-            elif re.search(r"norm\.bias$", name):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * self.config.init_std)
-        for name, b in self.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
-        return self
+    def init_tensor(self, name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+        """Seeded init (CausalLM.seeded_tensors): norms 1 (biases 0), every other weight normal(0,
+        init_std); the router's correction bias (a buffer) starts at 0 (CausalLM.init_buffer)."""
+        if re.search(r"norm\.weight$", name):
+            return torch.ones(shape)
+        if re.search(r"norm\.bias$", name):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=gen) * self.config.init_std
 
 
 def build_module(cls, cfg, *, device=None, dtype=None):

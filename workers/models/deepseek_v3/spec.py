@@ -2,9 +2,9 @@
 
 Multi-head latent attention (MLA, YaRN rotary), leading dense layers, sigmoid grouped top-k
 routed experts with shared experts (workers/models/deepseek_v3/model.py, from
-workers/models/blocks/). The embedded engine serves it (latent KV cache); the trainer has no
-sharding plan for it yet (``parallelize`` empty), so the plan refuses a run that would train it
-unless ``launcher.dry_run=true``. Multi-token-prediction layers are counted by the plan but not
+workers/models/blocks/). The embedded engine serves it (latent KV cache); the trainer shards it with
+the generic plans (FSDP2 at tp = ep = 1; workers/trainer/mesh_plan.py with tp or ep > 1: MLA heads
+split over tp, experts over ep). Multi-token-prediction layers are counted by the plan but not
 built (their checkpoint weights are skipped on load).
 """
 from __future__ import annotations
@@ -58,5 +58,5 @@ SPEC = MODELS.register(ModelSpec(
     name="deepseek_v3", config=DeepseekV3Config, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", not_built=hf_config.is_mtp, hf_architectures=("DeepseekV3ForCausalLM",),
     to_hf_config=hf_config.to_hf_config, from_hf_config=hf_config.from_hf_config,
-    summary="DeepSeek-V3 / Kimi-K2 (MLA + sigmoid-routed MoE; MTP layers counted, not built; no trainer "
-            "sharding plan yet)"))
+    summary="DeepSeek-V3 / Kimi-K2 (MLA + sigmoid-routed MoE; MTP layers counted, not built; trains under "
+            "FSDP2 or the tp/ep mesh plan)"))

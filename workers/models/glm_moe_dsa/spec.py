@@ -3,8 +3,8 @@
 DeepSeek-V3's blocks (MLA, dense + sigmoid-routed MoE layers, shared experts; interleaved
 rotary always) plus the DeepSeek Sparse Attention indexer (workers/models/blocks/dsa_indexer.py:
 each query attends to its ``index_topk`` best keys; dense reference path). The embedded engine
-serves it (latent + indexer-key cache); the trainer has no sharding plan for it yet, so runs that
-would train it are refused unless ``launcher.dry_run=true``. MTP layers: counted, not built.
+serves it (latent + indexer-key cache); the trainer shards it with the generic plans (FSDP2; the mesh plan
+with tp or ep > 1, where the DSA indexer stays replicated over tp). MTP layers: counted, not built.
 """
 from __future__ import annotations
 
@@ -112,5 +112,5 @@ SPEC = MODELS.register(ModelSpec(
     name="glm_moe_dsa", config=GlmMoeDsaConfig, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", not_built=hf_config.is_mtp, hf_architectures=("GlmMoeDsaForCausalLM",), to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
-    summary="GLM-5 (MLA + DSA indexer + sigmoid-routed MoE; MTP layers counted, not built; no trainer sharding "
-            "plan yet)"))
+    summary="GLM-5 (MLA + DSA indexer + sigmoid-routed MoE; MTP layers counted, not built; trains under FSDP2 "
+            "or the tp/ep mesh plan)"))

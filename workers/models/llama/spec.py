@@ -14,7 +14,7 @@ from workers.models.facts import Architecture
 from workers.models.hf_config import HfConfigMap
 from workers.models.llama.config import LlamaConfig
 from workers.models.spec import ModelSpec
-from workers.models.tiny_moe.spec import SHARDED, build, init
+from workers.models.tiny_moe.spec import build, init
 
 
 HF = HfConfigMap(
@@ -62,6 +62,6 @@ def check(cfg) -> None:
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="llama", config=LlamaConfig, check=check, arch=arch, build=build, init=init, parallelize=SHARDED,
+    name="llama", config=LlamaConfig, check=check, arch=arch, build=build, init=init,
     router_hook=None, hf_architectures=(HF.architecture,), to_hf_config=to_hf_config, from_hf_config=from_hf_config,
     summary="dense Llama decoder (tiny_moe's code with no experts; SmolLM2)"))

@@ -149,31 +149,24 @@ class NemotronHForCausalLM(CausalLM):
         """The skeleton's name for the backbone (checkpoints call it ``backbone``)."""
         return self.backbone
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> "NemotronHForCausalLM":
-        """Deterministic init from ``seed``, the reference's scheme: normal(init_std) matrices, unit
+    def init_tensor(self, name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+        """Seeded init (CausalLM.seeded_tensors), the reference's scheme: normal(init_std) matrices, unit
         norms, zero biases, S4D-real A_log, D = 1, dt_bias = softplus^-1 of a log-uniform dt in
         [time_step_min, time_step_max], out_proj scaled by 1/sqrt(num_layers)."""
         c = self.config
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in sorted(self.named_parameters()):
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-                p.fill_(1.0)
-            elif leaf == "bias":
-                p.zero_()
-            elif leaf == "A_log":
-                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
-            elif leaf == "D":
-                p.fill_(1.0)
-            elif leaf == "dt_bias":
-                lo, hi = math.log(c.time_step_min), math.log(c.time_step_max)
-                dt = torch.exp(torch.rand(p.shape, generator=gen) * (hi - lo) + lo).clamp(min=c.time_step_floor)
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            else:
-                scale = 1 / math.sqrt(c.num_layers) if name.endswith("out_proj.weight") else 1.0
-                p.copy_(torch.randn(p.shape, generator=gen) * c.init_std * scale)
-        return self
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or name.endswith("norm_f.weight") or leaf == "D":
+            return torch.ones(shape)
+        if leaf == "bias":
+            return torch.zeros(shape)
+        if leaf == "A_log":
+            return torch.log(torch.arange(1, math.prod(shape) + 1, dtype=torch.float32)).view(shape)
+        if leaf == "dt_bias":
+            lo, hi = math.log(c.time_step_min), math.log(c.time_step_max)
+            dt = torch.exp(torch.rand(shape, generator=gen) * (hi - lo) + lo).clamp(min=c.time_step_floor)
+            return dt + torch.log(-torch.expm1(-dt))
+        scale = 1 / math.sqrt(c.num_layers) if name.endswith("out_proj.weight") else 1.0
+        return torch.randn(shape, generator=gen) * c.init_std * scale
 
 
 def in_dtype(model: NemotronHForCausalLM, dtype) -> NemotronHForCausalLM:

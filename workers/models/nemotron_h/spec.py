@@ -4,9 +4,9 @@ MLP and LatentMoE layers; transformers' NemotronHForCausalLM).
 Torch-free at import: ``build`` / ``init`` import workers/models/nemotron_h/model.py when called.
 Plan facts count each layer kind by what it holds (:class:`HybridArchitecture`); the KV cache
 per token is the attention layers' only (a Mamba layer keeps a fixed-size state per sequence).
-No trainer sharding plan yet (``parallelize`` is empty): a run that would train is refused at
-plan time by :func:`workers.models.checks.check_base`; dry-run plans and the embedded
-engine work.
+The trainer shards it with the generic plans: FSDP2 at tp = ep = 1, the mesh plan
+(workers/trainer/mesh_plan.py) otherwise, where its Mamba-2 mixers stay replicated over tp (attention,
+MLP and shared experts are split; routed experts go over ep).
 """
 from __future__ import annotations
 
@@ -127,8 +127,8 @@ def init(model_cfg, dtype):
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="nemotron_h", config=NemotronHConfig, check=check, arch=arch, build=build, init=init, parallelize="",
+    name="nemotron_h", config=NemotronHConfig, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", from_hf=from_hf, hf_architectures=ARCHITECTURES, to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
-    summary="Nemotron-H / Nemotron 3 (hybrid Mamba-2, attention, MLP, LatentMoE): builds and serves; "
-            "no trainer sharding plan yet"))
+    summary="Nemotron-H / Nemotron 3 (hybrid Mamba-2, attention, MLP, LatentMoE): builds, serves and trains "
+            "(FSDP2; mesh plan with tp/ep, Mamba-2 replicated over tp)"))

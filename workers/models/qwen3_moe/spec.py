@@ -4,8 +4,8 @@ Torch-free at import: ``build`` / ``init`` import workers/models/qwen3_moe/model
 Parameter names are the checkpoint's, so ``to_hf`` / ``from_hf`` are the identity; config.json
 maps through :data:`HF` (workers/models/hf_config.py), refusing sliding-window attention,
 attention biases, rotary scaling and any key the model does not implement. The trainer shards
-it with workers/trainer/sharded_model.py (TP attention with replicated per-head q/k norms, TP
-dense MLPs, experts over EP); Router Replay forces the routed layers' experts.
+it with FSDP2, or with tp/ep the mesh plan (workers/trainer/mesh_plan.py: DTensor TP attention with
+replicated per-head q/k norms, TP dense MLPs, experts over EP); Router Replay forces the routed layers' experts.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from workers.models.facts import Architecture
 from workers.models.hf_config import HfConfigMap
 from workers.models.qwen3_moe.config import Qwen3MoeConfig
 from workers.models.spec import ModelSpec
-from workers.models.tiny_moe.spec import SHARDED
 
 HF = HfConfigMap(
     family="qwen3_moe", architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe",
@@ -93,7 +92,7 @@ def check(cfg) -> None:
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="qwen3_moe", config=Qwen3MoeConfig, check=check, arch=arch, build=build, init=init, parallelize=SHARDED,
+    name="qwen3_moe", config=Qwen3MoeConfig, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", hf_architectures=(HF.architecture,), to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
     summary="Qwen3-MoE (q/k norms, free head_dim, GQA, norm_topk_prob, decoder_sparse_step / mlp_only_layers)"))

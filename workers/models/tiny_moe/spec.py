@@ -2,8 +2,8 @@
 
 Torch-free at import: ``build`` and ``init`` import workers/models/tiny_moe/model.py when called.
 The trainer shards it with FSDP2 at tp = ep = 1 (workers/trainer/fsdp.py, every family's default)
-and with workers/trainer/sharded_model.py when tp or ep > 1 (TP attention and lm_head, experts over
-EP by the HF name's placement); Router Replay forces experts through ``forced_experts``.
+and with the mesh plan when tp or ep > 1 (workers/trainer/mesh_plan.py: DTensor TP attention,
+vocab-parallel embedding and lm_head, experts over EP); Router Replay forces experts through ``forced_experts``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from workers.models.facts import Architecture
 from workers.models.spec import ModelSpec
 from workers.models.tiny_moe.config import TinyMoeConfig
 
-SHARDED = "workers.trainer.sharded_model:ShardedMoeForCausalLM"
 """The trainer's TP/EP plan of the tiny_moe/llama decoder (placement() by HF parameter name)."""
 
 
@@ -44,5 +43,5 @@ def check(cfg) -> None:
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="tiny_moe", config=TinyMoeConfig, check=check, arch=arch, build=build, init=init, parallelize=SHARDED,
+    name="tiny_moe", config=TinyMoeConfig, check=check, arch=arch, build=build, init=init,
     router_hook="forced_experts", summary="small causal MoE decoder in plain torch (every layer top-k routed)"))

@@ -1,0 +1,266 @@
+"""The mesh plan: FSDP2 + DTensor tensor parallel + expert parallel on ONE DeviceMesh, for any
+``CausalLM`` built from the shared blocks (tiny_moe, llama, qwen3_moe, deepseek_v3, glm_moe_dsa,
+nemotron_h). ``ModelSpec.trainer_plan`` picks it whenever trainer.parallel.tp or ep > 1.
+
+The mesh (:func:`build_mesh`) has dimensions ``(ep, dp_shard, tp)`` over the ranks of
+workers/trainer/parallel.py's layout (rank = (dp * ep + ep_rank) * tp + tp_rank, TP innermost),
+and two flattened views: ``batch`` = ep x dp_shard (every rank with distinct rows: dense
+parameters are fully_shard-ed over it) and ``edp`` = dp_shard x tp (the ranks holding the same
+experts: the expert-data-parallel dimension the experts are fully_shard-ed over). dp_replicate
+(HSDP) is not a dimension yet: every data-parallel rank shards.
+
+Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors last):
+  attention  GQA: q/k/v ColwiseParallel (heads split), o_proj RowwiseParallel, per-head q/k norms
+             replicated with a TP-summed gradient; MLA: q_b_proj (or q_proj) and kv_b_proj
+             ColwiseParallel (split by heads), o_proj RowwiseParallel, the latent down-projections
+             (q_a_proj, kv_a_proj_with_mqa), their norms and a DSA indexer replicated; Mamba-2
+             mixers stay replicated (no TP split of their fused in_proj yet);
+  dense MLP  SwiGLU / squared-ReLU (and a MoE block's shared experts): gate/up Colwise, down Rowwise;
+  MoE        experts split over ep (workers/trainer/expert_parallel.py), router replicated;
+  vocab      embed_tokens RowwiseParallel (vocab-parallel lookup), lm_head ColwiseParallel with
+             its output left vocab-sharded: :meth:`MeshTrainerModel.target_logprobs` computes the
+             log-probs vocab-parallel (workers/trainer/tensor_parallel.py), never [T, V]. Tied
+             embeddings stay replicated (the head is the embedding).
+Then ``fully_shard`` of each MoE block's experts over ``edp``, of every layer over ``batch`` and
+of the root. Gradients are summed (divide factor 1): the loss carries the global normaliser.
+Parameter names stay the HF ones (experts by global id), so DCP checkpoints
+(workers/trainer/dcp_state.py) reshard between this plan and the FSDP plan at any layout.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from workers.trainer.expert_parallel import LocalExperts, shard_experts
+from workers.trainer.fsdp import FsdpTrainerModel
+from workers.trainer.micro import checkpoint_mode
+from workers.trainer.parallel import ParallelDims
+from workers.trainer.precision import Precision
+from workers.trainer.tensor_parallel import HeadSharedNorm, copy_to, vocab_parallel_target_logprobs
+
+COL, ROW = ColwiseParallel(), RowwiseParallel()
+
+
+def build_mesh(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(mesh (ep, dp_shard, tp), batch view, edp view). COLLECTIVE (creates the groups)."""
+    ranks = torch.arange(dims.world_size).view(dims.dp, dims.ep, dims.tp).permute(1, 0, 2)
+    mesh = DeviceMesh(dims.device.type, ranks, mesh_dim_names=("ep", "dp_shard", "tp"))
+    return mesh, mesh["ep", "dp_shard"]._flatten("batch"), mesh["dp_shard", "tp"]._flatten("edp")
+
+
+def _is_moe(m: nn.Module) -> bool:
+    return hasattr(m, "experts") and hasattr(m, "num_experts") and callable(getattr(m, "routed_experts", None))
+
+
+def _tp_attention(attn: nn.Module, tp_mesh: DeviceMesh, tp: int) -> None:
+    """GQA (Attention, NoPEAttention) or MLA (anything with kv_b_proj): heads split over tp."""
+    if hasattr(attn, "kv_b_proj"):  # MLA: only the per-head up-projections and o_proj are split
+        up = "q_b_proj" if getattr(attn, "q_lora_rank", 0) else "q_proj"
+        plan = {up: COL, "kv_b_proj": COL, "o_proj": ROW}
+        # The rope key is one head shared by every query head: its gradient sums over the TP ranks.
+        attn.__dict__["tp_shared"] = functools.partial(copy_to, group=tp_mesh.get_group())
+    else:
+        if attn.nkv % tp:
+            raise ValueError(f"trainer.parallel.tp({tp}) must divide the KV heads({attn.nkv})")
+        plan = {"q_proj": COL, "k_proj": COL, "v_proj": COL, "o_proj": ROW}
+        attn.nkv //= tp
+    if attn.nh % tp:
+        raise ValueError(f"trainer.parallel.tp({tp}) must divide the attention heads({attn.nh})")
+    attn.nh //= tp
+    parallelize_module(attn, tp_mesh, plan)
+    for norm in ("q_norm", "k_norm"):  # per-head norms on the local heads: gradient summed over tp
+        if getattr(attn, norm, None) is not None:
+            setattr(attn, norm, HeadSharedNorm(getattr(attn, norm), tp_mesh.get_group()))
+
+
+def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh) -> None:
+    plan = {"up_proj": COL, "down_proj": ROW}
+    if hasattr(mlp, "gate_proj"):
+        plan["gate_proj"] = COL
+    parallelize_module(mlp, tp_mesh, plan)
+
+
+def _apply_tp(full: nn.Module, tp_mesh: DeviceMesh, tp: int) -> bool:
+    """Tensor-parallelise ``full`` in place; True when lm_head is vocab-sharded."""
+    for layer in full.model.layers:
+        for m in list(layer.modules()):
+            if _is_moe(m):
+                if getattr(m, "shared_experts", None) is not None:
+                    _tp_mlp(m.shared_experts, tp_mesh)
+            elif hasattr(m, "o_proj") and hasattr(m, "nh"):
+                _tp_attention(m, tp_mesh, tp)
+        mlp = getattr(layer, "mlp", None) or getattr(layer, "mixer", None)
+        if mlp is not None and not _is_moe(mlp) and hasattr(mlp, "down_proj") and hasattr(mlp, "up_proj"):
+            _tp_mlp(mlp, tp_mesh)
+    if full.lm_head is None:
+        return False  # tied: the embedding is the head and stays replicated
+    parallelize_module(full.model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                         output_layouts=Replicate()))
+    parallelize_module(full.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=True))
+    return True
+
+
+class MeshTrainerModel(FsdpTrainerModel):
+    """The trainer's interface on the mesh plan (see :class:`FsdpTrainerModel` for the FSDP-only one)."""
+
+    vocab_sharded: bool
+    mesh: DeviceMesh
+    """The plan's mesh: its tp and ep groups carry every TP / EP collective of the model (the step's
+    batch statistics go over ParallelDims' ``batch`` group, the same ranks as the mesh's)."""
+    full_param_names: list[str]
+    full_state_names: list[str]
+
+    def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p / entropy from this TP rank's vocabulary slice ``[N, ceil(V/tp)]`` (the last rank's
+        may be shorter): three ``[N]`` all-reduces over tp, no full logits."""
+        if not self.vocab_sharded:
+            return super().target_logprobs(logits, targets, temperature)
+        start = self.dims.tp_rank * -(-self.config.vocab_size // self.dims.tp)
+        return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=start,
+                                              group=self.mesh.get_group("tp"))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm with each element counted once: a rank's local shard of a parameter is
+        held by ``holders / shards`` ranks (holders: every rank, or the ``world / ep`` ranks of
+        an expert's EP rank; shards: the product of the sharded dims of its mesh)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.dims.device)
+        grads = []
+        experts = {id(p) for _, m in self.expert_modules() for p in m.parameters()}
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            grads.append(g)
+            holders = self.dims.world_size // (self.dims.ep if id(p) in experts else 1)
+            shards = 1
+            if isinstance(g, DTensor):
+                # not is_shard(): FSDP over a TP-sharded dim uses _StridedShard, whose is_shard() is False
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                g = g.to_local()
+            sq += g.detach().double().pow(2).sum() * shards / holders
+        if self.dims.world_size > 1:
+            dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def full_state_dict(self, *, to_rank: Optional[int] = 0,
+                        dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
+        """The full HF state dict (COLLECTIVE): DTensors gathered one at a time, each MoE block's
+        experts gathered over edp then ep (all_gather of the stacked local experts)."""
+        return self._gather_all(self.state_dict().items(), self.full_state_names, to_rank, dtype)
+
+    def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
+        grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
+        return self._gather_all(grads, self.full_param_names, to_rank, None)
+
+    @torch.no_grad()
+    def _gather_all(self, tensors: Iterable[tuple[str, torch.Tensor]], names: list[str], to_rank: Optional[int],
+                    dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
+        tensors = dict(tensors)
+        local = self.expert_modules()
+        prefixes = tuple(prefix + "." for prefix, _ in local)
+        dense = [(n, t) for n, t in tensors.items() if not n.startswith(prefixes)]
+        out = self._gather_full(dense, None, dtype)
+        ep_group = self.mesh.get_group("ep") if self.dims.ep > 1 else None
+        for prefix, experts in local:  # same order on every rank
+            ids = list(experts.keys())
+            for suffix, _ in experts[ids[0]].named_parameters():
+                local = [tensors[f"{prefix}.{i}.{suffix}"] for i in ids]
+                stack = torch.stack([t.full_tensor() if isinstance(t, DTensor) else t.detach() for t in local])
+                if ep_group is not None:
+                    parts = [torch.empty_like(stack) for _ in range(self.dims.ep)]
+                    dist.all_gather(parts, stack.contiguous(), group=ep_group)
+                    stack = torch.cat(parts)
+                for e in range(stack.shape[0]):
+                    t = stack[e].clone()
+                    out[f"{prefix}.{e}.{suffix}"] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        if to_rank is not None and self.dims.rank != to_rank:
+            return None
+        return {n: out[n] for n in names}
+
+    def expert_modules(self) -> list[tuple[str, LocalExperts]]:
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, LocalExperts)]
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> nn.Module:
+    """Allocate a model sharded while on the meta device (``parallelize`` of ``build(device="meta")``)
+    and fill this rank's shards from ``tensors``: ``(name, FULL tensor or a callable reading it)``
+    pairs taken one at a time (``CausalLM.seeded_tensors``, hf_checkpoint.checkpoint_tensors), so no
+    rank ever holds more than one full tensor and a callable is called only for names it holds. Each DTensor
+    shard is cut locally (``distribute_tensor(src_data_rank=None)``: no communication, any placement
+    incl. FSDP's strided shards over TP); names this rank does not hold (other EP ranks' experts)
+    are skipped. Every parameter and persistent buffer must come by (checked)."""
+    model.to_empty(device=device)
+    state = model.state_dict(keep_vars=True)
+    missing = set(state)
+    for name, full in tensors:
+        t = state.get(name)
+        if t is None:
+            continue
+        full = (full() if callable(full) else full).to(device=device, dtype=t.dtype)
+        if isinstance(t, DTensor):
+            t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+        else:
+            t.copy_(full)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"materialize: no values for {sorted(missing)[:8]} ({len(missing)} tensors)")
+    return model
+
+
+def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Precision] = None) -> nn.Module:
+    """Shard ``full`` (a ``CausalLM`` in the MASTER dtype, identical on every rank) over the mesh
+    of ``dims`` (module docstring); returns the same module, now a :class:`MeshTrainerModel`."""
+    master = next(full.parameters()).dtype
+    precision = precision or Precision(master=master, compute=master)
+    assert precision.master == master, (precision, master)
+    param_names = [n for n, _ in full.named_parameters()]
+    state_names = list(full.state_dict().keys())
+    if dims.ep > 1 and not any(_is_moe(m) for m in full.modules()):
+        raise ValueError(f"trainer.parallel.ep({dims.ep}) > 1 needs a MoE model; this one has no routed layers")
+    if dims.ep > 1 or dims.tp > 1:
+        for layer in full.model.layers:
+            if checkpoint_mode(layer) == "selective" and any(_is_moe(m) for m in layer.modules()):
+                raise ValueError("trainer.activation_checkpointing=selective: not with the mesh plan's MoE layers "
+                                 "(the nested experts' FSDP hooks differ in the recompute); use full")
+    mesh, batch_mesh, edp_mesh = build_mesh(dims)
+    vocab_sharded = _apply_tp(full, mesh["tp"], dims.tp) if dims.tp > 1 else False
+    policy = MixedPrecisionPolicy(param_dtype=None if not precision.mixed else precision.compute,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    units = []
+    layers = list(full.model.layers)
+    for i, layer in enumerate(layers):
+        for block in [m for m in layer.modules() if _is_moe(m)]:
+            experts = shard_experts(block, ep_group=mesh.get_group("ep") if dims.ep > 1 else None, ep=dims.ep,
+                                    ep_rank=dims.ep_rank, tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
+                                    tp=dims.tp, tp_rank=dims.tp_rank)
+            fully_shard(experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+            units.append(experts)
+        fully_shard(layer, mesh=batch_mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+        units.append(layer)
+    fully_shard(full, mesh=batch_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in [*units, full]:
+        module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser
+        module.set_force_sum_reduction_for_comms(True)
+        if hasattr(module, "set_reduce_scatter_unused_params"):
+            module.set_reduce_scatter_unused_params(True)
+    full.__class__ = type(f"Mesh{type(full).__name__}", (MeshTrainerModel, type(full)), {})
+    full.dims, full.precision, full.vocab_sharded = dims, precision, vocab_sharded
+    full.full_param_names, full.full_state_names = param_names, state_names
+    full.mesh = mesh
+    return full
