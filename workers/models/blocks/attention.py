@@ -81,5 +81,5 @@ class Attention(nn.Module):
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = kernels.attend(q, k, v, ctx.mask)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
+        out = kernels.attend(q, k, v, ctx.mask, docs=ctx.docs)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

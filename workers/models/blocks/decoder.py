@@ -24,6 +24,7 @@ from torch import nn
 
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.kernels import fast
+from workers.models.blocks.varlen import Documents
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class ForwardContext:
     layer: int = 0  # index of the layer being run (cache slot)
     forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
+    docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None)
     memo: dict = dataclasses.field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -164,9 +166,10 @@ class CausalLM(nn.Module):
         With a cache, keys are the cached ones plus the new ones; attention is causal over the
         concatenation. ``forced_experts`` [B,T,L_routed,k] with optional ``forced_mask`` [B,T]
         replays routing. Every query may also see itself, so pad rows never produce NaN.
-        ``segment_ids`` [B, T] (packing, full-sequence forwards only): a query attends only to its
-        own segment; pass per-segment ``position_ids`` with it. ``logits_mask`` [B, T] bool:
-        logits only there, returned flat ``[N, V]`` in row-major order.
+        ``segment_ids`` [B, T] (packing, full-sequence forwards only; each segment contiguous, -1 on
+        padding): a query attends only to its own segment, Mamba states restart at each segment, and
+        no [T, T] mask is built (workers/models/blocks/varlen.py); pass per-segment ``position_ids``.
+        ``logits_mask`` [B, T] bool: logits only there, returned flat ``[N, V]`` in row-major order.
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -178,14 +181,15 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.key_mask = key_mask
         x = self.model.embed_tokens(input_ids)
+        docs = None
+        if segment_ids is not None:  # packed rows: per-document attention, never a [T, T] mask
+            assert cache is None, "sequence packing is for full-sequence forwards"
+            docs = Documents.from_segments(torch.where(valid, segment_ids, -1))
         fast_causal = (cache is None and segment_ids is None and fast(x)
                        and (attention_mask is None or right_padded(valid)))
-        mask = None if fast_causal else dense_mask(key_mask, t, past)
-        if segment_ids is not None:
-            assert cache is None, "sequence packing is for full-sequence forwards"
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, t, past)
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
-                             cache=cache, past=past, forced_mask=forced_mask)
+                             cache=cache, past=past, forced_mask=forced_mask, docs=docs)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):

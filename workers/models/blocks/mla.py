@@ -29,6 +29,7 @@ from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.norm import RMSNorm
+from workers.models.blocks.varlen import attend_docs
 
 LORA_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm / kv_a_layernorm: the checkpoints' code fixes it (not rms_norm_eps)."""
@@ -80,10 +81,15 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(latent_all).view(b, s, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
         mask = ctx.mask
         if self.indexer is not None:
-            mask = self.indexer.restrict(x, q_latent, cos, sin, ctx)
+            restrict = self.indexer.restrict if ctx.docs is None else self.indexer.restrict_docs
+            mask = restrict(x, q_latent, cos, sin, ctx)
         elif self.reuses_index:
             mask = shared_mask(ctx)
-        out = kernels.attend(torch.cat([q_nope, q_rot], dim=-1), k, v, mask, self.scale)
+        if ctx.docs is not None:  # packed rows: per document; sparse layers pass per-document keep masks
+            out = attend_docs(q, k, v, ctx.docs, self.scale, mask if (self.indexer is not None or self.reuses_index) else None)
+        else:
+            out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))

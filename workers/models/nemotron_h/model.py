@@ -65,7 +65,7 @@ class NoPEAttention(nn.Module):
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (the reference's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = kernels.attend(q, k, v, ctx.mask, scale=self.hd ** -0.5)
+        out = kernels.attend(q, k, v, ctx.mask, scale=self.hd ** -0.5, docs=ctx.docs)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -99,6 +99,9 @@ class HybridBlock(nn.Module):
         h = self.norm(x)
         if self.kind == "M":
             cache = ctx.cache
+            if ctx.docs is not None:  # packed: every document starts from a zero state (seq_idx semantics)
+                y = ctx.docs.map_runs(lambda r, a, b, doc: self.mixer(h[r:r + 1, a:b], ctx.valid[r:r + 1, a:b])[0])
+                return x + y, None
             state = None if cache is None else cache.states[ctx.layer]
             y, new_state = self.mixer(h, ctx.valid, state, return_state=cache is not None)
             if cache is not None:
