@@ -28,6 +28,7 @@ import torch
 
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
+from workers.models.blocks.logprobs import Scoring
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
                                   routing_disagreement)
@@ -50,8 +51,10 @@ class RowForward:
     counts: torch.Tensor  # [L, E] routed slots per expert over valid tokens (this rank)
 
 
-def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
-    """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
+def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: bool, pack: bool,
+                 logprob_chunk: int = 0) -> RowForward:
+    """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens,
+    ``logprob_chunk`` positions at a time (``trainer.logprob_chunk_tokens``; 0: all at once)."""
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
@@ -65,10 +68,13 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
+    at = predicted(need)
+    score = Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
+                    scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))
     with compute_context(model), capture_routing(model) as routers:
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
-                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
-    logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
+                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need, score=score)
+    logp, entropy = place(at, out.logp), place(at, out.entropy)
     prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
     own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
     if packing is not None:
@@ -81,10 +87,19 @@ def scatter_logprobs(model: ShardedMoeForCausalLM, logits: torch.Tensor, ids: to
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` log p(token t) and entropy from logits computed only at ``need`` (position t-1
     predicts token t), zero elsewhere: the layout of ``loss.token_logprobs``."""
-    at = torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)  # the predicted tokens' positions
+    at = predicted(need)
     logp, entropy = model.target_logprobs(logits, ids[at], temperature)
-    zeros = torch.zeros(ids.shape, dtype=logp.dtype, device=ids.device)
-    return zeros.masked_scatter(at, logp), zeros.masked_scatter(at, entropy)
+    return place(at, logp), place(at, entropy)
+
+
+def predicted(need: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions of the tokens that the ``need`` positions predict (one later)."""
+    return torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)
+
+
+def place(at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values [N]`` into a [B, T] zero tensor at the ``at`` positions, row-major."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
 
 def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: TrainerConfig,
@@ -108,8 +123,9 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
     tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
                           device=dims.device)
     counts = None
+    chunk = tcfg.logprob_chunk_tokens
     if len(micro) == 1:
-        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences)
+        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
         totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
         counts = totals[2:].view(fwd.counts.shape)
         fwds = [fwd]
@@ -121,7 +137,7 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
     num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
     acc = _Accumulator()
     for i, mb in enumerate(micro):
-        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences)
+        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
         fwds[i] = None  # drop the graph's owner as soon as it is used
         loss_mask = mb.loss_mask
         if replay and tcfg.replay_unreported == "mask":

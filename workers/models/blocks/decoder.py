@@ -24,15 +24,18 @@ from torch import nn
 
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.kernels import fast
+from workers.models.blocks.logprobs import Scoring, chunked_logprobs
 from workers.models.blocks.varlen import Documents
 
 
 @dataclasses.dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V], or [N, V] under logits_mask
+    logits: Optional[torch.Tensor]  # [B, T, V], or [N, V] under logits_mask; None when scored (``score``)
     aux_loss: torch.Tensor  # scalar load-balancing loss, mean over routed layers (0 for dense)
     routed_experts: torch.Tensor  # [B, T, L_routed, k] int64 ([B, T, 0, 0] for dense)
     expert_load: torch.Tensor  # [L_routed, E] fraction of routed slots per expert
+    logp: Optional[torch.Tensor] = None  # [N] log p(target) under ``score`` (chunked, never [N, V])
+    entropy: Optional[torch.Tensor] = None  # [N] entropy under ``score`` (no grad)
 
 
 @dataclasses.dataclass
@@ -160,7 +163,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 forced_experts: Optional[torch.Tensor] = None, forced_mask: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None) -> ModelOutput:
+                segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None,
+                score: Optional[Scoring] = None) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
         With a cache, keys are the cached ones plus the new ones; attention is causal over the
@@ -170,6 +174,8 @@ class CausalLM(nn.Module):
         padding): a query attends only to its own segment, Mamba states restart at each segment, and
         no [T, T] mask is built (workers/models/blocks/varlen.py); pass per-segment ``position_ids``.
         ``logits_mask`` [B, T] bool: logits only there, returned flat ``[N, V]`` in row-major order.
+        ``score`` (with ``logits_mask``): no logits; ``logp`` / ``entropy`` ``[N]`` of its targets,
+        computed in chunks (workers/models/blocks/logprobs.py).
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -205,9 +211,19 @@ class CausalLM(nn.Module):
         h = self.model.norm(x)
         if logits_mask is not None:
             h = h[logits_mask]
-        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
+        logits = logp = entropy = None
+        if score is None:
+            logits = self.head(h)
+        else:
+            assert logits_mask is not None, "score needs logits_mask (which positions predict its targets)"
+            logp, entropy = chunked_logprobs(h, score, self.head)
         if not routed:  # dense: no routed layer, an empty routing record [B, T, 0, 0]
             return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
-                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev))
+                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev),
+                               logp=logp, entropy=entropy)
         return ModelOutput(logits=logits, aux_loss=aux_total / len(routed), routed_experts=torch.stack(routed, dim=2),
-                           expert_load=torch.stack(loads))
+                           expert_load=torch.stack(loads), logp=logp, entropy=entropy)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states: ``lm_head``, or the embedding matrix when tied."""
+        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
