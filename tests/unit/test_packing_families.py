@@ -103,3 +103,30 @@ def test_attend_docs_is_per_document_causal_and_pads_attend_to_themselves():
     torch.testing.assert_close(out, ref)
     out[:, :, 3:5].sum().backward()  # document 1 reads only its own values
     assert v.grad[:, :, :3].abs().max() == 0 and v.grad[:, :, 5:].abs().max() == 0
+
+
+def test_the_varlen_branch_flattens_runs_into_cu_seqlens(monkeypatch):
+    """The CUDA branch (one varlen launch over [B*T, H, D]) checked on CPU against the per-document
+    loop, with a stand-in kernel that takes the same arguments as torch's ``varlen_attn``."""
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert torch.equal(cu_q, cu_k) and window_size == (-1, 0)
+        calls.append((cu_q.tolist(), max_q))
+        pieces = [varlen.causal_sdpa(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), scale)[0].transpose(0, 1)
+                  for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
+        return torch.cat(pieces)
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 1, 1]])
+    docs = Documents.from_segments(seg)
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(2))
+    v = torch.randn(2, 3, 6, 5, generator=g)
+    want = varlen.attend_docs(q, k, v, docs, scale=0.25)
+    monkeypatch.setattr(varlen, "_VARLEN", fake_varlen)
+    monkeypatch.setitem(varlen._VARLEN_CAUSAL, "window_size", (-1, 0))
+    monkeypatch.setattr(varlen, "varlen_ok", lambda q, v: True)
+    got = varlen.attend_docs(q, k, v, docs, scale=0.25)
+    assert calls == [([0, 3, 5, 6, 10, 12], 4)]
+    torch.testing.assert_close(got[0, :, :5], want[0, :, :5])  # the padding run differs: nobody reads it
+    torch.testing.assert_close(got[1], want[1])

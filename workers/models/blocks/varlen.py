@@ -116,8 +116,8 @@ _VARLEN_CAUSAL: dict = {}
 
 
 def _varlen_fn() -> Optional[Callable]:
-    """torch's varlen flash attention, or None where this torch has none. Its causal switch moved
-    between releases: ``is_causal=True`` (2.10/2.11) or ``window_size=(-1, 0)`` (2.12+)."""
+    """torch's varlen flash attention, or None where this torch has none (or one without ``scale``).
+    Its causal switch moved between releases: ``is_causal=True`` (older) or ``window_size=(-1, 0)``."""
     global _VARLEN
     if _VARLEN is None:
         try:
@@ -126,12 +126,16 @@ def _varlen_fn() -> Optional[Callable]:
             _VARLEN = False
             return None
         params = inspect.signature(varlen_attn).parameters
+        if "scale" not in params or not ({"is_causal", "window_size"} & set(params)):
+            _VARLEN = False  # a prototype without the arguments used here: per-document SDPA instead
+            return None
         _VARLEN_CAUSAL.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
         _VARLEN = varlen_attn
     return _VARLEN or None
 
 
 def varlen_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The one-launch varlen kernel applies (CUDA, half precision, a torch that has it)."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None
 
 
