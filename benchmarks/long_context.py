@@ -51,8 +51,10 @@ WARM_UP_TOKENS = 512
 
 
 def trainer_config(args: argparse.Namespace) -> TrainerConfig:
+    """The step measured (``args``: ac, chunk; optional ``dtype``, ``model`` a TinyMoeConfig, as tests set)."""
     return TrainerConfig(lr=1e-4, router_replay=True, pack_sequences=True, activation_checkpointing=args.ac,
-                         logprob_chunk_tokens=args.chunk, ratio_mask_low=1e-9, ratio_mask_high=1e9)
+                         logprob_chunk_tokens=args.chunk, ratio_mask_low=1e-9, ratio_mask_high=1e9,
+                         dtype=getattr(args, "dtype", "float32"))
 
 
 def _worker(rank: int, world: int, port: int, seq_len: int, args: argparse.Namespace, out: str) -> None:
@@ -60,7 +62,8 @@ def _worker(rank: int, world: int, port: int, seq_len: int, args: argparse.Names
     dims = gloo_dims(rank, world, port)
     try:
         tcfg = trainer_config(args)
-        cfg = dataclasses.replace(TINY_MOE, max_position_embeddings=max(seq_len, TINY_MOE.max_position_embeddings))
+        base = getattr(args, "model", None) or TINY_MOE
+        cfg = dataclasses.replace(base, max_position_embeddings=max(seq_len, base.max_position_embeddings))
         full = build_model(cfg, 0)
         apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
         model = parallelize(full, dims, precision=Precision.of(tcfg))
