@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.models.facts import architecture
+from workers.models.spec import architecture
 
 FIT_FRACTION = 0.9
 """Share of a GPU that trainer states + activations may plan to use (the rest: allocator
@@ -138,3 +138,26 @@ def human_bytes(n: float) -> str:
         if abs(n) >= div:
             return f"{n / div:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, states_how: str = "") -> tuple[float, str, int]:
+    """(states + activations in GB per trainer GPU, the plan's line, the smallest cp that fits or 0).
+
+    ``states_gb``: launcher/estimate.py ``trainer_memory`` (parameters, gradients, AdamW state, sharded
+    over the trainer GPUs as the trainer shards them). Fits when the sum is <= FIT_FRACTION x gpu_gb.
+    """
+    t = cfg.trainer
+    cp = getattr(t.parallel, "cp", 1)  # context parallel, once the trainer has it (issue 20 item 3)
+
+    def act(c: int) -> ActivationEstimate:
+        return activation_memory(cfg.model, tokens=longest_tokens(cfg), ac=t.activation_checkpointing, tp=t.parallel.tp,
+                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens)
+
+    usable = FIT_FRACTION * gpu_gb
+    a = act(cp)
+    total = states_gb + a.total_bytes / 1e9
+    need = next((c for c in (1, 2, 4, 8, 16, 32, 64) if c <= num_ranks and states_gb + act(c).total_bytes / 1e9 <= usable), 0)
+    how = f" ({states_how})" if states_how else ""
+    line = (f"states {states_gb:.1f} GB{how} + activations {a.detail} = {total:.1f} GB/GPU of {usable:.1f} "
+            f"({FIT_FRACTION:.0%} of {gpu_gb:.0f})")
+    return total, line, need
