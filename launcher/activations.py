@@ -19,7 +19,7 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   outputs of every layer and recomputes the rest one layer at a time (measured on CPU: the layer
   being recomputed, with its gradients, peaks at about one layer's activations);
 * the trainer around the model: rotary tables, routing records (forced, chosen, own top-k as
-  int64), packing indices and the loss's per-token tensors (:data:`TRAINER_BYTES_PER_TOKEN` plus
+  int64; the router probabilities are reduced to [E] sums as each router runs), packing indices and the loss's per-token tensors (:data:`TRAINER_BYTES_PER_TOKEN` plus
   the routing terms), the embedding output and the final hidden states with their gradients;
 * the head: ``trainer.logprob_chunk_tokens`` x vocabulary float32 logits, about
   :data:`HEAD_COPIES` alive at once (logits, scaled copy, exp, gradient), vocabulary / tp each;
@@ -108,7 +108,7 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     else:
         raise ValueError(f"trainer.activation_checkpointing={ac!r}: choose none | full | selective")
     routed_layers = a.num_moe_layers
-    trainer = int(n * (TRAINER_BYTES_PER_TOKEN + routed_layers * (a.top_k * 8 * 4 + a.num_experts * 4)
+    trainer = int(n * (TRAINER_BYTES_PER_TOKEN + routed_layers * a.top_k * 8 * 4
                        + 4 * a.hidden_size * c + 4 * a.mha_head_dim * c))
     chunk = min(n, logprob_chunk) if logprob_chunk > 0 else n
     head = int(HEAD_COPIES * chunk * -(-a.vocab_size // tp) * 4)

@@ -30,7 +30,7 @@ from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.logprobs import Scoring
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
+from workers.trainer.loss import (TokenStats, expert_counts, load_balance_loss, loss_relevant_inputs, policy_loss,
                                   routing_disagreement)
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
@@ -71,11 +71,14 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     at = predicted(need)
     score = Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
                     scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))
-    with compute_context(model), capture_routing(model) as routers:
+    with compute_context(model), capture_routing(model, valid=attention) as routers:
         out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
                     forced_mask=forced_mask, segment_ids=segments, logits_mask=need, score=score)
     logp, entropy = place(at, out.logp), place(at, out.entropy)
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, attention, cfg.num_experts)  # dense: [0, 0]
+    prob_sums, counts = torch.zeros(0, 0, device=ids.device), torch.zeros(0, 0, device=ids.device)  # dense
+    if routers:
+        prob_sums = torch.stack([p for p, _ in routers])
+        counts = expert_counts(out.routed_experts, attention, cfg.num_experts)
     own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
@@ -246,10 +249,17 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
 
 
 @contextlib.contextmanager
-def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Collect every routed layer's ``(probs [B*T, E] with grad, own choice [B*T, k])``, in layer
     order, during one forward: the DP-exact balance loss needs the probabilities, and
     routing_disagreement the router's OWN top-k under Router Replay.
+
+    ``valid`` ([B, T] bool): keep only the probability SUMS over the valid tokens, ``[E]`` with
+    grad, reduced as each router runs. All the balance loss needs, and the [B*T, E] probabilities
+    are then not held until the loss (at 131k tokens x 256 experts x 75 layers they would be 10 GB
+    per row, kept even under full activation checkpointing). The weights stay on the router after
+    the context closes, so a checkpointed layer's recompute in the backward reduces them again
+    (the same ops as the forward, as non-reentrant and selective checkpointing require).
 
     Any family: the router of a routed layer (``routed = True``) is the first of its modules
     with ``route(x, forced, forced_mask) -> (indices, weights, probs)`` (tiny_moe's MoeBlock,
@@ -263,20 +273,21 @@ def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
                for layer in model.model.layers if getattr(layer, "routed", False)]
     routers = [r for r in routers if r is not None]
+    weights = None if valid is None else valid.reshape(-1).to(torch.float32)[:, None]
     for r in routers:
         if not isinstance(r.__dict__.get("route"), _CapturingRoute):
             r.route = _CapturingRoute(type(r).route.__get__(r))
-        r.route.sink = captured
+        r.route.sink, r.route.weights = captured, weights
     try:
         yield captured
     finally:
-        for r in routers:
+        for r in routers:  # weights stay: an activation-checkpointing recompute must run the same ops
             r.route.sink = None
 
 
 class _CapturingRoute:
     def __init__(self, route):
-        self.route, self.sink = route, None
+        self.route, self.sink, self.weights = route, None, None
 
     def __call__(self, x, *args, **kwargs):
         idx, weights, probs = self.route(x, *args, **kwargs)
@@ -286,8 +297,11 @@ class _CapturingRoute:
         else:
             with torch.no_grad():
                 own = self.route(x, None, None)[0]
+        kept = probs
+        if self.weights is not None and self.weights.shape[0] == probs.shape[0]:
+            kept = (probs.float() * self.weights).sum(0)  # also in a recompute (sink closed): same saved tensors
         if self.sink is not None:
-            self.sink.append((probs, own.detach()))
+            self.sink.append((kept, own.detach()))
         return idx, weights, probs
 
 
