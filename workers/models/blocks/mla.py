@@ -15,7 +15,8 @@ None. Each step re-expands the cached latents through ``kv_b_proj`` (the referen
 
 An optional ``indexer`` (DeepSeek Sparse Attention, workers/models/blocks/dsa_indexer.py)
 narrows each query's keys to its top ``index_topk``: the indexer's keep mask is ANDed into the
-attention mask (the dense reference path of sparse attention).
+attention mask (the dense reference path of sparse attention). Packed rows (``ctx.docs``) attend
+per document (workers/models/blocks/varlen.py), the indexer choosing inside each document.
 """
 from __future__ import annotations
 
@@ -82,14 +83,14 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        mask = ctx.mask
+        mask, sparse = ctx.mask, self.indexer is not None or self.reuses_index
         if self.indexer is not None:
             restrict = self.indexer.restrict if ctx.docs is None else self.indexer.restrict_docs
             mask = restrict(x, q_latent, cos, sin, ctx)
         elif self.reuses_index:
             mask = shared_mask(ctx)
         if ctx.docs is not None:  # packed rows: per document; sparse layers pass per-document keep masks
-            out = attend_docs(q, k, v, ctx.docs, self.scale, mask if (self.indexer is not None or self.reuses_index) else None)
+            out = attend_docs(q, k, v, ctx.docs, self.scale, mask if sparse else None)
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
