@@ -29,7 +29,8 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
 Tokens per GPU: the longest sequence (``env.max_episode_tokens`` when the env has one, else
 ``model.max_position_embeddings``), or ``trainer.micro_batch_tokens`` when larger, divided by
 ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence; 1 until the
-trainer has it). Attention/MLP widths divide by tp. tests/unit/test_activation_estimate.py holds
+trainer has it). Attention/MLP widths divide by tp. A hybrid family's Mamba-2 layers are counted
+as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/test_activation_estimate.py holds
 the estimate to within 25% of the measured peak of a real trainer step on CPU.
 Pure arithmetic; no torch (the launcher imports it on the login node).
 """
