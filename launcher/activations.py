@@ -26,9 +26,10 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   it is alive when no layer is being recomputed, so the peak is what stays plus the larger of the
   two.
 
-Tokens per GPU: the longest sequence (``env.max_episode_tokens`` when the env has one, else
-``model.max_position_embeddings``), or ``trainer.micro_batch_tokens`` when larger, divided by
-``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence; 1 until the
+Tokens per GPU (:func:`forward_tokens`): a micro-batch of ``trainer.micro_batch_tokens`` (at least
+the longest sample: ``env.max_episode_tokens`` when the env has one, else
+``model.max_position_embeddings``), or with micro_batch_tokens 0 the rank's whole batch of rows at
+the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence; 1 until the
 trainer has it). Attention/MLP widths divide by tp. A hybrid family's Mamba-2 layers are counted
 as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/test_activation_estimate.py holds
 the estimate to within 25% of the measured peak of a real trainer step on CPU.
@@ -117,21 +118,29 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
     total = int(n * kept) + max(head, int(n * working)) + trainer
-    detail = (f"{human_bytes(total)} for {n} tokens/GPU (longest {tokens} / cp {cp}), activation_checkpointing "
+    detail = (f"{human_bytes(total)} for {n} tokens/GPU ({tokens} per forward / cp {cp}), activation_checkpointing "
               f"{ac}: layers {human_bytes(layers)}, log-prob head {human_bytes(head)} (chunk {chunk}), "
               f"trainer tensors {human_bytes(trainer)}")
     return ActivationEstimate(tokens=n, total_bytes=total, layers_bytes=layers, head_bytes=head, trainer_bytes=trainer,
                               detail=detail)
 
 
-def longest_tokens(cfg) -> int:
-    """Tokens of the longest forward a trainer rank runs: the longest episode (or context), or a larger
-    micro-batch budget."""
-    longest = cfg.model.max_position_embeddings
+def longest_sample(cfg) -> tuple[int, str]:
+    """(tokens of the longest sample a run can produce, the key that bounds it): a multi-turn env's
+    ``env.max_episode_tokens`` (the runner enforces it), else ``model.max_position_embeddings``."""
     episode = getattr(cfg.env, "max_episode_tokens", None)
-    if isinstance(episode, int) and 0 < episode < longest:
-        longest = episode
-    return max(longest, cfg.trainer.micro_batch_tokens)
+    if isinstance(episode, int) and 0 < episode < cfg.model.max_position_embeddings:
+        return episode, "env.max_episode_tokens"
+    return cfg.model.max_position_embeddings, "model.max_position_embeddings"
+
+
+def forward_tokens(cfg, rows_per_rank: int) -> int:
+    """Tokens of the largest forward a trainer rank runs: a micro-batch of ``trainer.micro_batch_tokens``
+    (at least one whole sample), or with 0 the rank's whole batch at once, every row as long as the
+    longest sample can be (rows are padded to the longest; packing holds at most as much)."""
+    longest, _ = longest_sample(cfg)
+    mbt = cfg.trainer.micro_batch_tokens
+    return max(mbt, longest) if mbt > 0 else max(1, rows_per_rank) * longest
 
 
 def human_bytes(n: float) -> str:
@@ -141,17 +150,20 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, states_how: str = "") -> tuple[float, str, int]:
+def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_per_rank: int,
+                states_how: str = "") -> tuple[float, str, int]:
     """(states + activations in GB per trainer GPU, the plan's line, the smallest cp that fits or 0).
 
     ``states_gb``: launcher/estimate.py ``trainer_memory`` (parameters, gradients, AdamW state, sharded
     over the trainer GPUs as the trainer shards them). Fits when the sum is <= FIT_FRACTION x gpu_gb.
+    ``rows_per_rank``: samples of a step each rank trains on (its forward with micro_batch_tokens 0).
     """
     t = cfg.trainer
     cp = getattr(t.parallel, "cp", 1)  # context parallel, once the trainer has it (issue 20 item 3)
+    tokens = forward_tokens(cfg, rows_per_rank)
 
     def act(c: int) -> ActivationEstimate:
-        return activation_memory(cfg.model, tokens=longest_tokens(cfg), ac=t.activation_checkpointing, tp=t.parallel.tp,
+        return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens)
 
     usable = FIT_FRACTION * gpu_gb

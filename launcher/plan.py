@@ -21,7 +21,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING, Iterator
 
-from launcher.activations import FIT_FRACTION, longest_tokens, trainer_fit
+from launcher.activations import FIT_FRACTION, longest_sample, trainer_fit
 from launcher.estimate import (MemoryEstimate, ParamCount, count_params, human, server_memory, states_formula,
                                trainer_memory)
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
@@ -231,7 +231,7 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
         raise PlanError(f"cluster.node_address={c.node_address!r} must contain '{{node}}' or be a plain address")
 
 
-def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, ...]
+def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, ...], *, rows_per_rank: int = 1
                     ) -> tuple[tuple[MemoryEstimate, ...], tuple[str, ...]]:
     """Trainer states + activations and replica weights per GPU, and warnings; raises when something
     cannot fit (activations of the longest sequence: a warning in a dry run, which plans presets whose
@@ -246,15 +246,18 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
             key = "launcher.trainer.num_nodes"
             if est.fits:
                 total, line, need = trainer_fit(cfg, est.per_gpu_gb, gpu_gb, num_ranks=r.num_procs,
-                                               states_how=states_formula(params, r.num_procs, cfg.trainer.master_dtype))
+                                                rows_per_rank=rows_per_rank,
+                                                states_how=states_formula(params, r.num_procs, cfg.trainer.master_dtype))
                 if total > FIT_FRACTION * gpu_gb:
                     t = cfg.trainer
                     cures = ([f"trainer.parallel.cp >= {need} (context parallel)"] if need else []) + (
+                        [f"trainer.micro_batch_tokens={longest_sample(cfg)[0]} (one longest sample per forward)"]
+                        if t.micro_batch_tokens == 0 and rows_per_rank > 1 else []) + (
                         ["trainer.activation_checkpointing=full"] if t.activation_checkpointing != "full" else []) + [
                         "a smaller trainer.logprob_chunk_tokens", "more trainer GPUs"]
                     cure = ", ".join(cures[:-1]) + " or " + cures[-1]
-                    problem = (f"trainer does not fit its GPUs with the activations of its longest sequence "
-                               f"({longest_tokens(cfg)} tokens): {line}; use {cure}")
+                    problem = (f"trainer does not fit its GPUs with the activations of its largest forward: {line}; "
+                               f"use {cure}")
                     if not cfg.launcher.dry_run:
                         raise PlanError(problem)
                     warnings.append(f"{problem} (a real run is refused)")
@@ -329,7 +332,8 @@ def build_plan(cfg: RunConfig) -> JobPlan:
         raise PlanError(f"launcher.num_gpu_nodes({cfg.launcher.num_gpu_nodes}) != GPU nodes planned: {split} = {gpu_nodes}")
     check_preflight(cfg, components)
     params = count_params(cfg.model)
-    memory, memory_warnings = estimate_memory(cfg, params, roles)
+    memory, memory_warnings = estimate_memory(cfg, params, roles,
+                                              rows_per_rank=-(-samples // (dims.dp * dims.ep)))
     dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings)
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from launcher.activations import longest_sample
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision
 from workers.common.registry import BACKENDS, MODELS
@@ -200,10 +201,10 @@ def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
             raise PlanError(str(e)) from None
         plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
         warnings.append(f"{e} (a real run is refused)")
-    longest = cfg.model.max_position_embeddings
+    longest, where = longest_sample(cfg)
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "
-                        f"model.max_position_embeddings({longest}): a micro-batch must fit one whole sample; "
+                        f"{where}({longest}): a micro-batch must fit one whole sample; "
                         f"use >= {longest}, or 0 for the whole rank batch in one pass")
     return plan, tuple(warnings) + ((warning,) if warning else ())
 

@@ -39,12 +39,12 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
 
 
-LONG = ["cluster=h200_ib", "model=gpu_moe_1b5", "model.max_position_embeddings=131072"]
+LONG = ["cluster=h200_ib", "model=gpu_moe_1b5", "model.max_position_embeddings=131072", "trainer.micro_batch_tokens=131072"]
 
 
 def test_a_layout_that_does_not_fit_is_refused_with_the_numbers():
-    with pytest.raises(PlanError, match=r"trainer does not fit its GPUs with the activations of its longest sequence "
-                                        r"\(131072 tokens\): states 23\.6 GB \(16 B/param x 1\.5B params / 1 GPUs\) \+ activations .* of 126\.9 \(90% of 141\); "
+    with pytest.raises(PlanError, match=r"trainer does not fit its GPUs with the activations of its largest forward: "
+                                        r"states 23\.6 GB \(16 B/param x 1\.5B params / 1 GPUs\) \+ activations .* of 126\.9 \(90% of 141\); "
                                         r"use trainer\.activation_checkpointing=full"):
         build_plan(compose([*LONG, "launcher.dry_run=false", "trainer.activation_checkpointing=none"]))
     dry = build_plan(compose([*LONG, "trainer.activation_checkpointing=none"]))  # a dry run plans, and warns
@@ -53,3 +53,15 @@ def test_a_layout_that_does_not_fit_is_refused_with_the_numbers():
     (mem,) = [m for m in fits.memory if m.what == "trainer"]
     assert mem.fits and "states 23.6 GB (16 B/param x 1.5B params / 1 GPUs) + activations" in mem.detail and "131072 tokens/GPU" in mem.detail
     assert any(line.startswith("memory trainer: states") for line in fits.summary())
+
+
+def test_without_micro_batches_the_whole_rank_batch_is_one_forward():
+    """micro_batch_tokens 0: every row of the rank's share of the step at once (128 rows of up to 1024
+    tokens on one GPU here), so the plan counts them all and names the micro-batch budget as a cure."""
+    base = ["cluster=h200_ib", "model=gpu_moe_1b5", "model.max_position_embeddings=1024", "launcher.dry_run=false"]
+    one = build_plan(compose([*base, "trainer.micro_batch_tokens=1024"]))
+    (mem,) = [m for m in one.memory if m.what == "trainer"]
+    assert "1024 tokens/GPU (1024 per forward / cp 1)" in mem.detail
+    with pytest.raises(PlanError, match=r"131072 tokens/GPU \(131072 per forward.*trainer\.micro_batch_tokens=1024 "
+                                        r"\(one longest sample per forward\)"):
+        build_plan(compose([*base, "trainer.micro_batch_tokens=0", "model.max_position_embeddings=1024"]))
