@@ -130,3 +130,39 @@ def test_the_varlen_branch_flattens_runs_into_cu_seqlens(monkeypatch):
     assert calls == [([0, 3, 5, 6, 10, 12], 4)]
     torch.testing.assert_close(got[0, :, :5], want[0, :, :5])  # the padding run differs: nobody reads it
     torch.testing.assert_close(got[1], want[1])
+
+
+class _Shapes:
+    """Every tensor shape any op produces (forward and backward), through a dispatch mode."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor):
+                        seen.append((str(func), tuple(t.shape)))
+                return out
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "glm_moe_dsa_tiny"])  # DSA: n x n per document
+def test_a_packed_row_never_materialises_a_t_by_t_tensor(preset):
+    """One 257-token document in a packed row, forward + backward: no op output has two dims of 257
+    (the old block mask was [B, 1, T, T] and SDPA's masked path an [B, H, T, T] score matrix)."""
+    model, cfg = build(preset)
+    t = 257
+    ids = torch.randint(1, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
+    shapes = _Shapes()
+    with shapes.mode:
+        out = model(ids, position_ids=torch.arange(t)[None], attention_mask=torch.ones(1, t, dtype=torch.bool),
+                    segment_ids=torch.zeros(1, t, dtype=torch.long))
+        out.logits.float().logsumexp(-1).sum().backward()
+    square = [(op, s) for op, s in shapes.seen if sum(d == t for d in s) >= 2]
+    assert not square, square[:3]
+    assert any(t in s for _, s in shapes.seen)  # the probe saw the sequence
