@@ -54,7 +54,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _steps_done(run_dir: Path) -> int:
     recs = _read_jsonl(run_dir / "metrics.jsonl")
-    return max((r["step"] for r in recs), default=-1) + 1
+    return max((r["step"] for r in recs), default=0)  # 1-based steps: the last is the count
 
 
 def _pid(run_dir: Path, child: str) -> Optional[int]:
@@ -134,7 +134,7 @@ def measure(run_dir: Path, kills: list[dict], num_steps: int) -> dict:
         "finished": finished,
         "num_steps": len(set(steps)),
         "steps_duplicated_in_metrics": len(steps) - len(set(steps)),
-        "steps_missing_in_metrics": len(set(range(num_steps)) - set(steps)),
+        "steps_missing_in_metrics": len(set(range(1, num_steps + 1)) - set(steps)),
         "kills": kills,
         "rollouts_lost": len(led.pending()) * cfg_samples if finished else None,
         "rollouts_trained_twice": led.summary()["groups_trained_twice"] * cfg_samples,

@@ -17,8 +17,8 @@ reset with /proc/self/clear_refs) minus its resident memory just before it, max 
 is what torch's CPU allocator really takes (tracemalloc does not see it); large blocks are mmap'd
 (MALLOC_MMAP_THRESHOLD_) so freed activations leave the RSS.
 
-Context parallelism (``--cp 2``) needs ``trainer.parallel.cp`` (issue 20 item 3); until the
-trainer has it a cp > 1 point is refused with that reason. Writes benchmarks/results/long_context.json
+Context parallelism: ``python -m benchmarks.long_context_cp`` (cp > 1 splits the row over ranks and
+attends with a whole-sequence mask, not per document; ``--cp`` here takes 1 only). Writes benchmarks/results/long_context.json
 ``{"runs": [{"seq_len": T, "cp": C, "peak_bytes_per_rank": P}], "setup": {...}}``.
 """
 from __future__ import annotations
@@ -39,7 +39,6 @@ from benchmarks.gpu.common import TINY_MOE
 from benchmarks.trainer_memory import _rss, _trim
 from tests.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
-from workers.common.config.trainer import ParallelConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing
@@ -87,8 +86,8 @@ def _worker(rank: int, world: int, port: int, seq_len: int, args: argparse.Names
 
 def measure(seq_len: int, cp: int, args: argparse.Namespace, tmp: Path, timeout_s: float = 1800.0) -> dict:
     """One point in fresh processes; ``cp`` ranks once the trainer splits a sequence over them."""
-    if cp != 1 and not hasattr(ParallelConfig(), "cp"):
-        raise SystemExit(f"--cp {cp}: the trainer has no context parallelism (trainer.parallel.cp) yet")
+    if cp != 1:  # the cp path attends with a whole-sequence mask, not per document: not this benchmark's row
+        raise SystemExit(f"--cp {cp}: context parallelism has its own benchmark, python -m benchmarks.long_context_cp")
     out = tmp / f"T{seq_len}_cp{cp}.json"
     for attempt in range(2):  # a second try only for a port another process took between pick and bind
         ctx = mp.start_processes(_worker, args=(cp, free_port(), seq_len, args, str(out)), nprocs=cp, join=False,

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="smollm2_bench_"))
     run_dir, wall = run(args.overrides, args.steps, root)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trained = final_weights(run_dir, records[-1]["step"] + 1)
+    trained = final_weights(run_dir, records[-1]["step"])  # step N published weights/step_N
     after = {"greedy": evaluate(cfg, trained, num_tasks=args.eval_tasks, temperature=0.0),
              "sampled": evaluate(cfg, trained, num_tasks=args.eval_tasks, temperature=1.0),
              "greedy_longer": evaluate(cfg, trained, num_tasks=args.eval_tasks, temperature=0.0, num_words=longer)}

@@ -87,6 +87,9 @@ commands:
   cancel [RUN_DIR|JOB_ID]       scancel a submitted run
   resume                        slurmrl launcher.resume=RUN_DIR [OVERRIDES]: continue a stopped run
   preflight                     slurmrl-preflight (GPU, NCCL, filesystem and port checks; --help)
+  submit preflight|export|eval [--nodes N --cluster NAME ...] -- ARGS
+                                a standalone Slurm job through submitit: preflight on N nodes, a step
+                                exported as one HF directory, or slurmrl-eval of a step (--help)
 
 common overrides:
   experiment=NAME               hydra_conf/experiment/ (tiny_local, glm5_swe_28xh200, ...)
@@ -105,6 +108,10 @@ def main() -> None:
         from launcher.runs_list import list_command
 
         sys.exit(list_command(sys.argv[3] if len(sys.argv) == 4 else None))
+    if len(sys.argv) > 1 and sys.argv[1] == "submit":
+        from launcher.standalone import main as submit_main
+
+        sys.exit(submit_main())
     if len(sys.argv) > 1 and sys.argv[1] in ("status", "cancel"):
         from launcher.submit import command_line
 

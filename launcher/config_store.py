@@ -53,7 +53,8 @@ def reject_unknown_keys(cfg: DictConfig, schema: type = RunConfig, prefix: str =
             continue
         full = f"{prefix}{key}"
         if key not in fields:
-            raise KeyError(f"{full} is not a config key; valid keys under {prefix.rstrip('.') or 'the root'}: "
+            hint = " (an env class of your own: env=target env._target_=my_pkg.envs:MyEnv)" if full == "env._target_" else ""
+            raise KeyError(f"{full} is not a config key{hint}; valid keys under {prefix.rstrip('.') or 'the root'}: "
                            f"{sorted(fields)}")
         sub = hints[key]
         if OmegaConf.is_dict(cfg[key]):

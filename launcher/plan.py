@@ -80,7 +80,8 @@ class JobPlan:
         """Human-readable lines the launcher prints (and the dry run shows)."""
         p = self.params
         lines = [f"model: {self.model + ': ' if self.model else ''}{human(p.total)} params ({human(p.active)} active per token"
-                 + (f", +{human(p.mtp)} in MTP layers: counted, not built or trained" if p.mtp else "") + ")"]
+                 + (f", +{human(p.mtp)} in MTP layers: counted; skipped on load, not trained, "
+                                      "not in published steps" if p.mtp else "") + ")"]
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
             lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "
@@ -227,6 +228,9 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
                         f"port_span({c.port_span}) = {top}) must lie in [1024, 65536)")
     _positive("cluster.signal_grace_s", c.signal_grace_s)
     _positive("cluster.max_requeues", c.max_requeues, allow_zero=True)
+    if c.respawn_backoff_max_s < c.respawn_backoff_s:
+        raise PlanError(f"cluster.respawn_backoff_max_s({c.respawn_backoff_max_s:g}) < "
+                        f"cluster.respawn_backoff_s({c.respawn_backoff_s:g}): the cap is below the first wait")
     if "{node}" not in c.node_address and not re.match(r"^[\w.:-]+$", c.node_address):
         raise PlanError(f"cluster.node_address={c.node_address!r} must contain '{{node}}' or be a plain address")
 

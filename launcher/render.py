@@ -18,7 +18,7 @@ import jinja2
 
 from launcher.plan import JobPlan, PlanError
 from launcher.resources import RolePlan
-from workers.common.topology import RoleLayout, format_layout
+from workers.common.topology import SERVER_ROLES, RoleLayout, format_layout
 
 PACKAGED_TEMPLATES = Path(__file__).resolve().parent.parent / "sbatch_templates"
 MAIN_TEMPLATE = "hetjob.sbatch.j2"
@@ -136,7 +136,8 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
     steps = []
     for r in sorted(plan.roles, key=lambda r: (r.het_group, r.role != "orchestrator")):
         steps.append({
-            "role": r.role, "het_group": r.het_group, "main": int(r.main), "num_tasks": r.num_procs,
+            "role": r.role, "het_group": r.het_group, "main": int(r.main),
+            "respawn": int(r.role in SERVER_ROLES and plan.slurm.server_respawns > 0), "num_tasks": r.num_procs,
             "num_nodes": r.num_nodes, "num_nodes_per_replica": r.num_nodes_per_replica, "module": r.module,
             "description": r.description, "srun": step_flags(r, plan.slurm), "command": step_command(r, plan.slurm),
             "template": STEP_TEMPLATES.get(r.role, SERVER_TEMPLATE), **backend_step_of(plan, r.role),
@@ -159,6 +160,9 @@ def render_context(plan: JobPlan, *, run_dir: str, python: str, workdir: str, sc
         "env": sorted({**BASE_ENV, **dict(plan.slurm.env)}.items()),
         "setup": list(plan.slurm.setup),
         "preflight": plan.preflight,
+        # The batch step runs on the host even when the steps run in a container; the supervisor
+        # needs only the standard library, so a containerised job runs it with the host's python3.
+        "supervisor_python": "python3" if plan.slurm.container_runtime != "none" else '"$SLURMRL_PYTHON"',
     }
 
 

@@ -81,6 +81,8 @@ class TrainerDims:
     num_nodes: int
     num_gpus_per_node: int
     num_experts: int
+    cp: int = 1
+    """Context-parallel ranks per sequence."""
     plan: str = ""
     """The trainer's sharding plan (``module:callable``): FSDP2 at tp = ep = 1, else the family's own."""
     warnings: tuple[str, ...] = ()
@@ -89,7 +91,8 @@ class TrainerDims:
     def describe(self) -> str:
         where = (f"{self.num_nodes} node(s) x {self.num_gpus_per_node} GPUs" if self.num_gpus_per_node
                  else f"{self.num_nodes} node(s), CPU")
-        return (f"tp({self.tp}) x pp({self.pp}) x ep({self.ep}) x dp({self.dp}) = {self.num_ranks} ranks on {where}; "
+        cp = f" x cp({self.cp})" if self.cp > 1 else ""  # shown only when used (golden sbatch files stay)
+        return (f"tp({self.tp}) x pp({self.pp}) x ep({self.ep}){cp} x dp({self.dp}) = {self.num_ranks} ranks on {where}; "
                 f"{self.num_experts // self.ep} routed experts per EP rank")
 
 
@@ -119,6 +122,9 @@ class SlurmJobPlan:
     container_image: str = ""
     container_mounts: tuple[str, ...] = ()
     container_workdir: str = ""
+    server_respawns: int = 0
+    respawn_backoff_s: float = 5.0
+    respawn_backoff_max_s: float = 60.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
@@ -131,7 +137,8 @@ class SlurmJobPlan:
                    shutdown_grace_s=int(round(cfg.launcher.shutdown_grace_s)), template_dir=c.template_dir,
                    python=c.python, gpu_mem_whole_node=c.gpu_mem_whole_node, container_runtime=c.container.runtime,
                    container_image=c.container.image, container_mounts=tuple(c.container.mounts),
-                   container_workdir=c.container.workdir)
+                   container_workdir=c.container.workdir, server_respawns=c.server_respawns,
+                   respawn_backoff_s=c.respawn_backoff_s, respawn_backoff_max_s=c.respawn_backoff_max_s)
 
 
 def _need_positive(key: str, value: int) -> None:
@@ -171,6 +178,7 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
         raise PlanError(f"trainer.parallel.ep({par.ep}) must divide model.num_experts({m.num_experts})")
     if m.num_heads % par.tp:
         raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.num_heads({m.num_heads})")
+    check_context_parallel(cfg)
     if gpn and par.tp > gpn:
         raise PlanError(f"trainer.parallel.tp({par.tp}) > cluster.num_gpus_per_node({gpn}): keep tensor parallel "
                         f"inside a node (NVLink)")
@@ -184,6 +192,31 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
                     mem_gb=lt.mem_gb, main=True, config_key="launcher.trainer",
                     description=f"trainer: {ranks} rank(s), {tpn} per node")
     return role, dims
+
+
+def check_context_parallel(cfg: RunConfig) -> None:
+    """``trainer.parallel.cp`` (workers/trainer/context_parallel.py): PlanError naming the numbers for a
+    layout the trainer cannot run. Ulysses splits the Mamba-2 scan by heads, so cp must divide
+    model.mamba_num_heads (Mamba groups are repeated as needed, so they need not); attention splits
+    by heads when cp divides model.num_heads and gathers the keys/values otherwise (no constraint).
+    cp must divide the sequence (the longest, model.max_position_embeddings; shorter rows are padded
+    to a multiple of cp). There is no context parallelism in the tensor/expert-parallel plan."""
+    par, m, t = cfg.trainer.parallel, cfg.model, cfg.trainer
+    if par.cp == 1:
+        return
+    if par.tp != 1 or par.ep != 1:
+        raise PlanError(f"trainer.parallel.cp({par.cp}) needs tp(1) and ep(1) (got tp({par.tp}), ep({par.ep})): "
+                        f"context parallelism runs in the FSDP plan only")
+    mamba = getattr(m, "mamba_num_heads", 0) if "M" in getattr(m, "hybrid_override_pattern", "") else 0
+    if mamba % par.cp:
+        raise PlanError(f"trainer.parallel.cp({par.cp}) must divide model.mamba_num_heads({mamba}): context "
+                        f"parallelism splits the Mamba-2 scan's heads over the cp ranks")
+    if m.max_position_embeddings % par.cp:
+        raise PlanError(f"trainer.parallel.cp({par.cp}) must divide the sequence, model.max_position_embeddings"
+                        f"({m.max_position_embeddings}): each cp rank holds an equal contiguous chunk")
+    if t.ratio_level != "token":
+        raise PlanError(f"trainer.ratio_level={t.ratio_level!r} with trainer.parallel.cp({par.cp}): a row-level "
+                        f"ratio needs every token of the row on one rank; use ratio_level=token")
 
 
 def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:

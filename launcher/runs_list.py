@@ -1,8 +1,9 @@
 """``slurmrl status --all [RUNS_ROOT]``: every run under the runs root in one table.
 
-One Slurm query for all submitted runs (``squeue`` for live jobs with their pending reason,
-then one ``sacct`` for the ones squeue no longer knows), not one scontrol per job every few
-seconds: a sweep of 50 points costs two commands. Local and dry runs are read from their run
+One Slurm query for all submitted runs, not one scontrol per job every few seconds: submitit's
+batched sacct watcher (:class:`HetjobWatcher`, one ``sacct -j A -j B ...`` for every registered
+job, with the pending reason) and ``squeue`` only for the jobs sacct does not know (no
+accounting, or a job submitted a moment ago): a sweep of 50 points costs one or two commands. Local and dry runs are read from their run
 directory alone (trainer steps logged, the last step's mean reward, whether the trainer finished).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import math
 from pathlib import Path
 from typing import Optional
+
+from submitit.slurm.slurm import SlurmInfoWatcher
 
 from launcher.submit import job_id_file, run
 from workers.common.protocol import RunPaths
@@ -41,26 +44,52 @@ def last_metrics(paths: RunPaths) -> tuple[int, Optional[float]]:
     return len(records), (float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None)
 
 
-def slurm_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """job id -> (state, pending reason) for every id, in at most two Slurm commands."""
+class HetjobWatcher(SlurmInfoWatcher):
+    """submitit's batched sacct watcher, taught our hetjobs: sacct lists a hetjob's parts as
+    ``L+K``, which submitit keys as they are; the job's state is its part 0's (the batch
+    script's, whose exit status decides), under the leader id ``L`` we register. Asks sacct
+    for the pending ``Reason`` too."""
+
+    def _make_command(self) -> Optional[list[str]]:
+        command = super()._make_command()
+        if command is not None:
+            command[command.index("-o") + 1] = "JobID,State,Reason,NodeList"
+        return command
+
+    def read_info(self, string) -> dict[str, dict[str, str]]:
+        info = super().read_info(string)
+        for job_id, stats in list(info.items()):
+            leader, plus, part = job_id.partition("+")
+            if plus and part == "0":
+                info.setdefault(leader, stats)
+        return info
+
+
+def slurm_states(job_ids: list[str], *, watcher: Optional[HetjobWatcher] = None) -> dict[str, tuple[str, str]]:
+    """job id -> (state, pending reason) for every id: one sacct through submitit's watcher,
+    then one squeue for the ids sacct does not know (yet)."""
     if not job_ids:
         return {}
+    watcher = watcher or HetjobWatcher(delay_s=0)
+    for j in job_ids:
+        watcher.register_job(j)
+    watcher.update()  # one sacct for all (a failed sacct, e.g. no accounting, leaves every id unknown)
     out: dict[str, tuple[str, str]] = {}
-    res = run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r"], check=False)
-    for line in res.stdout.splitlines():
-        jid, state, reason = (line.split("|") + ["", ""])[:3]
-        leader = jid.split("+")[0]
-        if leader in job_ids and (leader not in out or state == "PENDING"):
-            out[leader] = (state, "" if reason in ("None", "(null)") else reason)
+    for j in job_ids:
+        info = watcher.get_info(j, mode="cache")
+        if info.get("State"):
+            reason = info.get("Reason", "")
+            state = info["State"].split()[0]
+            out[j] = (state, "" if reason in ("None", "(null)") or state != "PENDING" else reason)
     missing = [j for j in job_ids if j not in out]
     if missing:
-        res = run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "--format=JobID,State"], check=False)
+        res = run(["squeue", "-h", "-j", ",".join(missing), "-o", "%i|%T|%r"], check=False)
         for line in res.stdout.splitlines():
-            jid, _, state = line.partition("|")
+            jid, state, reason = (line.split("|") + ["", ""])[:3]
             leader = jid.split("+")[0]
-            if leader in missing and leader not in out:
-                out[leader] = (state.split()[0] if state else "UNKNOWN", "")
-    return {j: out.get(j, ("ENDED", "unknown to squeue and sacct")) for j in job_ids}
+            if leader in missing and (leader not in out or state == "PENDING"):
+                out[leader] = (state, "" if reason in ("None", "(null)") else reason)
+    return {j: out.get(j, ("ENDED", "unknown to sacct and squeue")) for j in job_ids}
 
 
 def collect(runs_root: Path) -> list[RunRow]:

@@ -107,7 +107,8 @@ def summary_rows(results: dict) -> list[str]:
         rows.append(f"inference engine {inf['engine']['output_tokens_per_s']:.0f} tok/s, HF generate "
                     f"{inf.get('hf_generate', {}).get('output_tokens_per_s', float('nan')):.0f} tok/s, ratio "
                     f"{inf.get('ratio_engine_over_hf', float('nan')):.2f}; HF with torch's SDPA pick "
-                    f"{inf.get('hf_generate_torch_default_sdpa', {}).get('output_tokens_per_s', float('nan')):.0f} tok/s")
+                    f"{inf.get('hf_generate_torch_default_sdpa', {}).get('output_tokens_per_s', float('nan')):.0f} tok/s; "
+                    f"ratio by prompts {inf.get('ratio_engine_over_hf_by_prompts')}")
     ws = results.get("weight_sync", {})
     for fs in ("disk", "shm"):
         if isinstance(ws.get(fs), dict) and "publish_gbps" in ws[fs]:

@@ -110,10 +110,10 @@ class System:
                                     long_episode_policy=loop.long_episode_policy)
         self.version = self.published = 0
         self.updating = False
-        self.next_step = 0  # next batch the orchestrator writes
+        self.next_step = 1  # next batch the orchestrator writes (1-based steps, as the orchestrator's)
         self.inflight: list[SimGroup] = []
         self.ready: dict[int, list[SimGroup]] = {}
-        self.train_step = 0
+        self.train_step = 0  # steps trained; the next one trains batch train_step + 1
         self.training = False
         self.step_end: list[float] = []
         self.step_tokens: list[int] = []
@@ -178,7 +178,7 @@ class System:
                 self.sim.after(r.shape.start_s, self._segment, r)
 
     def _write_batches(self) -> None:
-        while self.next_step < self.loop.num_steps:
+        while self.next_step <= self.loop.num_steps:
             groups = self.buffer.take(self.next_step)
             if groups is None:
                 return
@@ -277,9 +277,9 @@ class System:
 
     # -- trainer -----------------------------------------------------------------------------------
     def _train(self) -> None:
-        if self.training or self.train_step not in self.ready:
+        if self.training or self.train_step + 1 not in self.ready:
             return
-        groups = self.ready.pop(self.train_step)
+        groups = self.ready.pop(self.train_step + 1)
         lengths = [r.shape.total_tokens for g in groups for r in g.rollouts]
         self.training = True
         self.used_groups += groups

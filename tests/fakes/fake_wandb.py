@@ -2,7 +2,7 @@
 
 It implements the part of wandb's API that workers/trainer/tracking.py calls — ``wandb.init(project=,
 entity=, name=, id=, resume=, mode=, dir=, config=)`` returning a run with ``log(dict, step=)`` and
-``finish()`` — with wandb's rule that a step lower than the last logged one is refused (wandb warns
+``finish()``, and ``wandb.Table(columns=, data=)`` (rows the length of the columns, as wandb checks) — with wandb's rule that a step lower than the last logged one is refused (wandb warns
 and drops it), so the code under test is the real tracker code.
 """
 from __future__ import annotations
@@ -33,8 +33,16 @@ class FakeRun:
         self.finished = True
 
 
+class FakeTable:
+    def __init__(self, columns: Optional[list] = None, data: Optional[list] = None):
+        assert columns and all(len(row) == len(columns) for row in data or []), (columns, data)
+        self.columns, self.data = list(columns), [list(row) for row in data or []]
+
+
 class FakeWandb:
     """Use as ``sys.modules["wandb"]``."""
+
+    Table = FakeTable
 
     def __init__(self):
         self.runs: list[FakeRun] = []

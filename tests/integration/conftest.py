@@ -108,8 +108,8 @@ def write_ranks_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_re
 
 
 def make_batch(step: int, *, rows: int = 12, length: int = 10, seed: int = 0) -> tuple[dict, dict]:
-    """A batch in the protocol.py format: prompts of 2-4 tokens, completions of varying length."""
-    rng = np.random.default_rng(seed + 1000 * step)
+    """A batch in the protocol.py format for (1-based) step ``step``: prompts of 2-4 tokens, completions of varying length."""
+    rng = np.random.default_rng(seed + 1000 * (step - 1))  # steps are 1-based; the data of batch 1 is seed + 0
     L, k, E = RANKS_MODEL["num_layers"], RANKS_MODEL["top_k"], RANKS_MODEL["num_experts"]
     ids = rng.integers(0, RANKS_MODEL["vocab_size"], (rows, length)).astype(np.int64)
     attn = np.zeros((rows, length), np.uint8)
@@ -122,7 +122,7 @@ def make_batch(step: int, *, rows: int = 12, length: int = 10, seed: int = 0) ->
     # near-uniform initial policy: logp ~ -log(16); a few far-off tokens exercise the masks
     logp = np.where(loss == 1, -np.log(16) + rng.normal(0, 0.3, (rows, length)), 0).astype(np.float32)
     logp[0, 4], logp[1, 4] = -0.2, -6.0
-    versions = np.where(loss == 1, max(step - 1, 0), -1).astype(np.int32)
+    versions = np.where(loss == 1, max(step - 2, 0), -1).astype(np.int32)  # 1-based step: one behind from step 2
     experts = np.stack([rng.permutation(E)[:k] for _ in range(rows * length * L)]).reshape(rows, length, L, k)
     routed_mask = attn.copy()
     routed_mask[np.arange(rows), attn.sum(1) - 1] = 0  # the last sampled token has no routing
@@ -131,7 +131,7 @@ def make_batch(step: int, *, rows: int = 12, length: int = 10, seed: int = 0) ->
                    advantages=(rewards - rewards.mean()).astype(np.float32), rewards=rewards, token_versions=versions,
                    routed_experts=(experts * routed_mask[:, :, None, None]).astype(np.uint8), routed_mask=routed_mask)
     meta = {"step": step, "temperature": 1.0,
-            "orchestrator_metrics": {"reward_mean": float(rewards.mean()), "max_staleness": 1 if step else 0,
+            "orchestrator_metrics": {"reward_mean": float(rewards.mean()), "max_staleness": 1 if step > 1 else 0,
                                      "samples_dropped_stale": 0}}
     return tensors, meta
 

@@ -46,8 +46,8 @@ def test_own_dataset_and_reward_module_train_with_eval_rows(tmp_path):
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2]
-    assert "step   0 (1/3) | reward" in proc.stdout and "step   2 (3/3) | reward" in proc.stdout
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert "step   1/3 | reward" in proc.stdout and "step   3/3 | reward" in proc.stdout
     for r in recs:
         assert {"reward/correct", "reward/short", "reward_failures", "data/drawn", "data/epoch"} <= set(r), sorted(r)
         assert r["host_rss_gib"] > 0 and r["orchestrator_host_rss_gib"] > 0  # both roles' heartbeats
@@ -104,7 +104,7 @@ def test_a_killed_orchestrator_resumes_the_data_without_skipping_or_repeating(tm
     assert set(epochs) == {0} and list(indices) == list(range(len(launched))), launched  # no skip, no repeat
     state = json.loads((run_dir / "orchestrator_state.json").read_text())["env_state"]
     assert state["drawn"] <= len(launched)  # saved after the last batch; later launches are in the ledger
-    assert [m["step"] for m in metrics(run_dir)] == list(range(6))
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, 7))
 
 
 def test_own_task_reward_rises_with_eval_rows(tmp_path):

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, phase: str, out: str
         if phase == "signal":  # SIGUSR1 reached rank 0 only: the ranks agree, both save
             ckpt.save_requested = rank == 0
             ckpt.begin_step()
-            ckpt.end_step(0, model, opt)
+            ckpt.end_step(1, model, opt)  # step 1 (1-based) trained
             if rank == 0:
                 torch.save({"resume_step": ckpt.resume_step}, out)
             return

@@ -24,7 +24,7 @@ def test_tiny_code_repair_run_reports_per_env_metrics(tmp_path):
                   timeout=400)
     assert "finished: 3 steps" in out.stdout, out.stdout[-2000:]
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
         for key in ENV_KEYS:
             assert f"env/code_repair/{key}" in r, (key, sorted(r))

@@ -13,7 +13,7 @@ def test_dense_model_trains_through_the_whole_loop_with_tp2(tmp_path):
     slurmrl([*SMALL, "model=tiny_dense", "orchestrator.max_off_policy_steps=0", "trainer.num_steps=3",
              "trainer.num_ranks=2", "trainer.parallel.tp=2", f"launcher.run_dir={run_dir}"], tmp_path)
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert [r["step"] for r in recs] == [1, 2, 3]
     assert recs[0]["mismatch_kl"] < 1e-3, recs[0]["mismatch_kl"]  # engine and trainer: the same function
     assert all(r["aux_loss"] == 0.0 and not any(k.startswith("expert_load") for k in r) for r in recs)
     index = json.loads((run_dir / "weights" / "step_000003" / "index.json").read_text())["weight_map"]

@@ -16,7 +16,7 @@ def test_orchestrator_killed_resumes_without_duplicates(tmp_path):
     assert r["steps_missing_in_metrics"] == 0 and r["steps_duplicated_in_metrics"] == 0
     events = [json.loads(line) for line in (tmp_path / "run" / "orchestrator_ledger.jsonl").read_text().splitlines()]
     steps = [e["step"] for e in events if e["ev"] == "batch"]
-    assert steps == list(range(8)), steps  # each batch written once, in order, across both incarnations
+    assert steps == list(range(1, 9)), steps  # each batch written once, in order, across both incarnations
     restart = next(i for i, e in enumerate(events) if e["ev"] == "restart")
     before = {e["gid"]: e["task_id"] for e in events[:restart] if e["ev"] == "launch"}
     rerun = [e for e in events[restart:] if e["ev"] == "resubmit"]

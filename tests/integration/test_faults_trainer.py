@@ -33,4 +33,4 @@ def test_trainer_sigkill_resumes_from_last_periodic_checkpoint(tmp_path):
     assert resume["step"] % 2 == 0 and resume["step"] >= 4 and resume["steps_lost"] <= 1, resume
     assert r["steps_missing_in_metrics"] == 0 and r["steps_duplicated_in_metrics"] == 0
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(8)), steps  # one continuous curve
+    assert steps == list(range(1, 9)), steps  # one continuous curve

@@ -27,11 +27,11 @@ def test_synchronous_run_samples_match_trainer_step(tmp_path):
                   tmp_path)
     assert f"run directory: {run_dir}" in out.stdout
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
         assert REQUIRED_KEYS <= set(r), f"missing keys {REQUIRED_KEYS - set(r)}"
-        # synchronous: every token of every sample was produced by the weights of this very step
-        assert r["policy_version_min"] == r["policy_version_max"] == r["step"], r
+        # synchronous: every token of step N's samples was produced by the weights step N trains (N-1)
+        assert r["policy_version_min"] == r["policy_version_max"] == r["step"] - 1 and r["policy_version"] == r["step"], r
         assert r["max_staleness"] == 0 and r["samples_dropped_stale"] == 0
     # same dtype on both sides, same weights before the first update: logprobs line up
     assert recs[0]["mismatch_kl"] < 1e-3, recs[0]["mismatch_kl"]
@@ -52,7 +52,7 @@ def test_async_staleness_reaches_but_never_exceeds_bound_with_two_trainer_ranks(
     assert len(recs) == 7
     staleness = [r["max_staleness"] for r in recs]
     assert max(staleness) == 2, staleness
-    assert all(r["step"] - r["policy_version_min"] <= 2 for r in recs)
+    assert all(r["step"] - 1 - r["policy_version_min"] <= 2 for r in recs)
     assert_no_children_left(run_dir)
 
 

@@ -10,7 +10,7 @@ def test_mixed_envs_report_per_env_metrics(tmp_path):
     slurmrl([*SMALL, "env=mix", "env.weights.long=2.0", "trainer.num_steps=3", f"launcher.run_dir={run_dir}"],
             tmp_path, timeout=300)
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert [r["step"] for r in recs] == [1, 2, 3]
     drawn = recs[-1]["env/short/tasks_drawn_total"] + recs[-1]["env/long/tasks_drawn_total"]
     assert drawn >= 3 * 4
     for r in recs:

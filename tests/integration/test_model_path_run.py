@@ -23,7 +23,7 @@ def test_a_run_starts_from_model_path_and_publishes_transformers_directories(tmp
     run_dir = tmp_path / "run"
     slurmrl([*SMALL, f"model.path={source}", "orchestrator.max_off_policy_steps=0", "trainer.num_steps=3",
              "weights.keep_last=10", f"launcher.run_dir={run_dir}"], tmp_path)
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
     cfg = load_run_config(str(run_dir / "config" / "run.yaml"))
     assert (cfg.model.family, cfg.model.name, cfg.model.path) == ("llama", "tiny-llama", str(source))
     weights = run_dir / "weights"

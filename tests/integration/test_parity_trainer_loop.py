@@ -25,11 +25,11 @@ from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.filesystem.receiver import load_step
 
 
-def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int, **trainer) -> RunPaths:
+def write_run(root: Path, *, num_ranks: int, tp: int, ep: int, num_steps: int, cp: int = 1, **trainer) -> RunPaths:
     paths = RunPaths(root).ensure()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**MODEL), env=ReverseDigitsConfig(),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=True,
-                                          batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep), **trainer),
+                                          batch_timeout_s=60.0, parallel=ParallelConfig(tp=tp, ep=ep, cp=cp), **trainer),
                     weights=WeightsConfig(keep_last=5))
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return paths
@@ -39,7 +39,7 @@ def run_against_one_rank(tmp_path, num_ranks: int, steps: int, **layout):
     """The same batches through the loop at ``num_ranks`` with ``layout`` and at 1 rank; (par, ref) paths."""
     par = write_run(tmp_path / "par", num_ranks=num_ranks, num_steps=steps, **layout)
     ref = write_run(tmp_path / "ref", num_ranks=1, tp=1, ep=1, num_steps=steps)
-    for s in range(steps):
+    for s in range(1, steps + 1):
         tensors, meta = make_batch(s)
         publish_batch(par, s, tensors, meta)
         publish_batch(ref, s, tensors, meta)

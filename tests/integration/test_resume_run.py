@@ -78,7 +78,7 @@ def test_killed_then_stopped_run_resumes_with_every_step_once(tmp_path):
     assert "resuming" in third.stdout, third.stdout[-2000:]
     assert_no_children_left(run_dir)
     assert (run_dir / "TRAINER_DONE").exists()
-    assert [r["step"] for r in metrics(run_dir)] == list(range(MORE_STEPS))  # each step exactly once
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, MORE_STEPS + 1))  # each step exactly once
     led = read_ledger(run_dir / "orchestrator_ledger.jsonl").summary()
     assert led["groups_trained_twice"] == 0 and led["groups_pending"] == 0, led
     assert led["orchestrator_restarts"] == 2, led
@@ -89,6 +89,6 @@ def test_killed_then_stopped_run_resumes_with_every_step_once(tmp_path):
     done = slurmrl([f"launcher.resume={run_dir}"], tmp_path, timeout=60, check=False)
     assert done.returncode == 2 and "already finished" in done.stderr, done.stderr
     slurmrl([f"launcher.resume={run_dir}", f"trainer.num_steps={MORE_STEPS + 2}"], tmp_path, timeout=400)
-    assert [r["step"] for r in metrics(run_dir)] == list(range(MORE_STEPS + 2))  # a finished run trains further
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, MORE_STEPS + 3))  # a finished run trains further
     assert _resumes(run_dir)[-1] == {**_resumes(run_dir)[-1], "step": MORE_STEPS, "steps_lost": 0}  # final checkpoint
     assert read_ledger(run_dir / "orchestrator_ledger.jsonl").summary()["groups_trained_twice"] == 0

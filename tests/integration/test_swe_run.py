@@ -10,7 +10,7 @@ def test_tiny_swe_run_reports_per_env_metrics(tmp_path):
     out = slurmrl(["experiment=tiny_swe", "trainer.num_steps=2", f"launcher.run_dir={run_dir}"], tmp_path, timeout=400)
     assert "finished: 2 steps" in out.stdout, out.stdout[-2000:]
     recs = metrics(run_dir)
-    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         assert 1 <= r["env/swe/episode_turns_mean"] <= 4 and r["env/swe/episode_tokens_max"] <= 576
         assert r["env/swe/sandbox_runs"] >= 1  # at least the hidden tests of every episode ran

@@ -23,7 +23,7 @@ def diverging_run(tmp_path, skip: bool):
     cfg["trainer"]["lr"] = 1.0e36  # every Adam step moves weights by ~lr: they overflow within a step or two
     cfg["weights"]["skip_nonfinite"] = skip
     paths.run_config.write_text(yaml.safe_dump(cfg))
-    for step in range(NUM_STEPS):
+    for step in range(1, NUM_STEPS + 1):
         publish_batch(paths, step, *make_batch(step))
     port = free_port()
     procs = [start_rank(paths, r, 2, port) for r in range(2)]

@@ -38,7 +38,7 @@ METRIC_KEYS = {"step", "reward_mean", "max_staleness", "samples_dropped_stale", 
 def test_two_gloo_ranks_match_one_rank_reference(tmp_path):
     steps = 2
     dp, ref = write_run(tmp_path / "dp", num_steps=steps, num_ranks=2), write_run(tmp_path / "ref", num_steps=steps)
-    for s in range(steps):
+    for s in range(1, steps + 1):
         tensors, meta = make_batch(s)
         publish_batch(dp, s, tensors, meta)
         publish_batch(ref, s, tensors, meta)
@@ -61,7 +61,7 @@ def test_two_gloo_ranks_match_one_rank_reference(tmp_path):
 
     recs_dp = [json.loads(l) for l in dp.metrics.read_text().splitlines()]
     recs_ref = [json.loads(l) for l in ref.metrics.read_text().splitlines()]
-    assert [r["step"] for r in recs_dp] == list(range(steps))
+    assert [r["step"] for r in recs_dp] == list(range(1, steps + 1))
     for rd, rr in zip(recs_dp, recs_ref):
         assert METRIC_KEYS <= rd.keys(), f"missing keys {sorted(METRIC_KEYS - rd.keys())}"
         for key in ("grad_norm", "loss", "mismatch_kl", "entropy", "aux_loss", "routing_disagreement",
@@ -100,26 +100,26 @@ def test_rendezvous_names_the_missing_peer(tmp_path):
 
 def test_batch_format_errors_name_the_tensor(tmp_path):
     paths = RunPaths(tmp_path).ensure()
-    tensors, meta = make_batch(0)
-    publish_batch(paths, 0, tensors, meta)
+    tensors, meta = make_batch(1)
+    publish_batch(paths, 1, tensors, meta)
     facts = dict(num_layers=MODEL["num_layers"], top_k=MODEL["top_k"], num_experts=MODEL["num_experts"])
-    batch = load_batch(paths.rollouts(0), step=0, **facts)
+    batch = load_batch(paths.rollouts(1), step=1, **facts)
     assert batch.routed_experts.dtype == torch.int64 and batch.loss_mask.dtype == torch.bool
-    with pytest.raises(BatchFormatError, match="says step 0 but sits in the directory of step 3"):
-        load_batch(paths.rollouts(0), step=3, **facts)
+    with pytest.raises(BatchFormatError, match="says step 1 but sits in the directory of step 3"):
+        load_batch(paths.rollouts(1), step=3, **facts)
     bad = dict(tensors, inference_logprobs=tensors["inference_logprobs"].astype(np.float64))
-    publish_batch(paths, 1, bad, dict(meta, step=1))
+    publish_batch(paths, 2, bad, dict(meta, step=2))
     with pytest.raises(BatchFormatError, match="inference_logprobs is float64"):
-        load_batch(paths.rollouts(1), step=1, **facts)
+        load_batch(paths.rollouts(2), step=2, **facts)
     with pytest.raises(BatchFormatError, match=r"num_layers\(3\)"):
-        load_batch(paths.rollouts(0), step=0, **dict(facts, num_layers=3))
+        load_batch(paths.rollouts(1), step=1, **dict(facts, num_layers=3))
 
 
 def test_prune_keeps_recent_and_unpublished(tmp_path):
     paths = RunPaths(tmp_path).ensure()
-    for s in range(5):
+    for s in range(1, 6):
         publish_batch(paths, s, *make_batch(s, rows=2))
-    tmp = paths.rollouts(0).parent / ".step_000005.tmp"
+    tmp = paths.rollouts(1).parent / ".step_000006.tmp"
     tmp.mkdir()
-    assert prune_rollouts(paths, newest=4) == [0, 1, 2]
-    assert sorted(d.name for d in paths.rollouts(0).parent.iterdir()) == [".step_000005.tmp", "step_000003", "step_000004"]
+    assert prune_rollouts(paths, newest=5) == [1, 2, 3]
+    assert sorted(d.name for d in paths.rollouts(1).parent.iterdir()) == [".step_000006.tmp", "step_000004", "step_000005"]

@@ -24,7 +24,7 @@ def test_broadcast_run_with_two_senders_and_two_workers_is_bit_exact(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "finished: 6 steps" in proc.stdout
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in recs] == list(range(6))
+    assert [r["step"] for r in recs] == list(range(1, 7))
     sent = [r for r in recs if not r["weight_sync_skipped"]]
     assert sent and all(r["weight_bytes"] > 0 and r["weight_sync_s"] > 0 and r["weight_sync_gbps"] > 0 for r in sent)
     last = recs[-1]

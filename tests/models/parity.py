@@ -158,12 +158,13 @@ def assert_router_replay(ours, ids: torch.Tensor) -> None:
 
 
 def assert_engine_greedy_matches_hf(ours, hf, prompts: list[list[int]], max_new_tokens: int = 6,
-                                    max_batch_size: int = 2) -> None:
+                                    max_batch_size: int = 2, make_engine=None) -> None:
     """Our embedded engine (left-padded prefill, KV cache, continuous batching) produces exactly
-    transformers' greedy ``generate`` tokens for each prompt."""
+    transformers' greedy ``generate`` tokens for each prompt. ``make_engine(model, max_batch_size=,
+    seed=)``: another engine class (the static one), default the dynamic InferenceEngine."""
     from workers.inference.embedded.engine import GenRequest, InferenceEngine
 
-    engine = InferenceEngine(ours, max_batch_size=max_batch_size, seed=0).start()
+    engine = (make_engine or InferenceEngine)(ours, max_batch_size=max_batch_size, seed=0).start()
     try:
         outs = engine.generate([GenRequest(rid=str(i), input_ids=p, max_new_tokens=max_new_tokens, temperature=0.0)
                                 for i, p in enumerate(prompts)])

@@ -96,11 +96,38 @@ def test_checkpoint_written_from_ours_loads_in_transformers(tmp_path):
     assert spec.config(name="t", **spec.from_hf_config(loaded.config.to_dict())) == cfg
 
 
-def test_mtp_weights_are_dropped_and_unsupported_config_is_refused():
-    from workers.models.deepseek_v3.model import drop_mtp
+def test_a_checkpoint_with_mtp_layers_passes_the_tensor_check_and_loads_without_them(tmp_path):
+    """A DeepSeek-V3 checkpoint ships its MTP layer as ``model.layers.{num_hidden_layers}.*``: the launcher's
+    tensor check and the loader skip exactly those (the spec's ``not_built``); any other stray tensor is
+    still refused by name."""
+    import json
 
-    state = {"model.layers.0.x": 1, "model.layers.2.x": 2, "model.layers.3.eh_proj.weight": 3, "lm_head.weight": 4}
-    assert drop_mtp(state, 3) == {"model.layers.0.x": 1, "model.layers.2.x": 2, "lm_head.weight": 4}
+    from safetensors.torch import load_file, save_file
+
+    from workers.models.hf_checkpoint import check_model_path
+    from workers.models.hf_dir import CheckpointError
+
+    spec = MODELS.get("deepseek_v3")
+    hf, d = hf_model(BASE, tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    n = BASE["num_hidden_layers"]
+    mtp = {f"model.layers.{n}.eh_proj.weight": torch.randn(48, 96),
+           f"model.layers.{n}.self_attn.kv_a_proj_with_mqa.weight": torch.randn(24, 48)}
+    save_file({**state, **mtp}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    cfg = spec.config(name="t", path=str(d), **spec.from_hf_config(json.loads((d / "config.json").read_text())))
+    assert cfg.num_mtp_layers == 1
+    check_model_path(cfg)
+    loaded = spec.init(cfg, torch.float32).state_dict()
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    save_file({**state, **mtp, f"model.layers.{n - 1}.stray.weight": torch.ones(2)}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"model.layers.{n - 1}.stray.weight"):
+        check_model_path(cfg)
+
+
+def test_unsupported_config_is_refused():
     spec = MODELS.get("deepseek_v3")
     good = spec.to_hf_config(spec.config(name="t", vocab_size=8, kv_lora_rank=4, qk_nope_head_dim=4,
                                          qk_rope_head_dim=4, v_head_dim=4))

@@ -21,4 +21,4 @@ def test_orchestrator_overlaps_the_trainer_node_and_the_job_completes(slurm_clus
     assert len([r for r in rows if "." not in r]) == 2
     script = (run_dir / "slurm" / "job.sbatch").read_text()
     assert "--overlap" in script and script.count("#SBATCH hetjob") == 1
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]

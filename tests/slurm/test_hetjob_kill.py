@@ -1,4 +1,5 @@
-"""Killing one component's step ends the whole slurmrl hetjob promptly, with no process left.
+"""With cluster.server_respawns=0, killing one component's step ends the whole slurmrl hetjob
+promptly, with no process left.
 
 The job is submitted with launcher.follow=false and a step count it would take minutes to
 finish; once training runs, one inference worker is hit: either its step is cancelled with
@@ -57,6 +58,7 @@ def wait_for_training(run_dir: Path, job_id: str, num_steps: int = 1, timeout: f
 def test_killing_one_step_ends_the_job(slurm_cluster, tmp_path, how):
     run_dir = tmp_path / "run"
     res = slurmrl(["cluster=local_slurm", *SMALL, "trainer.num_steps=1000", "launcher.follow=false",
+                   "cluster.server_respawns=0",  # fail-fast (test_server_respawn.py: the respawn)
                    f"launcher.run_dir={run_dir}"], tmp_path, timeout=120)
     assert res.returncode == 0
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()

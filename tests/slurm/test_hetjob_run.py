@@ -26,7 +26,7 @@ def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     assert res.returncode == 0, (run_dir / "logs").exists() and os.listdir(run_dir / "logs")
     job_id = (run_dir / "slurm" / "job_id").read_text().strip()
     assert f"job {job_id} ended COMPLETED" in res.stdout
-    assert "step   3 (4/4) | reward" in res.stdout  # the CLI followed the job's progress
+    assert "step   4/4 | reward" in res.stdout  # the CLI followed the job's progress
     rows = sacct_final(job_id, num_parts=3, num_steps=3)
     assert set(rows.values()) == {"COMPLETED"}, rows
     assert len([r for r in rows if "." not in r]) == 3  # three het components
@@ -39,7 +39,7 @@ def test_tiny_local_runs_as_one_hetjob(slurm_cluster, tmp_path):
     local_dir = tmp_path / "local_run"
     assert slurmrl(["cluster=local", *SMALL, "trainer.num_steps=4", f"launcher.run_dir={local_dir}"], tmp_path).returncode == 0
     on_slurm, local = metrics(run_dir), metrics(local_dir)
-    assert [r["step"] for r in on_slurm] == [r["step"] for r in local] == [0, 1, 2, 3]
+    assert [r["step"] for r in on_slurm] == [r["step"] for r in local] == [1, 2, 3, 4]
     assert [sorted(r) for r in on_slurm] == [sorted(r) for r in local]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in on_slurm)
     print(f"slurm run took {elapsed:.1f}s")

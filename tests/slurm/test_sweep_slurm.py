@@ -37,7 +37,7 @@ def test_multirun_submits_one_hetjob_per_point(slurm_cluster, tmp_path):
         assert set(rows.values()) == {"COMPLETED"}, rows
         cfg = load_run_config(f"{run_dir}/config/run.yaml")
         assert cfg.trainer.lr == float(lr) and cfg.launcher.run_dir == run_dir
-        assert [r["step"] for r in metrics(Path(run_dir))] == [0, 1, 2]
+        assert [r["step"] for r in metrics(Path(run_dir))] == [1, 2, 3]
 
 
 def test_bad_point_stops_the_sweep_before_any_submission(slurm_cluster, tmp_path):

@@ -19,17 +19,17 @@ def test_stale_groups_are_dropped_and_counted():
     buf = RolloutBuffer(max_off_policy_steps=1, groups_per_step=2)
     for gid, v in enumerate([0, 1, 2, 2]):
         buf.add(group(gid, v))
-    batch = buf.take(step=2)  # version 0 is 2 steps old > 1
+    batch = buf.take(step=3)  # step 3 trains version 2: version 0 is 2 steps old > 1
     assert [g.group_id for g in batch] == [1, 2]
     assert buf.dropped_samples_total == 2
-    assert buf.take(step=2) is None  # one group left, two needed
+    assert buf.take(step=3) is None  # one group left, two needed
 
 
 def test_synchronous_window_keeps_only_current_version():
     buf = RolloutBuffer(max_off_policy_steps=0, groups_per_step=1)
     buf.add(group(0, 3))
     buf.add(group(1, 4))
-    assert [g.group_id for g in buf.take(step=4)] == [1]
+    assert [g.group_id for g in buf.take(step=5)] == [1]  # step 5 trains version 4
     assert buf.dropped_samples_total == 2
 
 
@@ -40,10 +40,10 @@ def test_policy_version_is_oldest_token():
 
 
 @pytest.mark.parametrize("kw, want", [
-    (dict(next_step=0, weight_version=0, max_off=0, groups_per_step=4, buffered_usable=0, inflight_groups=0), 4),
-    (dict(next_step=1, weight_version=0, max_off=0, groups_per_step=4, buffered_usable=0, inflight_groups=0), 0),
-    (dict(next_step=0, weight_version=0, max_off=2, groups_per_step=4, buffered_usable=3, inflight_groups=2), 7),
-    (dict(next_step=5, weight_version=4, max_off=2, groups_per_step=4, buffered_usable=0, inflight_groups=9), 0),
+    (dict(next_step=1, weight_version=0, max_off=0, groups_per_step=4, buffered_usable=0, inflight_groups=0), 4),
+    (dict(next_step=2, weight_version=0, max_off=0, groups_per_step=4, buffered_usable=0, inflight_groups=0), 0),
+    (dict(next_step=1, weight_version=0, max_off=2, groups_per_step=4, buffered_usable=3, inflight_groups=2), 7),
+    (dict(next_step=6, weight_version=4, max_off=2, groups_per_step=4, buffered_usable=0, inflight_groups=9), 0),
 ])
 def test_launch_budget_only_starts_usable_groups(kw, want):
     assert groups_to_launch(**kw) == want
@@ -79,7 +79,7 @@ def test_batch_arrays_align_tokens_logprobs_and_versions():
     assert arr["token_versions"][1].tolist() == [-1, -1, -1, -1, 3, -1, -1]
     assert arr["advantages"].shape == (2,)
     assert "routed_experts" not in arr  # no sample carried routing
-    m = batch_metrics(3, [g])
+    m = batch_metrics(4, [g])  # step 4 trains version 3
     assert m["max_staleness"] == 1 and m["policy_version_min"] == 2 and m["policy_version_max"] == 3
 
 

@@ -24,7 +24,7 @@ def test_save_then_load_restores_model_optimizer_rng_and_step(tmp_path):
     m, opt = _model_opt()
     ck = Checkpointer(tmp_path, rank=0, world_size=1, every=2, keep=2)
     ck.begin_step()
-    ck.end_step(1, m, opt)  # step 1 trained -> 2 done -> due
+    ck.end_step(2, m, opt)  # step 2 (1-based) trained -> 2 done -> due
     torch_rng, py_rng = torch.rand(3), random.random()  # drawn after the save: a resume must redraw them
     m2, opt2 = _model_opt(seed=1)
     start = Checkpointer(tmp_path, rank=0, world_size=1, every=2, keep=2).load(m2, opt2)
@@ -63,10 +63,10 @@ def test_multi_rank_checkpoint_is_complete_only_with_every_rank(tmp_path):
 def test_retention_and_metrics_rewind(tmp_path):
     m, opt = _model_opt()
     ck = Checkpointer(tmp_path, rank=0, world_size=1, every=1, keep=2)
-    for s in range(4):
+    for s in range(1, 5):  # 1-based steps: checkpoints/step_N is the state after step N
         ck.end_step(s, m, opt)
     assert complete_checkpoints(tmp_path / "checkpoints", 1) == [3, 4]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"st')
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
     assert Checkpointer(tmp_path, rank=0, world_size=1, every=1, keep=2).load(*_model_opt()) == 4
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
-    assert ck.prune_bound(10) == 4 + 1  # batches from step 4 on are kept for a resume
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert ck.prune_bound(10) == 4 + 2  # prune_rollouts keeps newest - 1 ..: batches from step 5 on, for a resume

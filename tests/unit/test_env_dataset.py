@@ -211,7 +211,7 @@ def test_the_orchestrator_resumes_the_data_position_from_its_ledger(tmp_path, ca
     launched = [first.sample_task() for _ in range(6)]
     for gid, task in enumerate(launched):
         led.launch(gid, task.task_id, worker=0)
-    led.batch(0, [0, 1, 2, 3])
+    led.batch(1, [0, 1, 2, 3])
     led.close()
     upcoming = [first.sample_task().task_id for _ in range(3)]
 
@@ -224,7 +224,7 @@ def test_the_orchestrator_resumes_the_data_position_from_its_ledger(tmp_path, ca
         return orch
 
     orch = restarted(make_env(cfg, seed=2))
-    assert orch.next_step == 1 and orch.next_group_id == 6
+    assert orch.next_step == 2 and orch.next_group_id == 6
     assert [(gid, t.task_id) for gid, t, _ in orch.retry] == [(4, launched[4].task_id), (5, launched[5].task_id)]
     assert [orch.env.sample_task().task_id for _ in range(3)] == upcoming
     write_jsonl(f, rows(6))  # the data changed under the run: its order (and so the positions) differ

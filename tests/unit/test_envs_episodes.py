@@ -154,10 +154,10 @@ def multi_version_group(versions_per_turn):
 @pytest.mark.parametrize("policy", ["drop", "truncate", "keep"])
 def test_long_episode_staleness_policies(policy):
     buf = RolloutBuffer(max_off_policy_steps=1, groups_per_step=1, long_episode_policy=policy)
-    g = multi_version_group([0, 2, 3])  # turns sampled by versions 0, 2, 3; trained at step 3
+    g = multi_version_group([0, 2, 3])  # turns sampled by versions 0, 2, 3; trained at step 4 (from version 3)
     before = sum(g.samples[0].completion_mask)
     buf.add(g)
-    taken = buf.take(step=3)
+    taken = buf.take(step=4)
     if policy == "drop":
         assert taken is None and buf.dropped_samples_total == 1
         return
@@ -172,7 +172,7 @@ def test_long_episode_staleness_policies(policy):
 
 def test_spare_groups_are_started_beyond_what_the_batches_need():
     from workers.orchestrator.buffer import groups_to_launch
-    base = dict(next_step=0, weight_version=0, max_off=1, groups_per_step=4, buffered_usable=0, inflight_groups=6)
+    base = dict(next_step=1, weight_version=0, max_off=1, groups_per_step=4, buffered_usable=0, inflight_groups=6)
     assert groups_to_launch(**base) == 2
     assert groups_to_launch(**base, spare=3) == 5  # a long-tail group no longer holds the next batch back
     assert groups_to_launch(**{**base, "weight_version": -5}, spare=3) == 0  # nothing usable: no spares either

@@ -11,7 +11,8 @@ from launcher.progress import format_step
 from workers.common.inference_client import GenerateResult
 from workers.orchestrator.envs.chat import EOT, ByteTokenizer
 from workers.orchestrator.envs.dataset import DatasetConfig, DatasetEnv
-from workers.orchestrator.evaluation import Evaluator, log_samples, reward_metrics
+from workers.orchestrator.buffer import RolloutGroup, Sample
+from workers.orchestrator.evaluation import Evaluator, log_samples, pick_samples, reward_metrics
 from workers.orchestrator.episodes import run_episode_group
 from workers.trainer.metrics import progress_line
 
@@ -112,10 +113,29 @@ def test_reward_metrics_and_sample_logs_of_a_batch(tmp_path, caplog):
     assert env.metrics()["data/drawn"] == 1
 
 
+def test_logged_samples_span_the_rewards_best_first(caplog):
+    """orchestrator.num_logged_samples: evenly spaced reward ranks, best first; rows for the step's record."""
+    def sample(reward, completion):
+        return Sample(prompt_ids=[1, 2], completion_ids=completion, completion_logprobs=[-0.1] * len(completion),
+                      token_versions=[0] * len(completion), reward=reward, finish_reason="stop")
+
+    samples = [sample(r / 10, [r]) for r in (3, 9, 0, 5, 7, 1, 4)]
+    assert [(label, s.reward) for label, s in pick_samples(samples, 3)] == [("best", 0.9), ("rank 4", 0.4),
+                                                                            ("worst", 0.0)]
+    assert [s.reward for _, s in pick_samples(samples, 1)] == [0.9]
+    assert len(pick_samples(samples, 64)) == 7 and pick_samples([], 2) == []
+    env = type("Env", (), {"text": staticmethod(lambda ids: " ".join(map(str, ids)))})()
+    with caplog.at_level(logging.INFO):
+        rows = log_samples(logging.getLogger("test.pick"), env, 4, [RolloutGroup(0, 0, samples)], 2)
+    assert rows == [{"rank": "best", "reward": 0.9, "prompt": "1 2", "completion": "9"},
+                    {"rank": "worst", "reward": 0.0, "prompt": "1 2", "completion": "0"}]
+    assert "step 4 sample (best): reward 0.900 | prompt: 1 2 | completion: 9" in caplog.text
+
+
 def test_console_trainer_log_and_metrics_use_one_step_number():
-    rec = {"step": 3, "reward_mean": 0.5, "eval/reward": 0.25}
-    assert format_step(rec, 4).startswith("step   3 (4/4) | reward 0.500 | eval 0.250 |")
-    assert progress_line(rec, 4).startswith("step   3 (4/4) | loss")
+    rec = {"step": 4, "reward_mean": 0.5, "eval/reward": 0.25}
+    assert format_step(rec, 4).startswith("step   4/4 | reward 0.500 | eval 0.250 |")
+    assert progress_line(rec, 4).startswith("step   4/4 | loss")
 
 
 def test_slurmrl_eval_refuses_what_it_cannot_evaluate(tmp_path, capsys):

@@ -15,12 +15,13 @@ def test_replay_gives_pending_and_next_step(tmp_path):
     for g in range(6):
         led.launch(g, task_id=100 + g, worker=g % 2)
     led.resubmit(1, worker=0, reason="worker 1 died")
-    led.batch(0, [0, 1])
+    assert led.next_step == 1  # steps are 1-based: the first batch is step 1's
+    led.batch(1, [0, 1])
     led.drop([2])
     led.close()
     again = Ledger(tmp_path / "l.jsonl")  # a restarted orchestrator
     assert again.pending() == [3, 4, 5]
-    assert again.next_step == 1 and again.groups_started == 6
+    assert again.next_step == 2 and again.groups_started == 6
     assert again.num_restarts == 1 and again.resubmits[1] == 1
     s = again.summary()
     assert s["groups_trained"] == 2 and s["groups_trained_twice"] == 0 and s["groups_dropped_stale"] == 1
@@ -29,9 +30,9 @@ def test_replay_gives_pending_and_next_step(tmp_path):
 def test_a_group_in_two_batches_is_refused(tmp_path):
     led = Ledger(tmp_path / "l.jsonl")
     led.launch(0, task_id=1, worker=0)
-    led.batch(0, [0])
+    led.batch(1, [0])
     with pytest.raises(AssertionError, match="already in batches"):
-        led.batch(1, [0])
+        led.batch(2, [0])
     with pytest.raises(AssertionError, match="launched twice"):
         led.launch(0, task_id=1, worker=1)
 
@@ -51,12 +52,12 @@ def test_recover_batch_written_but_not_recorded(tmp_path):
     led = Ledger(tmp_path / "l.jsonl")
     for g in range(3):
         led.launch(g, task_id=g, worker=0)
-    d = tmp_path / "rollouts" / "step_000000"
+    d = tmp_path / "rollouts" / "step_000001"
     d.mkdir(parents=True)
     (d / "meta.json").write_text(json.dumps({"samples": [{"group_id": 0}, {"group_id": 2}]}))
     (d / READY).write_text("{}")
-    assert led.recover_batches(tmp_path) == [0]
-    assert led.pending() == [1] and led.next_step == 1
+    assert led.recover_batches(tmp_path) == [1]
+    assert led.pending() == [1] and led.next_step == 2
     assert led.recover_batches(tmp_path) == []  # idempotent
 
 

@@ -49,7 +49,7 @@ def test_bare_dims_collectives_are_noops():
 def test_parallel_degrees_come_from_trainer_parallel():
     """One check (ParallelConfig.resolve) serves the plan and the ranks: same numbers, same message."""
     cfg = compose(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2"])
-    assert parallel_degrees(cfg) == (2, 2)
+    assert parallel_degrees(cfg) == (2, 2, 1)
     bad = compose(["trainer.num_ranks=4", "trainer.parallel.pp=2"])
     with pytest.raises(ValueError, match=r"pp\(2\) > 1: the trainer has no pipeline parallelism"):
         parallel_degrees(bad)
@@ -70,3 +70,40 @@ def test_parallel_degrees_come_from_trainer_parallel():
 ])
 def test_placement_of_hf_names(name, where):
     assert placement(name) == where
+
+
+def test_cp_sits_between_tp_and_ep_and_shares_rows():
+    """rank = ((dp * ep + ep_rank) * cp + cp_rank) * tp + tp_rank: cp peers hold the same rows
+    (one batch shard), are all in ``batch`` (distinct tokens) and exchange through ``cp``."""
+    d = ParallelDims(rank=0, world_size=8, dp=2, cp=2, tp=2, backend="gloo", device=torch.device("cpu"))
+    assert d.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.group_ranks("batch") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.group_ranks("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # expert replicas: their cp ranks too
+    assert d.group_ranks("mp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    fsdp = [ParallelDims(rank=r, world_size=4, dp=2, cp=2, backend="gloo", device=torch.device("cpu")) for r in range(4)]
+    assert [(x.dp_rank, x.cp_rank, x.batch_rank) for x in fsdp] == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert fsdp[0].num_batch_shards == 2
+    with pytest.raises(ValueError, match=r"tp\(1\) \* cp\(2\) \* ep\(1\) \* dp\(1\) = 2 != trainer world size\(4\)"):
+        ParallelDims(rank=0, world_size=4, dp=1, cp=2, backend="gloo", device=torch.device("cpu"))
+
+
+def test_context_parallel_layouts_the_trainer_cannot_run_are_refused_at_plan_time():
+    """cp must divide the Mamba-2 heads (Ulysses; attention with too few heads gathers keys and values
+    instead) and the sequence, runs in the FSDP plan only, with token-level ratios; the messages name
+    the keys and the numbers."""
+    assert parallel_degrees(compose(["trainer.num_ranks=4", "trainer.parallel.cp=2"])) == (1, 1, 2)
+    summary = "\n".join(build_plan(compose(["trainer.num_ranks=4", "trainer.parallel.cp=2"])).summary())
+    assert "tp(1) x pp(1) x ep(1) x cp(2) x dp(2) = 4 ranks" in summary
+    # fewer attention heads than cp: keys/values gathered instead of heads split (no refusal)
+    assert "cp(8)" in "\n".join(build_plan(compose(["trainer.num_ranks=8", "trainer.parallel.cp=8"])).summary())
+    assert "must divide model.mamba_num_heads(6)" in plan_error(
+        ["model=nemotron_h_tiny", "model.mamba_num_heads=6", "model.mamba_n_groups=2", "trainer.num_ranks=4",
+         "trainer.parallel.cp=4", "trainer.router_replay=false"])
+    assert "must divide the sequence, model.max_position_embeddings(30)" in plan_error(
+        ["model.max_position_embeddings=30", "trainer.num_ranks=4", "trainer.parallel.cp=4"])
+    assert "context parallelism runs in the FSDP plan only" in plan_error(
+        ["trainer.num_ranks=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"])
+    assert "ratio_level='sequence' with trainer.parallel.cp(2)" in plan_error(
+        ["trainer.num_ranks=2", "trainer.parallel.cp=2", "trainer.ratio_level=sequence"])
+    assert "trainer.parallel.cp must be in [1, 1024], got 0" in plan_error(["trainer.parallel.cp=0"])

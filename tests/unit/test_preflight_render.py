@@ -22,8 +22,8 @@ def test_preflight_step_runs_before_every_role(overrides, tmp_path):
     text = render(overrides + ["preflight=true"])
     call = text.index(PREFLIGHT_CALL)
     assert text.index("export SLURMRL_RUN_DIR=") < call  # after the prologue's exports and setup lines
-    assert call < text.index("\nslurmrl_start ")  # before the first role's step
-    block = text[call:text.index("\nslurmrl_start ")]
+    assert call < text.index("\nslurmrl_step ")  # before the first role's step
+    block = text[call:text.index("\nslurmrl_step ")]
     assert "  exit 1\nfi\n" in block and "preflight failed: no role was started" in block
     assert len(srun_steps(text)) == len(plan(overrides).roles)  # no extra role step; preflight starts its own
     script = tmp_path / "job.sbatch"

@@ -51,10 +51,10 @@ def test_script_structure(overrides, tmp_path):
     groups = sorted(int(f.split("=")[1]) for s in steps for f in s if f.startswith("--het-group="))
     assert groups == sorted(r.het_group for r in p.roles)  # one step per role
     assert all("--kill-on-bad-exit=1" in s and "--distribution=block" in s for s in steps)
-    assert "set -euo pipefail" in text and "trap slurmrl_stop_steps EXIT" in text
+    assert "set -euo pipefail" in text and 'exec "$SLURMRL_PYTHON" -m launcher.supervisor' in text
     assert "--requeue" in blocks[0] and any(f.startswith("--signal=B:USR1@") for f in blocks[0])
     assert "%t" not in text and text.count("$SLURM_PROCID.log") == len(p.roles)  # per-task logs from the task env
-    assert text.count("$((") == 1  # the stop-wait counter; no arithmetic on host lists or ports
+    assert "$((" not in text  # no arithmetic on host lists or ports; supervision is launcher/supervisor.py
     gpu_nodes = sum(int(f.split("=")[1]) for b in blocks if any(f.startswith("--gpus-per-node") for f in b)
                     for f in b if f.startswith("--nodes="))
     assert gpu_nodes == p.num_gpu_nodes
@@ -84,7 +84,7 @@ def test_admin_template_dir_overrides_one_snippet(tmp_path):
     text = render(TINY_SLURM, template_dir=str(tmp_path))
     assert "# site rule: trainers load the site NCCL plugin" in text
     assert f"Rendered from {tmp_path} (cluster.template_dir)" in text
-    assert text.count("\nslurmrl_start ") == 3  # the other snippets still come from the package
+    assert text.count("\nslurmrl_step ") == 3  # the other snippets still come from the package
 
 
 def test_admin_copy_of_the_whole_tree_renders_the_same(tmp_path):

@@ -51,9 +51,10 @@ def run_threads(fns, timeout=60):
 class Harness:
     """``senders`` trainer ranks and one receiver per entry of ``experts`` (None: all experts)."""
 
-    def __init__(self, tmp_path, state, *, senders=2, experts=(None, None), bucket_mb=1):
+    def __init__(self, tmp_path, state, *, senders=2, experts=(None, None), bucket_mb=1, timeout_s=20):
         self.paths = RunPaths(tmp_path).ensure()
-        cfg = BroadcastWeightsConfig(bucket_size_mb=bucket_mb, broadcast_timeout_s=20, verify=True)
+        self.timeout_s = timeout_s
+        cfg = BroadcastWeightsConfig(bucket_size_mb=bucket_mb, broadcast_timeout_s=timeout_s, verify=True)
         store = dist.HashStore()
         peers = [StorePeers(store, r, senders) for r in range(senders)]
         self.pubs = [BroadcastPublisher(self.paths, cfg, p, initial=FilesystemPublisher(
@@ -63,18 +64,20 @@ class Harness:
         self.receivers = [None] * len(experts)
         self.announced = None
 
-        def join(i, held):
-            while self.handshake.read_group() is None:
-                time.sleep(0.005)
-            g = self.handshake.read_group()
-            self.announced = [TensorMeta(n, d, tuple(s), 0) for n, d, s in zip(g["names"], g["dtypes"], g["shapes"])]
-            self.receivers[i] = BroadcastReceiver(
-                master_address=g["master_address"], master_port=g["master_port"], rank=senders + i,
-                world_size=g["world_size"], group_name=g["group_name"], backend=g["backend"], timeout_s=20,
-                experts=held)
+        self.senders, self.experts = senders, experts
         _, errors = run_threads([lambda p=p: p.publish(0, state) for p in self.pubs]
-                                + [lambda i=i, e=e: join(i, e) for i, e in enumerate(experts)])
+                                + [lambda i=i, e=e: self.join(i, e) for i, e in enumerate(experts)])
         assert not any(errors), errors
+
+    def join(self, i, held, generation=0):
+        """Receiver i joins the group of ``generation`` once trainer rank 0 announced it."""
+        while (g := self.handshake.group_of(generation)) is None:
+            time.sleep(0.005)
+        self.announced = [TensorMeta(n, d, tuple(s), 0) for n, d, s in zip(g["names"], g["dtypes"], g["shapes"])]
+        self.receivers[i] = BroadcastReceiver(
+            master_address=g["master_address"], master_port=g["master_port"], rank=self.senders + i,
+            world_size=g["world_size"], group_name=g["group_name"], backend=g["backend"], timeout_s=self.timeout_s,
+            experts=held)
 
     def update(self, version, state, *, expect=None, announced=None):
         """One update: senders publish, the 'orchestrator' requests, receivers receive."""
@@ -225,5 +228,43 @@ def test_receiver_refuses_nan_under_a_valid_checksum(tmp_path):
         h.pubs[0].sender = good
         _, got, errors = h.update(2, bumped(state, 2))
         assert errors == [None]
+    finally:
+        h.close()
+
+
+def test_a_receiver_dying_mid_run_skips_one_version_and_the_reformed_group_delivers(tmp_path):
+    """Receiver 1 dies (its backends close): the senders' next transfer fails and that version is
+    skipped, not fatal; the orchestrator's reform.json makes the senders form generation 1 on
+    the same store, receiver 0 and a new receiver 1 join it, and the next version is bit-exact."""
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state, senders=1, experts=(None, None), timeout_s=5)
+    try:
+        h.receivers[1].close()  # the worker process is gone
+
+        def request(version):
+            while (h.handshake.offered() or {}).get("version") != version:
+                time.sleep(0.002)
+            h.handshake.request(version)
+        out, errors = run_threads([lambda: h.pubs[0].publish(1, bumped(state, 1)), lambda: request(1),
+                                   lambda: h.receivers[0].receive(1, h.announced)])
+        assert errors[0] is None and out[0].skipped and out[0].bytes == 0, (out, errors)
+        assert h.pubs[0].broken_generation == 0
+
+        h.receivers[0].close()  # the orchestrator's /destroy_weights_update_group on the live worker
+        h.handshake.reform(1)
+        new = bumped(state, 2)
+
+        def rejoin_and_receive(i, held):
+            h.join(i, held, generation=1)
+            return h.receivers[i].receive(2, h.announced)
+        out, errors = run_threads([lambda: h.pubs[0].publish(2, new), lambda: request(2)]
+                                  + [lambda i=i, e=e: rejoin_and_receive(i, e) for i, e in enumerate(h.experts)])
+        assert not any(errors), errors
+        assert h.handshake.group_of(1)["group_name"] == "slurmrl_weights.g1" and h.pubs[0].generation == 1
+        assert out[0].bytes > 0 and not out[0].skipped
+        for state_got, _, _ in out[2:]:
+            assert all(torch.equal(state_got[n], new[n]) for n in new)
+        senders, got, errors = h.update(3, bumped(state, 3))  # and keeps working
+        assert not any(errors) and senders[0].bytes > 0, errors
     finally:
         h.close()

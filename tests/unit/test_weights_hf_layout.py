@@ -115,3 +115,14 @@ def test_a_family_without_config_json_publishes_plain_safetensors(tmp_path):
     assert hf_files(cfg) is None
     publish(tmp_path, cfg, [init(cfg, torch.float32).state_dict()])
     assert sorted(p.name for p in (tmp_path / "step_000000").iterdir()) == [STABLE, INDEX, "model.safetensors"]
+
+
+def test_published_config_drops_the_mtp_layers_it_does_not_hold():
+    from workers.models.deepseek_v3.config import DeepseekV3Config
+    from workers.weights.filesystem.hf_layout import published_config
+
+    cfg = DeepseekV3Config(name="t", vocab_size=8, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                           v_head_dim=4, num_mtp_layers=1)
+    published = hf_files(cfg).config
+    assert published["num_nextn_predict_layers"] == 0 and published["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert published_config({"a": 1, "num_nextn_predict_layers": 0}) == {"a": 1, "num_nextn_predict_layers": 0}

@@ -2,9 +2,11 @@
 
 Progress goes here as one line per step; numbers for plots go to metrics.jsonl instead.
 
-Step numbers are 0-based everywhere: metrics.jsonl ``step``, ``rollouts/step_N``, the ledger,
-the trainer log and the console all say ``step 3`` for the same step; :func:`step_label` adds
-the 1-based count of steps done for people ("step   3 (4/4)": the fourth and last of four).
+Step numbers are 1-based everywhere: step N is the N-th optimizer update; metrics.jsonl
+``step``, TensorBoard's and wandb's global step, ``rollouts/step_N`` (its batch),
+``weights/step_N`` (the weights it publishes), ``checkpoints/step_N`` (the state after it), the
+ledger, the trainer log and the console all say ``step 4`` for the same step.
+``weights/step_0`` is the initial policy, before any update: no step has number 0.
 """
 from __future__ import annotations
 
@@ -28,5 +30,5 @@ def get_logger(role: str, rank: int = 0, *, all_ranks: bool = False) -> logging.
 
 
 def step_label(step: int, num_steps: int | None = None) -> str:
-    """``step 3 (4/10)``: the 0-based step id (as in metrics.jsonl) and how many steps are done."""
-    return f"step {step:>3}" + (f" ({step + 1}/{num_steps})" if num_steps else "")
+    """``step   4/10``: the 1-based step (as in metrics.jsonl) out of how many the run trains."""
+    return f"step {step:>3}" + (f"/{num_steps}" if num_steps else "")

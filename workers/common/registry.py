@@ -92,7 +92,7 @@ ENVS: Registry = Registry("environment", "env.name", "env", {
     "reverse_digits": "workers.orchestrator.envs.reverse_digits", "code_repair": "workers.orchestrator.envs.code_repair",
     "verifiers": "workers.orchestrator.envs.verifiers_adapter", "reverse_text": "workers.orchestrator.envs.reverse_text",
     "dataset": "workers.orchestrator.envs.dataset", "swe": "workers.orchestrator.envs.swe",
-    "mix": "workers.orchestrator.envs.mix"})
+    "mix": "workers.orchestrator.envs.mix", "target": "workers.orchestrator.envs.target"})
 BACKENDS: Registry = Registry("inference backend", "inference.backend", "inference", {
     "embedded": "workers.inference.embedded.spec", "sglang": "workers.inference.sglang.spec"})
 

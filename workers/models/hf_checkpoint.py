@@ -151,14 +151,19 @@ def check_tensors(ckpt: HFCheckpoint, expected: dict[str, list[int]], from_hf: C
 
 
 @torch.no_grad()
-def load_pretrained(model: torch.nn.Module, model_cfg, from_hf: Callable[[dict], dict], *,
+def load_pretrained(model: torch.nn.Module, model_cfg, from_hf: Optional[Callable[[dict], dict]] = None, *,
                     slices: Optional[Callable[[str], Optional[Index]]] = None,
                     full_shapes: Optional[dict[str, list[int]]] = None) -> torch.nn.Module:
     """Fill ``model`` (built on meta, or already allocated) from ``model_cfg.path``, tensor by tensor.
 
     A rank that holds shards passes ``full_shapes`` {our name: the unsharded shape} (checked against
     the checkpoint) and ``slices(our_name)``: the part of the checkpoint tensor its parameter holds
-    (None: all of it); only that part is read."""
+    (None: all of it); only that part is read. ``from_hf`` defaults to the family's
+    ``checkpoint_from_hf(model_cfg)`` (its name map, tensors it does not build skipped)."""
+    if from_hf is None:
+        from workers.common.registry import MODELS
+
+        from_hf = MODELS.get(model_cfg.family).checkpoint_from_hf(model_cfg)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu")
     ckpt = HFCheckpoint(model_cfg.path)
@@ -183,7 +188,7 @@ def check_model_path(model_cfg) -> None:
     read_config(model_cfg.path)
     model = spec.build(model_cfg, device="meta")
     expected = {n: list(t.shape) for n, t in model.state_dict().items()}
-    check_tensors(HFCheckpoint(model_cfg.path), expected, spec.from_hf,
+    check_tensors(HFCheckpoint(model_cfg.path), expected, spec.checkpoint_from_hf(model_cfg),
                   tied=getattr(model_cfg, "tie_word_embeddings", False))
 
 

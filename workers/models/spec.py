@@ -65,6 +65,10 @@ class ModelSpec(PluginSpec):
     """State dict in this family's names -> Hugging Face names."""
     from_hf: Callable[[dict], dict] = identity
     """State dict in Hugging Face names -> this family's names."""
+    not_built: Optional[Callable[[Any, str], bool]] = None
+    """``(model_cfg, checkpoint name) -> True`` for checkpoint tensors the family does not build
+    (DeepSeek-style multi-token-prediction layers ``model.layers.{num_layers}...``, whose names
+    depend on the config): skipped by the loader and the launcher's tensor check alike."""
     parallelize: str = ""
     """``"module:callable"`` of the family's tensor/expert-parallel plan, ``(full_model, dims, *, precision)
     -> sharded model``, used when trainer.parallel.tp or ep > 1; empty: the family trains only with
@@ -91,6 +95,13 @@ class ModelSpec(PluginSpec):
                              f"parallel plan (ModelSpec.parallelize is empty); use tp=1 and ep=1 (FSDP over all "
                              f"trainer.num_ranks data-parallel ranks)")
         return self.parallelize
+
+    def checkpoint_from_hf(self, model_cfg) -> Callable[[dict], dict]:
+        """``from_hf`` for loading ``model_cfg.path``: tensors :attr:`not_built` are dropped first."""
+        if self.not_built is None:
+            return self.from_hf
+        skip = self.not_built
+        return lambda state: self.from_hf({k: v for k, v in state.items() if not skip(model_cfg, k)})
 
     @property
     def buildable(self) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from workers.common.protocol import READY, RunPaths, publish_dir
-from workers.orchestrator.buffer import RolloutGroup
+from workers.orchestrator.buffer import RolloutGroup, staleness
 
 PAD = 0
 
@@ -69,15 +69,15 @@ def batch_metrics(step: int, groups: list[RolloutGroup]) -> dict[str, Any]:
     samples = [s for g in groups for s in g.samples]
     rewards = np.array([s.reward for s in samples])
     trained = [s for s in samples if s.policy_version >= 0] or samples  # all-truncated samples train nothing
-    staleness = np.array([step - s.policy_version for s in trained])
+    stale = np.array([staleness(step, s.policy_version) for s in trained])
     lengths = np.array([len(s.completion_ids) for s in samples])
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "max_staleness": int(staleness.max()),
+        "max_staleness": int(stale.max()),
         "policy_version_min": int(min(s.policy_version for s in trained)),
         "policy_version_max": int(max(s.newest_version for s in samples)),
-        "mean_staleness": float(staleness.mean()),
+        "mean_staleness": float(stale.mean()),
         "completion_len_mean": float(lengths.mean()),
         "num_samples": len(samples),
         "frac_mixed_version": float(np.mean([len({v for v in s.token_versions if v >= 0}) > 1 for s in samples])),

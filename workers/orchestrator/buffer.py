@@ -6,8 +6,10 @@ std division blows up near-uniform groups). A group's policy version is the OLDE
 version of any token it holds (tokens of one sample may span a weight update), so the
 staleness bound is checked conservatively.
 
-Staleness rule (DESIGN.md 2): a batch for trainer step ``s`` may only contain samples with
-``s - policy_version <= max_off_policy_steps``; older groups are dropped and counted.
+Staleness rule (DESIGN.md 2): trainer steps are 1-based (README "Step numbers"), and step
+``s`` trains the weights of step ``s - 1`` (``weights/step_0`` is the initial policy), so a
+batch for step ``s`` may only contain samples with ``staleness(s, policy_version) = s - 1 -
+policy_version <= max_off_policy_steps`` (0: on-policy); older groups are dropped and counted.
 Long multi-turn episodes span many versions, so ``long_episode_policy`` says what
 "older" means for them: ``drop`` (the rule above, oldest token), ``truncate`` (a group
 counts by its newest turn; tokens beyond the window leave the loss but stay as context),
@@ -122,7 +124,7 @@ class RolloutBuffer:
         """Remove groups too old for ``step``; returns samples dropped."""
         keep, dropped = deque(), 0
         for g in self.groups:
-            if step - self.version_of(g) > self.max_off:
+            if staleness(step, self.version_of(g)) > self.max_off:
                 dropped += len(g.samples)
             else:
                 keep.append(g)
@@ -131,7 +133,7 @@ class RolloutBuffer:
         return dropped
 
     def usable(self, step: int) -> int:
-        return sum(1 for g in self.groups if step - self.version_of(g) <= self.max_off)
+        return sum(1 for g in self.groups if staleness(step, self.version_of(g)) <= self.max_off)
 
     def take(self, step: int) -> Optional[list[RolloutGroup]]:
         """Oldest usable groups for ``step`` (oldest first, so fewer go stale) or None.
@@ -149,7 +151,7 @@ class RolloutBuffer:
 
     def apply_long_episode_policy(self, g: RolloutGroup, step: int) -> None:
         """truncate: tokens older than the window leave the loss (mask 0); keep: count them."""
-        oldest_ok = step - self.max_off
+        oldest_ok = step - 1 - self.max_off  # the oldest version within the window of ``step``
         for s in g.samples:
             flags = s.loss_flags()
             stale = [i for i, (v, m) in enumerate(zip(s.token_versions, flags)) if m and 0 <= v < oldest_ok]
@@ -169,17 +171,24 @@ class RolloutBuffer:
 LONG_EPISODE_POLICIES = ("drop", "truncate", "keep")
 
 
+def staleness(step: int, version: int) -> int:
+    """How many updates behind the weights that trainer step ``step`` (1-based) trains a sample
+    of policy ``version`` is: step ``s`` starts from version ``s - 1``."""
+    return step - 1 - version
+
+
 def groups_to_launch(*, next_step: int, weight_version: int, max_off: int, groups_per_step: int,
                      buffered_usable: int, inflight_groups: int, spare: int = 0) -> int:
     """How many new groups are worth starting now.
 
-    A group started at ``weight_version`` can serve batches ``next_step .. weight_version +
-    max_off``; starting more than those batches need would only produce stale samples.
+    A group started at ``weight_version`` can serve the batches of steps ``next_step ..
+    weight_version + 1 + max_off`` (1-based steps: step s trains version s - 1); starting more
+    than those batches need would only produce stale samples.
     With max_off = 0 this yields exactly one batch per version: synchronous training.
     ``spare`` extra groups keep inference busy while long-tail episodes finish; the batch
     takes whichever groups complete first.
     """
-    last_usable_step = weight_version + max_off
+    last_usable_step = weight_version + 1 + max_off
     if last_usable_step < next_step:
         return 0
     needed = (last_usable_step - next_step + 1) * groups_per_step + spare

@@ -17,8 +17,10 @@ writer. ``eval/policy_version`` says which weights were evaluated (the oldest ve
 its tokens came from); the record's ``step`` says when it was reported. The eval task runs
 beside rollouts (no stall); a worker that fails mid-eval loses that eval (logged), not the run.
 
-Sample logging (``orchestrator.log_samples_every_steps``): two samples of a batch (the best
-and the worst reward) as text in the orchestrator log, decoded by the env's ``text``.
+Sample logging (``orchestrator.log_samples_every_steps``): ``orchestrator.num_logged_samples`` samples
+of a batch, spread over its rewards from the best to the worst, as text (decoded by the env's
+``text``) in the orchestrator log and, through the batch's record, in metrics.jsonl (``samples``:
+[{reward, prompt, completion}]), TensorBoard (text) and W&B (a table) at that step.
 """
 from __future__ import annotations
 
@@ -61,11 +63,24 @@ def describe(env, sample: Sample) -> str:
             f"completion: {_short(env.text(sample.completion_ids))}")
 
 
-def log_samples(log: logging.Logger, env, step: int, groups: list[RolloutGroup]) -> None:
-    samples = sorted((s for g in groups for s in g.samples), key=lambda s: s.reward)
-    if samples:
-        for label, s in (("best", samples[-1]), ("worst", samples[0])):
-            log.info("step %d sample (%s): %s", step, label, describe(env, s))
+def pick_samples(samples: list[Sample], n: int) -> list[tuple[str, Sample]]:
+    """``n`` samples at evenly spaced reward ranks, best first, labelled ``best`` / ``rank k`` / ``worst``."""
+    ranked = sorted(samples, key=lambda s: -s.reward)
+    n = min(n, len(ranked))
+    if n == 0:
+        return []
+    at = [0] if n == 1 else sorted({round(i * (len(ranked) - 1) / (n - 1)) for i in range(n)})
+    return [("best" if i == 0 else "worst" if i == len(ranked) - 1 else f"rank {i + 1}", ranked[i]) for i in at]
+
+
+def log_samples(log: logging.Logger, env, step: int, groups: list[RolloutGroup], num: int = 2) -> list[dict]:
+    """Log ``num`` of the batch's samples as text; returns them as rows for the step's record."""
+    rows = []
+    for label, s in pick_samples([s for g in groups for s in g.samples], num):
+        log.info("step %d sample (%s): %s", step, label, describe(env, s))
+        rows.append({"rank": label, "reward": float(s.reward), "prompt": _short(env.text(s.prompt_ids)),
+                     "completion": _short(env.text(s.completion_ids))})
+    return rows
 
 
 class Evaluator:

@@ -19,6 +19,10 @@ Why a separate piece: the loop must keep training while workers die and come bac
 
 Protocol per revival (orchestrator drives, worker obeys; every call has a deadline):
   health_generate ok -> update_weights_from_disk(step_V, V) -> [repeat while V changed] -> live.
+The transport's coordinator decides (``WeightCoordinator.revive``): the filesystem transport
+uses :meth:`WorkerPool.try_revive` above; the broadcast transport re-forms its group with the
+revived workers and readmits them after the next update reached them
+(workers/weights/broadcast/coordinator.py).
 """
 from __future__ import annotations
 
@@ -66,7 +70,8 @@ class WorkerPool:
             return self.mark_dead(worker, str(err))
         return False
 
-    async def _healthy(self, worker: int) -> bool:
+    async def healthy(self, worker: int) -> bool:
+        """One health check of ``worker`` (live or dead), with the pool's deadline."""
         try:
             await self.clients[worker].health_generate(timeout_s=self.timeout_s)
             return True
@@ -77,7 +82,7 @@ class WorkerPool:
         """One health round over live workers; returns the ones newly marked dead."""
         newly = []
         for w in self.live():
-            if await self._healthy(w):
+            if await self.healthy(w):
                 self.misses[w] = 0
                 continue
             self.misses[w] += 1
@@ -90,7 +95,7 @@ class WorkerPool:
 
         ``current()`` returns (version, model_path or None when that step dir is gone).
         """
-        if self.alive[worker] or not await self._healthy(worker):
+        if self.alive[worker] or not await self.healthy(worker):
             return False
         loaded = None
         for _ in range(5):  # the version may move on while we load; chase it a few times
@@ -105,9 +110,13 @@ class WorkerPool:
                 self.log.warning("revived worker %d refused weights v%d: %s", worker, version, e)
                 return False
             loaded = version
+        self.readmit(worker, loaded)
+        return True
+
+    def readmit(self, worker: int, version: Optional[int]) -> None:
+        """``worker`` serves weights ``version`` again: live from now on (a transport's revival ends here)."""
         self.alive[worker], self.misses[worker] = True, 0
         down = time.monotonic() - self.down_since.pop(worker, time.monotonic())
         self.recovery_s.append(down)
-        self.log.info("inference worker %d back after %.1fs with weights v%s", worker, down, loaded)
-        self.on_event("worker_back", worker=worker, down_s=round(down, 3), version=loaded)
-        return True
+        self.log.info("inference worker %d back after %.1fs with weights v%s", worker, down, version)
+        self.on_event("worker_back", worker=worker, down_s=round(down, 3), version=version)

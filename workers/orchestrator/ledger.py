@@ -132,7 +132,8 @@ class Ledger:
     # ---- derived state -----------------------------------------------------------------
     @property
     def next_step(self) -> int:
-        return max(self.batches) + 1 if self.batches else 0
+        """The step whose batch comes next (steps are 1-based: the first batch is step 1's)."""
+        return max(self.batches) + 1 if self.batches else 1
 
     @property
     def groups_started(self) -> int:

@@ -57,7 +57,7 @@ class Orchestrator:
         self.clients: list[InferenceClient] = []  # every server, directly: readiness and admin calls
         self.router: Optional[Any] = None  # a backend's router (spec.make_router; SGLang: smg): generation only
         self.version = 0
-        self.next_step = 0
+        self.next_step = 1  # the step whose batch comes next; steps are 1-based (trainer step N trains batch N)
         self.next_group_id = 0
         self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
@@ -120,7 +120,7 @@ class Orchestrator:
             watcher = asyncio.create_task(self.watch_workers())
             beats = asyncio.create_task(self.watch_inference())
             try:
-                while self.next_step < self.cfg.trainer.num_steps:
+                while self.next_step <= self.cfg.trainer.num_steps:
                     await self.maybe_update_weights()
                     self.maybe_evaluate()
                     self.launch_groups()
@@ -135,8 +135,8 @@ class Orchestrator:
                     task.cancel()
                 await asyncio.gather(watcher, beats, *self.inflight, return_exceptions=True)
                 self.ledger.close()
-        self.paths.orchestrator_done.write_text(str(self.next_step))
-        self.log.info("all %d batches written; done", self.next_step)
+        self.paths.orchestrator_done.write_text(str(self.next_step - 1))
+        self.log.info("all %d batches written; done", self.next_step - 1)
 
     async def maybe_update_weights(self) -> None:
         """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist."""
@@ -155,7 +155,7 @@ class Orchestrator:
                         task.cancel()
             for w in range(len(self.clients)):
                 if not self.pool.alive[w]:
-                    await self.pool.try_revive(w, self.current_weights)
+                    await self.weights.revive(self.pool, w, self.current_weights)
 
     def maybe_evaluate(self) -> None:
         """Start an eval of the current weights when one is due (evaluation.py), on the least loaded worker."""
@@ -274,7 +274,7 @@ class Orchestrator:
             self.buffer.add(group)
 
     def write_ready_batches(self) -> None:
-        while self.next_step < self.cfg.trainer.num_steps:
+        while self.next_step <= self.cfg.trainer.num_steps:
             before = {g.group_id for g in self.buffer.groups}
             groups = self.buffer.take(self.next_step)
             self.ledger.drop(before - {g.group_id for g in self.buffer.groups} - {g.group_id for g in groups or []})
@@ -302,8 +302,9 @@ class Orchestrator:
                 **self.inference_heartbeat(),
             }
             every = self.cfg.orchestrator.log_samples_every_steps
-            if every and self.next_step % every == 0:
-                log_samples(self.log, self.env, self.next_step, groups)
+            if every and self.next_step % every == 0:  # text in the log; metrics.jsonl, TensorBoard and W&B
+                extra["samples"] = log_samples(self.log, self.env, self.next_step, groups,
+                                               self.cfg.orchestrator.num_logged_samples)
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap

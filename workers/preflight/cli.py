@@ -6,6 +6,9 @@
     slurmrl-preflight node --run-dir RUN --het-group K ... --node NAME # one node's task (job step)
     slurmrl-preflight bench --run-dir RUN --node-rank R ...            # one node's benchmark task
 
+Across N Slurm nodes without a training job: ``slurmrl submit preflight --nodes N -- --out DIR``
+(launcher/standalone.py, through submitit: ``standalone`` on every node, into ``DIR/<node>/``).
+
 Exit status: 0 all checks passed, 1 a check failed (the report says which), 2 usage errors.
 ``key=value`` overrides set fields of cluster.preflight (``max_bytes=67108864``,
 ``min_busbw_gbps_intra_node.all_reduce=300``).

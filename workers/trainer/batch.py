@@ -186,9 +186,10 @@ def shard_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
 
 
 def batch_staleness(batch: RolloutBatch, step: int) -> int:
-    """``step - oldest policy version`` over the loss tokens (0 when no token is tagged)."""
+    """``step - 1 - oldest policy version`` over the loss tokens (0 when no token is tagged):
+    1-based step ``step`` trains the weights of version ``step - 1``."""
     versions = batch.token_versions[batch.loss_mask & (batch.token_versions >= 0)]
-    return int(step - versions.min()) if versions.numel() else 0
+    return int(step - 1 - versions.min()) if versions.numel() else 0
 
 
 def prune_rollouts(paths: RunPaths, newest: int, *, keep: int = KEEP_ROLLOUTS,

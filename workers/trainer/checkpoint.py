@@ -2,8 +2,8 @@
 
 What is saved, per rank: the model's state dict (this rank's shards under TP/EP), the
 optimizer state, the RNG states (torch, numpy, python) and the step to resume at. Where:
-``run_dir/checkpoints/step_N/rank_R.pt`` + ``COMPLETE`` (N = steps already trained, so a
-resumed trainer starts at step N and reads ``rollouts/step_N``).
+``run_dir/checkpoints/step_N/rank_R.pt`` + ``COMPLETE`` (the state after 1-based step N, so
+N = steps already trained and a resumed trainer goes on with step N+1, batch ``rollouts/step_{N+1}``).
 
 Atomic without a collective (a preempted rank cannot count on its peers): every rank
 writes ``.step_N.tmp/rank_R.pt`` via its own temp file + rename; the rank that finds all
@@ -83,7 +83,7 @@ class Checkpointer:
         self.rank, self.world_size, self.every, self.keep = rank, world_size, every, max(1, keep)
         self.log = log or logging.getLogger("trainer.checkpoint")
         self.root.mkdir(parents=True, exist_ok=True)
-        self.resume_step = 0  # oldest step the trainer may still have to redo after a crash
+        self.resume_step = 0  # newest checkpointed step: a crash redoes the steps after it
         self.done_step = 0  # steps trained so far (the state the model holds between steps)
         self.in_step = False
         self.save_requested = self.stop_requested = False
@@ -134,8 +134,8 @@ class Checkpointer:
         self.in_step = True
 
     def end_step(self, step: int, model, optimizer) -> None:
-        """Step ``step`` is trained and published: save if due or asked; stop if SIGTERM came."""
-        self.done_step = step + 1
+        """Step ``step`` (1-based) is trained and published: save if due or asked; stop if SIGTERM came."""
+        self.done_step = step
         try:  # still "in step" while saving: a SIGTERM now waits for this save, then stops
             if self._collective(model):  # a signal that reached one rank saves / stops on all of them
                 self.save_requested, self.stop_requested = dcp_state.agree(self.save_requested, self.stop_requested)
@@ -148,8 +148,8 @@ class Checkpointer:
             self._save_and_stop(signal.SIGTERM, None)
 
     def prune_bound(self, step: int) -> int:
-        """``newest`` for prune_rollouts: keep every batch at or after the resume point."""
-        return min(step, self.resume_step + KEEP_ROLLOUTS - 1)
+        """``newest`` for prune_rollouts: keep every batch a resume would redo (after ``resume_step``)."""
+        return min(step, self.resume_step + KEEP_ROLLOUTS)
 
     # ---- save / load -----------------------------------------------------------------
     def save(self, step: int, model, optimizer) -> Path:
@@ -233,7 +233,8 @@ class Checkpointer:
         return json.loads((self.root / step_name(step) / COMPLETE).read_text())
 
     def _rewind_metrics(self, step: int) -> int:
-        """Keep metrics records of steps < ``step``; returns how many later ones were cut."""
+        """Keep metrics records of steps <= ``step`` (those the checkpoint holds); returns how many
+        later ones were cut."""
         path = self.run_dir / METRICS_FILE
         if not path.exists():
             return 0
@@ -243,7 +244,7 @@ class Checkpointer:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a torn last line
-            if rec.get("step", -1) < step:
+            if rec.get("step", 0) <= step:
                 kept.append(line)
             else:
                 cut += 1

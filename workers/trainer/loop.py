@@ -1,18 +1,20 @@
 """The trainer's loop: one process per rank, started as ``python -m workers.trainer``.
 
-Per step N (batch N trains step N and yields weights version N+1):
+Steps are 1-based (README "Step numbers"): weights/step_0 is the initial policy, and step N
+(1..trainer.num_steps) trains batch rollouts/step_N from the weights of step N-1 and yields
+weights version N; checkpoints/step_N holds the state after step N. Per step N:
   wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
   ``ep * dp`` (TP peers take the same rows) -> barrier, rank 0 prunes old rollouts ->
   train_step (step.py: per micro-batch forward with Router Replay when asked, loss with
   global normalisers, backward; grad sync, clip, AdamW) -> every rank joins the gather of
-  the full HF state dict (cast to trainer.dtype) -> rank 0 publishes weights/step_{N+1}
+  the full HF state dict (cast to trainer.dtype) -> rank 0 publishes weights/step_N
   and appends the metrics record.
 The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
 family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
 at another dp); tp or ep > 1 -> the family's own plan (tiny_moe/llama: sharded_model.py).
 Parameters and AdamW state are in trainer.master_dtype, compute in trainer.dtype
 (workers/trainer/precision.py); activation checkpointing wraps every decoder layer first.
-Before step 0 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
+Before step 1 rank 0 publishes weights/step_0 (the seeded init) for inference to load;
 after the last step it writes ``run_dir/TRAINER_DONE``. The parallel degrees come from
 ``trainer.parallel`` (ParallelConfig.resolve checks tp * pp * ep * dp == trainer.num_ranks).
 
@@ -75,15 +77,15 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         if tcfg.num_ranks != topology.world_size:
             raise ValueError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
                              f"in this process's environment: the launcher started the wrong number of ranks")
-        tp, ep = parallel_degrees(cfg)
-        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep)
+        tp, ep, cp = parallel_degrees(cfg)
+        dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep, cp=cp)
         full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
         apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
         model = parallelize(cfg, full, dims)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
-        start = ckpt.load(model, optimizer)  # 0 unless a checkpoint exists (restart, Slurm requeue)
+        start = ckpt.load(model, optimizer)  # steps done: 0 unless a checkpoint exists (restart, Slurm requeue)
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
         publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
                                                                     world_size=dims.world_size, device=dims.device)
@@ -94,12 +96,12 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
-            log.info(f"tp {dims.tp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
+            log.info(f"tp {dims.tp} x cp {dims.cp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
                      f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
-        for step in range(start, tcfg.num_steps):
+        for step in range(start + 1, tcfg.num_steps + 1):  # 1-based: step N publishes weights/step_N
             idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s)
             ckpt.begin_step()
             t0 = time.perf_counter()
@@ -117,7 +119,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
             weights = FullWeights(to_hf(model.full_state_dict(to_rank=None, dtype=compute)))
-            sync = publish_weights(publisher, step + 1, weights)
+            sync = publish_weights(publisher, step, weights)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
                 record.update(beat.sample())
@@ -162,7 +164,7 @@ def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle
     record.update(sync)
     record.update({
         "step": step,
-        "policy_version": step + 1,
+        "policy_version": step,  # the weights this step published (weights/step_N)
         "time": time.time(),
         "num_rows": batch.num_rows,
         "step_time_s": step_time_s,
@@ -192,10 +194,10 @@ def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
     return publisher.publish(version, model.state_dict()).metrics()
 
 
-def parallel_degrees(cfg: RunConfig) -> tuple[int, int]:
-    """(tp, ep) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
+def parallel_degrees(cfg: RunConfig) -> tuple[int, int, int]:
+    """(tp, ep, cp) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
     d = cfg.trainer.parallel.resolve(cfg.trainer.num_ranks)
-    return d["tp"], d["ep"]
+    return d["tp"], d["ep"], d["cp"]
 
 
 def initial_model(cfg: RunConfig):

@@ -3,7 +3,7 @@
 One record per optimizer step goes to ``run_dir/metrics.jsonl`` (appended, flushed per
 line, so ``tail -f`` and a crashed run both show every finished step) and, for every
 numeric field, to TensorBoard scalars under ``run_dir/tb`` (tag ``trainer/<key>``,
-global step = trainer step). Non-finite floats are written as ``null``: JSON has no NaN.
+global step = trainer step, 1-based). Non-finite floats are written as ``null``: JSON has no NaN.
 
 Keys of a record (see ``loop.step_record`` for how each is computed):
   step, time, policy_version, loss, pg_loss, aux_loss, grad_norm, entropy, mismatch_kl,
@@ -19,7 +19,9 @@ Keys of a record (see ``loop.step_record`` for how each is computed):
   reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's
   ``meta.json["orchestrator_metrics"]`` (the orchestrator's values; the trainer fills
   reward_mean / max_staleness from the batch only when the orchestrator left them out,
-  and samples_dropped_stale with 0).
+  and samples_dropped_stale with 0); on steps with ``orchestrator.log_samples_every_steps``,
+  ``samples`` (a list of {rank, reward, prompt, completion}: sample completions as text), which
+  TensorBoard shows as a Markdown table (text tag ``samples``).
 """
 from __future__ import annotations
 
@@ -73,6 +75,9 @@ class MetricsWriter:
                     continue
                 if math.isfinite(float(value)):
                     self._tb.add_scalar(f"trainer/{key}", float(value), global_step=step, walltime=record.get("time"))
+            if record.get("samples"):  # orchestrator.log_samples_every_steps: the batch's samples as text
+                self._tb.add_text("samples", samples_markdown(record["samples"]), global_step=step,
+                                  walltime=record.get("time"))
             self._tb.flush()
         if self.tracker is not None:
             self.tracker.log_record(record)
@@ -86,6 +91,19 @@ class MetricsWriter:
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
+
+
+SAMPLE_COLUMNS = ("rank", "reward", "prompt", "completion")
+"""The fields of each row of a record's ``samples`` (workers/orchestrator/evaluation.py log_samples)."""
+
+
+def samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """A record's ``samples`` as a Markdown table (TensorBoard renders text summaries as Markdown)."""
+    def cell(value: Any) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c, "")) for c in SAMPLE_COLUMNS) + " |" for r in rows])
 
 
 def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> str:

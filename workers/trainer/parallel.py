@@ -1,18 +1,27 @@
-"""Parallel dimensions of the trainer (TP x EP x DP) and the process groups that realise them.
+"""Parallel dimensions of the trainer (TP x CP x EP x DP) and the process groups that realise them.
 
 Rank layout, TP innermost (TP traffic is per layer and latency bound: keep it on NVLink),
-then EP, then DP::
+then CP (context parallel: two all-to-alls per attention/Mamba layer, also NVLink-bound), then
+EP, then DP::
 
-    rank = (dp_rank * ep + ep_rank) * tp + tp_rank          world = tp * ep * dp
+    rank = ((dp_rank * ep + ep_rank) * cp + cp_rank) * tp + tp_rank      world = tp * cp * ep * dp
+
+Under the FSDP plan (tp = ep = 1) that is ``rank = dp_rank * cp + cp_rank``: a dp x cp mesh whose
+cp ranks hold the same rows (each a contiguous chunk of every sequence: workers/trainer/
+context_parallel.py) and whose FSDP shard group is ALL ranks (the flattened dp x cp mesh, as
+torchtitan's dp_shard_cp): every rank's loss is its own tokens' share of the global loss, so the
+gradient reduce-scatter sums the cp ranks' contributions like the dp ranks'.
 
 Groups (each rank belongs to one of every kind; size-1 groups are None, collectives on
 them are no-ops, so tp = ep = 1 runs the same code without communication):
-  ``tp``     same (dp, ep): holds one copy of the data, splits the matmuls;
-  ``ep``     same (dp, tp): different rows of the batch, disjoint experts; all-to-all;
-  ``dp``     same (ep, tp): replicas of the same expert shard: expert gradients sum here;
-  ``batch``  same tp (all ep x dp): every rank with distinct rows: dense gradients, token
+  ``tp``     same (dp, ep, cp): holds one copy of the data, splits the matmuls;
+  ``cp``     same (dp, ep, tp): the same rows, each rank a chunk of every sequence; all-to-all;
+  ``ep``     same (dp, cp, tp): different rows of the batch, disjoint experts; all-to-all;
+  ``dp``     same (ep, tp): replicas of the same expert shard (and their cp ranks): expert
+             gradients sum here;
+  ``batch``  same tp (all ep x dp x cp): every rank with distinct TOKENS: dense gradients, token
              counts and loss statistics sum here (TP ranks hold duplicates and must not);
-  ``mp``     same dp (all tp x ep): the shards of one full model: the global grad norm.
+  ``mp``     same (dp, cp) (all tp x ep): the shards of one full model: the global grad norm.
 
 Rendezvous protocol (trainer rank 0 <-> ranks 1..N-1), every wait has a deadline:
   1. rank 0 opens a TCPStore on ``master_addr:master_port`` (topology);
@@ -38,7 +47,7 @@ import torch.distributed as dist
 from workers.common.topology import Topology
 
 JOIN_KEY = "slurmrl/joined/{rank}"
-GROUP_KINDS = ("tp", "ep", "dp", "batch", "mp")
+GROUP_KINDS = ("tp", "cp", "ep", "dp", "batch", "mp")
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -57,16 +66,19 @@ class ParallelDims:
     """The whole trainer (barrier); None without a process group."""
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    """Context-parallel ranks per sequence (workers/trainer/context_parallel.py)."""
     groups: dict[str, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
     """Subgroups by kind (GROUP_KINDS); missing or None: size 1 (or no process group)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep", "dp"):
+        for key in ("tp", "ep", "dp", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer {key}({getattr(self, key)}) must be >= 1")
-        if self.tp * self.ep * self.dp != self.world_size:
-            raise ValueError(f"tp({self.tp}) * ep({self.ep}) * dp({self.dp}) = {self.tp * self.ep * self.dp} "
-                             f"!= trainer world size({self.world_size})")
+        if self.tp * self.cp * self.ep * self.dp != self.world_size:
+            cp = f"cp({self.cp}) * " if self.cp != 1 else ""
+            raise ValueError(f"tp({self.tp}) * {cp}ep({self.ep}) * dp({self.dp}) = "
+                             f"{self.tp * self.cp * self.ep * self.dp} != trainer world size({self.world_size})")
         assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
 
     # -- coordinates --------------------------------------------------------------------
@@ -79,33 +91,38 @@ class ParallelDims:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def ep_rank(self) -> int:
-        return (self.rank // self.tp) % self.ep
+        return (self.rank // (self.tp * self.cp)) % self.ep
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.ep)
+        return self.rank // (self.tp * self.cp * self.ep)
 
     @property
     def batch_rank(self) -> int:
-        """Which of the ``num_batch_shards`` row shards of a batch this rank trains on."""
+        """Which of the ``num_batch_shards`` row shards of a batch this rank trains on (its cp peers too)."""
         return self.dp_rank * self.ep + self.ep_rank
 
     @property
     def num_batch_shards(self) -> int:
         return self.dp * self.ep
 
-    def rank_of(self, *, dp_rank: int, ep_rank: int, tp_rank: int) -> int:
-        return (dp_rank * self.ep + ep_rank) * self.tp + tp_rank
+    def rank_of(self, *, dp_rank: int, ep_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((dp_rank * self.ep + ep_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def group_ranks(self, kind: str) -> list[list[int]]:
         """Every group of ``kind`` as a list of global ranks (all of them, not only this rank's)."""
-        coords = list(itertools.product(range(self.dp), range(self.ep), range(self.tp)))
-        key = {"tp": lambda d, e, t: (d, e), "ep": lambda d, e, t: (d, t), "dp": lambda d, e, t: (e, t),
-               "batch": lambda d, e, t: (t,), "mp": lambda d, e, t: (d,)}[kind]
+        coords = list(itertools.product(range(self.dp), range(self.ep), range(self.cp), range(self.tp)))
+        key = {"tp": lambda d, e, c, t: (d, e, c), "cp": lambda d, e, c, t: (d, e, t),
+               "ep": lambda d, e, c, t: (d, c, t), "dp": lambda d, e, c, t: (e, t),
+               "batch": lambda d, e, c, t: (t,), "mp": lambda d, e, c, t: (d, c)}[kind]
         out: dict[tuple, list[int]] = {}
-        for d, e, t in coords:
-            out.setdefault(key(d, e, t), []).append(self.rank_of(dp_rank=d, ep_rank=e, tp_rank=t))
+        for d, e, c, t in coords:
+            out.setdefault(key(d, e, c, t), []).append(self.rank_of(dp_rank=d, ep_rank=e, tp_rank=t, cp_rank=c))
         return [sorted(v) for _, v in sorted(out.items())]
 
     def get_group(self, kind: str) -> Optional[dist.ProcessGroup]:
@@ -114,22 +131,22 @@ class ParallelDims:
 
     # -- setup / teardown -------------------------------------------------------------
     @classmethod
-    def init(cls, topology: Topology, *, timeout_s: float, tp: int = 1, ep: int = 1) -> "ParallelDims":
+    def init(cls, topology: Topology, *, timeout_s: float, tp: int = 1, ep: int = 1, cp: int = 1) -> "ParallelDims":
         """Rendezvous with the other trainer ranks and create the process groups.
 
         ``timeout_s`` bounds the rendezvous and every later collective (a rank that died
         mid-step turns into an error on its peers within that time, not a hang).
         """
         world = topology.world_size
-        if world % (tp * ep):
-            raise ValueError(f"tp({tp}) * ep({ep}) = {tp * ep} does not divide trainer world size({world})")
+        if world % (tp * ep * cp):
+            raise ValueError(f"tp({tp}) * cp({cp}) * ep({ep}) = {tp * ep * cp} does not divide trainer world size({world})")
         cuda = torch.cuda.is_available()
         backend = "nccl" if cuda else "gloo"
         device = torch.device("cuda", topology.rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dims = cls(rank=topology.rank, world_size=world, dp=world // (tp * ep), tp=tp, ep=ep, backend=backend,
-                   device=device)
+        dims = cls(rank=topology.rank, world_size=world, dp=world // (tp * ep * cp), tp=tp, ep=ep, cp=cp,
+                   backend=backend, device=device)
         store = _rendezvous(topology, timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=store, rank=topology.rank, world_size=world, timeout=timeout)

@@ -54,6 +54,9 @@ class ShardedMoeForCausalLM(CausalLM):
         self.full_type = type(full)  # what full_state_dict's names and shapes are those of
         tp_group, ep_group = dims.get_group("tp"), dims.get_group("ep")
         self.model = full.model
+        if dims.cp != 1:  # the plan refuses it first (launcher/resources.py check_context_parallel)
+            raise ValueError(f"trainer.parallel.cp({dims.cp}): context parallelism runs in the FSDP plan only, "
+                             f"not with tp({dims.tp}) x ep({dims.ep})")
         if full.num_routed_layers == 0 and dims.ep > 1:
             raise ValueError(f"expert parallel ep({dims.ep}) > 1 needs a MoE model; model.num_experts=0 is dense")
         for layer in self.model.layers:

@@ -9,7 +9,8 @@ Who talks to whom inside a step (every rank, in the same order; deadlines are th
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
   forward    per layer: FSDP all-gathers, or TP all-reduces (attention, experts) and EP
-             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs;
+             all-to-alls (dispatch, combine), vocab-parallel all-reduces for the log-probs,
+             context-parallel all-to-alls around attention / Mamba (workers/trainer/context_parallel.py);
   counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
              with several micro-batches and a balance loss, after a no-grad counting forward);
   backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
@@ -29,6 +30,7 @@ import torch
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.logprobs import Scoring
+from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, expert_counts, load_balance_loss, loss_relevant_inputs, policy_loss,
                                   routing_disagreement)
@@ -68,18 +70,24 @@ def forward_rows(model: ShardedMoeForCausalLM, batch: RolloutBatch, *, replay: b
     need = loss_relevant_inputs(batch.loss_mask)  # logits that predict a loss token: the only ones scored
     if packing is not None:
         need = packing.pack(need, False)
-    at = predicted(need)
-    score = Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
-                    scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))
-    with compute_context(model), capture_routing(model, valid=attention) as routers:
-        out = model(ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
-                    forced_mask=forced_mask, segment_ids=segments, logits_mask=need, score=score)
+    inputs = dict(input_ids=ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
+                  forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
+    cp = context_parallel.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
+    if cp is not None:
+        inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
+    at = predicted(need)  # the scored positions' targets, in the order of the (chunk's) logits_mask
+    inputs = {**inputs, "score": Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
+                                         scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))}
+    with compute_context(model), capture_routing(model, valid=inputs["attention_mask"]) as routers:
+        out = model(**inputs)
     logp, entropy = place(at, out.logp), place(at, out.entropy)
     prob_sums, counts = torch.zeros(0, 0, device=ids.device), torch.zeros(0, 0, device=ids.device)  # dense
     if routers:
         prob_sums = torch.stack([p for p, _ in routers])
-        counts = expert_counts(out.routed_experts, attention, cfg.num_experts)
-    own, routed = stack_own(routers, tuple(ids.shape), ids.device), out.routed_experts
+        counts = expert_counts(out.routed_experts, inputs["attention_mask"], cfg.num_experts)
+    own, routed = stack_own(routers, tuple(out.routed_experts.shape[:2]), ids.device), out.routed_experts
+    if cp is not None:  # back to the whole rows, zeros at the other cp ranks' tokens
+        logp, entropy, own, routed = cp.whole(logp, entropy, own, routed)
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
@@ -125,6 +133,8 @@ def backward_step(model: ShardedMoeForCausalLM, shard: RolloutBatch, tcfg: Train
         p.grad = None
     tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
                           device=dims.device)
+    if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
+        micro, tokens = context_parallel.own_chunks(micro, dims)
     counts = None
     chunk = tcfg.logprob_chunk_tokens
     if len(micro) == 1:

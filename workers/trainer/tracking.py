@@ -1,9 +1,9 @@
 """Experiment trackers beside metrics.jsonl and TensorBoard: ``tracking.wandb=true`` (trainer rank 0).
 
 Every record the trainer writes to metrics.jsonl (metrics.py ``MetricsWriter.write``) is also
-logged to the tracker with the same ``step`` (0-based, as everywhere), numeric fields only —
+logged to the tracker with the same ``step`` (1-based, as everywhere), numeric fields only —
 including the orchestrator's (reward/<name>, reward_failures, data/*) and evaluation rows
-(eval/reward). The run is named after the run directory, its id is derived from it (a resumed
+(eval/reward) — plus a record's sample completions (``samples``) as a ``wandb.Table``. The run is named after the run directory, its id is derived from it (a resumed
 trainer continues the same W&B run), and the resolved config (run.yaml) is its config.
 
 Offline by default (``tracking.wandb_mode=offline``): GPU clusters often have no internet; the
@@ -20,6 +20,7 @@ from numbers import Number
 from typing import Any, Optional
 
 from workers.common.protocol import RunPaths
+from workers.trainer.metrics import SAMPLE_COLUMNS
 
 
 class WandbTracker:
@@ -28,7 +29,7 @@ class WandbTracker:
         from omegaconf import OmegaConf
 
         t = cfg.tracking
-        self.log = log
+        self.log, self.wandb = log, wandb
         (paths.root / "wandb").mkdir(parents=True, exist_ok=True)
         run_id = hashlib.sha1(str(paths.root.resolve()).encode()).hexdigest()[:16]
         self.run = wandb.init(project=t.wandb_project or f"slurmrl-{cfg.experiment}", entity=t.wandb_entity or None,
@@ -38,9 +39,12 @@ class WandbTracker:
     def log_record(self, record: dict[str, Any]) -> None:
         if self.run is None:
             return
-        values = {k: float(v) for k, v in record.items() if k not in ("step", "time") and isinstance(v, Number)
-                  and not isinstance(v, bool) and math.isfinite(float(v))}
+        values: dict[str, Any] = {k: float(v) for k, v in record.items() if k not in ("step", "time")
+                                  and isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(float(v))}
         try:
+            if record.get("samples"):  # the batch's sample completions as text: a table per logged step
+                values["samples"] = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=[
+                    [row.get(c) for c in SAMPLE_COLUMNS] for row in record["samples"]])
             self.run.log(values, step=int(record["step"]))
         except Exception as e:  # a tracker must never stop training
             self.log.error(f"wandb: logging failed ({type(e).__name__}: {e}); tracking off for the rest of the run")

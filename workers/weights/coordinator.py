@@ -83,6 +83,11 @@ class WeightCoordinator(abc.ABC):
     async def start(self, clients: Sequence[Any]) -> None:
         """Once every worker is ready, before the first rollout (the broadcast group forms here)."""
 
+    async def revive(self, pool: Any, worker: int, current: Callable[[], tuple[int, Optional[str]]]) -> bool:
+        """Dead ``worker`` may answer again: bring it to the current weights and readmit it
+        (workers/orchestrator/faults.py). Default: load ``current()``'s published step from disk."""
+        return await pool.try_revive(worker, current)
+
     @abc.abstractmethod
     async def maybe_update(self, pool: Any) -> None:
         """If the trainer published a newer version: pause -> load or send -> verify -> continue.

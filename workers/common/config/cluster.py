@@ -150,6 +150,15 @@ class ClusterConfig:
     """Submit with ``--requeue`` and requeue on USR1 (time limit, preemption) up to max_requeues times."""
     max_requeues: int = 2
     """Most automatic requeues of one job (SLURM_RESTART_COUNT stops the batch script beyond it)."""
+    server_respawns: int = 2
+    """Slurm: times each inference server step (``inference``/``prefill``/``decode``) that died
+    (crash, SIGKILL, ``scancel JOB.STEP``) is started again as a new ``srun --het-group=K`` step on
+    its nodes before the job fails (launcher/supervisor.py); 0 is fail-fast. The orchestrator
+    re-admits the new servers at its current weights (workers/orchestrator/faults.py)."""
+    respawn_backoff_s: float = 5.0
+    """Seconds before the first respawn of a server step; doubled for each further one."""
+    respawn_backoff_max_s: float = 60.0
+    """Longest wait before a respawn (the doubling stops here)."""
     sbatch_flags: dict[str, str] = field(default_factory=dict)
     """Extra ``#SBATCH --key=value`` flags for every component (value "" renders a bare ``--key``);
     per-group flags: ``cluster.groups.<control|inference|prefill|decode|trainer>.sbatch_flags``."""
@@ -183,5 +192,6 @@ limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition
        num_gpus_per_node=ge(0), num_cpus_per_node=gt(0), mem_per_node_gb=ge(0), runs_root=NONEMPTY, template_dir=TEXT,
        time_limit=Pattern(r"(\d+-)?\d+(:\d{2}){0,2}", "a Slurm time: MM, HH:MM:SS or D-HH:MM:SS"), env=Each(TEXT),
        cpu_partition=TEXT, gpu_memory_gb=ge(0), node_address=NONEMPTY, port_min=between(1024, 65535),
-       port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), sbatch_flags=Each(TEXT),
+       port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), server_respawns=between(0, 100),
+       respawn_backoff_s=between(0, 3600), respawn_backoff_max_s=between(0, 3600), sbatch_flags=Each(TEXT),
        setup=Each(TEXT), python=TEXT, shared_root=TEXT)

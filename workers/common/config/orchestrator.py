@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import ANY_NUMBER, ConfigError, ge, gt, limits, one_of
+from workers.common.config.ranges import ANY_NUMBER, ConfigError, between, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,8 +59,11 @@ class OrchestratorConfig:
     eval_success_reward: float = 1.0
     """An eval answer with at least this reward counts as a success (pass@1, pass@k)."""
     log_samples_every_steps: int = 0
-    """Every this many batches, log two of the batch's samples (prompt, completion, reward) as text
-    to the orchestrator log; 0 = off. Evaluations log their first answer too."""
+    """Every this many batches, log ``num_logged_samples`` of the batch's samples (prompt, completion,
+    reward) as text: to the orchestrator log, metrics.jsonl (``samples``), TensorBoard (text) and W&B
+    (a table); 0 = off. Evaluations log their first answer too."""
+    num_logged_samples: int = 2
+    """Samples per logged batch, spread over its rewards from the best to the worst (2: best and worst)."""
 
     def __post_init__(self) -> None:
         for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
@@ -72,5 +75,5 @@ limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(
        num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
        advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
        num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), eval_k=gt(0),
-       eval_success_reward=ANY_NUMBER, log_samples_every_steps=ge(0),
+       eval_success_reward=ANY_NUMBER, log_samples_every_steps=ge(0), num_logged_samples=between(1, 64),
        health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))

@@ -76,6 +76,8 @@ def structure_section(section: str, node: Any) -> DictConfig:
     elif not isinstance(node, DictConfig):
         node = OmegaConf.create(node)
     name = node.get(key) if OmegaConf.is_dict(node) and not OmegaConf.is_missing(node, key) and key in node else None
+    if name is None and section == "env" and OmegaConf.is_dict(node) and "_target_" in node:
+        name = "target"  # a user's env YAML with only ``_target_`` (envs/target.py)
     if name is None:
         raise ConfigError(f"{section}.{key} is required; choose one of {registry.names()}")
     schema = registry.get(name).config
@@ -94,11 +96,14 @@ def structure_section(section: str, node: Any) -> DictConfig:
 
 def conform_sections(cfg: RunConfig) -> RunConfig:
     """Re-type each plugin section whose entry name was changed after composing (say
-    ``model=tiny_moe model.family=llama``); refuses fields the new entry does not use."""
+    ``model=tiny_moe model.family=llama``), or that came untyped from a user's own YAML; refuses
+    fields the entry does not use."""
     changes = {}
     for section, (key, _registry) in SECTIONS.items():
         obj = getattr(cfg, section)
-        if type(obj) is not section_schema(section, getattr(obj, key)):
+        if isinstance(obj, dict):  # a user's YAML without the schema in its defaults (hydra.searchpath)
+            changes[section] = OmegaConf.to_object(structure_section(section, obj))
+        elif type(obj) is not section_schema(section, getattr(obj, key)):
             changes[section] = OmegaConf.to_object(structure_section(section, OmegaConf.to_container(
                 OmegaConf.structured(obj))))
     return dataclasses.replace(cfg, **changes) if changes else cfg

@@ -16,7 +16,7 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-    """How trainer ranks split the model: tp * pp * ep * dp == trainer.num_ranks, checked once here.
+    """How trainer ranks split the model: tp * pp * ep * cp * dp == trainer.num_ranks, checked once here.
 
     Read by the launcher (placement, the plan summary) and by every trainer rank (its groups);
     both call :meth:`resolve`, so a layout that passes the plan is the one the ranks build.
@@ -28,29 +28,34 @@ class ParallelConfig:
     """Pipeline parallel stages; the trainer has none yet, so anything but 1 is refused at plan time."""
     ep: int = 1
     """Expert parallel size: routed experts are split over ep ranks; divides model.num_experts."""
+    cp: int = 1
+    """Context parallel size: each sequence is split into cp contiguous chunks, one per rank, with
+    Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/context_parallel.py; attention
+    with fewer heads than cp gathers keys/values instead); divides model.max_position_embeddings and a
+    hybrid's model.mamba_num_heads; FSDP plan only (tp = ep = 1)."""
     dp: int = -1
-    """Data-parallel replicas of each (tp, pp, ep) shard; -1 derives num_ranks / (tp * pp * ep)."""
+    """Data-parallel replicas of each (tp, pp, ep, cp) shard; -1 derives num_ranks / (tp * pp * ep * cp)."""
 
     def resolve(self, num_ranks: int) -> dict[str, int]:
-        """``{tp, pp, ep, dp}`` with dp derived; ValueError with the numbers when they do not make num_ranks."""
-        for key in ("tp", "pp", "ep"):
+        """``{tp, pp, ep, cp, dp}`` with dp derived; ValueError with the numbers when they do not make num_ranks."""
+        for key in ("tp", "pp", "ep", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.pp != 1:
             raise ValueError(f"trainer.parallel.pp({self.pp}) > 1: the trainer has no pipeline parallelism yet; "
                              f"use tp / ep / dp")
-        shard = self.tp * self.pp * self.ep
+        shard = self.tp * self.pp * self.ep * self.cp
+        sizes = f"tp({self.tp}) * pp({self.pp}) * ep({self.ep})" + (f" * cp({self.cp})" if self.cp != 1 else "")
         if self.dp == -1:
             if num_ranks % shard:
-                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) = {shard} does "
-                                 f"not divide trainer.num_ranks({num_ranks}), so dp cannot be derived")
+                raise ValueError(f"trainer.parallel: {sizes} = {shard} does not divide trainer.num_ranks({num_ranks}), "
+                                 f"so dp cannot be derived")
             dp = num_ranks // shard
         else:
             dp = self.dp
             if dp < 1 or shard * dp != num_ranks:
-                raise ValueError(f"trainer.parallel: tp({self.tp}) * pp({self.pp}) * ep({self.ep}) * dp({dp}) = "
-                                 f"{shard * dp} != trainer.num_ranks({num_ranks})")
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": dp}
+                raise ValueError(f"trainer.parallel: {sizes} * dp({dp}) = {shard * dp} != trainer.num_ranks({num_ranks})")
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "dp": dp}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -150,7 +155,7 @@ def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
     return None
 
 
-limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), dp=gt(0, also=(-1,)))
+limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)))
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
        master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.inference import InferenceConfig
-from workers.common.config.ranges import Pattern, gt, limits
+from workers.common.config.ranges import Pattern, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -23,6 +23,22 @@ class EmbeddedInferenceConfig(InferenceConfig):
     more are answered 429 with Retry-After and the orchestrator's client backs off and retries
     within its deadline. Bounds how long a burst can delay the next request (the default is
     4x orchestrator.max_inflight_rollouts' default, so a normal run never sees a 429)."""
+    static_cache: str = "auto"
+    """Engine kind: ``auto`` (the static engine on CUDA, the dynamic one on CPU), ``on`` (static on
+    any device; CUDA graphs only on CUDA) or ``off`` (dynamic: KV cache grown per step). Families the
+    static cache cannot hold (Mamba-2 state, DSA index keys) use the dynamic engine (a log line says so)."""
+    max_seq_len: int = 0
+    """Static engine: positions per KV slot (prompt + output); 0: model.max_position_embeddings, the
+    dynamic engine's limit. The cache holds ``max_batch_size x max_seq_len`` positions per layer,
+    allocated at start: lower it for long-context models (longer prompts are then refused with
+    400, longer outputs end with finish_reason length)."""
+    prefill_chunk: int = 512
+    """Static engine: prompt positions prefilled per forward (longer prompts take several)."""
+    sync_every: int = 8
+    """Static engine: decode steps between two reads of the finished flags by the host (a
+    finished request waits at most this many steps; new requests are admitted at these points)."""
+    cuda_graphs: bool = True
+    """Static engine on CUDA: replay decode steps as CUDA graphs (one per batch size)."""
     idle_timeout_s: float = 75.0
     """Seconds an open connection may sit without a request (keep-alive idle, or a client
     that connected and sent nothing); also the deadline for a request body to arrive. TCP
@@ -30,4 +46,5 @@ class EmbeddedInferenceConfig(InferenceConfig):
 
 
 limits(EmbeddedInferenceConfig, device=Pattern(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N (N a GPU index)"),
-       num_threads=gt(0), max_queued_requests=gt(0), idle_timeout_s=gt(0))
+       num_threads=gt(0), max_queued_requests=gt(0), idle_timeout_s=gt(0),
+       static_cache=one_of("auto", "on", "off"), max_seq_len=ge(0), prefill_chunk=gt(0), sync_every=gt(0))

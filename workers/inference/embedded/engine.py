@@ -49,6 +49,8 @@ def engine_seed(run_seed: int, rank: int) -> int:
 class InferenceEngine:
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
 
+    samples_top_p = False  # the static engine (decode_loop.py) samples within the top-p nucleus
+
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
         assert max_batch_size >= 1, max_batch_size
         self.model = model.eval()
@@ -93,6 +95,10 @@ class InferenceEngine:
         thread for aborts), with the result. It must not block."""
         assert req.input_ids and len(req.input_ids) < self.max_seq_len, len(req.input_ids)
         seq = _Seq(req, on_done)
+        if req.top_p < 1.0 and not self.samples_top_p:
+            msg = "top_p < 1 needs the static engine (inference.static_cache)"
+            self._finish(seq, {"type": "abort", "message": msg}, error=msg)
+            return
         with self._cond:
             if not self._stopping:
                 self._pending.append(seq)
@@ -179,11 +185,17 @@ class InferenceEngine:
             self.weight_version = int(weight_version)
             self.model_path = source
             self.weight_hashes = dict(hashes or {})
+            self._weights_changed_locked()
             return self.num_running + self.num_pending
 
     def set_weight_version(self, version: int) -> None:
         with self._model_lock:
             self.weight_version = int(version)
+            self._weights_changed_locked()
+
+    def _weights_changed_locked(self) -> None:
+        """Hook for engines that keep copies of the weights or the version (the static engine's
+        CUDA graphs: workers/inference/embedded/decode_loop.py); nothing to do here."""
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything (callers get abort results) and stop the thread."""

@@ -218,7 +218,8 @@ def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> ParsedGenerat
             raise BadRequest(f"{f}: expected a non-empty list of token ids")
         if len(p) >= max_len:
             raise BadRequest(f"{f}: prompt of {len(p)} tokens leaves no room to generate "
-                             f"(model.max_position_embeddings={max_len})")
+                             f"(the engine's limit: {max_len} positions, model.max_position_embeddings or the "
+                             f"static engine's inference.max_seq_len)")
         toks = [_int(t, f"{f}[{j}]", 0, vocab_size - 1) for j, t in enumerate(p)]
         reqs.append(GenRequest(input_ids=toks, rid=rid, return_routed_experts=routed, routed_experts_start_len=start,
                                **sp))

@@ -19,6 +19,8 @@ class GenRequest:
 
     input_ids: list[int]
     temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 only the static engine honours it (the dynamic one refuses)."""
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     return_routed_experts: bool = False

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, wait_for
+from workers.inference.embedded.decode_loop import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
 from workers.weights.base import WeightLoadError
 
@@ -66,6 +67,7 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     weights_root = paths.root / WEIGHTS_DIR
     wait_for(lambda: bool(stable_steps(weights_root)), timeout_s=cfg.inference.startup_timeout_s,
              what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
-    engine = InferenceEngine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank))
+    engine = create_engine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank),
+                           options=cfg.inference)
     load_newest_valid(engine, paths)
     return engine

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels
+from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.norm import RMSNorm
 
 
@@ -73,11 +73,15 @@ class Attention(nn.Module):
                               lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache, layer = ctx.cache, ctx.layer
+        if cache is not None and cache.static:  # preallocated slots: it writes k/v and attends (grouped heads)
+            return self.o_proj(cache.attend(layer, q, k, v, ctx.mask).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
             if cache.keys[layer] is not None:
                 k = torch.cat([cache.keys[layer], k], dim=2)
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
+        if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
+            return self.o_proj(ulysses.attend(q, k, v, ctx.mask, ctx.cp).transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)

@@ -22,6 +22,10 @@ import torch.nn.functional as F
 
 
 class KVCache:
+    static = False
+    """True for the preallocated slot cache (workers/inference/embedded/static_cache.py): layers
+    then write into fixed buffers through its ``attend`` / ``write_latent`` instead of growing lists."""
+
     def __init__(self, num_layers: int):
         self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.values: list[Optional[torch.Tensor]] = [None] * num_layers

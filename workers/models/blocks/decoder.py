@@ -57,6 +57,7 @@ class ForwardContext:
     layer: int = 0  # index of the layer being run (cache slot)
     forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
+    cp: Optional[Any] = None  # context parallel: this rank's SeqShard (workers/models/blocks/ulysses.py)
     docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None)
     memo: dict = dataclasses.field(default_factory=dict)
 
@@ -119,10 +120,9 @@ class CausalLM(nn.Module):
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         if cfg.path:
-            from workers.common.registry import MODELS
             from workers.models.hf_checkpoint import load_pretrained
 
-            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf)
+            return load_pretrained(cls.create(cfg, device="meta", dtype=dtype), cfg)
         if not cfg.pretrained:
             return cls(cfg).init_weights(cfg.init_seed).to(dtype)
         from workers.models.pretrained import load_state_dict, require_prepared  # safetensors only
@@ -164,7 +164,7 @@ class CausalLM(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 forced_experts: Optional[torch.Tensor] = None, forced_mask: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None,
-                score: Optional[Scoring] = None) -> ModelOutput:
+                cp: Optional[Any] = None, score: Optional[Scoring] = None) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
         With a cache, keys are the cached ones plus the new ones; attention is causal over the
@@ -174,28 +174,43 @@ class CausalLM(nn.Module):
         padding): a query attends only to its own segment, Mamba states restart at each segment, and
         no [T, T] mask is built (workers/models/blocks/varlen.py); pass per-segment ``position_ids``.
         ``logits_mask`` [B, T] bool: logits only there, returned flat ``[N, V]`` in row-major order.
+        ``cp`` (a workers/models/blocks/ulysses.py ``SeqShard``, training only): the inputs are this
+        rank's chunk of the sequence (``position_ids`` its global positions); masks come from
+        ``cp.valid`` and ``cp.segment_ids`` over the whole sequence (a dense mask: packing's
+        per-document path is for cp 1), and outputs are the chunk's.
         ``score`` (with ``logits_mask``): no logits; ``logp`` / ``entropy`` ``[N]`` of its targets,
         computed in chunks (workers/models/blocks/logprobs.py).
         """
         b, t = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(b, t, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
-        past = 0 if cache is None else cache.length
-        if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=dev).expand(b, t)
-        key_mask = valid if cache is None or cache.key_mask is None else torch.cat([cache.key_mask, valid], dim=1)
-        if cache is not None:
-            cache.key_mask = key_mask
         x = self.model.embed_tokens(input_ids)
         docs = None
-        if segment_ids is not None:  # packed rows: per-document attention, never a [T, T] mask
+        if cache is not None and cache.static:  # slots hold every position at its own index: causal by position
+            assert position_ids is not None, "a static cache needs explicit positions"
+            past, mask = 0, cache.mask(position_ids)
+        else:
+            past = 0 if cache is None else cache.length
+            assert cp is None or cache is None, "context parallelism is for full-sequence (training) forwards"
+            if position_ids is None:
+                start = past if cp is None else cp.rank * t
+                position_ids = torch.arange(start, start + t, device=dev).expand(b, t)
+            key_valid, segment_ids = (valid, segment_ids) if cp is None else (cp.valid, cp.segment_ids)
+            key_mask = (key_valid if cache is None or cache.key_mask is None
+                        else torch.cat([cache.key_mask, valid], dim=1))
+            if cache is not None:
+                cache.key_mask = key_mask
+            if segment_ids is not None and cp is None:  # packed rows: per-document attention, no [T, T] mask
+                assert cache is None, "sequence packing is for full-sequence forwards"
+                docs = Documents.from_segments(torch.where(valid, segment_ids, -1))
+            fast_causal = (cache is None and segment_ids is None and fast(x)
+                           and ((attention_mask is None and cp is None) or right_padded(key_valid)))
+            mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, key_valid.shape[1], past)
+        if segment_ids is not None and docs is None:  # context parallel: the dense block mask (see above)
             assert cache is None, "sequence packing is for full-sequence forwards"
-            docs = Documents.from_segments(torch.where(valid, segment_ids, -1))
-        fast_causal = (cache is None and segment_ids is None and fast(x)
-                       and (attention_mask is None or right_padded(valid)))
-        mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, t, past)
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
-                             cache=cache, past=past, forced_mask=forced_mask, docs=docs)
+                             cache=cache, past=past, forced_mask=forced_mask, cp=cp, docs=docs)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):

@@ -16,6 +16,15 @@ Cache: a layer's indexer keys go to ``cache.index_keys[layer]`` ``[B, T, index_h
 on dim -2, so the engine's pad/merge/select/trim treat them like attention keys). GLM-5's
 ``indexer_types`` may mark a layer ``shared``: it has no indexer and reuses the keep mask of the
 last ``full`` layer of the same forward (``ctx.memo``).
+
+Context parallelism (workers/models/blocks/ulysses.py): the indexer is NOT split by heads. Its
+score sums over the index heads, so a head split would need an all-reduce of ``[T/cp, T]`` float
+scores per layer before top-k (quadratic traffic). Instead each rank keeps its own queries (all
+index heads, sequence-sharded, as the rest of the layer) and all-gathers the indexer KEYS: one
+``index_head_dim`` vector per token shared by every head (linear traffic, no gradient). It scores
+its queries against every key, takes each query's top-k locally (the same numbers as one rank
+computes for those rows), and all-gathers the chosen key INDICES ``[B, T/cp, topk]`` so every
+rank can build the whole-sequence keep mask that attention needs after its head all-to-all.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from torch import nn
 
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.rope_scaled import rotate
+from workers.models.blocks.ulysses import gather_seq
 
 MEMO_KEY = "dsa_keep"
 """ctx.memo key of the last full indexer's keep mask ``[B, 1, T, S]``, or its per-document masks
@@ -52,7 +62,16 @@ class DsaIndexer(nn.Module):
             if past is not None:
                 k = torch.cat([past, k], dim=1)
             ctx.cache.index_keys[ctx.layer] = k
-        mask = self._keep(q, k, w, visible(ctx, t, k.shape[1], x.device))[:, None]
+        cp = ctx.cp
+        if cp is None:
+            mask = self._keep(q, k, w, visible(ctx, t, k.shape[1], x.device))[:, None]
+        else:  # every token's key; queries stay this rank's (see the module docstring)
+            k = gather_seq(k, cp)
+            allowed = visible(ctx, k.shape[1], k.shape[1], x.device)  # every query's row
+            index = self._index(q, k, w).masked_fill(~cp.local(allowed), float("-inf"))
+            chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+            chosen = gather_seq(chosen, cp)  # every rank's choice: attention after the head all-to-all sees every query
+            mask = (allowed & torch.zeros_like(allowed).scatter_(-1, chosen, True))[:, None]
         ctx.memo[MEMO_KEY] = mask
         return mask
 
@@ -84,11 +103,14 @@ class DsaIndexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [B, T, H]
         return q, k, w
 
+    def _index(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[B, T, S] index scores: ``sum_h w_h * relu(q_h . k / sqrt(d))``."""
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
+        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
     def _keep(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """[B, T, S] bool: ``allowed`` keys that are among each query's top ``topk`` index scores."""
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
-        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
-        index = index.masked_fill(~allowed, float("-inf"))
+        index = self._index(q, k, w).masked_fill(~allowed, float("-inf"))
         chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         keep = torch.zeros_like(allowed.expand_as(index)).scatter_(-1, chosen, True)
         return allowed & keep

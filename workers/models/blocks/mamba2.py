@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.models.blocks.mamba2_cp import forward_cp
+
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of ``y * silu(z)`` over groups of ``group_size`` channels (Mamba-2's ``norm``)."""
@@ -77,9 +79,12 @@ class Mamba2Mixer(nn.Module):
                 torch.zeros(batch, self.num_heads, self.head_dim, self.state_size, device=device, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, state: Optional[tuple] = None,
-                return_state: bool = False):
+                return_state: bool = False, cp=None):
         """``x`` [B, T, hidden]; ``valid`` [B, T] bool (pads False) or None; ``state`` the cached
-        ``(conv window, ssm state)`` or None. Returns ``(y [B, T, hidden], new state or None)``."""
+        ``(conv window, ssm state)`` or None. Returns ``(y [B, T, hidden], new state or None)``.
+        ``cp``: context parallel (this rank's chunk of the sequence; workers/models/blocks/mamba2_cp.py)."""
+        if cp is not None:
+            return forward_cp(self, x, valid, cp), None
         b, t, _ = x.shape
         # One cached token is the reference's decode step: no padding mask, no dt floor.
         step = state is not None and t == 1
@@ -110,16 +115,17 @@ class Mamba2Mixer(nn.Module):
         return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - k:]
 
     def scan(self, x: torch.Tensor, dt: torch.Tensor, bm: torch.Tensor, cm: torch.Tensor,
-             h0: Optional[torch.Tensor], chunk: Optional[int] = None):
+             h0: Optional[torch.Tensor], chunk: Optional[int] = None, heads: slice = slice(None)):
         """The recurrence in float32 over x [B,T,H,P], dt [B,T,H], B/C [B,T,G,N]; returns
         (y [B,T,H,P] float32, final state [B,H,P,N]). ``chunk`` (default :data:`CHUNK`) tokens at a
-        time in closed form (:func:`scan_chunk`); ``chunk=1`` is the token-by-token recurrence."""
+        time in closed form (:func:`scan_chunk`); ``chunk=1`` is the token-by-token recurrence.
+        ``heads``: which of the layer's heads ``x`` holds (context parallel runs a slice of them)."""
         b, t, nh, p = x.shape
-        rep = nh // self.n_groups
+        rep = nh // bm.shape[2]
         x, dt = x.float(), dt.float()
         bm = bm.float().repeat_interleave(rep, dim=2)  # head j reads group j // rep
         cm = cm.float().repeat_interleave(rep, dim=2)
-        log_decay = dt * -torch.exp(self.A_log.float())  # [B, T, H]: log of exp(dt A)
+        log_decay = dt * -torch.exp(self.A_log[heads].float())  # [B, T, H]: log of exp(dt A)
         h = x.new_zeros(b, nh, p, self.state_size) if h0 is None else h0.float()
         xdt = x * dt[..., None]
         step = chunk or CHUNK
@@ -132,7 +138,7 @@ class Mamba2Mixer(nn.Module):
             else:
                 y, h = scan_chunk(xdt[:, i:j], log_decay[:, i:j], bm[:, i:j], cm[:, i:j], h)
                 ys.append(y)
-        y = torch.cat(ys, dim=1) + x * self.D.float()[:, None]
+        y = torch.cat(ys, dim=1) + x * self.D[heads].float()[:, None]
         return y, h
 
 

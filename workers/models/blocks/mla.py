@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels
+from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
@@ -72,7 +72,9 @@ class MLAttention(nn.Module):
         q_rot = rotate(q_rot, cos, sin, self.interleaved)
         k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
         entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached
-        if ctx.cache is not None:
+        if ctx.cache is not None and ctx.cache.static:  # preallocated slots: all L positions, masked
+            entry = ctx.cache.write_latent(ctx.layer, entry)
+        elif ctx.cache is not None:
             past = ctx.cache.keys[ctx.layer]
             if past is not None:
                 entry = torch.cat([past, entry], dim=1)
@@ -91,6 +93,8 @@ class MLAttention(nn.Module):
             mask = shared_mask(ctx)
         if ctx.docs is not None:  # packed rows: per document; sparse layers pass per-document keep masks
             out = attend_docs(q, k, v, ctx.docs, self.scale, mask if sparse else None)
+        elif ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence (after kv_b_proj)
+            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale)
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))

@@ -85,6 +85,8 @@ class MoeBlock(nn.Module):
                                          None if forced_mask is None else forced_mask.reshape(-1))
         if kernels.fast(flat) and self._grouped_ok(flat):
             out = self._experts_grouped(flat, idx, weights)
+        elif flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self._experts_dense(flat, idx, weights)
         else:
             out = self._experts_loop(flat, idx, weights)
         aux, frac = self.balance(idx, probs, valid)
@@ -117,6 +119,17 @@ class MoeBlock(nn.Module):
                 continue
             y = self.experts[e](flat.index_select(0, rows))
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out
+
+    def _experts_dense(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, scaled by its gate weight (0 where not chosen): no
+        data-dependent shapes, so a CUDA graph can capture it where grouped GEMM does not apply
+        (float32). E times the expert FLOPs: for tiny models and tests, not for serving."""
+        gate = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=flat.device)
+        gate.scatter_add_(1, idx, weights)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(flat) * gate[:, e:e + 1].to(flat.dtype)
         return out
 
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
@@ -170,3 +183,18 @@ class MoeBlock(nn.Module):
                    torch.stack(ws[2::3]))
         self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
         return stacked
+
+    @torch.no_grad()
+    def restack_in_place(self) -> None:
+        """Refresh the cached expert stacks inside the tensors they already occupy. A captured CUDA
+        graph (workers/inference/embedded/cuda_graphs.py) reads those addresses, so after a weight
+        update the stacks must be overwritten, not replaced."""
+        cached = self.__dict__.get("_stack_cache")
+        if cached is None:
+            return
+        self.__dict__["_stack_cache"] = None
+        fresh = self._stacked_weights()
+        for old, new in zip(cached[1], fresh):
+            old.copy_(new)
+        key = self.__dict__["_stack_cache"][0] if self.__dict__.get("_stack_cache") else None
+        self.__dict__["_stack_cache"] = (key, cached[1]) if key is not None else None

@@ -12,6 +12,7 @@ built: their weights (``model.layers.{num_hidden_layers}...``) are skipped on lo
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 #: config.json key -> our field, for values taken as they are.
@@ -131,3 +132,14 @@ def _rope(d: dict) -> dict:
         if value is not None:
             out[ROPE_KEYS[key]] = value
     return out
+
+
+MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp(m, name: str) -> bool:
+    """A multi-token-prediction tensor of a checkpoint: ``model.layers.{>= m.num_layers}...``
+    (DeepSeek-V3, Kimi-K2 and GLM-5 store their MTP layers after the decoder layers). The spec's
+    ``not_built``: the loader and the launcher's tensor check skip them."""
+    found = MTP_LAYER.match(name)
+    return found is not None and int(found[1]) >= m.num_layers

@@ -7,7 +7,7 @@ computed once per forward and shared by the layers. The skeleton (embedding, mas
 Replay, routing records, lm_head) is workers/models/blocks/decoder.py.
 
 Not built: the multi-token-prediction layers (``num_mtp_layers``); a checkpoint's
-``model.layers.{num_layers}...`` tensors are theirs and are dropped by :func:`drop_mtp` before a
+``model.layers.{num_layers}...`` tensors are theirs and are skipped (``hf_config.is_mtp``, the spec's ``not_built``) before a
 strict load. glm_moe_dsa (workers/models/glm_moe_dsa/model.py) reuses this with its indexer.
 """
 from __future__ import annotations
@@ -88,17 +88,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self
 
 
-def drop_mtp(state: dict, num_layers: int) -> dict:
-    """A checkpoint's state dict without its multi-token-prediction layers (``model.layers.{>= num_layers}``)."""
-    prefix = re.compile(r"^model\.layers\.(\d+)\.")
-
-    def keep(name: str) -> bool:
-        m = prefix.match(name)
-        return m is None or int(m[1]) < num_layers
-
-    return {k: v for k, v in state.items() if keep(k)}
-
-
 def build_module(cls, cfg, *, device=None, dtype=None):
     """``cls(cfg)`` with uninitialised weights on ``device`` (``"meta"``: nothing allocated) in ``dtype``."""
     if isinstance(dtype, str):
@@ -127,8 +116,7 @@ def init_module(cls, cfg, dtype=torch.float32):
     if cfg.path:
         from workers.models.hf_checkpoint import load_pretrained
 
-        return keep_fp32(load_pretrained(build_module(cls, cfg, device="meta", dtype=dtype), cfg,
-                                         lambda state: drop_mtp(state, cfg.num_layers)))
+        return keep_fp32(load_pretrained(build_module(cls, cfg, device="meta", dtype=dtype), cfg))
     if cfg.pretrained:
         raise ValueError(f"model.pretrained={cfg.pretrained!r}: family {cfg.family} has no pretrained sources")
     return keep_fp32(cls(cfg).init_weights(cfg.init_seed).to(dtype))

@@ -56,7 +56,7 @@ def check(cfg) -> None:
 
 SPEC = MODELS.register(ModelSpec(
     name="deepseek_v3", config=DeepseekV3Config, check=check, arch=arch, build=build, init=init,
-    router_hook="forced_experts", hf_architectures=("DeepseekV3ForCausalLM",),
+    router_hook="forced_experts", not_built=hf_config.is_mtp, hf_architectures=("DeepseekV3ForCausalLM",),
     to_hf_config=hf_config.to_hf_config, from_hf_config=hf_config.from_hf_config,
     summary="DeepSeek-V3 / Kimi-K2 (MLA + sigmoid-routed MoE; MTP layers counted, not built; no trainer "
             "sharding plan yet)"))

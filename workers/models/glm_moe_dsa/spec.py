@@ -110,7 +110,7 @@ def init(model_cfg, dtype):
 
 SPEC = MODELS.register(ModelSpec(
     name="glm_moe_dsa", config=GlmMoeDsaConfig, check=check, arch=arch, build=build, init=init,
-    router_hook="forced_experts", hf_architectures=("GlmMoeDsaForCausalLM",), to_hf_config=to_hf_config,
+    router_hook="forced_experts", not_built=hf_config.is_mtp, hf_architectures=("GlmMoeDsaForCausalLM",), to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
     summary="GLM-5 (MLA + DSA indexer + sigmoid-routed MoE; MTP layers counted, not built; no trainer sharding "
             "plan yet)"))

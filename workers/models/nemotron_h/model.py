@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from workers.common.dtypes import torch_dtype
-from workers.models.blocks import kernels
+from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.decoder import CausalLM, ForwardContext, Routing
 from workers.models.blocks.latent_moe import LatentMoE, ReluSquaredMLP
 from workers.models.blocks.mamba2 import Mamba2Mixer
@@ -62,6 +62,9 @@ class NoPEAttention(nn.Module):
                 k = torch.cat([cache.keys[ctx.layer], k], dim=2)
                 v = torch.cat([cache.values[ctx.layer], v], dim=2)
             cache.keys[ctx.layer], cache.values[ctx.layer] = k, v
+        if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
+            out = ulysses.attend(q, k, v, ctx.mask, ctx.cp, scale=self.hd ** -0.5)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (the reference's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -103,7 +106,7 @@ class HybridBlock(nn.Module):
                 y = ctx.docs.map_runs(lambda r, a, b, doc: self.mixer(h[r:r + 1, a:b], ctx.valid[r:r + 1, a:b])[0])
                 return x + y, None
             state = None if cache is None else cache.states[ctx.layer]
-            y, new_state = self.mixer(h, ctx.valid, state, return_state=cache is not None)
+            y, new_state = self.mixer(h, ctx.valid, state, return_state=cache is not None, cp=ctx.cp)
             if cache is not None:
                 cache.states[ctx.layer] = new_state
             return x + y, None
@@ -199,10 +202,8 @@ def init(cfg: NemotronHConfig, dtype) -> NemotronHForCausalLM:
     """The step-0 model on CPU in ``dtype``: the checkpoint at ``cfg.path`` (streamed; ``mtp.*`` dropped
     by the family's ``from_hf``), else seeded from ``init_seed``."""
     if cfg.path:
-        from workers.common.registry import MODELS
         from workers.models.hf_checkpoint import load_pretrained
 
-        return in_dtype(load_pretrained(build(cfg, device="meta", dtype=dtype), cfg, MODELS.get(cfg.family).from_hf),
-                        dtype)
+        return in_dtype(load_pretrained(build(cfg, device="meta", dtype=dtype), cfg), dtype)
     return in_dtype(NemotronHForCausalLM(cfg).init_weights(cfg.init_seed), dtype)
 

@@ -7,6 +7,11 @@ venv). Why there is no adapter yet:
   transformers 5.24 + tokenizers + huggingface_hub, openai, anthropic, mcp 2.0,
   prime-sandboxes, prime-tunnel, renderers[multimodal], pydantic, pyzmq, uvicorn and
   cryptography. That is too heavy for the orchestrator's CPU node image and the CI venv.
+  Re-checked 2026-12-03 (``pip download verifiers --no-deps``, its METADATA): 0.4.0 is still the
+  newest; 25 direct requirements (aiohttp>=3.14.1, anthropic, gepa, httpx2, math-verify, mcp==2.0.0,
+  openai>=2.54, prime-pydantic-config, prime-runs, prime-sandboxes, prime-tunnel, pyzmq,
+  renderers[multimodal] -> transformers, pillow, tiktoken, openai-harmony, uvicorn, ...). None of
+  them requires torch, so it would not pull a CUDA torch; it is the adapter below that is missing.
 * Control flow: a verifiers v1 ``Env`` owns the rollout loop (taskset -> agent ->
   harness -> runtime) and reaches the model through its own HTTP client: an
   OpenAI-compatible endpoint, or its ``TrainClient`` that renders chats to token ids with
@@ -43,7 +48,7 @@ WHY = ("env=verifiers is not implemented: verifiers 0.4.0 pulls ~60 packages (tr
        "anthropic, mcp, prime-sandboxes, ...) and owns the rollout loop through its own OpenAI/vLLM client; "
        "missing here: a verifiers Client that forwards to our inference client, a Renderer for our chat "
        "template, and a session mapping its turns to token ids (workers/orchestrator/envs/verifiers_adapter.py). "
-       "Use env=code_repair.")
+       "Use env=code_repair, or an env class of your own: env=target env._target_=my_pkg.envs:MyEnv.")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import math
 import threading
 from numbers import Real
 from typing import Any, Callable
+
+from workers.common.import_path import import_object
 
 BUILTINS = {
     "exact_match": "workers.orchestrator.rewards.answers:exact_match",
@@ -61,18 +62,7 @@ def load_reward(spec: str, *, key: str = "env.reward_fn") -> Reward:
     if target.count(":") != 1 or not all(target.split(":")):
         raise ValueError(f"{key}={spec!r}: write 'module.path:function' (a function or dict of functions on "
                          f"PYTHONPATH) or a built-in: {sorted(BUILTINS)}")
-    module_name, attr = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may fail in any way at import
-        raise ValueError(f"{key}={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
-                         f"is its directory on PYTHONPATH?") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{key}={spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-                             f"attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_object(target, key=key)
     if callable(obj):
         functions = {"": obj}
     elif isinstance(obj, dict) and obj and all(isinstance(k, str) and k and callable(v) for k, v in obj.items()):

@@ -30,6 +30,16 @@ Per update V (after trainer step V-1):
      the remaining buckets (the senders are never left hanging) and refuses the update:
      the worker keeps serving the weights it had.
 
+A worker that died (and was respawned: the local launcher, or launcher/supervisor.py on Slurm):
+  O  requests no update while a member is dead; once every dead worker answers its health
+     check: /destroy_weights_update_group on the live ones, ``reform.json`` {G+1}.
+  T  each sender, waiting for a request, sees it: drops its backends, forms generation G+1 on
+     the same store under a new group name; rank 0 rewrites group.json {generation: G+1}.
+  O  POSTs /init_weights_update_group to every worker; the revived ones (booted from step 0 on
+     disk) are readmitted once the next update, a full one, reached them.
+A death in the middle of a transfer fails that version (the senders skip it, the live workers
+refuse it once their receives time out) and the next one goes to the re-formed group.
+
 Only the embedded engine speaks the bucket protocol (SGLang servers receive per tensor), so
 the plan refuses inference.backend=sglang (:func:`check`). Modules: publisher.py (T),
 coordinator.py (O), receiver.py (W), group.py (the group and the bucket plan every member

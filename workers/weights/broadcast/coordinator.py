@@ -6,14 +6,23 @@ POST ``/init_weights_update_group`` to every worker at once. ``maybe_update``: w
 ``request.json`` (the senders' cue) -> ``/update_weights_from_distributed`` on every worker
 at once -> continue -> compare each worker's digest with the offer's. A refusal is not
 retried: the next version is a full update again. Protocol: the package docstring.
+
+Revival (``revive``): a process group cannot take a member back, so once every dead worker
+answers its health check again, the group is re-formed: destroy the old group on the live
+workers -> ``reform.json`` {G+1} -> the senders form generation G+1 (group.json) -> every worker
+joins it. The revived workers boot from step 0 on disk, so they stay out of service until the
+next update (a full one: every version sends every tensor) reached them; then they are
+readmitted at that version. While a worker is dead and not yet rejoined, no update is
+requested (its receives would never be posted; the senders wait, deadline
+weights.broadcast_timeout_s).
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Callable, Optional, Sequence
 
-from workers.common.protocol import wait_for
-from workers.weights.broadcast.handshake import Handshake, rank_offsets, receiver_rank_counts
+from workers.common.protocol import PeerTimeout, wait_for
+from workers.weights.broadcast.handshake import Handshake, group_name_of, rank_offsets, receiver_rank_counts
 from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
 
 
@@ -59,6 +68,9 @@ class BroadcastCoordinator(WeightCoordinator):
         self.group: Optional[dict] = None  # group.json once every worker joined
         self.requested_version = 0
         self.clients: list = []
+        self.generation, self.reforming, self.updating = 0, False, False
+        self.rejoined: set[int] = set()  # revived workers in the re-formed group, readmitted by the next update
+        self.attempted = cfg.weights.group_name  # the last group name the workers were asked to join
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Every worker joins trainer rank 0's group."""
@@ -72,11 +84,15 @@ class BroadcastCoordinator(WeightCoordinator):
 
     async def maybe_update(self, pool: Any) -> None:
         """If the trainer offers newer weights: pause -> request -> receive -> continue (every
-        group member, live or not: the senders wait for all of them)."""
+        group member: the senders wait for all of them). Not while a member is dead or the group
+        re-forms; rejoined workers are readmitted once an update reached them."""
         offer = self.handshake.offered()
-        if self.group is None or offer is None or offer["version"] <= self.requested_version:
+        if self.group is None or offer is None or offer["version"] <= self.requested_version or self.reforming:
             return
+        if any(not pool.alive[i] and i not in self.rejoined for i in range(len(self.clients))):
+            return  # a member is gone: wait for it to come back and rejoin (revive)
         v = self.requested_version = offer["version"]  # each version is sent once: a refusal waits for the next
+        self.updating = True
         try:
             swap = await update_all_workers_distributed(self.clients, self.group, v,
                                                         request=lambda: self.handshake.request(v),
@@ -85,3 +101,44 @@ class BroadcastCoordinator(WeightCoordinator):
             self.verify(v, self.clients, swap.digests, offer.get("digest"))
         except WeightUpdateError as e:
             self.log.warning("%s", e)
+            self.rejoined.clear()  # not readmitted: once they answer again the group is re-formed anew
+            return
+        finally:
+            self.updating = False
+        for w in sorted(self.rejoined):
+            pool.readmit(w, v)
+        self.rejoined.clear()
+
+    async def revive(self, pool: Any, worker: int, current: Callable[[], tuple[int, Optional[str]]]) -> bool:
+        """Once every dead worker answers again, re-form the group with them (module docstring).
+        They are readmitted by the next update (maybe_update), so this returns False."""
+        if self.group is None or self.reforming or self.updating or pool.alive[worker] or worker in self.rejoined:
+            return False  # (an update in flight ends first: its receives must not meet a destroyed group)
+        dead = [i for i in range(len(self.clients)) if not pool.alive[i] and i not in self.rejoined]
+        if not all([await pool.healthy(i) for i in dead]):
+            return False
+        self.reforming = True
+        try:
+            await self.reform(dead)
+            self.rejoined.update(dead)
+        except (WeightUpdateError, PeerTimeout) as e:
+            self.log.warning("re-forming the weight group with revived worker(s) %s failed (retried on the next "
+                             "health round): %s", dead, e)
+        finally:
+            self.reforming = False
+        return False
+
+    async def reform(self, revived: Sequence[int]) -> None:
+        """destroy the old group on the live workers -> reform.json -> wait for the senders' group.json -> join all."""
+        w, old = self.cfg.weights, self.group
+        live = [c for i, c in enumerate(self.clients) if i not in revived]
+        await asyncio.gather(*(c.destroy_weights_update_group(name, timeout_s=w.broadcast_timeout_s)
+                               for c in live for name in {old["group_name"], self.attempted}), return_exceptions=True)
+        g = self.generation + 1
+        self.attempted = group_name_of(w.group_name, g)
+        self.handshake.reform(g)
+        self.log.info("re-forming weight group as generation %d with revived worker(s) %s", g, list(revived))
+        info = await asyncio.to_thread(wait_for, lambda: self.handshake.group_of(g), timeout_s=w.broadcast_timeout_s,
+                                       what=f"{self.handshake.dir}/group.json generation {g}", peer="trainer rank 0")
+        await join_weight_group(self.clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
+        self.group, self.generation = info, g

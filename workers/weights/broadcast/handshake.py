@@ -14,6 +14,10 @@ reader sees an old or a new value, never half of one; ``cat`` shows where a run 
                    else null).
   ``request.json`` orchestrator, after pausing every worker: {"version": V}, the workers
                    are being told to receive V; trainer ranks start sending.
+  ``reform.json``  orchestrator, when dead workers answer again: {"generation": G}; the
+                   senders (waiting for a request) drop their group and form generation G
+                   with every server, rank 0 rewriting ``group.json`` with {"generation": G}
+                   and the group name :func:`group_name_of` (fresh keys on the same store).
   ``run_dir/DONE`` (the orchestrator's end marker) releases a trainer waiting for a request.
 
 :func:`receiver_rank_counts` says how many group ranks each inference server contributes
@@ -28,11 +32,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 BROADCAST_DIR = "broadcast"
-GROUP_FILE, OFFER_FILE, REQUEST_FILE = "group.json", "offer.json", "request.json"
+GROUP_FILE, OFFER_FILE, REQUEST_FILE, REFORM_FILE = "group.json", "offer.json", "request.json", "reform.json"
+
+
+def group_name_of(base: str, generation: int) -> str:
+    """The group's name in generation G (``weights.group_name`` itself for the first)."""
+    return base if generation == 0 else f"{base}.g{generation}"
 
 
 class Handshake:
-    """The three marker files above, for one run directory."""
+    """The marker files above, for one run directory."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.dir = Path(run_dir) / "weights" / BROADCAST_DIR
@@ -73,6 +82,19 @@ class Handshake:
     def requested(self) -> Optional[int]:
         got = self._read(REQUEST_FILE)
         return None if got is None else int(got["version"])
+
+    def reform(self, generation: int) -> None:
+        self._write(REFORM_FILE, {"generation": int(generation)})
+
+    def reform_requested(self) -> int:
+        """The generation the orchestrator asked for (0: none asked)."""
+        got = self._read(REFORM_FILE)
+        return 0 if got is None else int(got["generation"])
+
+    def group_of(self, generation: int) -> Optional[dict]:
+        """group.json once trainer rank 0 wrote it for ``generation``, else None."""
+        got = self.read_group()
+        return got if got is not None and int(got.get("generation", 0)) == generation else None
 
 
 def receiver_rank_counts(cfg) -> list[int]:

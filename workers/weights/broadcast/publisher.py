@@ -22,7 +22,7 @@ from workers.weights.base import (NonFiniteWeights, Peers, SyncStats, TensorMeta
                                   nonfinite_message, peers_for)
 from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
                                              metas_from_json, metas_to_json)
-from workers.weights.broadcast.handshake import Handshake, receiver_rank_counts
+from workers.weights.broadcast.handshake import Handshake, group_name_of, receiver_rank_counts
 from workers.weights.checksums import buffer_checksum, byte_view, nonfinite_names, state_digest, state_hashes
 from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.shards import dtype_from_name
@@ -99,6 +99,12 @@ class BroadcastPublisher(WeightPublisher):
         self.group: Optional[WeightGroup] = None
         self.sender: Optional[BucketSender] = None
         self.finished = False
+        self.generation = 0
+        self.broken_generation: Optional[int] = None  # a transfer of this generation failed (_send)
+        self.store: Optional[dist.Store] = None
+        self.addr: tuple[str, int] = (host, port)
+        self.metas: list[TensorMeta] = []
+        self.backend = cfg.backend
         if peers.rank == 0:
             self.handshake.reset()
 
@@ -128,15 +134,39 @@ class BroadcastPublisher(WeightPublisher):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
-        self.sender.send(version, state)
+        failed = self._send(version, state)
         seconds = time.perf_counter() - t1
-        if self.peers.world_size > 1:  # the update lasts until the slowest sender is done
-            seconds = max(self.peers.all_gather_object(seconds))
+        if self.peers.world_size > 1:  # the update lasts until the slowest sender is done; failed if one failed
+            got = self.peers.all_gather_object((seconds, failed))
+            seconds, failed = max(s for s, _ in got), any(f for _, f in got)
+        if failed:
+            return SyncStats(bytes=0, seconds=seconds, wait_s=t1 - t0, skipped=True)
         return SyncStats(bytes=sum(b.nbytes for b in self.group.plan), seconds=seconds, wait_s=t1 - t0)
+
+    def _send(self, version: int, state: Mapping[str, torch.Tensor]) -> bool:
+        """Send this rank's buckets; True when the transfer failed.
+
+        A receiver that dies during an update breaks the group for every member: this version is
+        skipped, and the next one waits for the orchestrator to re-form the group with the
+        respawned worker (reform.json). A second failure in the same generation is no death
+        the orchestrator will repair: it stops the trainer."""
+        try:
+            self.sender.send(version, state)
+            return False
+        except TimeoutError as e:
+            if self.broken_generation == self.generation:
+                raise
+            self.broken_generation = self.generation
+            log.warning("trainer rank %d: weights v%d not delivered (%s); skipped until the orchestrator re-forms "
+                        "the weight group", self.peers.rank, version, e)
+            return True
 
     def _wait_for_request(self, version: int) -> bool:
         deadline = time.monotonic() + self.cfg.broadcast_timeout_s
         while True:
+            if self.handshake.reform_requested() > self.generation:  # revived workers: a new generation first
+                self._join(self.handshake.reform_requested())
+                deadline = time.monotonic() + self.cfg.broadcast_timeout_s
             if self.handshake.requested() == version:
                 return True
             if self.paths.orchestrator_done.exists():
@@ -148,28 +178,40 @@ class BroadcastPublisher(WeightPublisher):
             time.sleep(0.005)
 
     def _form(self, state: Mapping[str, torch.Tensor]) -> None:
-        cfg, rank, k = self.cfg, self.peers.rank, self.peers.world_size
+        """Generation 0: rank 0 opens the group's TCPStore, every sender joins."""
+        cfg, rank = self.cfg, self.peers.rank
         timeout = datetime.timedelta(seconds=cfg.broadcast_timeout_s)
-        metas = [TensorMeta.of(n, t) for n, t in state.items()]
-        store = None
+        self.metas = [TensorMeta.of(n, t) for n, t in state.items()]
         if rank == 0:
-            store = dist.TCPStore(self.host, self.port, None, True, timeout=timeout, wait_for_workers=False)
-        addr = self.peers.all_gather_object((self.host, store.port) if rank == 0 else None)[0]
+            self.store = dist.TCPStore(self.host, self.port, None, True, timeout=timeout, wait_for_workers=False)
+        self.addr = self.peers.all_gather_object((self.host, self.store.port) if rank == 0 else None)[0]
         if rank != 0:
-            store = dist.TCPStore(addr[0], addr[1], None, False, timeout=timeout)
-        backend = cfg.backend if cfg.backend != "auto" else backend_for(self.device)
-        world = k + self.num_receivers
+            self.store = dist.TCPStore(self.addr[0], self.addr[1], None, False, timeout=timeout)
+        self.backend = cfg.backend if cfg.backend != "auto" else backend_for(self.device)
+        self._join(0)
+
+    def _join(self, generation: int) -> None:
+        """Form generation ``generation`` of the group on the same store (a re-formation names
+        its keys anew: group_name_of); rank 0 announces it in group.json. No collective among
+        the senders: each one sees reform.json while waiting for a request."""
+        cfg, rank, k = self.cfg, self.peers.rank, self.peers.world_size
+        if self.group is not None:
+            self.group.close()
+            log.info("trainer rank %d: re-forming the weight group as generation %d (revived workers)", rank, generation)
+        name, world = group_name_of(cfg.group_name, generation), k + self.num_receivers
         if rank == 0:
             self.handshake.write_group({
-                "master_address": addr[0], "master_port": addr[1], "world_size": world, "num_senders": k,
-                "group_name": cfg.group_name, "backend": backend, "names": [m.name for m in metas],
-                "dtypes": [m.dtype for m in metas], "shapes": [list(m.shape) for m in metas]})
-        self.group = join_as_sender(store, rank=rank, num_senders=k, world_size=world,
-                                    share=assign_shares(metas, k)[rank], group_name=cfg.group_name, backend=backend,
+                "master_address": self.addr[0], "master_port": self.addr[1], "world_size": world, "num_senders": k,
+                "group_name": name, "backend": self.backend, "generation": generation,
+                "names": [m.name for m in self.metas], "dtypes": [m.dtype for m in self.metas],
+                "shapes": [list(m.shape) for m in self.metas]})
+        self.group = join_as_sender(self.store, rank=rank, num_senders=k, world_size=world,
+                                    share=assign_shares(self.metas, k)[rank], group_name=name, backend=self.backend,
                                     device=self.device, timeout_s=cfg.broadcast_timeout_s,
                                     bucket_bytes=cfg.bucket_size_mb << 20, lone_bytes=cfg.lone_tensor_mb << 20,
-                                    where=f"{addr[0]}:{addr[1]}")
+                                    where=f"{self.addr[0]}:{self.addr[1]}")
         self.sender = BucketSender(self.group)
+        self.generation = generation
 
     def close(self) -> None:
         if self.group is not None:

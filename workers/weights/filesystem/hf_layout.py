@@ -62,5 +62,14 @@ def hf_files(model_cfg) -> Optional[HFFiles]:
     if spec.to_hf_config is None:
         return None
     source = tokenizer_dir(model_cfg)
-    return HFFiles(config=spec.to_hf_config(model_cfg), source=source,
+    return HFFiles(config=published_config(spec.to_hf_config(model_cfg)), source=source,
                    files=tuple(tokenizer_files(source)) if source else ())
+
+
+def published_config(config: dict) -> dict:
+    """The config.json of a published step: multi-token-prediction layers are not built, so a step
+    has none of their tensors and says so (``num_nextn_predict_layers: 0``): SGLang's NEXTN draft
+    model would otherwise look for layers the step does not hold."""
+    if config.get("num_nextn_predict_layers"):
+        return {**config, "num_nextn_predict_layers": 0}
+    return config

@@ -1,0 +1,42 @@
+"""Objects named by import path in a config (``env.reward_fn=my_pkg.rewards:score``,
+``env._target_=my_pkg.envs:MyEnv``), imported the same way everywhere, with errors that name the key.
+
+Both spellings work: ``module.path:attr`` (the attribute may be dotted: ``mod:Outer.inner``) and
+Hydra's ``module.path.attr`` (split at the last dot). The module is imported in this process:
+on the login node at plan time, which is the user's own code running with the user's rights (as
+a training script would); an import error, a missing name or a module off PYTHONPATH is a
+ValueError naming ``key``, the path and the module's file, before anything is submitted.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def split_target(target: str, *, key: str, example: str) -> tuple[str, str]:
+    """(module, attribute) of ``module:attr`` or ``module.attr``; ValueError naming ``key`` otherwise."""
+    if target.count(":") == 1 and all(target.split(":")):
+        module, attr = target.split(":")
+        return module, attr
+    if ":" not in target and "." in target.strip(".") and all(target.split(".")):
+        module, attr = target.rsplit(".", 1)
+        return module, attr
+    raise ValueError(f"{key}={target!r}: write an import path such as {example!r} (module on PYTHONPATH, "
+                     f"then ':' or '.', then the name)")
+
+
+def import_object(target: str, *, key: str, example: str = "my_package.module:name") -> Any:
+    """The object ``target`` names; ValueError naming ``key`` when its module or attribute is missing."""
+    module_name, attr = split_target(target, key=key, example=example)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may fail in any way at import
+        raise ValueError(f"{key}={target!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
+                         f"is its directory on PYTHONPATH?") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{key}={target!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+                             f"attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj

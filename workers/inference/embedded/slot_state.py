@@ -1,0 +1,118 @@
+"""Per-slot decode state of the static engine, on the device, and the one step that advances it.
+
+Why on the device: the dynamic engine moves every sampled token to the host, appends it to a
+Python list per sequence and builds the next input from those lists, one host sync and one
+Python loop over sequences per step. Here the next input (``tok``, ``pos``), the stop test and
+the history a response needs (tokens, logprobs, weight versions, routed experts) are written
+by tensor ops into fixed buffers indexed by slot and position, so a decode step is pure device
+work that a CUDA graph can replay (workers/inference/embedded/cuda_graphs.py); the host reads
+``done`` every few steps and a finished slot's history once.
+
+Index conventions: a sequence's token at position ``p`` is ``tokens[slot, p]`` (the prompt is not
+stored; generated tokens start at ``p = prompt_len``), its logprob and weight version sit at the
+same index, and ``routed[slot, p]`` is the routing of the token FED at position ``p``. Column
+``max_len`` is scratch: rows that are not live (free slot, already finished, padding up to a
+captured batch size) write there, so a step never has to branch on which rows are live.
+
+Sampling: greedy rows take the argmax (bit-equal to the dynamic engine); sampled rows draw from
+softmax(logits / temperature) restricted to the top-p nucleus by the exponential race
+``argmax p_i / E_i`` with ``E ~ Exp(1)`` drawn from the engine's seeded generator outside the
+graph (``noise``); the logprob is under the temperature distribution, as the dynamic engine's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+GREEDY_EPS = 1e-6  # as workers/inference/embedded/engine.py: SGLang treats lower temperatures as greedy
+MAX_STOP_IDS = 16  # stop tokens a request may name (a fixed column count, for the graphs)
+
+
+def sample_tokens(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
+                  noise: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its logprob [B] float32) for logits [B, V]; ``noise`` None: greedy only."""
+    greedy = temp < GREEDY_EPS
+    logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temp)[:, None], dim=-1)
+    tok = logp.argmax(-1)
+    if noise is not None:
+        probs = logp.exp()
+        sp, si = probs.sort(dim=-1, descending=True)
+        outside = (sp.cumsum(-1) - sp) >= top_p[:, None]  # mass before the token already reached top_p
+        probs = probs.masked_fill(torch.zeros_like(outside).scatter_(1, si, outside), 0.0)
+        tok = torch.where(greedy, tok, (probs / noise).argmax(-1))
+    return tok, logp.gather(1, tok[:, None])[:, 0]
+
+
+class SlotState:
+    """Device buffers for ``num_slots`` sequences of up to ``max_len`` positions."""
+
+    def __init__(self, *, num_slots: int, max_len: int, vocab: int, routed_shape: tuple[int, int], device):
+        s, n, d = num_slots, max_len, device
+        self.max_len = max_len
+        self.arange = torch.arange(s, device=d)
+        self.tok = torch.zeros(s, dtype=torch.long, device=d)  # next token to feed
+        self.pos = torch.zeros(s, dtype=torch.long, device=d)  # its position
+        self.active = torch.zeros(s, dtype=torch.bool, device=d)
+        self.done = torch.zeros(s, dtype=torch.bool, device=d)
+        self.ngen = torch.zeros(s, dtype=torch.long, device=d)
+        self.max_new = torch.zeros(s, dtype=torch.long, device=d)
+        self.temp = torch.zeros(s, dtype=torch.float32, device=d)
+        self.top_p = torch.ones(s, dtype=torch.float32, device=d)
+        self.stop = torch.full((s, MAX_STOP_IDS), -1, dtype=torch.long, device=d)
+        self.noise = torch.ones(s, vocab, dtype=torch.float32, device=d)
+        self.version = torch.zeros(1, dtype=torch.int32, device=d)
+        self.bad = torch.zeros(1, dtype=torch.bool, device=d)  # a live row sampled from non-finite logits
+        self.tokens = torch.zeros(s, n + 1, dtype=torch.long, device=d)
+        self.logprobs = torch.zeros(s, n + 1, dtype=torch.float32, device=d)
+        self.versions = torch.zeros(s, n + 1, dtype=torch.int32, device=d)
+        layers, k = routed_shape
+        self.routed = torch.zeros(s, n + 1, layers, k, dtype=torch.int16, device=d) if layers else None
+
+    def admit(self, slots: list[int], reqs: list, device) -> torch.Tensor:
+        """Reset ``slots`` for new requests (host -> device, once per admission); returns them as a tensor."""
+        idx = torch.tensor(slots, device=device)
+        stop = torch.full((len(reqs), MAX_STOP_IDS), -1, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            stop[i, :len(r.stop_token_ids)] = torch.tensor(list(r.stop_token_ids), dtype=torch.long)
+        self.active[idx] = True
+        self.done[idx] = torch.tensor([r.max_new_tokens <= 0 for r in reqs], device=device)
+        self.ngen[idx] = 0
+        self.max_new[idx] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
+        self.temp[idx] = torch.tensor([float(r.temperature) for r in reqs], device=device)
+        self.top_p[idx] = torch.tensor([float(getattr(r, "top_p", 1.0)) for r in reqs], device=device)
+        self.stop[idx] = stop.to(device)
+        return idx
+
+    def record_routing(self, rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, routed: torch.Tensor) -> None:
+        """``routed`` [B, T, L_routed, k] of the tokens fed at ``pos`` [B, T] (pads to scratch)."""
+        if self.routed is not None:
+            self.routed[rows[:, None], torch.where(valid, pos, self.max_len)] = routed.to(self.routed.dtype)
+
+    def advance(self, rows: torch.Tensor, logits: torch.Tensor, fed_pos: torch.Tensor,
+                noise: Optional[torch.Tensor], routed: Optional[torch.Tensor] = None) -> None:
+        """Sample after the tokens fed at ``fed_pos`` [B] in slots ``rows`` [B]; record, test stop,
+        set up the next input. Rows not live (inactive or done) change nothing but scratch."""
+        live = self.active[rows] & ~self.done[rows]
+        tok, lp = sample_tokens(logits, self.temp[rows], self.top_p[rows], noise)
+        nxt = fed_pos + 1
+        at = torch.where(live, nxt, self.max_len)
+        self.tokens[rows, at] = tok
+        self.logprobs[rows, at] = lp
+        self.versions[rows, at] = self.version.expand(rows.shape[0])
+        if routed is not None and self.routed is not None:
+            self.routed[rows, torch.where(live, fed_pos, self.max_len)] = routed.to(self.routed.dtype)
+        self.bad |= (live & ~lp.isfinite()).any()
+        ngen = self.ngen[rows] + live.long()
+        self.ngen[rows] = ngen
+        stopped = (tok[:, None] == self.stop[rows]).any(-1) | (ngen >= self.max_new[rows]) | (nxt + 1 >= self.max_len)
+        self.done[rows] = self.done[rows] | (live & stopped)
+        self.tok[rows] = torch.where(live, tok, self.tok[rows])
+        self.pos[rows] = torch.where(live, nxt, fed_pos)
+
+    def history(self, slots: list[int], device) -> dict[str, torch.Tensor]:
+        """Finished slots' generated counts and per-position records, on the host (one copy each)."""
+        idx = torch.tensor(slots, device=device)
+        return {"ngen": self.ngen[idx].cpu(), "tokens": self.tokens[idx].cpu(), "logprobs": self.logprobs[idx].cpu(),
+                "versions": self.versions[idx].cpu()}
