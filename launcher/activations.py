@@ -48,6 +48,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TRAINER_BYTES_PER_TOKEN = 160
 """int64 ids, positions, segment ids and packing indices (~8 x 8 B), float32/float64 per-token loss
 tensors (log-probs, entropy, ratios, masks, advantages: ~12 x 8 B)."""
+MASK_COPIES = 3
+"""[T, T] bool tensors alive while the cp path builds its packed mask (causal, same-segment, result)."""
 HEAD_COPIES = 4
 """float32 [chunk, V] tensors alive at once while a log-prob chunk is scored or recomputed."""
 
@@ -94,8 +96,12 @@ def layer_bytes(a, *, tp: int, c: int) -> tuple[float, float]:
 
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
-                      logprob_chunk: int = 4096) -> ActivationEstimate:
-    """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp)."""
+                      logprob_chunk: int = 4096, packed: bool = False) -> ActivationEstimate:
+    """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
+
+    ``packed`` with cp > 1: the context-parallel path attends packed rows under a whole-sequence
+    boolean mask (workers/models/blocks/decoder.py; per-document attention is the cp = 1 path), about
+    :data:`MASK_COPIES` x tokens^2 bytes, counted too."""
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
@@ -117,10 +123,13 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
+    mask = MASK_COPIES * tokens * tokens if packed and cp > 1 else 0
+    trainer += mask
     total = int(n * kept) + max(head, int(n * working)) + trainer
     detail = (f"{human_bytes(total)} for {n} tokens/GPU ({tokens} per forward / cp {cp}), activation_checkpointing "
               f"{ac}: layers {human_bytes(layers)}, log-prob head {human_bytes(head)} (chunk {chunk}), "
-              f"trainer tensors {human_bytes(trainer)}")
+              f"trainer tensors {human_bytes(trainer)}" + (f" (of which the cp path's packed [T, T] masks "
+                                                          f"{human_bytes(mask)})" if mask else ""))
     return ActivationEstimate(tokens=n, total_bytes=total, layers_bytes=layers, head_bytes=head, trainer_bytes=trainer,
                               detail=detail)
 
@@ -164,7 +173,8 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
 
     def act(c: int) -> ActivationEstimate:
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
-                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens)
+                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
+                                 packed=t.pack_sequences)
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)
