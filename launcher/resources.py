@@ -211,6 +211,10 @@ def check_context_parallel(cfg: RunConfig) -> None:
     if mamba % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide model.mamba_num_heads({mamba}): context "
                         f"parallelism splits the Mamba-2 scan's heads over the cp ranks")
+    if mamba and t.pack_sequences:
+        raise PlanError(f"trainer.pack_sequences=true with trainer.parallel.cp({par.cp}) on a Mamba-2 hybrid: the "
+                        f"context-parallel scan (workers/models/blocks/mamba2_cp.py) does not restart its state at "
+                        f"each packed sample yet (the cp 1 path does); use pack_sequences=false or cp=1")
     if m.max_position_embeddings % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide the sequence, model.max_position_embeddings"
                         f"({m.max_position_embeddings}): each cp rank holds an equal contiguous chunk")
