@@ -48,8 +48,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TRAINER_BYTES_PER_TOKEN = 160
 """int64 ids, positions, segment ids and packing indices (~8 x 8 B), float32/float64 per-token loss
 tensors (log-probs, entropy, ratios, masks, advantages: ~12 x 8 B)."""
-MASK_COPIES = 3
-"""[T, T] bool tensors alive while the cp path builds its packed mask (causal, same-segment, result)."""
+INDEXER_BYTES_PER_PAIR = 4
+"""float32 relu score of one (query, key) pair for one DSA index head."""
 HEAD_COPIES = 4
 """float32 [chunk, V] tensors alive at once while a log-prob chunk is scored or recomputed."""
 
@@ -62,6 +62,7 @@ class ActivationEstimate:
     layers_bytes: int
     head_bytes: int
     trainer_bytes: int
+    indexer_bytes: int
     detail: str
 
 
@@ -96,12 +97,13 @@ def layer_bytes(a, *, tp: int, c: int) -> tuple[float, float]:
 
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
-                      logprob_chunk: int = 4096, packed: bool = False) -> ActivationEstimate:
+                      logprob_chunk: int = 4096) -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
-    ``packed`` with cp > 1: the context-parallel path attends packed rows under a whole-sequence
-    boolean mask (workers/models/blocks/decoder.py; per-document attention is the cp = 1 path), about
-    :data:`MASK_COPIES` x tokens^2 bytes, counted too."""
+    A DSA model (``num_indexer_heads``) adds its indexer's dense reference scoring
+    (workers/models/blocks/dsa_indexer.py): float32 scores of each of the GPU's queries against every
+    key of its sequence, per index head, plus the index and keep masks, one layer at a time
+    (:data:`INDEXER_BYTES_PER_PAIR` per head and pair): quadratic, until a sparse kernel replaces it."""
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
@@ -123,15 +125,14 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
-    mask = MASK_COPIES * tokens * tokens if packed and cp > 1 else 0
-    trainer += mask
-    total = int(n * kept) + max(head, int(n * working)) + trainer
+    indexer = n * tokens * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 7) if a.num_indexer_heads else 0
+    total = int(n * kept) + max(head, int(n * working) + indexer) + trainer
     detail = (f"{human_bytes(total)} for {n} tokens/GPU ({tokens} per forward / cp {cp}), activation_checkpointing "
               f"{ac}: layers {human_bytes(layers)}, log-prob head {human_bytes(head)} (chunk {chunk}), "
-              f"trainer tensors {human_bytes(trainer)}" + (f" (of which the cp path's packed [T, T] masks "
-                                                          f"{human_bytes(mask)})" if mask else ""))
+              f"trainer tensors {human_bytes(trainer)}"
+              + (f", DSA indexer scores {human_bytes(indexer)} (dense reference)" if indexer else ""))
     return ActivationEstimate(tokens=n, total_bytes=total, layers_bytes=layers, head_bytes=head, trainer_bytes=trainer,
-                              detail=detail)
+                              indexer_bytes=indexer, detail=detail)
 
 
 def longest_sample(cfg) -> tuple[int, str]:
@@ -173,8 +174,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
 
     def act(c: int) -> ActivationEstimate:
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
-                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
-                                 packed=t.pack_sequences)
+                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens)
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

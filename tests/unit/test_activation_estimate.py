@@ -35,8 +35,9 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     assert full < none / 5
     cp4 = activation_memory(m, tokens=131072, ac="full", cp=4)
     assert cp4.tokens == 32768 and cp4.total_bytes < full / 3
-    packed_cp4 = activation_memory(m, tokens=131072, ac="full", cp=4, packed=True)  # the cp path's [T, T] mask
-    assert packed_cp4.total_bytes - cp4.total_bytes == 3 * 131072 ** 2 and "[T, T] masks" in packed_cp4.detail
+    assert cp4.indexer_bytes == 0
+    dsa = activation_memory(compose(["model=glm5"]).model, tokens=131072, ac="full", cp=8)
+    assert dsa.indexer_bytes == 16384 * 131072 * (32 * 4 + 7) and "DSA indexer scores" in dsa.detail  # quadratic
     small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024)
     assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
 

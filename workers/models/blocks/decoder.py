@@ -58,7 +58,7 @@ class ForwardContext:
     forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
     cp: Optional[Any] = None  # context parallel: this rank's SeqShard (workers/models/blocks/ulysses.py)
-    docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None)
+    docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None); whole rows under cp
     memo: dict = dataclasses.field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -175,9 +175,10 @@ class CausalLM(nn.Module):
         no [T, T] mask is built (workers/models/blocks/varlen.py); pass per-segment ``position_ids``.
         ``logits_mask`` [B, T] bool: logits only there, returned flat ``[N, V]`` in row-major order.
         ``cp`` (a workers/models/blocks/ulysses.py ``SeqShard``, training only): the inputs are this
-        rank's chunk of the sequence (``position_ids`` its global positions); masks come from
-        ``cp.valid`` and ``cp.segment_ids`` over the whole sequence (a dense mask: packing's
-        per-document path is for cp 1), and outputs are the chunk's.
+        rank's chunk of the sequence (``position_ids`` its global positions); masks and documents
+        come from ``cp.valid`` and ``cp.segment_ids`` over the whole sequence (``ctx.docs`` then
+        describes the whole rows: attention after the head all-to-all uses them), and outputs are
+        the chunk's.
         ``score`` (with ``logits_mask``): no logits; ``logp`` / ``entropy`` ``[N]`` of its targets,
         computed in chunks (workers/models/blocks/logprobs.py).
         """
@@ -200,15 +201,12 @@ class CausalLM(nn.Module):
                         else torch.cat([cache.key_mask, valid], dim=1))
             if cache is not None:
                 cache.key_mask = key_mask
-            if segment_ids is not None and cp is None:  # packed rows: per-document attention, no [T, T] mask
+            if segment_ids is not None:  # packed rows: per-document attention, no [T, T] mask (under cp: whole rows)
                 assert cache is None, "sequence packing is for full-sequence forwards"
-                docs = Documents.from_segments(torch.where(valid, segment_ids, -1))
+                docs = Documents.from_segments(torch.where(key_valid, segment_ids, -1))
             fast_causal = (cache is None and segment_ids is None and fast(x)
                            and ((attention_mask is None and cp is None) or right_padded(key_valid)))
             mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, key_valid.shape[1], past)
-        if segment_ids is not None and docs is None:  # context parallel: the dense block mask (see above)
-            assert cache is None, "sequence packing is for full-sequence forwards"
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
                              cache=cache, past=past, forced_mask=forced_mask, cp=cp, docs=docs)
         aux_total = x.new_zeros((), dtype=torch.float32)

@@ -117,9 +117,12 @@ class DsaIndexer(nn.Module):
 
 
 def visible(ctx: ForwardContext, t: int, s: int, device) -> torch.Tensor:
-    """[B, T, S] bool: the keys each query may see before sparsity (ctx.mask; None means plain causal)."""
+    """[B, T, S] bool: the keys each query may see before sparsity (ctx.mask; None means plain causal,
+    or per document for packed rows under context parallelism: the dense reference path of DSA)."""
     if ctx.mask is not None:
         return ctx.mask[:, 0]
+    if ctx.docs is not None:
+        return ctx.docs.causal_rows(0, s)
     assert s == t, "a mask-free forward has no cache"
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None].expand(ctx.valid.shape[0], t, t)
 

@@ -86,15 +86,16 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         mask, sparse = ctx.mask, self.indexer is not None or self.reuses_index
+        per_doc = ctx.docs is not None and ctx.cp is None
         if self.indexer is not None:
-            restrict = self.indexer.restrict if ctx.docs is None else self.indexer.restrict_docs
+            restrict = self.indexer.restrict_docs if per_doc else self.indexer.restrict
             mask = restrict(x, q_latent, cos, sin, ctx)
         elif self.reuses_index:
             mask = shared_mask(ctx)
-        if ctx.docs is not None:  # packed rows: per document; sparse layers pass per-document keep masks
+        if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence (after kv_b_proj)
+            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale, docs=None if sparse else ctx.docs)
+        elif per_doc:  # packed rows: per document; sparse layers pass per-document keep masks
             out = attend_docs(q, k, v, ctx.docs, self.scale, mask if sparse else None)
-        elif ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence (after kv_b_proj)
-            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale)
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))

@@ -69,6 +69,18 @@ class Documents:
         cuts = [0] + [r * t + b for r, row in enumerate(self.runs) for _, b, _ in row]
         return torch.tensor(cuts, dtype=torch.int32, device=device)
 
+    def causal_rows(self, start: int, n: int) -> torch.Tensor:
+        """bool [B, n, T]: what queries ``start .. start+n-1`` may see (same document, causal; a padding
+        position itself only). Dense, for the paths that need a mask: context parallelism's gathered
+        keys (n = T / cp rows) and the DSA indexer's reference scoring."""
+        seg = self.segment_ids
+        t = seg.shape[1]
+        q = torch.arange(start, start + n, device=seg.device)
+        keys = torch.arange(t, device=seg.device)
+        qs = seg[:, start:start + n]
+        same = (qs[:, :, None] == seg[:, None, :]) & (qs >= 0)[:, :, None]
+        return (same & (keys[None, None, :] <= q[None, :, None])) | (keys[None, None, :] == q[None, :, None])
+
     def map_runs(self, fn: Callable[[int, int, int, bool], torch.Tensor], time_dim: int = 1) -> torch.Tensor:
         """``fn(row, start, end, is_doc)`` -> that run's output (batch 1 on dim 0, time on
         ``time_dim``), concatenated back to the whole batch."""
