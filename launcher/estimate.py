@@ -71,9 +71,14 @@ def trainer_memory(params: ParamCount, num_gpus: int, gpu_gb: float, master_dtyp
     per_param = TRAIN_BYTES_PER_PARAM * DTYPE_BYTES[master_dtype] // DTYPE_BYTES["float32"]
     per_gpu = (params.total + params.mtp) * per_param / num_gpus / 1e9
     return MemoryEstimate(what="trainer", per_gpu_gb=per_gpu, gpu_gb=gpu_gb,
-                          detail=f"{per_param} B/param x {human(params.total + params.mtp)} params / "
-                                 f"{num_gpus} GPUs = {per_gpu:.1f} GB/GPU of {gpu_gb:.0f} "
-                                 f"({gpu_gb - per_gpu:.0f} GB left for activations)")
+                          detail=f"{states_formula(params, num_gpus, master_dtype)} = {per_gpu:.1f} GB/GPU of "
+                                 f"{gpu_gb:.0f} ({gpu_gb - per_gpu:.0f} GB left for activations)")
+
+
+def states_formula(params: ParamCount, num_gpus: int, master_dtype: str = "float32") -> str:
+    """How the trainer's per-GPU states are counted, e.g. ``16 B/param x 1.5B params / 8 GPUs``."""
+    per_param = TRAIN_BYTES_PER_PARAM * DTYPE_BYTES[master_dtype] // DTYPE_BYTES["float32"]
+    return f"{per_param} B/param x {human(params.total + params.mtp)} params / {num_gpus} GPUs"
 
 
 def server_memory(kind: str, m, params: ParamCount, *, dtype: str, tp: int, gpu_gb: float) -> MemoryEstimate:

@@ -21,7 +21,9 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING, Iterator
 
-from launcher.estimate import MemoryEstimate, ParamCount, count_params, human, server_memory, trainer_memory
+from launcher.activations import FIT_FRACTION, longest_sample, trainer_fit
+from launcher.estimate import (MemoryEstimate, ParamCount, count_params, human, server_memory, states_formula,
+                               trainer_memory)
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
@@ -233,16 +235,42 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
         raise PlanError(f"cluster.node_address={c.node_address!r} must contain '{{node}}' or be a plain address")
 
 
-def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, ...]) -> tuple[MemoryEstimate, ...]:
-    """Trainer states and replica weights per GPU; raises when something cannot fit."""
+def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, ...], *, rows_per_rank: int = 1
+                    ) -> tuple[tuple[MemoryEstimate, ...], tuple[str, ...]]:
+    """Trainer states + activations and replica weights per GPU, and warnings; raises when something
+    cannot fit (activations of the longest sequence: a warning in a dry run, which plans presets whose
+    context-parallel layout is still to come; a real run is refused)."""
     gpu_gb = cfg.cluster.gpu_memory_gb
     if gpu_gb <= 0 or cfg.cluster.num_gpus_per_node <= 0:
-        return ()
-    out = []
+        return (), ()
+    out, warnings = [], []
     for r in roles:
         if r.role == "trainer":
             est = trainer_memory(params, r.num_procs, gpu_gb, cfg.trainer.master_dtype)
             key = "launcher.trainer.num_nodes"
+            if est.fits:
+                total, line, need = trainer_fit(cfg, est.per_gpu_gb, gpu_gb, num_ranks=r.num_procs,
+                                                rows_per_rank=rows_per_rank,
+                                                states_how=states_formula(params, r.num_procs, cfg.trainer.master_dtype))
+                if total > FIT_FRACTION * gpu_gb:
+                    t = cfg.trainer
+                    cures = ([f"trainer.parallel.cp >= {need} (context parallel)"] if need else []) + (
+                        [f"trainer.micro_batch_tokens={longest_sample(cfg)[0]} (one longest sample per forward)"]
+                        if t.micro_batch_tokens == 0 and rows_per_rank > 1 else []) + (
+                        ["trainer.activation_checkpointing=full"] if t.activation_checkpointing != "full" else []) + [
+                        "a smaller trainer.logprob_chunk_tokens", "more trainer GPUs"]
+                    cure = ", ".join(cures[:-1]) + " or " + cures[-1]
+                    if getattr(cfg.model, "num_indexer_heads", 0):
+                        cure += ("; the DSA indexer's dense reference path scores every (query, key) pair, so long "
+                                 "sequences need a sparse indexer kernel, which this trainer does not have")
+                    problem = (f"trainer does not fit its GPUs with the activations of its largest forward: {line}; "
+                               f"use {cure}")
+                    if not cfg.launcher.dry_run:
+                        raise PlanError(problem)
+                    warnings.append(f"{problem} (a real run is refused)")
+                est = MemoryEstimate(what="trainer", per_gpu_gb=total, gpu_gb=FIT_FRACTION * gpu_gb, detail=line)
+                out.append(est)
+                continue
         elif r.server is not None and r.num_gpus_per_node:
             est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)
             key = f"{r.config_key}.tp / num_nodes_per_replica"
@@ -251,7 +279,7 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
         if not est.fits:
             raise PlanError(f"{r.role} does not fit its GPUs: {est.detail}; raise {key}")
         out.append(est)
-    return tuple(out)
+    return tuple(out), tuple(warnings)
 
 
 def check_preflight(cfg: RunConfig, components: tuple[ComponentPlan, ...]) -> None:
@@ -311,9 +339,12 @@ def build_plan(cfg: RunConfig) -> JobPlan:
         raise PlanError(f"launcher.num_gpu_nodes({cfg.launcher.num_gpu_nodes}) != GPU nodes planned: {split} = {gpu_nodes}")
     check_preflight(cfg, components)
     params = count_params(cfg.model)
+    memory, memory_warnings = estimate_memory(cfg, params, roles,
+                                              rows_per_rank=-(-samples // (dims.dp * dims.ep)))
+    dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings)
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
-                   slurm=SlurmJobPlan.from_config(cfg), memory=estimate_memory(cfg, params, roles),
+                   slurm=SlurmJobPlan.from_config(cfg), memory=memory,
                    preflight=cfg.preflight, inference_backend=backend.name,
                    backend_steps=backend.plan_steps(cfg) if backend.plan_steps else (),
                    model=f"{cfg.model.name} (family {cfg.model.family}"

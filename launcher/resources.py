@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from launcher.activations import longest_sample
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision
 from workers.common.registry import BACKENDS, MODELS
@@ -214,6 +215,10 @@ def check_context_parallel(cfg: RunConfig) -> None:
     if mamba % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide model.mamba_num_heads({mamba}): context "
                         f"parallelism splits the Mamba-2 scan's heads over the cp ranks")
+    if mamba and t.pack_sequences:
+        raise PlanError(f"trainer.pack_sequences=true with trainer.parallel.cp({par.cp}) on a Mamba-2 hybrid: the "
+                        f"context-parallel scan (workers/models/blocks/mamba2_cp.py) does not restart its state at "
+                        f"each packed sample yet (the cp 1 path does); use pack_sequences=false or cp=1")
     if m.max_position_embeddings % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide the sequence, model.max_position_embeddings"
                         f"({m.max_position_embeddings}): each cp rank holds an equal contiguous chunk")
@@ -242,10 +247,10 @@ def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
                         f"a MoE model: the experts' own FSDP unit inside each checkpointed layer runs other hook ops "
                         f"in the recompute than in the forward, which selective checkpointing refuses; use full "
                         f"(or none)")
-    longest = cfg.model.max_position_embeddings
+    longest, where = longest_sample(cfg)
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "
-                        f"model.max_position_embeddings({longest}): a micro-batch must fit one whole sample; "
+                        f"{where}({longest}): a micro-batch must fit one whole sample; "
                         f"use >= {longest}, or 0 for the whole rank batch in one pass")
     return plan, tuple(warnings) + ((warning,) if warning else ())
 

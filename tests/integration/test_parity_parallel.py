@@ -201,9 +201,10 @@ def test_layout_matches_one_process_reference(tmp_path, model, tp, ep, dp):
 
 
 def test_packed_and_unreplayed_forward_match_too(tmp_path):
-    """(2, 2, 1) with sequence packing gives the unpacked step; without replay it routes itself."""
+    """(2, 2, 1) with sequence packing (per-document attention) and log-probs scored 5 positions at a
+    time over the vocab-parallel head gives the unpacked step; without replay it routes itself."""
     base = run_layout(tmp_path, 2, 2, 1, tcfg())
-    packed = run_layout(tmp_path, 2, 2, 1, tcfg(pack_sequences=True))
+    packed = run_layout(tmp_path, 2, 2, 1, tcfg(pack_sequences=True, logprob_chunk_tokens=5))
     assert packed["stats"]["loss"] == pytest.approx(base["stats"]["loss"], rel=1e-5)
     for name, g in base["grads"].items():
         assert float((packed["grads"][name] - g).abs().max()) <= 1e-6 + 1e-4 * float(g.abs().max()), name

@@ -94,6 +94,9 @@ def test_context_parallel_layouts_the_trainer_cannot_run_are_refused_at_plan_tim
     assert "must divide model.mamba_num_heads(6)" in plan_error(
         ["model=nemotron_h_tiny", "model.mamba_num_heads=6", "model.mamba_n_groups=2", "trainer.num_ranks=4",
          "trainer.parallel.cp=4", "trainer.router_replay=false"])
+    nemotron_cp2 = ["model=nemotron_h_tiny", "trainer.num_ranks=2", "trainer.parallel.cp=2", "trainer.router_replay=false"]
+    assert "does not restart its state at each packed sample" in plan_error([*nemotron_cp2, "trainer.pack_sequences=true"])
+    assert "cp(2)" in "\n".join(build_plan(compose(nemotron_cp2)).summary())  # unpacked: runs
     assert "must divide the sequence, model.max_position_embeddings(30)" in plan_error(
         ["model.max_position_embeddings=30", "trainer.num_ranks=4", "trainer.parallel.cp=4"])
     assert "context parallelism runs in the FSDP plan only" in plan_error(

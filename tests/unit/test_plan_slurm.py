@@ -34,7 +34,13 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
     assert (d.tp, d.pp, d.ep, d.dp, d.num_ranks) == (1, 1, 64, 2, 128)
     assert abs(p.params.total - 744e9) / 744e9 < 0.01  # published: 744B
     assert 35e9 < p.params.active < 45e9  # published: ~40B active
-    assert {m.what for m in p.memory} == {"trainer", "prefill", "decode"} and all(m.fits for m in p.memory)
+    assert {m.what for m in p.memory} == {"trainer", "prefill", "decode"}
+    assert all(m.fits for m in p.memory if m.what != "trainer")
+    # one 131072-token episode per trainer GPU does not fit: the DSA indexer's dense reference scores
+    # every (query, key) pair (2.3 TB at 131k); the dry run says so with the numbers; a real run is refused
+    (trainer,) = [m for m in p.memory if m.what == "trainer"]
+    assert not trainer.fits and "131072 tokens/GPU" in trainer.detail and "DSA indexer scores 2.3 TB" in trainer.detail
+    assert any("need a sparse indexer kernel" in w and "a real run is refused" in w for w in d.warnings)
     prefill, decode = p.role("prefill"), p.role("decode")
     assert (prefill.num_procs, prefill.num_nodes_per_replica, prefill.num_replicas) == (4, 2, 2)
     assert (decode.num_procs, decode.num_nodes_per_replica, decode.num_replicas) == (8, 4, 2)

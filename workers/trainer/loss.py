@@ -172,13 +172,18 @@ def prob_stats(probs: Sequence[torch.Tensor], routed: torch.Tensor, valid: torch
         return empty, empty
     v = valid.reshape(-1).to(torch.float32)
     prob_sums = torch.stack([(p.float() * v[:, None]).sum(0) for p in probs])
+    return prob_sums, expert_counts(routed, valid, num_experts)
+
+
+def expert_counts(routed: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[L, E]`` routed slots per expert over the valid tokens of ``routed`` ``[B, T, L, k]`` (no grad)."""
     # counts[l, e] = valid (token, slot) pairs routed to e in layer l, by scatter-add: never a one-hot
     # [B, T, L, k, E] (97 GB for one 131k-token row of a GLM-5-shaped model)
     b, t, layers, k = routed.shape
     per_layer = routed.long().permute(2, 0, 1, 3).reshape(layers, b * t * k)  # [L, B*T*k]
     weight = valid.to(torch.float32)[:, :, None].expand(b, t, k).reshape(1, -1).expand(layers, -1)
     counts = torch.zeros(layers, num_experts, device=routed.device).scatter_add_(1, per_layer, weight)
-    return prob_sums, counts.detach()
+    return counts.detach()
 
 
 def own_topk(gate_logits: Sequence[torch.Tensor], top_k: int, shape: tuple[int, int],

@@ -38,6 +38,12 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._gr
              _aten._scaled_dot_product_efficient_attention.default,
              _aten._scaled_dot_product_flash_attention_for_cpu.default}
 """What ``selective`` activation checkpointing keeps: matmul and attention outputs."""
+try:  # packed rows on CUDA run torch's varlen flash attention (workers/models/blocks/varlen.py)
+    import torch.nn.attention.varlen  # noqa: F401  (registers the op)
+
+    SAVED_OPS.add(torch.ops.torch_attn._varlen_attn.default)
+except (ImportError, AttributeError):
+    pass
 
 
 def row_lengths(batch: RolloutBatch) -> torch.Tensor:

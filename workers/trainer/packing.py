@@ -3,8 +3,10 @@
 Why: agentic samples range from a few hundred to 131k tokens. Right-padding a batch to
 its longest row wastes most of the compute; packing concatenates rows into one stream
 per micro-batch and tells attention where each sample starts, so the math per sample is
-exactly that of the unpacked row (tests/unit/test_packing.py checks it against the real
-model; tests/integration/test_parity_parallel.py checks a packed training step).
+exactly that of the unpacked row (tests/unit/test_packing.py and test_packing_families.py check
+it against the real models; tests/integration/test_parity_parallel.py checks a packed training
+step). The model turns ``segment_ids`` into per-sample attention and state resets without a
+[T, T] mask (workers/models/blocks/varlen.py), so a 131k-token row costs O(T) memory.
 
 Pure functions of tensors: no process group, no I/O, no model. Two layouts:
 
@@ -15,7 +17,7 @@ Pure functions of tensors: no process group, no I/O, no model. Two layouts:
       p = plan_packing(batch.attention_mask)
       need = p.pack(loss_relevant_inputs(batch.loss_mask), False)  # logits only where they are scored
       out = model(p.pack(ids), position_ids=p.position_ids, attention_mask=p.attention_mask,
-                  segment_ids=p.segment_ids,                       # block-diagonal attention
+                  segment_ids=p.segment_ids,                       # attention per sample, no [T, T] mask
                   forced_experts=p.pack(forced), forced_mask=p.pack(forced_mask, False), logits_mask=need)
       logp = p.unpack_shifted(scatter_logprobs(model, out.logits, p.pack(ids), need, temperature))  # [B, T]
       routed = p.unpack(out.routed_experts)                        # loss and metrics stay in row layout

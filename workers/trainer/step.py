@@ -30,9 +30,10 @@ import torch
 
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
+from workers.models.blocks.logprobs import Scoring
 from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import (TokenStats, load_balance_loss, loss_relevant_inputs, policy_loss, prob_stats,
+from workers.trainer.loss import (TokenStats, expert_counts, load_balance_loss, loss_relevant_inputs, policy_loss,
                                   routing_disagreement)
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
@@ -53,8 +54,10 @@ class RowForward:
     counts: torch.Tensor  # [L, E] routed slots per expert over valid tokens (this rank)
 
 
-def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, pack: bool) -> RowForward:
-    """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens."""
+def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, pack: bool,
+                 logprob_chunk: int = 0) -> RowForward:
+    """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens,
+    ``logprob_chunk`` positions at a time (``trainer.logprob_chunk_tokens``; 0: all at once)."""
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
@@ -73,11 +76,16 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
     cp = context_parallel.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
     if cp is not None:
         inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
-    with compute_context(model), capture_routing(model) as routers:
+    at = predicted(need)  # the scored positions' targets, in the order of the (chunk's) logits_mask
+    inputs = {**inputs, "score": Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
+                                         scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))}
+    with compute_context(model), capture_routing(model, valid=inputs["attention_mask"]) as routers:
         out = model(**inputs)
-    logp, entropy = scatter_logprobs(model, out.logits, ids, need, batch.temperature)
-    prob_sums, counts = prob_stats([p for p, _ in routers], out.routed_experts, inputs["attention_mask"],
-                                   cfg.num_experts)  # dense: [0, 0]
+    logp, entropy = place(at, out.logp), place(at, out.entropy)
+    prob_sums, counts = torch.zeros(0, 0, device=ids.device), torch.zeros(0, 0, device=ids.device)  # dense
+    if routers:
+        prob_sums = torch.stack([p for p, _ in routers])
+        counts = expert_counts(out.routed_experts, inputs["attention_mask"], cfg.num_experts)
     own, routed = stack_own(routers, tuple(out.routed_experts.shape[:2]), ids.device), out.routed_experts
     if cp is not None:  # back to the whole rows, zeros at the other cp ranks' tokens
         logp, entropy, own, routed = cp.whole(logp, entropy, own, routed)
@@ -91,10 +99,19 @@ def scatter_logprobs(model: FsdpTrainerModel, logits: torch.Tensor, ids: torch.T
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` log p(token t) and entropy from logits computed only at ``need`` (position t-1
     predicts token t), zero elsewhere: the layout of ``loss.token_logprobs``."""
-    at = torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)  # the predicted tokens' positions
+    at = predicted(need)
     logp, entropy = model.target_logprobs(logits, ids[at], temperature)
-    zeros = torch.zeros(ids.shape, dtype=logp.dtype, device=ids.device)
-    return zeros.masked_scatter(at, logp), zeros.masked_scatter(at, entropy)
+    return place(at, logp), place(at, entropy)
+
+
+def predicted(need: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions of the tokens that the ``need`` positions predict (one later)."""
+    return torch.cat([torch.zeros_like(need[:, :1]), need[:, :-1]], dim=1)
+
+
+def place(at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values [N]`` into a [B, T] zero tensor at the ``at`` positions, row-major."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
 
 def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerConfig,
@@ -120,8 +137,9 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
         micro, tokens = context_parallel.own_chunks(micro, dims)
     counts = None
+    chunk = tcfg.logprob_chunk_tokens
     if len(micro) == 1:
-        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences)
+        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
         totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
         counts = totals[2:].view(fwd.counts.shape)
         fwds = [fwd]
@@ -133,7 +151,7 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
     acc = _Accumulator()
     for i, mb in enumerate(micro):
-        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences)
+        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
         fwds[i] = None  # drop the graph's owner as soon as it is used
         loss_mask = mb.loss_mask
         if replay and tcfg.replay_unreported == "mask":
@@ -242,10 +260,17 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
 
 
 @contextlib.contextmanager
-def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Collect every routed layer's ``(probs [B*T, E] with grad, own choice [B*T, k])``, in layer
     order, during one forward: the DP-exact balance loss needs the probabilities, and
     routing_disagreement the router's OWN top-k under Router Replay.
+
+    ``valid`` ([B, T] bool): keep only the probability SUMS over the valid tokens, ``[E]`` with
+    grad, reduced as each router runs. All the balance loss needs, and the [B*T, E] probabilities
+    are then not held until the loss (at 131k tokens x 256 experts x 75 layers they would be 10 GB
+    per row, kept even under full activation checkpointing). The weights stay on the router after
+    the context closes, so a checkpointed layer's recompute in the backward reduces them again
+    (the same ops as the forward, as non-reentrant and selective checkpointing require).
 
     Any family: the router of a routed layer (``routed = True``) is the first of its modules
     with ``route(x, forced, forced_mask) -> (indices, weights, probs)`` (tiny_moe's MoeBlock,
@@ -259,20 +284,21 @@ def capture_routing(model) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
                for layer in model.model.layers if getattr(layer, "routed", False)]
     routers = [r for r in routers if r is not None]
+    weights = None if valid is None else valid.reshape(-1).to(torch.float32)[:, None]
     for r in routers:
         if not isinstance(r.__dict__.get("route"), _CapturingRoute):
             r.route = _CapturingRoute(type(r).route.__get__(r))
-        r.route.sink = captured
+        r.route.sink, r.route.weights = captured, weights
     try:
         yield captured
     finally:
-        for r in routers:
+        for r in routers:  # weights stay: an activation-checkpointing recompute must run the same ops
             r.route.sink = None
 
 
 class _CapturingRoute:
     def __init__(self, route):
-        self.route, self.sink = route, None
+        self.route, self.sink, self.weights = route, None, None
 
     def __call__(self, x, *args, **kwargs):
         idx, weights, probs = self.route(x, *args, **kwargs)
@@ -282,8 +308,11 @@ class _CapturingRoute:
         else:
             with torch.no_grad():
                 own = self.route(x, None, None)[0]
+        kept = probs
+        if self.weights is not None and self.weights.shape[0] == probs.shape[0]:
+            kept = (probs.float() * self.weights).sum(0)  # also in a recompute (sink closed): same saved tensors
         if self.sink is not None:
-            self.sink.append((probs, own.detach()))
+            self.sink.append((kept, own.detach()))
         return idx, weights, probs
 
 

@@ -110,8 +110,12 @@ class TrainerConfig:
     IS ratio) or ``geometric`` (its per-token geometric mean, length-normalised as in GSPO). The two
     row levels cap or mask every token of a row together."""
     pack_sequences: bool = False
-    """Pack rows into fewer, fuller rows for the forward (block-diagonal attention, per-sequence
-    positions; routed experts move with their tokens); the loss is computed back in row layout."""
+    """Pack rows into fewer, fuller rows for the forward (attention per sample, no [T, T] mask;
+    per-sample positions; routed experts move with their tokens); the loss is computed back in row layout."""
+    logprob_chunk_tokens: int = 4096
+    """Positions whose lm_head logits and log-softmax are computed at once when scoring (forward and,
+    recomputed, backward): peak logit memory is this x vocab, never sequence x vocab
+    (workers/models/blocks/logprobs.py). 0: all positions at once (no recompute)."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
@@ -154,7 +158,7 @@ def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
 limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)))
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
-       master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0),
+       master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),
        activation_checkpointing=one_of(*ACTIVATION_CHECKPOINTING),
        aux_loss_coef=ge(0), ratio_cap=ge(1), ratio_mask_low=between(0, 1, lo_open=True), ratio_mask_high=ge(1),
        replay_unreported=one_of("recompute", "mask"), ratio_level=one_of("token", "sequence", "geometric"),

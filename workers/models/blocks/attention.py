@@ -81,9 +81,9 @@ class Attention(nn.Module):
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
         if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
-            return self.o_proj(ulysses.attend(q, k, v, ctx.mask, ctx.cp).transpose(1, 2).reshape(b, t, -1))
+            return self.o_proj(ulysses.attend(q, k, v, ctx.mask, ctx.cp, docs=ctx.docs).transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = kernels.attend(q, k, v, ctx.mask)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
+        out = kernels.attend(q, k, v, ctx.mask, docs=ctx.docs)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -24,14 +24,18 @@ from torch import nn
 
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.kernels import fast
+from workers.models.blocks.logprobs import Scoring, chunked_logprobs
+from workers.models.blocks.varlen import Documents
 
 
 @dataclasses.dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V], or [N, V] under logits_mask
+    logits: Optional[torch.Tensor]  # [B, T, V], or [N, V] under logits_mask; None when scored (``score``)
     aux_loss: torch.Tensor  # scalar load-balancing loss, mean over routed layers (0 for dense)
     routed_experts: torch.Tensor  # [B, T, L_routed, k] int64 ([B, T, 0, 0] for dense)
     expert_load: torch.Tensor  # [L_routed, E] fraction of routed slots per expert
+    logp: Optional[torch.Tensor] = None  # [N] log p(target) under ``score`` (chunked, never [N, V])
+    entropy: Optional[torch.Tensor] = None  # [N] entropy under ``score`` (no grad)
 
 
 @dataclasses.dataclass
@@ -54,6 +58,7 @@ class ForwardContext:
     forced: Optional[torch.Tensor] = None  # [B, T, k] experts to replay in this layer, or None
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
     cp: Optional[Any] = None  # context parallel: this rank's SeqShard (workers/models/blocks/ulysses.py)
+    docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None); whole rows under cp
     memo: dict = dataclasses.field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -182,23 +187,29 @@ class CausalLM(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 forced_experts: Optional[torch.Tensor] = None, forced_mask: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None, logits_mask: Optional[torch.Tensor] = None,
-                cp: Optional[Any] = None) -> ModelOutput:
+                cp: Optional[Any] = None, score: Optional[Scoring] = None) -> ModelOutput:
         """``attention_mask`` [B, T] marks valid (non-pad) new tokens; pads may sit anywhere.
 
         With a cache, keys are the cached ones plus the new ones; attention is causal over the
         concatenation. ``forced_experts`` [B,T,L_routed,k] with optional ``forced_mask`` [B,T]
         replays routing. Every query may also see itself, so pad rows never produce NaN.
-        ``segment_ids`` [B, T] (packing, full-sequence forwards only): a query attends only to its
-        own segment; pass per-segment ``position_ids`` with it. ``logits_mask`` [B, T] bool:
-        logits only there, returned flat ``[N, V]`` in row-major order. ``cp`` (a
-        workers/models/blocks/ulysses.py ``SeqShard``, training only): the inputs are this rank's
-        chunk of the sequence (``position_ids`` its global positions); masks come from ``cp.valid``
-        and ``cp.segment_ids`` over the whole sequence, and outputs are the chunk's.
+        ``segment_ids`` [B, T] (packing, full-sequence forwards only; each segment contiguous, -1 on
+        padding): a query attends only to its own segment, Mamba states restart at each segment, and
+        no [T, T] mask is built (workers/models/blocks/varlen.py); pass per-segment ``position_ids``.
+        ``logits_mask`` [B, T] bool: logits only there, returned flat ``[N, V]`` in row-major order.
+        ``cp`` (a workers/models/blocks/ulysses.py ``SeqShard``, training only): the inputs are this
+        rank's chunk of the sequence (``position_ids`` its global positions); masks and documents
+        come from ``cp.valid`` and ``cp.segment_ids`` over the whole sequence (``ctx.docs`` then
+        describes the whole rows: attention after the head all-to-all uses them), and outputs are
+        the chunk's.
+        ``score`` (with ``logits_mask``): no logits; ``logp`` / ``entropy`` ``[N]`` of its targets,
+        computed in chunks (workers/models/blocks/logprobs.py).
         """
         b, t = input_ids.shape
         dev = input_ids.device
         valid = torch.ones(b, t, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
         x = self.model.embed_tokens(input_ids)
+        docs = None
         if cache is not None and cache.static:  # slots hold every position at its own index: causal by position
             assert position_ids is not None, "a static cache needs explicit positions"
             past, mask = 0, cache.mask(position_ids)
@@ -213,14 +224,14 @@ class CausalLM(nn.Module):
                         else torch.cat([cache.key_mask, valid], dim=1))
             if cache is not None:
                 cache.key_mask = key_mask
+            if segment_ids is not None:  # packed rows: per-document attention, no [T, T] mask (under cp: whole rows)
+                assert cache is None, "sequence packing is for full-sequence forwards"
+                docs = Documents.from_segments(torch.where(key_valid, segment_ids, -1))
             fast_causal = (cache is None and segment_ids is None and fast(x)
                            and ((attention_mask is None and cp is None) or right_padded(key_valid)))
-            mask = None if fast_causal else dense_mask(key_mask, key_valid.shape[1], past)
-        if segment_ids is not None:
-            assert cache is None, "sequence packing is for full-sequence forwards"
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, key_valid.shape[1], past)
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
-                             cache=cache, past=past, forced_mask=forced_mask, cp=cp)
+                             cache=cache, past=past, forced_mask=forced_mask, cp=cp, docs=docs)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):
@@ -236,9 +247,19 @@ class CausalLM(nn.Module):
         h = self.model.norm(x)
         if logits_mask is not None:
             h = h[logits_mask]
-        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)
+        logits = logp = entropy = None
+        if score is None:
+            logits = self.head(h)
+        else:
+            assert logits_mask is not None, "score needs logits_mask (which positions predict its targets)"
+            logp, entropy = chunked_logprobs(h, score, self.head)
         if not routed:  # dense: no routed layer, an empty routing record [B, T, 0, 0]
             return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
-                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev))
+                               routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev),
+                               logp=logp, entropy=entropy)
         return ModelOutput(logits=logits, aux_loss=aux_total / len(routed), routed_experts=torch.stack(routed, dim=2),
-                           expert_load=torch.stack(loads))
+                           expert_load=torch.stack(loads), logp=logp, entropy=entropy)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states: ``lm_head``, or the embedding matrix when tied."""
+        return self.lm_head(h) if self.lm_head is not None else F.linear(h, self.model.embed_tokens.weight)

@@ -37,7 +37,8 @@ from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.ulysses import gather_seq
 
 MEMO_KEY = "dsa_keep"
-"""ctx.memo key of the last full indexer's keep mask ``[B, 1, T, S]`` (for shared layers)."""
+"""ctx.memo key of the last full indexer's keep mask ``[B, 1, T, S]``, or its per-document masks
+under packing (for shared layers)."""
 
 
 class DsaIndexer(nn.Module):
@@ -54,38 +55,74 @@ class DsaIndexer(nn.Module):
     def restrict(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
         """The attention mask ``[B, 1, T, S]`` narrowed to each query's top ``topk`` keys (S: cached + new)."""
-        b, t, _ = x.shape
-        q = self.wq_b(q_latent).view(b, t, self.nh, self.d)
-        k = self.k_norm(self.wk(x))  # [B, T, D]
-        c, s = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, dr]: heads on dim 2 here
-        q = torch.cat([rotate(q[..., :self.dr], c, s, True), q[..., self.dr:]], dim=-1)
-        k = torch.cat([rotate(k[:, :, None, :self.dr], c, s, True)[:, :, 0], k[..., self.dr:]], dim=-1)
+        t = x.shape[1]
+        q, k, w = self._project(x, q_latent, cos, sin)
         if ctx.cache is not None:
             past = ctx.cache.index_keys[ctx.layer]
             if past is not None:
                 k = torch.cat([past, k], dim=1)
             ctx.cache.index_keys[ctx.layer] = k
         cp = ctx.cp
-        if cp is not None:  # every token's key; queries stay this rank's (see the module docstring)
+        if cp is None:
+            mask = self._keep(q, k, w, visible(ctx, t, k.shape[1], x.device))[:, None]
+        else:  # every token's key; queries stay this rank's (see the module docstring)
             k = gather_seq(k, cp)
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [B, T, H]
-        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
-        allowed = visible(ctx, t if cp is None else k.shape[1], k.shape[1], x.device)  # every query's row
-        index = index.masked_fill(~(allowed if cp is None else cp.local(allowed)), float("-inf"))
-        chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
-        if cp is not None:  # every rank's choice: attention after the head all-to-all sees every query
-            chosen = gather_seq(chosen, cp)
-        keep = torch.zeros_like(allowed).scatter_(-1, chosen, True)
-        mask = (allowed & keep)[:, None]
+            allowed = visible(ctx, k.shape[1], k.shape[1], x.device)  # every query's row
+            index = self._index(q, k, w).masked_fill(~cp.local(allowed), float("-inf"))
+            chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+            chosen = gather_seq(chosen, cp)  # every rank's choice: attention after the head all-to-all sees every query
+            mask = (allowed & torch.zeros_like(allowed).scatter_(-1, chosen, True))[:, None]
         ctx.memo[MEMO_KEY] = mask
         return mask
 
+    @torch.no_grad()
+    def restrict_docs(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ctx: ForwardContext) -> dict:
+        """Packed rows (``ctx.docs``): each document's keep mask ``[1, 1, n, n]`` keyed by (row, start),
+        its top-k chosen among that document's own earlier keys only. Scores are [n, H, n] per
+        document: quadratic within a document (the dense reference of sparse attention), never
+        across the packed row."""
+        q, k, w = self._project(x, q_latent, cos, sin)
+        masks = {}
+        for r, runs in enumerate(ctx.docs.runs):
+            for a, b, doc in runs:
+                if doc:
+                    allowed = torch.ones(b - a, b - a, dtype=torch.bool, device=x.device).tril()[None]
+                    masks[(r, a)] = self._keep(q[r:r + 1, a:b], k[r:r + 1, a:b], w[r:r + 1, a:b], allowed)[:, None]
+        ctx.memo[MEMO_KEY] = masks
+        return masks
+
+    def _project(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Index queries [B, T, H, D], keys [B, T, D] (rotated) and head weights [B, T, H] (float32)."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_latent).view(b, t, self.nh, self.d)
+        k = self.k_norm(self.wk(x))  # [B, T, D]
+        c, s = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, T, 1, dr]: heads on dim 2 here
+        q = torch.cat([rotate(q[..., :self.dr], c, s, True), q[..., self.dr:]], dim=-1)
+        k = torch.cat([rotate(k[:, :, None, :self.dr], c, s, True)[:, :, 0], k[..., self.dr:]], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.nh ** -0.5  # [B, T, H]
+        return q, k, w
+
+    def _index(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[B, T, S] index scores: ``sum_h w_h * relu(q_h . k / sqrt(d))``."""
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
+        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+
+    def _keep(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, T, S] bool: ``allowed`` keys that are among each query's top ``topk`` index scores."""
+        index = self._index(q, k, w).masked_fill(~allowed, float("-inf"))
+        chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+        keep = torch.zeros_like(allowed.expand_as(index)).scatter_(-1, chosen, True)
+        return allowed & keep
+
 
 def visible(ctx: ForwardContext, t: int, s: int, device) -> torch.Tensor:
-    """[B, T, S] bool: the keys each query may see before sparsity (ctx.mask; None means plain causal)."""
+    """[B, T, S] bool: the keys each query may see before sparsity (ctx.mask; None means plain causal,
+    or per document for packed rows under context parallelism: the dense reference path of DSA)."""
     if ctx.mask is not None:
         return ctx.mask[:, 0]
+    if ctx.docs is not None:
+        return ctx.docs.causal_rows(0, s)
     assert s == t, "a mask-free forward has no cache"
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None].expand(ctx.valid.shape[0], t, t)
 

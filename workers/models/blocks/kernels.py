@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.models.blocks.varlen import Documents, attend_docs
+
 FAST_PATH_ON_CPU = False
 
 #: SDPA backends for masked attention on CUDA (decode with a KV cache, left padding). Not
@@ -26,11 +28,15 @@ def fast(x: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-           scale: Optional[float] = None) -> torch.Tensor:
+           scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v over ``[B, H, T, D]`` (k and v already have q's heads).
 
-    ``attn_mask`` None: plain causal (no pads before any valid key, no cache).
+    ``attn_mask`` None: plain causal (no pads before any valid key, no cache). ``docs`` (packed
+    rows, ``ForwardContext.docs``): causal inside each document, linear in memory
+    (workers/models/blocks/varlen.py); the mask is then unused.
     """
+    if docs is not None:
+        return attend_docs(q, k, v, docs, scale)
     if attn_mask is None:
         if CAUSAL_SDPA_BACKENDS is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

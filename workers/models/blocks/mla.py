@@ -15,7 +15,8 @@ None. Each step re-expands the cached latents through ``kv_b_proj`` (the referen
 
 An optional ``indexer`` (DeepSeek Sparse Attention, workers/models/blocks/dsa_indexer.py)
 narrows each query's keys to its top ``index_topk``: the indexer's keep mask is ANDed into the
-attention mask (the dense reference path of sparse attention).
+attention mask (the dense reference path of sparse attention). Packed rows (``ctx.docs``) attend
+per document (workers/models/blocks/varlen.py), the indexer choosing inside each document.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.norm import RMSNorm
+from workers.models.blocks.varlen import attend_docs
 
 LORA_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm / kv_a_layernorm: the checkpoints' code fixes it (not rms_norm_eps)."""
@@ -85,14 +87,18 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(latent_all).view(b, s, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
-        mask = ctx.mask
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        mask, sparse = ctx.mask, self.indexer is not None or self.reuses_index
+        per_doc = ctx.docs is not None and ctx.cp is None
         if self.indexer is not None:
-            mask = self.indexer.restrict(x, q_latent, cos, sin, ctx)
+            restrict = self.indexer.restrict_docs if per_doc else self.indexer.restrict
+            mask = restrict(x, q_latent, cos, sin, ctx)
         elif self.reuses_index:
             mask = shared_mask(ctx)
-        q = torch.cat([q_nope, q_rot], dim=-1)
         if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence (after kv_b_proj)
-            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale)
+            out = ulysses.attend(q, k, v, mask, ctx.cp, self.scale, docs=None if sparse else ctx.docs)
+        elif per_doc:  # packed rows: per document; sparse layers pass per-document keep masks
+            out = attend_docs(q, k, v, ctx.docs, self.scale, mask if sparse else None)
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))

@@ -63,12 +63,12 @@ class NoPEAttention(nn.Module):
                 v = torch.cat([cache.values[ctx.layer], v], dim=2)
             cache.keys[ctx.layer], cache.values[ctx.layer] = k, v
         if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
-            out = ulysses.attend(q, k, v, ctx.mask, ctx.cp, scale=self.hd ** -0.5)
+            out = ulysses.attend(q, k, v, ctx.mask, ctx.cp, scale=self.hd ** -0.5, docs=ctx.docs)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (the reference's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = kernels.attend(q, k, v, ctx.mask, scale=self.hd ** -0.5)
+        out = kernels.attend(q, k, v, ctx.mask, scale=self.hd ** -0.5, docs=ctx.docs)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -102,6 +102,9 @@ class HybridBlock(nn.Module):
         h = self.norm(x)
         if self.kind == "M":
             cache = ctx.cache
+            if ctx.docs is not None and ctx.cp is None:  # packed: every document starts from a zero state
+                y = ctx.docs.map_runs(lambda r, a, b, doc: self.mixer(h[r:r + 1, a:b], ctx.valid[r:r + 1, a:b])[0])
+                return x + y, None
             state = None if cache is None else cache.states[ctx.layer]
             y, new_state = self.mixer(h, ctx.valid, state, return_state=cache is not None, cp=ctx.cp)
             if cache is not None:

@@ -1,0 +1,58 @@
+"""Log-probs and entropy of target tokens in sequence chunks: [N, V] logits never alive at once.
+
+Why: at 131,072 positions and a 151k vocabulary the float32 logits alone are 80 GB, and the
+log-softmax's backward keeps as much again. The trainer needs only log p(target) [N] (with grad)
+and the entropy [N] (a metric). So the model's forward, when given a :class:`Scoring`, runs
+``lm_head`` + the scorer ``chunk_tokens`` positions at a time, each chunk under non-reentrant
+activation checkpointing: the forward keeps only the [N] results (and the hidden states it already
+had), and the backward recomputes one chunk's logits at a time, so peak logit memory is
+``chunk_tokens x V`` in both passes. Gradients are those of the unchunked computation (each
+position's log-prob depends on its own hidden state only); tests/unit/test_chunked_logprobs.py
+checks values and gradients against the full path, including the vocabulary-parallel scorer.
+
+The scorer is the trainer plan's ``target_logprobs`` (workers/trainer/fsdp.py, or the TP plan's
+vocab-parallel one in workers/trainer/tensor_parallel.py with its all-reduces): it runs inside
+each chunk, so a vocabulary split over tensor-parallel ranks stays split, and the recompute
+repeats its collectives in the same order on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+Scorer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``(logits [n, V(local)], targets [n]) -> (log p [n] with grad, entropy [n] no grad)``."""
+
+
+@dataclasses.dataclass
+class Scoring:
+    """What the forward scores instead of returning logits (``CausalLM.forward(score=...)``)."""
+
+    targets: torch.Tensor
+    """int64 [N]: the token each ``logits_mask`` position predicts, in the same row-major order."""
+    scorer: Scorer
+    chunk_tokens: int = 0
+    """Positions per chunk (``trainer.logprob_chunk_tokens``); 0: one chunk (the [N, V] logits at once)."""
+
+
+def chunked_logprobs(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p [N], entropy [N])`` of ``score.targets`` under ``head(h)`` for hidden states ``h`` [N, H]."""
+    n, chunk = h.shape[0], score.chunk_tokens
+    if chunk <= 0 or n <= chunk:
+        return score.scorer(head(h), score.targets)
+    recompute = torch.is_grad_enabled() and h.requires_grad
+    logps, entropies = [], []
+    for i in range(0, n, chunk):
+        piece = (h[i:i + chunk], score.targets[i:i + chunk], head, score.scorer)
+        logp, entropy = checkpoint(_score, *piece, use_reentrant=False) if recompute else _score(*piece)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _score(h: torch.Tensor, targets: torch.Tensor, head: Callable, scorer: Scorer):
+    return scorer(head(h), targets)

@@ -1,0 +1,168 @@
+"""Packed documents: attention and scans per document, linear in memory (no [T, T] mask).
+
+Why: a packed training row holds several samples ("documents") back to back, and agentic
+samples reach 131,072 tokens. A dense block-diagonal mask is [T, T] (16 GiB of bool at 131k,
+and SDPA's masked kernels keep an [H, T, T] score matrix for the backward); per-document causal
+attention is what the math asks for and costs O(T) memory with a flash kernel.
+
+:class:`Documents` is the contract: built once per forward from ``segment_ids`` [B, T] (sample
+index per position, -1 on padding; workers/trainer/packing.py), it lists the RUNS of each row
+(maximal spans of one segment id) and the flat ``cu_seqlens`` of the varlen kernels. Every
+layer kind reads it from ``ForwardContext.docs``:
+
+* softmax attention (GQA, MLA, NoPE): :func:`attend_docs` - on CUDA in bf16/fp16 torch's
+  ``varlen_attn`` over the flat [B*T] stream (one launch), elsewhere one causal SDPA per document
+  (CPU SDPA's flash kernel keeps O(T) memory when q, k and v have one head dim, so unequal MLA
+  dims are zero-padded to one; the scale stays the caller's);
+* sparse attention (DSA): ``doc_masks`` gives each document its own keep mask (the indexer's
+  top-k never looks across a document boundary); those documents take SDPA's masked path;
+* Mamba-2: :meth:`Documents.map_runs` runs the mixer once per document from a zero state (the
+  ``seq_idx`` semantics of the Mamba-2 kernels: state and conv window reset at every start).
+
+Padding runs (segment -1) attend to themselves only (their output is their value), as the dense
+mask made them do: nothing valid depends on them, and they never produce NaN.
+
+A context-parallel layer calls the same functions after its all-to-all: they are pure functions
+of (q, k, v, documents, scale), positions being applied by the caller (rotary) beforehand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class Documents:
+    """The runs of a packed batch: ``runs[r]`` lists ``(start, end, is_doc)`` covering row r's [0, T)."""
+
+    segment_ids: torch.Tensor  # [B, T] int64, -1 on padding
+    runs: list[list[tuple[int, int, bool]]]
+
+    @classmethod
+    def from_segments(cls, segment_ids: torch.Tensor) -> "Documents":
+        """One host copy of the ids (a sync per forward), then pure Python over the run boundaries."""
+        ids = segment_ids.detach().cpu()
+        runs: list[list[tuple[int, int, bool]]] = []
+        for r in range(ids.shape[0]):
+            row = ids[r]
+            cuts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+            bounds = [0, *cuts, row.numel()]
+            spans = [(a, b, int(row[a]) >= 0) for a, b in zip(bounds[:-1], bounds[1:])]
+            seen = [int(row[a]) for a, _, doc in spans if doc]
+            if len(seen) != len(set(seen)):
+                raise ValueError(f"segment_ids row {r}: a segment is split by another (documents must be contiguous)")
+            runs.append(spans)
+        return cls(segment_ids=segment_ids, runs=runs)
+
+    @property
+    def max_len(self) -> int:
+        return max((b - a for row in self.runs for a, b, _ in row), default=0)
+
+    def cu_seqlens(self, device) -> torch.Tensor:
+        """int32 [R + 1] run boundaries in the flat [B * T] stream (padding runs included: each is
+        one more causal sequence whose outputs nobody reads)."""
+        t = self.segment_ids.shape[1]
+        cuts = [0] + [r * t + b for r, row in enumerate(self.runs) for _, b, _ in row]
+        return torch.tensor(cuts, dtype=torch.int32, device=device)
+
+    def causal_rows(self, start: int, n: int) -> torch.Tensor:
+        """bool [B, n, T]: what queries ``start .. start+n-1`` may see (same document, causal; a padding
+        position itself only). Dense, for the paths that need a mask: context parallelism's gathered
+        keys (n = T / cp rows) and the DSA indexer's reference scoring."""
+        seg = self.segment_ids
+        t = seg.shape[1]
+        q = torch.arange(start, start + n, device=seg.device)
+        keys = torch.arange(t, device=seg.device)
+        qs = seg[:, start:start + n]
+        same = (qs[:, :, None] == seg[:, None, :]) & (qs >= 0)[:, :, None]
+        return (same & (keys[None, None, :] <= q[None, :, None])) | (keys[None, None, :] == q[None, :, None])
+
+    def map_runs(self, fn: Callable[[int, int, int, bool], torch.Tensor], time_dim: int = 1) -> torch.Tensor:
+        """``fn(row, start, end, is_doc)`` -> that run's output (batch 1 on dim 0, time on
+        ``time_dim``), concatenated back to the whole batch."""
+        rows = [torch.cat([fn(r, a, b, doc) for a, b, doc in row], dim=time_dim) for r, row in enumerate(self.runs)]
+        return torch.cat(rows, dim=0)
+
+
+def attend_docs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: Optional[float] = None,
+                doc_masks: Optional[dict] = None) -> torch.Tensor:
+    """Causal attention inside each document of ``q/k/v`` [B, H, T, D] (k and v with q's heads;
+    v's head dim may differ). ``doc_masks`` {(row, start): bool [1, 1, n, n]} replaces the causal
+    rule of those documents (sparse attention). Returns [B, H, T, Dv]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if doc_masks is None and varlen_ok(q, v):
+        return _varlen(q, k, v, docs, scale)
+
+    def run(r: int, a: int, b: int, doc: bool) -> torch.Tensor:
+        if not doc:
+            return v[r:r + 1, :, a:b]  # padding attends to itself only
+        mask = None if doc_masks is None else doc_masks.get((r, a))
+        return causal_sdpa(q[r:r + 1, :, a:b], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b], scale, mask)
+
+    return docs.map_runs(run, time_dim=2)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal SDPA (or SDPA under ``mask``) with q/k and v head dims made equal by zero padding, so
+    the fused (flash) kernel applies: zero channels add nothing to q.k, and padded value channels
+    are cut off the output."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    elif dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[..., :dv]
+
+
+_VARLEN: Optional[Callable] = None
+_VARLEN_CAUSAL: dict = {}
+
+
+def _varlen_fn() -> Optional[Callable]:
+    """torch's varlen flash attention, or None where this torch has none (or one without ``scale``).
+    Its causal switch moved between releases: ``is_causal=True`` (older) or ``window_size=(-1, 0)``."""
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN = False
+            return None
+        params = inspect.signature(varlen_attn).parameters
+        if "scale" not in params or not ({"is_causal", "window_size"} & set(params)):
+            _VARLEN = False  # a prototype without the arguments used here: per-document SDPA instead
+            return None
+        _VARLEN_CAUSAL.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+        _VARLEN = varlen_attn
+    return _VARLEN or None
+
+
+def varlen_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The one-launch varlen kernel applies (CUDA, half precision, a torch that has it)."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float) -> torch.Tensor:
+    """One varlen launch over the flat stream [B*T, H, D] (heads padded to one head dim, as above)."""
+    b, h, t, dq = q.shape
+    dv = v.shape[-1]
+    width = max(dq, dv)
+    flat = [F.pad(x, (0, width - x.shape[-1])).transpose(1, 2).reshape(b * t, h, width) for x in (q, k, v)]
+    cu = docs.cu_seqlens(q.device)
+    m = docs.max_len
+    out = _varlen_fn()(*flat, cu, cu, m, m, scale=scale, **_VARLEN_CAUSAL)
+    return out.view(b, t, h, width)[..., :dv].transpose(1, 2)
+
+
+def doc_causal(n: int, device) -> torch.Tensor:
+    """bool [n, n] lower triangle: what a query of one document may see before sparsity."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
