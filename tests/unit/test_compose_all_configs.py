@@ -26,6 +26,8 @@ COMPANIONS: dict[str, list[str]] = {
     # your own data: a path is required (the README's example set), text is byte-level on the tiny model
     "env/dataset.yaml": [f"env.path={ROOT.parents[0] / 'docs/examples/byot/train.jsonl'}", "env.prompt_key=question",
                          "model.vocab_size=264", "model.max_position_embeddings=128"],
+    # your own env class: the README's example (docs/examples/own_env on sys.path, see the test)
+    "env/target.yaml": ["env._target_=my_envs:FirstDigit", "+env.args.length=3"],
 }
 """Extra overrides a file needs to plan, keyed by its path under hydra_conf."""
 
@@ -43,7 +45,9 @@ def test_the_tree_is_found():
 
 
 @pytest.mark.parametrize("rel", YAMLS)
-def test_composes_and_plans(rel):
+def test_composes_and_plans(rel, monkeypatch):
+    if rel == "env/target.yaml":  # the user's package is on their PYTHONPATH
+        monkeypatch.syspath_prepend(str(ROOT.parents[0] / "docs/examples/own_env"))
     cfg = compose(overrides_for(rel))
     plan = build_plan(cfg)
     assert plan.roles and plan.components and plan.num_params > 0
