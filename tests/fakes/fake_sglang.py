@@ -63,6 +63,9 @@ REQUEST_FIELDS = {
     "PauseGenerationReqInput": {"rid", "http_worker_ipc", "mode"},
     "ContinueGenerationReqInput": {"rid", "http_worker_ipc", "torch_empty_cache"},
     "UpdateWeightVersionReqInput": {"rid", "http_worker_ipc", "new_version", "abort_all_requests"},
+    "BeginWeightUpdateReqInput": {"rid", "http_worker_ipc", "selector"},
+    "EndWeightUpdateReqInput": {"rid", "http_worker_ipc"},
+    "GetWeightsByNameReqInput": {"rid", "http_worker_ipc", "name", "truncate_size"},
 }
 """Field names of SGLang 0.5.23's request structs (io_struct.py; BaseReq adds rid, http_worker_ipc)."""
 ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
@@ -70,7 +73,9 @@ ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "U
                 "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
                 "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
                 "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
-                "/update_weight_version": "UpdateWeightVersionReqInput"}
+                "/update_weight_version": "UpdateWeightVersionReqInput",
+                "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
+                "/get_weights_by_name": "GetWeightsByNameReqInput"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 

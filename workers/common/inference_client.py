@@ -263,15 +263,29 @@ class InferenceClient:
         return await self._admin("/init_weights_update_group", body, timeout_s)
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]], group_name: str, weight_version: int,
-                                              load_format: Optional[str] = None, flush_cache: bool = False,
-                                              abort_all_requests: bool = False,
+                                              shapes: Sequence[Sequence[int]], group_name: str,
+                                              weight_version: Optional[int], load_format: Optional[str] = None,
+                                              flush_cache: bool = False, abort_all_requests: bool = False,
                                               timeout_s: Optional[float] = None) -> dict:
-        """Receive weights ``weight_version`` over the group; raises if the worker refused them."""
+        """Receive these tensors over the group (``weight_version`` None: keep the label, more batches
+        follow); raises if the worker refused them."""
         body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "weight_version": str(weight_version), "load_format": load_format,
+                "group_name": group_name, "weight_version": None if weight_version is None else str(weight_version),
+                "load_format": load_format,
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         return await self._admin("/update_weights_from_distributed", body, timeout_s)
+
+    async def begin_weight_update(self, timeout_s: Optional[float] = None) -> dict:
+        """Open SGLang's weight-update session (0.5.23 refuses /update_weights_from_distributed outside one)."""
+        return await self._admin("/begin_weight_update", {}, timeout_s)
+
+    async def end_weight_update(self, timeout_s: Optional[float] = None) -> dict:
+        return await self._admin("/end_weight_update", {}, timeout_s)
+
+    async def get_weights_by_name(self, name: str, *, truncate_size: int, timeout_s: Optional[float] = None) -> Any:
+        """SGLang's read-back of one parameter: its first ``truncate_size`` rows as float32 lists."""
+        return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                                timeout_s=timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str, timeout_s: Optional[float] = None) -> dict:
         return await self._admin("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)

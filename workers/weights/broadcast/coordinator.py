@@ -85,3 +85,14 @@ class BroadcastCoordinator(WeightCoordinator):
             self.verify(v, self.clients, swap.digests, offer.get("digest"))
         except WeightUpdateError as e:
             self.log.warning("%s", e)
+
+
+def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
+    """TransportSpec.coordinator: the bucket protocol for embedded workers, SGLang's for SGLang servers."""
+    from workers.weights.broadcast import speaks_sglang
+
+    if speaks_sglang(cfg):
+        from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
+
+        return SGLangBroadcastCoordinator(cfg, paths, log=log)
+    return BroadcastCoordinator(cfg, paths, log=log)
