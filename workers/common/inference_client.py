@@ -144,7 +144,10 @@ class InferenceClient:
 
     async def generate(self, input_ids: list[int], *, temperature: float, max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
-                       rid: Optional[str] = None, timeout_s: Optional[float] = None) -> GenerateResult:
+                       rid: Optional[str] = None, timeout_s: Optional[float] = None,
+                       routed_experts_start_len: int = 0, extra: Optional[dict] = None) -> GenerateResult:
+        """One request. ``routed_experts_start_len``: routing only from that position on (SGLang's
+        field); ``extra``: more GenerateReqInput fields (PD bootstrap host/port/room)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens,
@@ -153,6 +156,9 @@ class InferenceClient:
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
+        body.update(extra or {})
         if rid is not None:
             body["rid"] = rid
         out = await self._call("POST", "/generate", body, timeout_s=timeout_s)
@@ -175,10 +181,11 @@ class InferenceClient:
                                 weight_version=version, finish_reason=str(finish.get("type")), finish_detail=finish,
                                 rid=meta.get("id"), prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))))
         if return_routed_experts:
-            result.routed_experts = await self._routed(meta, result, len(input_ids), url)
+            result.routed_experts = await self._routed(meta, result, len(input_ids), url, routed_experts_start_len)
         return result
 
-    async def _routed(self, meta: dict, result: GenerateResult, prompt_len: int, url: str) -> Optional[np.ndarray]:
+    async def _routed(self, meta: dict, result: GenerateResult, prompt_len: int, url: str,
+                      start: int = 0) -> Optional[np.ndarray]:
         b64 = meta.get("routed_experts")
         if b64 is None:
             if result.finish_reason == "abort":
@@ -190,10 +197,10 @@ class InferenceClient:
             arr = await asyncio.to_thread(decode_routed_experts, b64, num_layers, top_k, num_experts)
         except ValueError as e:
             raise InferenceError(url, 200, str(e)) from None
-        expected = prompt_len + len(result.output_ids) - 1
+        expected = prompt_len + len(result.output_ids) - 1 - start
         if result.finish_reason != "abort" and arr.shape[0] != expected:
             raise InferenceError(url, 200, f"routed_experts covers {arr.shape[0]} positions, expected "
-                                           f"prompt+completion-1 = {expected}")
+                                           f"prompt+completion-1-start = {expected}")
         return arr
 
     async def _routing_shape(self) -> tuple[int, int, int]:

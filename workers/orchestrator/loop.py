@@ -224,7 +224,7 @@ class Orchestrator:
         router = None
         if backend.make_router is not None and self.topo.router_url:
             router = backend.make_router(self.cfg, self.topo.router_url, token, session=session, timeout_s=timeout,
-                                         shape=shape)
+                                         shape=shape, topology=self.topo)
         return clients, router
 
     def generation_client(self, worker: int, gid: int) -> InferenceClient:

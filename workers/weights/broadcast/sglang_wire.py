@@ -49,6 +49,23 @@ ITEM_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e
 """Bytes per element of the dtypes a state dict carries (torch's names without ``torch.``)."""
 
 
+BULK_EFFICIENCY = 0.8
+"""NCCL broadcast bus bandwidth as a fraction of NIC line rate on NDR (nccl-tests on HGX H100:
+350-390 of 400 GB/s per node; benchmarks/sim/assumptions.py's ``bulk_efficiency`` is this value)."""
+
+
+def update_cost(model_bytes: float, nic_gb_s: float, efficiency: float = BULK_EFFICIENCY) -> tuple[float, float]:
+    """(bytes every inference GPU receives per update, seconds on the wire) for SGLang's protocol.
+
+    Every server rank is a member of the one group and every broadcast reaches all members, so
+    each GPU receives the whole model in inference.dtype, whatever its TP/EP share (the loader
+    keeps its shard afterwards). NCCL pipelines a broadcast along a ring/tree: every link carries
+    the bytes once, so the time is the model over one NIC's rate, independent of the number of
+    servers. The plan prints this; benchmarks/sim/costs.py uses it for broadcast into SGLang.
+    """
+    return model_bytes, model_bytes / (nic_gb_s * 1e9 * efficiency)
+
+
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """One tensor as both ends announce it (duck-types workers.weights.base.TensorMeta)."""
