@@ -39,10 +39,30 @@ from aiohttp import web
 from tests.fakes.fake_sglang import FakeSGLang, FakeSGLangConfig
 
 
-def _rank_main(conn, tp_rank: int, state: dict) -> None:
-    """One TP rank: obey commands from the server process until ``stop``."""
+def receive_like_sglang(pg, names, dtypes, shapes, load_format=None) -> list:
+    """One /update_weights_from_distributed call's receive, as WeightUpdater.receive_weights_from_distributed
+    does it: per tensor (async broadcasts from rank 0 in the order of names, then wait), or one uint8
+    flattened bucket (FlattenedTensorBucket.empty's layout). Returns [(name, tensor)]."""
     import torch
     import torch.distributed as dist
+
+    if load_format == "flattened_bucket":
+        sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=pg)
+        got, at = [], 0
+        for n, d, s, size in zip(names, dtypes, shapes, sizes):
+            got.append((n, flat[at: at + size].view(getattr(torch, d)).reshape(s)))
+            at += size
+        return got
+    got = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
+    for h in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in got]:
+        h.wait()
+    return got
+
+
+def _rank_main(conn, tp_rank: int, state: dict) -> None:
+    """One TP rank: obey commands from the server process until ``stop``."""
 
     from workers.weights.broadcast.sglang_wire import open_update_group
 
@@ -64,20 +84,8 @@ def _rank_main(conn, tp_rank: int, state: dict) -> None:
                     timeout_s=args.get("timeout_s", 60.0))
                 out = (True, "Succeeded to initialize custom process group.")
             elif cmd == "receive":
-                pg = groups[args["group_name"]]
-                names, dtypes, shapes = args["names"], args["dtypes"], args["shapes"]
-                if args.get("load_format") == "flattened_bucket":
-                    sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes)]
-                    flat = torch.empty(sum(sizes), dtype=torch.uint8)
-                    dist.broadcast(flat, src=0, group=pg)
-                    got, at = [], 0
-                    for n, d, s, size in zip(names, dtypes, shapes, sizes):
-                        got.append((n, flat[at: at + size].view(getattr(torch, d)).reshape(s)))
-                        at += size
-                else:
-                    got = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
-                    for h in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in got]:
-                        h.wait()
+                got = receive_like_sglang(groups[args["group_name"]], args["names"], args["dtypes"], args["shapes"],
+                                          args.get("load_format"))
                 for n, t in got:  # load_weights
                     if n not in state or tuple(state[n].shape) != tuple(t.shape):
                         raise KeyError(f"cannot load {n} {tuple(t.shape)}")
