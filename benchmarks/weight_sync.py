@@ -14,9 +14,12 @@ head, attention, router and 8 experts per layer) of ~100 MB and ~1 GB:
   ``BucketSender.send`` (pack, checksum, header, data per bucket) until every receiver's
   ``BroadcastReceiver.receive`` has verified every bucket, vs raw: ``dist.broadcast`` of
   one flat uint8 tensor of the same size in the same world.
-- sglang: the same processes and bytes through SGLang's own protocol (what SGLang servers
-  receive: weight_sync_sglang.py), interleaved with the other two; the table shows its GB/s
-  and, in the summary, its ratio to the bucket protocol.
+- sglang: the same processes and bytes through SGLang's own protocol (:class:`SGLangBench`):
+  rank 0 runs the trainer's ``SGLangSender``, the receivers SGLang 0.5.23's receive path as the
+  fake server's ranks mirror it (``receive_like_sglang``: one flattened uint8 bucket per call),
+  in a group made the way SGLang makes it; interleaved with the other two. The table shows its
+  GB/s and, in the summary, its ratio to the bucket protocol. Not timed: SGLang's one HTTP call
+  per batch (a few ms each).
 
 Applying into a model (a copy per tensor) is not timed for either transport. Each number
 is the best of ``--reps`` runs, raw and transport interleaved (the table also shows the
@@ -43,11 +46,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.weight_sync_sglang import FORMAT as SGLANG_FORMAT
-from benchmarks.weight_sync_sglang import SGLangBench
+from tests.fakes.fake_sglang_weights import receive_like_sglang
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
 from workers.weights.broadcast.publisher import BucketSender, join_as_sender
 from workers.weights.broadcast.receiver import BroadcastReceiver
+from workers.weights.broadcast.sglang_publisher import SGLangSender
+from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
 from workers.weights.checksums import state_hashes, tensor_hash
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.filesystem.receiver import DiskReader
@@ -55,6 +59,7 @@ from workers.weights.filesystem.receiver import DiskReader
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES_MB = (100, 1024)
 RAW_CHUNK = 64 << 20  # the raw baseline's syscall size (dd bs=64M); ours is shards.CHUNK (4 MiB)
+SGLANG_FORMAT = "flattened_bucket"
 
 
 def model_shapes(target_bytes: int, *, vocab: int = 32000, layers: int = 8, experts: int = 8) -> list:
@@ -221,6 +226,31 @@ def bench_broadcast(target: int, reps: int, bucket_mb: int, lone_mb=None, receiv
     return {"bucket": bucket, "sglang": sglang}
 
 
+class SGLangBench:
+    """One rank of the SGLang group: rank 0 sends, the others receive every batch."""
+
+    def __init__(self, rank: int, world: int, port: int, shapes: list, bucket_mb: int, fmt: str = SGLANG_FORMAT):
+        self.rank, self.fmt = rank, fmt
+        metas = [TensorMeta(n, str(d).replace("torch.", ""), tuple(s),
+                            torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in shapes]
+        self.batches = plan_batches(metas, bucket_mb << 20)
+        self.pg = open_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=world,
+                                    rank=rank, group_name="bench_sglang", timeout_s=300)
+        self.sender = SGLangSender(self.pg, self.batches, load_format=fmt, device=torch.device("cpu"),
+                                   timeout_s=300) if rank == 0 else None
+
+    def run(self, state) -> dict:
+        """Rank 0: send ``state``; others: receive it (returned {name: tensor} for the exactness check)."""
+        if self.rank == 0:
+            self.sender.send(state, set(), 0)
+            return {}
+        got = {}
+        for b in self.batches:
+            body = b.body(group_name="bench_sglang", load_format=self.fmt)
+            got.update(receive_like_sglang(self.pg, body["names"], body["dtypes"], body["shapes"], body["load_format"]))
+        return got
+
+
 def summarize(row: dict, total: int) -> dict:
     """Best of the runs for each side (the 2 cores here are shared: interference only ever
     adds time, to either side), plus the medians for reference."""
@@ -282,7 +312,8 @@ def main(argv=None) -> int:
           f"= {summary['sglang_vs_bucket']:.2f}x (same bytes, same processes; sglang_vs_raw = "
           f"{summary['sglang_vs_raw']:.2f})")
     meta = {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-            "machine": platform.machine(), "reps": args.reps, "hash_threads": args.threads,
+            "machine": platform.machine(), "load_average": os.getloadavg(), "reps": args.reps,
+            "hash_threads": args.threads,
             "time": datetime.datetime.now().isoformat(timespec="seconds")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from tests.unit.test_fake_sglang_schema import sglang_root
 from workers.common.registry import MODELS
@@ -107,3 +108,14 @@ def test_read_back_architectures_match_the_model_classes():
     ours = {a for name in MODELS.names() for a in (MODELS.get(name).hf_architectures or ())}
     assert set(WEIGHTS_BY_NAME_ARCHITECTURES) == ours & readable, sorted(ours & readable)
 
+
+
+def test_servers_are_single_replica_as_the_update_requires():
+    """SGLang refuses updates from distributed with data-parallel replicas (dp_size > 1); our
+    servers express attention DP as --attn-dp-size, never --dp-size."""
+    src = function_source("srt/managers/tokenizer_control_mixin.py", "update_weights_from_distributed")
+    assert "assert get_parallel().dp_size == 1" in src
+    from workers.inference.sglang import args
+
+    text = Path(args.__file__).read_text()
+    assert '"attn-dp-size"' in text and '"dp-size"' not in text
