@@ -38,6 +38,8 @@ class ModelFacts:
         self.m, self.a = m, a
         p = count_params(m)
         self.active, self.total = p.active, p.total + p.mtp
+        self.trained = p.total
+        """What the trainer trains and publishes (MTP layers are served, not trained)."""
         num_moe = m.num_layers - m.num_dense_layers + m.num_mtp_layers
         self.routed = num_moe * m.num_experts * expert_params(m)
         self.routed_per_expert_layer = expert_params(m)
@@ -241,7 +243,7 @@ class ClusterCosts:
         if transport == "filesystem":
             write = self.f.total * 2 / (w.fs_gb_s * 1e9)
             return write, w.update_overhead_s + sum(need) / (w.fs_gb_s * 1e9)
-        _, wire = update_cost(self.f.total * self.infer_bytes, hw.nic_gb_s, hw.bulk_efficiency)
+        _, wire = update_cost(self.f.trained * self.infer_bytes, hw.nic_gb_s, hw.bulk_efficiency)
         return wire, w.update_overhead_s + wire
 
 def decode_step(f: ModelFacts, a: Assumptions, *, n: float, ctx: float, gpus: int, nodes: int, tp: int, ep: int, dp: int,
