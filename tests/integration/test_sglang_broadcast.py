@@ -134,3 +134,60 @@ def test_two_servers_two_ranks_receive_bit_exact(tmp_path, fmt):
     assert {u["load_format"] for u in ups} == ({"flattened_bucket"} if fmt == "flattened_bucket" else {None})
     disk = [r["body"] for r in reqs1 if r["path"] == "/update_weights_from_disk"]
     assert [(d["model_path"], d["weight_version"]) for d in disk] == [(str(RunPaths(tmp_path).weights(2)), "2")]
+
+
+def _sharded_rank(rank: int, ports: tuple[int, int], out) -> None:
+    """Trainer ranks 0, 1 hold a DTensor-sharded state; rank 2 receives as one SGLang server rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.fakes.fake_sglang_weights import receive_like_sglang
+    from workers.weights.base import TensorMeta
+    from workers.weights.broadcast.sglang_publisher import SGLangSender
+    from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
+
+    torch.set_num_threads(1)
+    full = model_state(3)
+    metas = [TensorMeta(n, "bfloat16", tuple(t.shape), t.numel() * 2) for n, t in full.items()]
+    batches = plan_batches(metas, 1 << 20)
+    try:
+        if rank < 2:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+            mesh = init_device_mesh("cpu", (2,))
+            state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+            pg = open_update_group(backend="gloo", master_address="127.0.0.1", master_port=ports[1], world_size=2,
+                                   rank=0, group_name="g", timeout_s=60) if rank == 0 else None
+            SGLangSender(pg, batches, load_format="flattened_bucket", device=torch.device("cpu"),
+                         timeout_s=60).send(state, set(), 0)
+            local = {n: t.to_local().shape[0] for n, t in state.items()}  # each rank held half the rows
+            out.put((rank, all(local[n] < full[n].shape[0] for n in full if full[n].shape[0] > 1)))
+            dist.destroy_process_group()
+        else:
+            pg = open_update_group(backend="gloo", master_address="127.0.0.1", master_port=ports[1], world_size=2,
+                                   rank=1, group_name="g", timeout_s=60)
+            got = {}
+            for b in batches:
+                body = b.body(group_name="g", load_format="flattened_bucket")
+                got.update(receive_like_sglang(pg, body["names"], body["dtypes"], body["shapes"], "flattened_bucket"))
+            out.put((rank, all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in full.items())))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_sharded_trainer_ranks_stream_into_one_server_rank():
+    """Each tensor is gathered from two FSDP-style shards (DTensor.full_tensor) as its batch is sent:
+    the server rank receives the whole model bit for bit."""
+    import multiprocessing as mp
+
+    from tests.netutil import free_port
+
+    ctx = mp.get_context("spawn")
+    out, ports = ctx.Queue(), (free_port(), free_port())
+    procs = [ctx.Process(target=_sharded_rank, args=(r, ports, out), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == {0: True, 1: True, 2: True}, results
