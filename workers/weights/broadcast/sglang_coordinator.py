@@ -124,7 +124,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
                 bad = await read_back(self.clients, samples)
                 why = "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
                 self.verified += bool(samples["expected"]) and not bad
-            self.handshake._write(VERDICT_FILE, {"version": v, "ok": not why, "why": why or None})
+            self.handshake.write_marker(VERDICT_FILE, {"version": v, "ok": not why, "why": why or None})
             if why:
                 self.mismatched += 1
                 self.log.error("weights v%d through SGLang's group refused (%s): loading weights/step_%d instead",
@@ -138,7 +138,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
                                    if not isinstance(p, BaseException)), return_exceptions=True)
 
     def _samples(self, version: int) -> Optional[dict]:
-        got = self.handshake._read(SAMPLES_FILE)
+        got = self.handshake.read_marker(SAMPLES_FILE)
         return got if got is not None and got.get("version") == version else None
 
     async def _from_disk(self, version: int, timeout_s: float) -> None:

@@ -154,11 +154,11 @@ class SGLangBroadcastPublisher(WeightPublisher):
         seconds = time.perf_counter() - t1
         verdict = None
         if self.peers.rank == 0:
-            self.handshake._write(SAMPLES_FILE, {"version": version, "rows": self.cfg.verify_rows,
+            self.handshake.write_marker(SAMPLES_FILE, {"version": version, "rows": self.cfg.verify_rows,
                                                  "expected": expected})
-            self._wait(lambda: (self.handshake._read(VERDICT_FILE) or {}).get("version") == version,
+            self._wait(lambda: (self.handshake.read_marker(VERDICT_FILE) or {}).get("version") == version,
                        f"verdict on weights v{version}")
-            verdict = self.handshake._read(VERDICT_FILE)
+            verdict = self.handshake.read_marker(VERDICT_FILE)
         if self.peers.world_size > 1:
             verdict = self.peers.all_gather_object(verdict)[0]
             seconds = max(self.peers.all_gather_object(seconds))
