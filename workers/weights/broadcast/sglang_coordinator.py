@@ -92,7 +92,6 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
         self.batches: list = []
         self.requested_version = 0
         self.clients: list = []
-        self.fallbacks = 0  # updates that went through the filesystem after the broadcast failed
 
     async def start(self, clients: Sequence[Any]) -> None:
         w = self.cfg.weights
