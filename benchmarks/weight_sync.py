@@ -14,6 +14,12 @@ head, attention, router and 8 experts per layer) of ~100 MB and ~1 GB:
   ``BucketSender.send`` (pack, checksum, header, data per bucket) until every receiver's
   ``BroadcastReceiver.receive`` has verified every bucket, vs raw: ``dist.broadcast`` of
   one flat uint8 tensor of the same size in the same world.
+- sglang: the same processes and bytes through SGLang's own protocol (:class:`SGLangBench`):
+  rank 0 runs the trainer's ``SGLangSender``, the receivers SGLang 0.5.23's receive path as the
+  fake server's ranks mirror it (``receive_like_sglang``: one flattened uint8 bucket per call),
+  in a group made the way SGLang makes it; interleaved with the other two. The table shows its
+  GB/s and, in the summary, its ratio to the bucket protocol. Not timed: SGLang's one HTTP call
+  per batch (a few ms each).
 
 Applying into a model (a copy per tensor) is not timed for either transport. Each number
 is the best of ``--reps`` runs, raw and transport interleaved (the table also shows the
@@ -40,9 +46,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.fakes.fake_sglang_weights import receive_like_sglang
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
 from workers.weights.broadcast.publisher import BucketSender, join_as_sender
 from workers.weights.broadcast.receiver import BroadcastReceiver
+from workers.weights.broadcast.sglang_publisher import SGLangSender
+from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
 from workers.weights.checksums import state_hashes, tensor_hash
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.filesystem.receiver import DiskReader
@@ -50,6 +59,7 @@ from workers.weights.filesystem.receiver import DiskReader
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES_MB = (100, 1024)
 RAW_CHUNK = 64 << 20  # the raw baseline's syscall size (dd bs=64M); ours is shards.CHUNK (4 MiB)
+SGLANG_FORMAT = "flattened_bucket"
 
 
 def model_shapes(target_bytes: int, *, vocab: int = 32000, layers: int = 8, experts: int = 8) -> list:
@@ -145,7 +155,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket_mb: int, lone_mb, out) -> None:
+def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket_mb: int, lone_mb, out,
+                sglang_port: int) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
@@ -166,7 +177,8 @@ def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket
     else:
         receiver = BroadcastReceiver(master_address="127.0.0.1", master_port=port, rank=rank, world_size=world,
                                      group_name="bench", backend="gloo", timeout_s=300)
-    raw, tr = [], []
+    sglang = SGLangBench(rank, world, sglang_port, shapes, bucket_mb)
+    raw, tr, sg = [], [], []
     for v in range(reps + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -179,21 +191,26 @@ def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket
             got, _, _ = receiver.receive(v)
         dist.barrier()
         t2 = time.perf_counter()
+        got_sglang = sglang.run(state)
+        dist.barrier()
+        t3 = time.perf_counter()
         if v:
-            raw.append(t1 - t0), tr.append(t2 - t1)
-    exact = True
+            raw.append(t1 - t0), tr.append(t2 - t1), sg.append(t3 - t2)
+    exact = exact_sglang = True
     if rank:
-        exact = state_hashes(got) == json.loads(store.get("bench/hashes"))
-    out.put({"rank": rank, "raw_s": raw, "transport_s": tr, "bit_exact": exact,
-             "buckets": len(sender.mine) if rank == 0 else None})
+        want = json.loads(store.get("bench/hashes"))
+        exact, exact_sglang = state_hashes(got) == want, state_hashes(got_sglang) == want
+    out.put({"rank": rank, "raw_s": raw, "transport_s": tr, "sglang_s": sg, "bit_exact": exact,
+             "sglang_bit_exact": exact_sglang, "buckets": len(sender.mine) if rank == 0 else None,
+             "sglang_batches": len(sglang.batches)})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def bench_broadcast(target: int, reps: int, bucket_mb: int, lone_mb=None, receivers: int = 2) -> dict:
     ctx = mp.get_context("spawn")
-    out, port, world = ctx.Queue(), _free_port(), 1 + receivers
-    procs = [ctx.Process(target=_bcast_rank, args=(r, world, port, target, reps, bucket_mb, lone_mb, out))
+    out, port, sglang_port, world = ctx.Queue(), _free_port(), _free_port(), 1 + receivers
+    procs = [ctx.Process(target=_bcast_rank, args=(r, world, port, target, reps, bucket_mb, lone_mb, out, sglang_port))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -201,10 +218,37 @@ def bench_broadcast(target: int, reps: int, bucket_mb: int, lone_mb=None, receiv
     for p in procs:
         p.join(60)
     results.sort(key=lambda r: r["rank"])
-    return {"world": world, "senders": 1, "receivers": receivers, "bucket_mb": bucket_mb, "lone_mb": lone_mb,
-            "buckets": results[0]["buckets"],
-            "raw_s": results[0]["raw_s"], "transport_s": results[0]["transport_s"],
-            "bit_exact": all(r["bit_exact"] for r in results)}
+    common = {"world": world, "senders": 1, "receivers": receivers, "bucket_mb": bucket_mb, "raw_s": results[0]["raw_s"]}
+    bucket = dict(common, lone_mb=lone_mb, buckets=results[0]["buckets"], transport_s=results[0]["transport_s"],
+                  bit_exact=all(r["bit_exact"] for r in results))
+    sglang = dict(common, format=SGLANG_FORMAT, buckets=results[0]["sglang_batches"],
+                  transport_s=results[0]["sglang_s"], bit_exact=all(r["sglang_bit_exact"] for r in results))
+    return {"bucket": bucket, "sglang": sglang}
+
+
+class SGLangBench:
+    """One rank of the SGLang group: rank 0 sends, the others receive every batch."""
+
+    def __init__(self, rank: int, world: int, port: int, shapes: list, bucket_mb: int, fmt: str = SGLANG_FORMAT):
+        self.rank, self.fmt = rank, fmt
+        metas = [TensorMeta(n, str(d).replace("torch.", ""), tuple(s),
+                            torch.Size(s).numel() * torch.empty((), dtype=d).element_size()) for n, s, d in shapes]
+        self.batches = plan_batches(metas, bucket_mb << 20)
+        self.pg = open_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=world,
+                                    rank=rank, group_name="bench_sglang", timeout_s=300)
+        self.sender = SGLangSender(self.pg, self.batches, load_format=fmt, device=torch.device("cpu"),
+                                   timeout_s=300) if rank == 0 else None
+
+    def run(self, state) -> dict:
+        """Rank 0: send ``state``; others: receive it (returned {name: tensor} for the exactness check)."""
+        if self.rank == 0:
+            self.sender.send(state, set(), 0)
+            return {}
+        got = {}
+        for b in self.batches:
+            body = b.body(group_name="bench_sglang", load_format=self.fmt)
+            got.update(receive_like_sglang(self.pg, body["names"], body["dtypes"], body["shapes"], body["load_format"]))
+        return got
 
 
 def summarize(row: dict, total: int) -> dict:
@@ -242,27 +286,34 @@ def main(argv=None) -> int:
             rows.append(summarize({"transport": "filesystem", **base, **bench_fs(state, Path(where), args.reps,
                                                                                    args.threads)}, total))
         del state
-        rows.append(summarize({"transport": "broadcast", **base, **bench_broadcast(mb << 20, args.reps, args.bucket_mb,
-                                                                                 args.lone_mb)},
-                              total))
+        both = bench_broadcast(mb << 20, args.reps, args.bucket_mb, args.lone_mb)
+        rows.append(summarize({"transport": "broadcast", **base, **both["bucket"]}, total))
+        rows.append(summarize({"transport": "sglang", **base, **both["sglang"]}, total))
     print(f"\n{'transport':10} {'MB':>6} {'tensors':>7} {'where':22} {'raw s':>7} {'raw GB/s':>8} {'ours s':>7} "
           f"{'GB/s':>6} {'ratio':>6} {'med.ratio':>9} {'hash1t s':>8} exact")
     for r in rows:
-        where = r["where"] if r["transport"] == "filesystem" else f"gloo 1 -> {r['receivers']}, {r['buckets']} buckets"
+        where = r["where"] if r["transport"] == "filesystem" else f"gloo 1 -> {r['receivers']}, {r['buckets']} " + (
+            "buckets" if r["transport"] == "broadcast" else "calls")
         print(f"{r['transport']:10} {r['bytes'] / 1e6:6.0f} {r['num_tensors']:7} {where:22} {r['raw_best_s']:7.3f} "
               f"{r['raw_gbps']:8.2f} {r['transport_best_s']:7.3f} {r['transport_gbps']:6.2f} {r['ratio']:6.2f} "
               f"{r['ratio_of_medians']:9.2f} {r['serial_hash_s']:8.3f} {r['bit_exact']}")
     big = max(args.sizes_mb)
-    pick = lambda t, shm: [r["ratio"] for r in rows if r["transport"] == t and r["size_mb"] == big  # noqa: E731
-                           and (t == "broadcast" or r["where"].startswith("/dev/shm") == shm)][0]
+    pick = lambda t, shm, key="ratio": [r[key] for r in rows if r["transport"] == t and r["size_mb"] == big  # noqa: E731
+                                        and (t != "filesystem" or r["where"].startswith("/dev/shm") == shm)][0]
     summary = {"size_mb": big, "fs_vs_raw": pick("filesystem", True), "fs_vs_raw_disk": pick("filesystem", False),
-               "broadcast_vs_raw": pick("broadcast", True),
+               "broadcast_vs_raw": pick("broadcast", True), "sglang_vs_raw": pick("sglang", True),
+               "sglang_gbps": pick("sglang", True, "transport_gbps"), "bucket_gbps": pick("broadcast", True, "transport_gbps"),
                "all_bit_exact": all(r["bit_exact"] for r in rows), "seconds": time.perf_counter() - t_start}
     print(f"\nfs_vs_raw = {summary['fs_vs_raw']:.2f} (/dev/shm), {summary['fs_vs_raw_disk']:.2f} ({args.disk_dir}, "
           f"cold reads); broadcast_vs_raw = {summary['broadcast_vs_raw']:.2f} ({big} MB; target >= 0.8 each); "
           f"took {summary['seconds']:.0f}s")
+    summary["sglang_vs_bucket"] = summary["sglang_gbps"] / summary["bucket_gbps"]
+    print(f"SGLang protocol {summary['sglang_gbps']:.2f} GB/s vs bucket protocol {summary['bucket_gbps']:.2f} GB/s "
+          f"= {summary['sglang_vs_bucket']:.2f}x (same bytes, same processes; sglang_vs_raw = "
+          f"{summary['sglang_vs_raw']:.2f})")
     meta = {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
-            "machine": platform.machine(), "reps": args.reps, "hash_threads": args.threads,
+            "machine": platform.machine(), "load_average": os.getloadavg(), "reps": args.reps,
+            "hash_threads": args.threads,
             "time": datetime.datetime.now().isoformat(timespec="seconds")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1) + "\n")

@@ -64,6 +64,8 @@ class JobPlan:
     """Each server role's and the router's command preview and step env (backends with ``plan_steps``)."""
     model: str = ""
     """``<model.name> (family <model.family>[, from <model.path>])``: what the summary names."""
+    weight_update: str = ""
+    """The weight transport's cost per update, where it is known (:func:`weight_update_line`)."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -95,6 +97,7 @@ class JobPlan:
             lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
                          f"workers itself)")
         lines += [f"memory {m.what}: {m.detail}" for m in self.memory]
+        lines += [f"weights: {self.weight_update}"] if self.weight_update else []
         lines += [f"{self.inference_backend} {s.role}: {', '.join(s.features)}" for s in self.backend_steps]
         return lines
 
@@ -315,6 +318,20 @@ def check_sections(cfg: RunConfig) -> None:
         conform_sections(cfg)
 
 
+def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
+    """Broadcast into SGLang: bytes per inference GPU per update and seconds at cluster.nic_gb_s
+    (sglang_wire.update_cost, the simulator's figure too); "" for other transports."""
+    from workers.weights.broadcast import speaks_sglang
+    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY, ITEM_BYTES, update_cost
+
+    if cfg.weights.transport != "broadcast" or not speaks_sglang(cfg):
+        return ""
+    per_gpu, seconds = update_cost(params.total * ITEM_BYTES[cfg.inference.dtype], cfg.cluster.nic_gb_s)
+    return (f"broadcast into SGLang ({cfg.weights.sglang_format}): {per_gpu / 1e9:.1f} GB per inference GPU per "
+            f"update (every server rank receives the whole model in {cfg.inference.dtype}), ~{seconds:.1f} s at "
+            f"cluster.nic_gb_s={cfg.cluster.nic_gb_s:g} x {BULK_EFFICIENCY} NCCL efficiency")
+
+
 def build_plan(cfg: RunConfig) -> JobPlan:
     check_sections(cfg)
     check_ranges(cfg)
@@ -348,5 +365,6 @@ def build_plan(cfg: RunConfig) -> JobPlan:
                    preflight=cfg.preflight, inference_backend=backend.name,
                    backend_steps=backend.plan_steps(cfg) if backend.plan_steps else (),
                    model=f"{cfg.model.name} (family {cfg.model.family}"
-                         + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")")
+                         + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")",
+                   weight_update=weight_update_line(cfg, params))
 

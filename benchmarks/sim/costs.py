@@ -24,6 +24,7 @@ from benchmarks.sim.assumptions import (ANCHOR_DECODE_EXPERTS_PER_GPU, ANCHOR_DE
                                         DEEPSEEK_V3, Assumptions)
 from launcher.estimate import attention_params, count_params, expert_params
 from workers.models.facts import Architecture, architecture
+from workers.weights.broadcast.sglang_wire import update_cost
 
 GPUS_PER_NODE = 8
 
@@ -37,6 +38,8 @@ class ModelFacts:
         self.m, self.a = m, a
         p = count_params(m)
         self.active, self.total = p.active, p.total + p.mtp
+        self.trained = p.total
+        """What the trainer trains and publishes (MTP layers are served, not trained)."""
         num_moe = m.num_layers - m.num_dense_layers + m.num_mtp_layers
         self.routed = num_moe * m.num_experts * expert_params(m)
         self.routed_per_expert_layer = expert_params(m)
@@ -229,19 +232,18 @@ class ClusterCosts:
     def weight_sync(self, replicas: Sequence[Replica], transport: str = "broadcast") -> tuple[float, float]:
         """(seconds the trainer spends publishing, seconds inference is paused) for one update.
 
-        bf16 (the trainer's dtype; replicas requantize nothing). Broadcast: every replica GPU
-        receives the weights it holds; the slower of the busiest receiving node and all
-        trainer nodes pushing the total sets the wire time. Filesystem: one write, then a
-        full read per replica, through the shared filesystem's aggregate bandwidth.
+        bf16 (the trainer's dtype; replicas requantize nothing). Broadcast: SGLang's own protocol
+        (workers/weights/broadcast/sglang_wire.update_cost, the figure the plan prints): every
+        server GPU receives the whole model, pipelined along one NCCL broadcast at the NIC's
+        rate. Filesystem: one write, then a full read per replica, through the shared
+        filesystem's aggregate bandwidth.
         """
         hw, w = self.a.hw, self.a.weights
         need = [self.weights_per_gpu(r) * r.num_gpus for r in replicas]
         if transport == "filesystem":
             write = self.f.total * 2 / (w.fs_gb_s * 1e9)
             return write, w.update_overhead_s + sum(need) / (w.fs_gb_s * 1e9)
-        node_bw = GPUS_PER_NODE * hw.nic_gb_s * 1e9 * hw.bulk_efficiency
-        recv = max((b / r.num_nodes for b, r in zip(need, replicas)), default=0.0) / node_bw
-        wire = max(recv, sum(need) / (self.trainer_nodes * node_bw))
+        _, wire = update_cost(self.f.trained * self.infer_bytes, hw.nic_gb_s, hw.bulk_efficiency)
         return wire, w.update_overhead_s + wire
 
 def decode_step(f: ModelFacts, a: Assumptions, *, n: float, ctx: float, gpus: int, nodes: int, tp: int, ep: int, dp: int,

@@ -14,7 +14,14 @@ SGLang differs from our embedded engine:
 - ``/model_info`` (and the deprecated ``/get_model_info``) has no layer/expert counts;
 - ``/health`` and ``/health_generate`` are 503 while starting, then 200 with an empty body;
 - ``/flush_cache`` answers plain text; pause/continue answer ``{"message", "status"}``;
-- ``--api-key`` guards every route (``Authorization: Bearer``), 401 otherwise.
+- ``--api-key`` guards every route (``Authorization: Bearer``), 401 otherwise;
+- ``disaggregation_mode`` prefill/decode (a PD pair): both need bootstrap_host/port/room; the
+  decode side waits until the prefill side has "sent" that room's KV (a registry in this
+  process stands in for the KV bootstrap). Routing as the pinned PD path reports it: prefill
+  rows ``[start, prompt_len)`` once the first token is appended
+  (srt/disaggregation/prefill.py ``_maybe_collect_routed_experts``); decode rows ``[start,
+  seqlen - 1)`` where prompt positions hold stale slots (:func:`stale_routing`), since the
+  decode server never ran them.
 
 The "model" is deterministic: the next token is ``(last + 1) % vocab``, its logprob
 ``-0.5``, its experts ``(position + j) % num_experts``; tests compute what to expect.
@@ -63,6 +70,9 @@ REQUEST_FIELDS = {
     "PauseGenerationReqInput": {"rid", "http_worker_ipc", "mode"},
     "ContinueGenerationReqInput": {"rid", "http_worker_ipc", "torch_empty_cache"},
     "UpdateWeightVersionReqInput": {"rid", "http_worker_ipc", "new_version", "abort_all_requests"},
+    "BeginWeightUpdateReqInput": {"rid", "http_worker_ipc", "selector"},
+    "EndWeightUpdateReqInput": {"rid", "http_worker_ipc"},
+    "GetWeightsByNameReqInput": {"rid", "http_worker_ipc", "name", "truncate_size"},
 }
 """Field names of SGLang 0.5.23's request structs (io_struct.py; BaseReq adds rid, http_worker_ipc)."""
 ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
@@ -70,7 +80,9 @@ ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "U
                 "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
                 "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
                 "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
-                "/update_weight_version": "UpdateWeightVersionReqInput"}
+                "/update_weight_version": "UpdateWeightVersionReqInput",
+                "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
+                "/get_weights_by_name": "GetWeightsByNameReqInput"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -86,6 +98,8 @@ class FakeSGLangConfig:
     startup_s: float = 0.0
     """Seconds /health_generate answers 503 (the server is loading its weights)."""
     model_path: str = "/models/fake"
+    disaggregation_mode: str = "null"
+    """``null`` (unified), ``prefill`` or ``decode``."""
 
 
 def expected_output(input_ids: list[int], max_new_tokens: int, vocab: int, stop: tuple = ()) -> list[int]:
@@ -101,6 +115,18 @@ def expected_output(input_ids: list[int], max_new_tokens: int, vocab: int, stop:
 def expected_routing(seqlen: int, start: int, num_layers: int, top_k: int, num_experts: int) -> np.ndarray:
     pos = np.arange(start, seqlen - 1)[:, None, None]
     return ((pos + np.arange(num_layers)[None, :, None] + np.arange(top_k)[None, None, :]) % num_experts).astype("<i4")
+
+
+def stale_routing(rows: np.ndarray, start: int, upto: int, num_experts: int) -> np.ndarray:
+    """A decode server's rows for positions it never ran (< ``upto``): an earlier request's slots."""
+    out = rows.copy()
+    n = max(0, min(upto - start, len(out)))
+    out[:n] = (out[:n] + 3) % num_experts
+    return out
+
+
+BOOTSTRAP: dict[tuple, asyncio.Future] = {}
+"""(bootstrap_host, bootstrap_port, bootstrap_room) -> the prefill side's first token (fake KV transfer)."""
 
 
 class FakeSGLang:
@@ -167,6 +193,8 @@ class FakeSGLang:
             await asyncio.sleep(0.01)
         out = expected_output(ids, int(sp.get("max_new_tokens", 16)), self.cfg.vocab_size,
                               tuple(sp.get("stop_token_ids") or ()))
+        if self.cfg.disaggregation_mode != "null":
+            return await self._generate_pd(body, ids, out)
         stopped = bool(out) and out[-1] in (sp.get("stop_token_ids") or ())
         finish = {"type": "stop", "matched": out[-1]} if stopped else {"type": "length", "length": len(out)}
         meta = {"id": body.get("rid") or uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
@@ -180,6 +208,37 @@ class FakeSGLang:
             arr = expected_routing(len(ids) + len(out), start, self.cfg.num_layers, self.cfg.top_k,
                                    self.cfg.num_experts)
             meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode()
+        return web.json_response({"output_ids": out, "meta_info": meta})
+
+    async def _generate_pd(self, body: dict, ids: list[int], out: list[int]) -> web.Response:
+        room = tuple(body.get(k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+        if None in room:
+            raise web.HTTPBadRequest(text="disaggregated server: bootstrap_host/port/room are required")
+        slot = BOOTSTRAP.setdefault(room, asyncio.get_running_loop().create_future())
+        routed = body.get("return_routed_experts") and self.cfg.enable_return_routed_experts
+        start = int(body.get("routed_experts_start_len") or 0)
+        c = self.cfg
+        meta = {"id": body.get("rid") or uuid.uuid4().hex, "prompt_tokens": len(ids), "cached_tokens": 0,
+                "weight_version": c.weight_version, "e2e_latency": 0.001}
+        if c.disaggregation_mode == "prefill":
+            slot.set_result(out[:1])  # the KV (and the first token) go to the decode side
+            meta.update(finish_reason={"type": "length", "length": 0}, completion_tokens=len(out[:1]))
+            if routed:  # seqlen = prompt + the first token: rows [start, prompt_len)
+                arr = expected_routing(len(ids) + 1, start, c.num_layers, c.top_k, c.num_experts)
+                meta["routed_experts"] = base64.b64encode(arr.tobytes()).decode()
+            return web.json_response({"output_ids": out[:1], "meta_info": meta})
+        first = await asyncio.wait_for(slot, 30)  # decode: wait for the prefill side's transfer
+        BOOTSTRAP.pop(room, None)
+        assert first == out[:1], (first, out)
+        stopped = bool(out) and out[-1] in (body["sampling_params"].get("stop_token_ids") or ())
+        meta.update(finish_reason={"type": "stop", "matched": out[-1]} if stopped else
+                    {"type": "length", "length": len(out)}, completion_tokens=len(out))
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
+        if routed:
+            arr = expected_routing(len(ids) + len(out), start, c.num_layers, c.top_k, c.num_experts)
+            meta["routed_experts"] = base64.b64encode(stale_routing(arr, start, len(ids), c.num_experts)
+                                                      .tobytes()).decode()
         return web.json_response({"output_ids": out, "meta_info": meta})
 
     async def flush_cache(self, request: web.Request) -> web.Response:

@@ -37,7 +37,8 @@ def test_glm5_every_task_has_its_replica_placement(glm5):
     assert value(p, "--enable-hierarchical-cache") is True and value(p, "--hicache-storage-backend") == "file"
     assert value(d, "--enable-eplb") is True and value(d, "--ep-num-redundant-experts") == "32"
     assert value(d, "--disaggregation-bootstrap-port") is None and value(p, "--disaggregation-bootstrap-port")
-    assert value(p, "--enable-return-routed-experts") is None  # PD: off (see the plan checks)
+    # R3 through PD: both sides report routing, the orchestrator merges it (pd_client.py)
+    assert value(p, "--enable-return-routed-experts") is True and value(d, "--enable-return-routed-experts") is True
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -17,10 +17,8 @@ W = "inference.worker.sglang"
 
 CASES = [
     # (overrides on top of a preset, a fragment the message must contain)
-    (KIMI + ["weights=broadcast"], "SGLang servers cannot receive; with inference.backend=sglang use weights.transport=filesystem"),
-    (GLM5 + ["orchestrator.return_routed_experts=true"],
-     "does not merge the prefill server's routed experts"),
-    (GLM5 + ["trainer.router_replay=true"], "Use unified servers (inference.num_workers) for Router Replay"),
+    (KIMI + ["weights=broadcast", "weights.verify_fraction=0.1"],
+     "SGLang 0.5.23's DeepseekV3ForCausalLM has no get_weights_by_name"),
     (GLM5 + ["inference.decode.ep=16"], "inference.decode.ep(16) must equal inference.decode.tp(32) with "
                                         "inference.decode.sglang.moe_a2a_backend=deepep"),
     (GLM5 + [f"{D}.deepep_mode=normal"], "SGLang then disables CUDA graphs"),
@@ -88,3 +86,40 @@ def test_the_orchestrator_side_of_the_sglang_spec():
     client = router.for_group(7)
     assert client.routing_key == f"{cfg.experiment}-g7" and router.header == cfg.inference.sglang.router.routing_key_header
     assert BACKENDS.get("embedded").make_router is None and BACKENDS.get("embedded").reports_routing_shape
+
+
+def test_broadcast_into_sglang_and_router_replay_with_pd_plan():
+    """SGLang servers take the broadcast (their own protocol) and R3 runs through PD; the plan says
+    what one update moves per inference GPU and how long it takes at the cluster's NIC rate."""
+    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY
+
+    cfg = compose(GLM5 + ["weights=broadcast", "trainer.router_replay=true", "orchestrator.return_routed_experts=true"])
+    p = build_plan(cfg)
+    line = next(x for x in p.summary() if x.startswith("weights: broadcast into SGLang"))
+    gb = p.params.total * 2 / 1e9
+    assert f"{gb:.1f} GB per inference GPU per update" in line
+    assert f"~{gb / (cfg.cluster.nic_gb_s * BULK_EFFICIENCY):.1f} s at cluster.nic_gb_s=" in line
+
+
+def test_pd_with_routed_experts_pairs_servers_in_the_orchestrator():
+    import asyncio
+    import types
+
+    import aiohttp
+
+    from workers.common.registry import BACKENDS
+    from workers.inference.sglang.pd_client import PDPairs
+
+    cfg = compose(GLM5 + ["orchestrator.return_routed_experts=true"])
+    urls = tuple(f"http://n{i}:{30000 + i}" for i in range(4))
+    topo = types.SimpleNamespace(prefill_urls=urls[:2], decode_urls=urls[2:], inference_urls=urls)
+
+    async def make():
+        async with aiohttp.ClientSession() as session:
+            return BACKENDS.get("sglang").make_router(cfg, "http://router:1", "tok", session=session, timeout_s=5,
+                                                      shape=(1, 2, 3), topology=topo)
+    pairs = asyncio.run(make())
+    assert isinstance(pairs, PDPairs) and pairs.health.base_url == "http://router:1"
+    c = pairs.for_group(3)
+    assert c.prefill.base_url in urls[:2] and c.decode.base_url in urls[2:] and c.routing_key == f"{cfg.experiment}-g3"
+    assert c.bootstrap["bootstrap_port"] == pairs.ports[urls.index(c.prefill.base_url)]

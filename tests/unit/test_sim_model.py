@@ -70,6 +70,21 @@ def test_decode_step_grows_with_batch_and_fp8_is_faster(glm5):
     assert fp8.decode_step_s(r, 32, 32 * 50_000) < small
 
 
+def test_weight_update_is_the_plans_figure(glm5):
+    """Broadcast into SGLang: the simulator's wire time is the one the plan prints (sglang_wire.update_cost)."""
+    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY, update_cost
+
+    a = Assumptions()
+    assert a.hw.bulk_efficiency == BULK_EFFICIENCY
+    c = ClusterCosts(glm5.model, a, infer_dtype="bfloat16", trainer_gpus=128, trainer_nodes=16, max_batch_size=256)
+    r = Replica(kind="decode", index=0, num_gpus=32, num_nodes=4, tp=32, ep=32, dp_attention=32)
+    wire, paused = c.weight_sync([r], "broadcast")
+    plan = build_plan(glm5)
+    assert wire == update_cost(plan.params.total * 2, a.hw.nic_gb_s, a.hw.bulk_efficiency)[1]
+    assert a.hw.nic_gb_s == glm5.cluster.nic_gb_s and f"~{wire:.1f} s at cluster.nic_gb_s=" in plan.weight_update
+    assert paused == pytest.approx(wire + a.weights.update_overhead_s)
+
+
 def test_turn_merging_keeps_every_total():
     """Same draws, 1000 vs 8 segments: tokens, generated tokens and env seconds are identical."""
     facts = Assumptions().swe

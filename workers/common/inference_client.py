@@ -144,7 +144,10 @@ class InferenceClient:
 
     async def generate(self, input_ids: list[int], *, temperature: float, max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), return_routed_experts: bool = False,
-                       rid: Optional[str] = None, timeout_s: Optional[float] = None) -> GenerateResult:
+                       rid: Optional[str] = None, timeout_s: Optional[float] = None,
+                       routed_experts_start_len: int = 0, extra: Optional[dict] = None) -> GenerateResult:
+        """One request. ``routed_experts_start_len``: routing only from that position on (SGLang's
+        field); ``extra``: more GenerateReqInput fields (PD bootstrap host/port/room)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens,
@@ -153,6 +156,9 @@ class InferenceClient:
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
+        body.update(extra or {})
         if rid is not None:
             body["rid"] = rid
         out = await self._call("POST", "/generate", body, timeout_s=timeout_s)
@@ -175,10 +181,11 @@ class InferenceClient:
                                 weight_version=version, finish_reason=str(finish.get("type")), finish_detail=finish,
                                 rid=meta.get("id"), prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))))
         if return_routed_experts:
-            result.routed_experts = await self._routed(meta, result, len(input_ids), url)
+            result.routed_experts = await self._routed(meta, result, len(input_ids), url, routed_experts_start_len)
         return result
 
-    async def _routed(self, meta: dict, result: GenerateResult, prompt_len: int, url: str) -> Optional[np.ndarray]:
+    async def _routed(self, meta: dict, result: GenerateResult, prompt_len: int, url: str,
+                      start: int = 0) -> Optional[np.ndarray]:
         b64 = meta.get("routed_experts")
         if b64 is None:
             if result.finish_reason == "abort":
@@ -190,10 +197,10 @@ class InferenceClient:
             arr = await asyncio.to_thread(decode_routed_experts, b64, num_layers, top_k, num_experts)
         except ValueError as e:
             raise InferenceError(url, 200, str(e)) from None
-        expected = prompt_len + len(result.output_ids) - 1
+        expected = prompt_len + len(result.output_ids) - 1 - start
         if result.finish_reason != "abort" and arr.shape[0] != expected:
             raise InferenceError(url, 200, f"routed_experts covers {arr.shape[0]} positions, expected "
-                                           f"prompt+completion-1 = {expected}")
+                                           f"prompt+completion-1-start = {expected}")
         return arr
 
     async def _routing_shape(self) -> tuple[int, int, int]:
@@ -263,15 +270,29 @@ class InferenceClient:
         return await self._admin("/init_weights_update_group", body, timeout_s)
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]], group_name: str, weight_version: int,
-                                              load_format: Optional[str] = None, flush_cache: bool = False,
-                                              abort_all_requests: bool = False,
+                                              shapes: Sequence[Sequence[int]], group_name: str,
+                                              weight_version: Optional[int], load_format: Optional[str] = None,
+                                              flush_cache: bool = False, abort_all_requests: bool = False,
                                               timeout_s: Optional[float] = None) -> dict:
-        """Receive weights ``weight_version`` over the group; raises if the worker refused them."""
+        """Receive these tensors over the group (``weight_version`` None: keep the label, more batches
+        follow); raises if the worker refused them."""
         body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "weight_version": str(weight_version), "load_format": load_format,
+                "group_name": group_name, "weight_version": None if weight_version is None else str(weight_version),
+                "load_format": load_format,
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         return await self._admin("/update_weights_from_distributed", body, timeout_s)
+
+    async def begin_weight_update(self, timeout_s: Optional[float] = None) -> dict:
+        """Open SGLang's weight-update session (0.5.23 refuses /update_weights_from_distributed outside one)."""
+        return await self._admin("/begin_weight_update", {}, timeout_s)
+
+    async def end_weight_update(self, timeout_s: Optional[float] = None) -> dict:
+        return await self._admin("/end_weight_update", {}, timeout_s)
+
+    async def get_weights_by_name(self, name: str, *, truncate_size: int, timeout_s: Optional[float] = None) -> Any:
+        """SGLang's read-back of one parameter: its first ``truncate_size`` rows as float32 lists."""
+        return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                                timeout_s=timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str, timeout_s: Optional[float] = None) -> dict:
         return await self._admin("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)

@@ -90,8 +90,9 @@ class BackendSpec(PluginSpec):
     """/get_model_info reports num_layers, top_k and num_experts (the client then reads them there);
     False: the orchestrator passes them from cfg.model (SGLang's model info lacks them)."""
     make_router: Optional[Callable[..., RoutedGeneration]] = None
-    """``make_router(run_cfg, url, admin_token, *, session, timeout_s, shape)``: the orchestrator's
-    generation client for the router at ``url`` (``shape``: (num_layers, top_k, num_experts) or Nones)."""
+    """``make_router(run_cfg, url, admin_token, *, session, timeout_s, shape, topology)``: the orchestrator's
+    generation client for the router at ``url`` (``shape``: (num_layers, top_k, num_experts) or Nones;
+    ``topology``: the job's server URLs, for a backend that pairs servers itself)."""
     serves_api_of: tuple[str, ...] = ()
     """Other backends whose server this one runs unchanged (a wrapper around the embedded server says
     ``("embedded",)``): weight transports that talk to those talk to this one too."""

@@ -224,7 +224,7 @@ class Orchestrator:
         router = None
         if backend.make_router is not None and self.topo.router_url:
             router = backend.make_router(self.cfg, self.topo.router_url, token, session=session, timeout_s=timeout,
-                                         shape=shape)
+                                         shape=shape, topology=self.topo)
         return clients, router
 
     def generation_client(self, worker: int, gid: int) -> InferenceClient:
@@ -290,6 +290,7 @@ class Orchestrator:
                 "weight_update_s": self.weights.update_s,
                 "weight_updates_verified": self.weights.verified,
                 "weight_updates_mismatched": self.weights.mismatched,
+                "weight_updates_fallback": self.weights.fallbacks,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
                 "inference_workers_live": len(self.pool.live()),

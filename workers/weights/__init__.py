@@ -4,7 +4,8 @@ One package per transport, registered in ``workers.common.registry.TRANSPORTS`` 
 name ``weights.transport`` gives it (spec.py: :class:`~workers.weights.spec.TransportSpec`):
 
   filesystem/   trainer ranks write run_dir/weights/step_N; workers load it from disk
-  broadcast/    trainer ranks broadcast buckets into the embedded workers' memory
+  broadcast/    trainer ranks broadcast into inference memory: buckets into embedded workers,
+                SGLang's own protocol into SGLang servers (sglang_*.py)
   <plugin>/     anything else, registered from outside (tests/plugins/weights_plugin.py)
 
 Each has ``__init__`` (torch-free: config schema, plan check, the protocol in its docstring),

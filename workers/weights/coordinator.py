@@ -79,6 +79,7 @@ class WeightCoordinator(abc.ABC):
         self.version = 0
         self.update_s: Optional[float] = None
         self.verified = self.mismatched = 0  # updates checked end to end (weights.verify)
+        self.fallbacks = 0  # updates that went through the filesystem after the transport's own path failed
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Once every worker is ready, before the first rollout (the broadcast group forms here)."""

@@ -144,24 +144,6 @@ def check_hicache(r, k: str) -> None:
                         f"{r.hicache_storage_backend!r})")
 
 
-def check_routed_experts_pd(cfg: RunConfig, pd: bool) -> None:
-    """Routed experts cannot come back correct through smg in PD mode.
-
-    The prompt's routing is computed on the prefill server; smg 1.13.0 returns the decode
-    server's response and merges only logprobs from prefill (no ``routed_experts`` in its
-    PD merge; SGLang added that merge to its own mini load balancer only, PR #22916). The
-    decode server reports rows for prompt positions it never computed (their slots hold
-    whatever an earlier request wrote: RoutedExpertsCapturer.get_topk reads by KV slot), so
-    Router Replay would train on wrong experts without any error.
-    """
-    if pd and (cfg.orchestrator.return_routed_experts or cfg.trainer.router_replay):
-        raise PlanError("orchestrator.return_routed_experts / trainer.router_replay cannot be combined with "
-                        "prefill/decode disaggregation: the router (smg 1.13.0) does not merge the prefill server's "
-                        "routed experts into the decode response, so prompt positions would carry experts no "
-                        "forward computed. Use unified servers (inference.num_workers) for Router Replay, or set "
-                        "orchestrator.return_routed_experts=false trainer.router_replay=false")
-
-
 def check_sglang(cfg: RunConfig) -> None:
     """Every SGLang rule: this backend's ``check`` (build_plan calls it when inference.backend=sglang)."""
     i, s = cfg.inference, cfg.inference.sglang
@@ -184,8 +166,7 @@ def check_sglang(cfg: RunConfig) -> None:
     roles = server_roles(cfg)
     for role, lay, key in roles:
         check_role(cfg, role, lay, key)
-    pd = roles[0][0] == "prefill"
-    check_routed_experts_pd(cfg, pd)
+    pd = roles[0][0] == "prefill"  # with routed experts the orchestrator pairs prefill/decode itself (pd_client.py)
     num_servers = i.num_prefill_replicas + i.num_decode_replicas if pd else i.num_workers
     need = ports_needed(num_servers)
     if cfg.cluster.port_span < need:

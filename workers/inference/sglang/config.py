@@ -80,7 +80,9 @@ class RouterConfig:
     """Policy of unified workers (--policy); ``consistent_hashing`` keeps one routing key on one worker."""
     prefill_policy: str = "consistent_hashing"
     """PD mode: which prefill server takes a request (--prefill-policy). Hashing the episode's routing
-    key sends every turn of an episode to the server that holds its prefix in cache."""
+    key sends every turn of an episode to the server that holds its prefix in cache. With
+    orchestrator.return_routed_experts the orchestrator pairs prefill and decode itself (hashing the
+    same key; workers/inference/sglang/pd_client.py), so smg's policies apply to nothing then."""
     decode_policy: str = "power_of_two"
     """PD mode: which decode server takes a request (--decode-policy); load-based by default."""
     routing_key_header: str = "x-smg-routing-key"

@@ -28,12 +28,20 @@ def serve_router(cfg, topology) -> int:
     return 1  # not reached
 
 
-def make_router(cfg, url: str, admin_token: str, *, session, timeout_s: float, shape):
-    """Generation through smg, keyed per prompt group (router_client.py)."""
+def make_router(cfg, url: str, admin_token: str, *, session, timeout_s: float, shape, topology=None):
+    """Generation through smg, keyed per prompt group (router_client.py); with prefill/decode
+    disaggregation and routed experts, through prefill/decode pairs the orchestrator picks itself
+    and whose routing it merges (pd_client.py: smg does not merge the prefill server's routing)."""
     from workers.inference.sglang.router_client import Router
 
-    return Router(url, admin_token, header=cfg.inference.sglang.router.routing_key_header, prefix=cfg.experiment,
-                  session=session, timeout_s=timeout_s, shape=shape)
+    router = Router(url, admin_token, header=cfg.inference.sglang.router.routing_key_header, prefix=cfg.experiment,
+                    session=session, timeout_s=timeout_s, shape=shape)
+    if topology is not None and topology.prefill_urls and cfg.orchestrator.return_routed_experts:
+        from workers.inference.sglang.pd_client import PDPairs
+
+        return PDPairs(cfg, topology, admin_token, session=session, timeout_s=timeout_s, shape=shape,
+                       health=router.health)
+    return router
 
 
 SPEC = register(BackendSpec(

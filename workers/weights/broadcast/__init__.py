@@ -40,18 +40,31 @@ A worker that died (and was respawned: the local launcher, or launcher/superviso
 A death in the middle of a transfer fails that version (the senders skip it, the live workers
 refuse it once their receives time out) and the next one goes to the re-formed group.
 
-Only the embedded engine speaks the bucket protocol (SGLang servers receive per tensor), so
-the plan refuses inference.backend=sglang (:func:`check`). Modules: publisher.py (T),
-coordinator.py (O), receiver.py (W), group.py (the group and the bucket plan every member
-derives the same way), handshake.py (the marker files, torch-free). This module is
+SGLang servers (inference.backend=sglang) cannot receive buckets: for them the same transport
+speaks SGLang's own protocol (sglang_wire.py has the pinned 0.5.23 receive path):
+  T  rank 0 writes group.json (protocol "sglang", names/dtypes/shapes in inference.dtype,
+     load_format, bucket_bytes) and becomes rank 0 of SGLang's group (TCPStore host).
+  O  /init_weights_update_group to every server at once, rank_offset = 1 + the TP ranks of
+     the servers before it (sglang_coordinator.py).
+  per update V: T offers V; O pauses (in_place), writes request.json, then on every server
+     begin -> one /update_weights_from_distributed per batch -> end; T streams each batch
+     (gathered tensor by tensor from the trainer ranks: sglang_publisher.py) as SGLang
+     receives it (one broadcast per tensor, or one flattened bucket per call); T writes
+     samples.json (weights.verify_fraction of the tensors, as sent); O reads them back with
+     /get_weights_by_name, writes verdict.json; on a mismatch T publishes weights/step_V and
+     O loads it from disk; O continues every server.
+Modules: publisher.py (T), coordinator.py (O), receiver.py (W), group.py (the group and the
+bucket plan every member derives the same way), handshake.py (the marker files, torch-free);
+sglang_wire.py, sglang_publisher.py, sglang_coordinator.py for SGLang servers. This module is
 torch-free (the launcher reads it): the config, the check and the spec.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import NONEMPTY, gt, limits, one_of
-from workers.common.registry import TRANSPORTS
+from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
+from workers.common.registry import BACKENDS, MODELS, TRANSPORTS
+from workers.weights.broadcast.sglang_wire import FORMATS, WEIGHTS_BY_NAME_ARCHITECTURES
 from workers.weights.filesystem import FilesystemWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
 
@@ -75,24 +88,44 @@ class BroadcastWeightsConfig(FilesystemWeightsConfig):
     """``auto`` (NCCL when the trainer has CUDA, else gloo), ``gloo`` or ``nccl``."""
     group_name: str = "slurmrl_weights"
     """SGLang's ``group_name`` of the weight-update group."""
+    sglang_format: str = "flattened_bucket"
+    """SGLang servers only: ``flattened_bucket`` (one broadcast per /update_weights_from_distributed
+    call of up to bucket_size_mb) or ``per_tensor`` (one broadcast per tensor, SGLang's default)."""
+    verify_fraction: float = 0.0
+    """SGLang servers only: fraction of the tensors read back with /get_weights_by_name after each
+    update (a new draw every version) and compared with what the trainer sent; a mismatch sends
+    that version through the filesystem instead. 0: no read-back. Only model classes that
+    implement get_weights_by_name in SGLang can be read (sglang_wire.WEIGHTS_BY_NAME_ARCHITECTURES)."""
+    verify_rows: int = 2
+    """Rows of each sampled tensor read back (SGLang's truncate_size)."""
 
 
 limits(BroadcastWeightsConfig, bucket_size_mb=gt(0), lone_tensor_mb=gt(0), broadcast_timeout_s=gt(0),
-       backend=one_of("auto", "gloo", "nccl"), group_name=NONEMPTY)
+       backend=one_of("auto", "gloo", "nccl"), group_name=NONEMPTY, sglang_format=one_of(*FORMATS),
+       verify_fraction=between(0.0, 1.0), verify_rows=gt(0))
+
+
+def speaks_sglang(cfg) -> bool:
+    """Are the servers SGLang's (then SGLang's protocol, else the bucket protocol)?"""
+    backend = BACKENDS.get(cfg.inference.backend)
+    return "sglang" in (backend.name, *backend.serves_api_of)
 
 
 def check(cfg) -> None:
-    """Plan-time: only the embedded engine receives buckets; the group's settings make sense."""
-    if cfg.inference.backend == "sglang":
-        raise ValueError("weights.transport=broadcast speaks the embedded engine's bucket protocol "
-                         "(workers/weights/broadcast/), which SGLang servers cannot receive; with "
-                         "inference.backend=sglang use weights.transport=filesystem")
-    # the group's settings: their ranges and choices (limits above), checked by check_transport
+    """Plan-time: sampled read-back only where SGLang's model class can answer it."""
+    w = cfg.weights
+    if not speaks_sglang(cfg) or w.verify_fraction == 0:
+        return
+    archs = MODELS.get(cfg.model.family).hf_architectures or ()
+    if not set(archs) & set(WEIGHTS_BY_NAME_ARCHITECTURES):
+        raise ValueError(f"weights.verify_fraction={w.verify_fraction}: SGLang 0.5.23's {'/'.join(archs) or '?'} "
+                         f"has no get_weights_by_name (only {list(WEIGHTS_BY_NAME_ARCHITECTURES)} do), so the "
+                         f"servers cannot be read back; set weights.verify_fraction=0")
 
 
 SPEC = TRANSPORTS.register(TransportSpec(
-    name="broadcast", config=BroadcastWeightsConfig, check=check, backends=("embedded",),
-    summary="trainer ranks broadcast buckets into the embedded workers' memory (step 0 on disk)",
+    name="broadcast", config=BroadcastWeightsConfig, check=check, backends=("embedded", "sglang"),
+    summary="trainer ranks broadcast into inference memory: buckets (embedded) or SGLang's protocol (step 0 on disk)",
     publisher=lazy("workers.weights.broadcast.publisher:make_publisher"),
-    coordinator=lazy("workers.weights.broadcast.coordinator:BroadcastCoordinator"),
+    coordinator=lazy("workers.weights.broadcast.coordinator:make_coordinator"),
     receiver=lazy("workers.weights.broadcast.receiver:make_receiver")))

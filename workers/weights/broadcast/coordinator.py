@@ -142,3 +142,14 @@ class BroadcastCoordinator(WeightCoordinator):
                                        what=f"{self.handshake.dir}/group.json generation {g}", peer="trainer rank 0")
         await join_weight_group(self.clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
         self.group, self.generation = info, g
+
+
+def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
+    """TransportSpec.coordinator: the bucket protocol for embedded workers, SGLang's for SGLang servers."""
+    from workers.weights.broadcast import speaks_sglang
+
+    if speaks_sglang(cfg):
+        from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
+
+        return SGLangBroadcastCoordinator(cfg, paths, log=log)
+    return BroadcastCoordinator(cfg, paths, log=log)

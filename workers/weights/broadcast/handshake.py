@@ -19,6 +19,8 @@ reader sees an old or a new value, never half of one; ``cat`` shows where a run 
                    with every server, rank 0 rewriting ``group.json`` with {"generation": G}
                    and the group name :func:`group_name_of` (fresh keys on the same store).
   ``run_dir/DONE`` (the orchestrator's end marker) releases a trainer waiting for a request.
+  ``samples.json`` / ``verdict.json``  SGLang servers only (sglang_publisher.py): what the
+                   trainer sent of the sampled tensors, and the orchestrator's read-back verdict.
 
 :func:`receiver_rank_counts` says how many group ranks each inference server contributes
 (SGLang: one per TP rank, ``rank = rank_offset + tp_rank``), in ``inference_urls`` order.
@@ -62,6 +64,13 @@ class Handshake:
             return json.loads((self.dir / name).read_text())
         except (OSError, ValueError):
             return None
+
+    def write_marker(self, name: str, obj: Any) -> None:
+        """Another marker file of this directory (SGLang's protocol: samples.json, verdict.json)."""
+        self._write(name, obj)
+
+    def read_marker(self, name: str) -> Optional[dict]:
+        return self._read(name)
 
     def write_group(self, info: dict) -> None:
         self._write(GROUP_FILE, info)

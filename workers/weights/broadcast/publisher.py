@@ -237,14 +237,23 @@ def join_as_sender(store: dist.Store, *, rank: int, num_senders: int, world_size
 
 
 def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> BroadcastPublisher:
+                   device: Optional[torch.device] = None) -> WeightPublisher:
     """TransportSpec.publisher: step 0 through the filesystem, then the group hosted by rank 0
-    at ``topology.weights_group_addr`` (else master_addr on a free port)."""
+    at ``topology.weights_group_addr`` (else master_addr on a free port): buckets for embedded
+    workers, SGLang's own protocol for SGLang servers (sglang_publisher.py)."""
+    from workers.weights.broadcast import speaks_sglang
+
     peers = peers_for(rank, world_size)
     host, port = topology.master_addr, 0
     if topology.weights_group_addr:
         host, _, p = topology.weights_group_addr.rpartition(":")
         port = int(p)
     initial = filesystem_publisher(cfg.weights, paths, peers, model=cfg.model)
+    if speaks_sglang(cfg):
+        from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
+
+        return SGLangBroadcastPublisher(paths, cfg.weights, peers, initial=initial, host=host, port=port,
+                                        num_receivers=sum(receiver_rank_counts(cfg)),
+                                        inference_dtype=cfg.inference.dtype, device=device)
     return BroadcastPublisher(paths, cfg.weights, peers, initial=initial,
                               host=host, port=port, num_receivers=sum(receiver_rank_counts(cfg)), device=device)

@@ -1,0 +1,121 @@
+"""SGLang's weight-receive protocol, read from the pinned sglang's own source.
+
+workers/weights/broadcast/sglang_wire.py (our sender) and tests/fakes/fake_sglang_weights.py (the
+fake's rank processes) follow sglang 0.5.23's receive path. Each test here reads one step of that
+path out of the installed package (``ast`` + text, no import: sglang's import pulls CUDA-side
+modules) and fails when a version bump changes it: the rank arithmetic, the group's rendezvous, the
+per-tensor and flattened receives, the begin/end session, the read-back, and which model classes
+can be read back. CI installs the pinned version (``make install-sglang``); a missing sglang fails.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.unit.test_fake_sglang_schema import sglang_root
+from workers.common.registry import MODELS
+from workers.weights.broadcast.sglang_wire import FORMATS, WEIGHTS_BY_NAME_ARCHITECTURES
+
+
+def function_source(rel: str, name: str, cls: str | None = None) -> str:
+    """Source of function ``name`` (in class ``cls``) of sglang/``rel``, whitespace squeezed."""
+    path = sglang_root() / rel
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if cls is not None and not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        body = node.body if cls is not None else [node]
+        for f in body:
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == name:
+                return re.sub(r"\s+", " ", ast.get_source_segment(text, f))
+    raise AssertionError(f"sglang/{rel} has no {cls + '.' if cls else ''}{name}: the receive path moved")
+
+
+UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
+
+
+def test_each_server_rank_joins_at_rank_offset_plus_tp_rank():
+    src = function_source(UPDATER, "init_weights_update_group", "WeightUpdater")
+    assert "rank = rank_offset + self.tp_rank" in src
+    assert "init_custom_process_group( backend=backend, init_method=na.to_tcp(), world_size=world_size, " \
+           "rank=rank, group_name=group_name," in src
+
+
+def test_the_group_is_made_the_way_open_update_group_makes_it():
+    src = function_source("srt/utils/common.py", "init_custom_process_group")
+    for step in ("rendezvous(init_method, rank, world_size, timeout=timeout)", "store.set_timeout(timeout)",
+                 "store = PrefixStore(group_name, store)",
+                 "_new_process_group_helper( world_size, rank, [], backend, store, group_name=group_name,",
+                 "_world.pg_group_ranks[pg] = {i: i for i in range(world_size)}"):
+        assert step in src, step
+
+
+def test_per_tensor_receive_is_one_broadcast_from_rank_0_per_name_in_order():
+    src = function_source(UPDATER, "receive_weights_from_distributed", "WeightUpdater")
+    assert "for name, dtype, shape in zip(names, dtypes, shapes):" in src
+    assert "weight = torch.empty(shape, dtype=target_dtype, device=self.device)" in src
+    assert "torch.distributed.broadcast( weight, src=0, group=self._model_update_group[group_name], " \
+           "async_op=True, )" in src
+    assert 'if load_format == "flattened_bucket":' in src
+    assert {"flattened_bucket", "per_tensor"} == set(FORMATS)
+
+
+def test_flattened_receive_is_one_uint8_broadcast_of_aligned_tensors():
+    src = function_source(UPDATER, "_receive_bucketed_weights_from_distributed", "WeightUpdater")
+    assert "FlattenedTensorBucket.empty(names, dtypes, shapes, self.device)" in src
+    assert "torch.distributed.broadcast( flattened_tensor, src=0, group=self._model_update_group[group_name], )" in src
+    empty = function_source("srt/weight_sync/tensor_bucket.py", "empty", "FlattenedTensorBucket")
+    assert "size = shape.numel() * dtype.itemsize" in empty and "offset += size" in empty
+    assert "if offset % dtype.itemsize:" in empty  # why our batches keep one dtype
+    assert "torch.empty(offset, dtype=torch.uint8, device=device)" in empty
+
+
+def test_updates_run_inside_a_begin_end_session_and_set_the_version_on_success():
+    src = function_source("srt/managers/scheduler_components/weight_updater.py", "update_weights_from_distributed")
+    assert "if self._session is None:" in src and "begin_weight_update() and end_weight_update()" in src
+    assert "if success: " in src and "self.record_weight_version_after_update(recv_req.weight_version)" in src
+    http = (sglang_root() / "srt/entrypoints/http_server.py").read_text()
+    for route in ("/begin_weight_update", "/end_weight_update", "/get_weights_by_name"):
+        assert f'"{route}"' in http, route
+
+
+def test_read_back_is_rank_0s_float32_rows():
+    src = function_source("srt/managers/tokenizer_control_mixin.py", "get_weights_by_name")
+    assert "all_parameters = [r.parameter for r in results]" in src and "return all_parameters[0]" in src
+    llama = function_source("srt/models/llama.py", "get_weights_by_name", "LlamaForCausalLM")
+    assert "return weight.cpu().to(torch.float32).numpy().tolist()[:truncate_size]" in llama
+
+
+def classes_with_read_back() -> set[str]:
+    """Model classes of sglang/srt/models that have get_weights_by_name (own or inherited by name)."""
+    bases: dict[str, list[str]] = {}
+    own: set[str] = set()
+    for f in (sglang_root() / "srt" / "models").glob("*.py"):
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                if any(isinstance(s, ast.FunctionDef) and s.name == "get_weights_by_name" for s in node.body):
+                    own.add(node.name)
+
+    def has(name: str, seen: frozenset = frozenset()) -> bool:
+        return name in own or any(has(b, seen | {name}) for b in bases.get(name, ()) if b not in seen)
+    return {c for c in bases if has(c)}
+
+
+def test_read_back_architectures_match_the_model_classes():
+    readable = classes_with_read_back()
+    ours = {a for name in MODELS.names() for a in (MODELS.get(name).hf_architectures or ())}
+    assert set(WEIGHTS_BY_NAME_ARCHITECTURES) == ours & readable, sorted(ours & readable)
+
+
+
+def test_servers_are_single_replica_as_the_update_requires():
+    """SGLang refuses updates from distributed with data-parallel replicas (dp_size > 1); our
+    servers express attention DP as --attn-dp-size, never --dp-size."""
+    src = function_source("srt/managers/tokenizer_control_mixin.py", "update_weights_from_distributed")
+    assert "assert get_parallel().dp_size == 1" in src
+    from workers.inference.sglang import args
+
+    text = Path(args.__file__).read_text()
+    assert '"attn-dp-size"' in text and '"dp-size"' not in text

@@ -1,0 +1,208 @@
+"""Broadcast into SGLang servers, trainer side: trainer rank 0 is rank 0 (``src=0``) of SGLang's group.
+
+The wire protocol is SGLang's own (sglang_wire.py); who waits for whom is the package
+docstring's "SGLang servers" part. What this module adds:
+
+- Streaming from sharded ranks: every trainer rank walks the same batches in the same order
+  and gathers each tensor (``DTensor.full_tensor``, an all-gather per tensor; plain tensors
+  as they are); only rank 0 keeps it, casts it to ``inference.dtype`` and broadcasts it.
+  At most two batches are alive on rank 0 (the one on the wire and the one being gathered),
+  never the whole model.
+- Verification data: for the tensors :func:`~sglang_wire.sample_names` picks for this
+  version, rank 0 records what ``/get_weights_by_name`` must answer (the values it sent)
+  into ``samples.json``; the orchestrator reads the servers back and writes ``verdict.json``.
+- Fallback: on a verdict of mismatch (or a failed update) every rank publishes the same
+  version through the filesystem (``weights/step_V``), which the orchestrator then loads
+  with ``/update_weights_from_disk``.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import time
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from workers.common.protocol import PeerTimeout, RunPaths
+from workers.weights.base import NonFiniteWeights, Peers, SyncStats, TensorMeta, WeightPublisher, nonfinite_message
+from workers.weights.broadcast.group import backend_for
+from workers.weights.broadcast.handshake import Handshake
+from workers.weights.broadcast.sglang_wire import (Batch, close_update_group, flat_offsets, metas_json,
+                                                   open_update_group, plan_batches, sample_names, sample_value)
+from workers.weights.checksums import nonfinite_names
+from workers.weights.shards import dtype_from_name
+
+log = logging.getLogger("slurmrl.weights")
+SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective for a DTensor: every trainer rank must call it, in step)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t
+
+
+class SGLangSender:
+    """Streams one update through SGLang's group. Every trainer rank calls :meth:`send`; only
+    rank 0 (``pg`` set) broadcasts."""
+
+    def __init__(self, pg, batches: list[Batch], *, load_format: str, device: torch.device, timeout_s: float):
+        self.pg, self.batches, self.load_format = pg, batches, load_format
+        self.device, self.timeout_s = torch.device(device), timeout_s
+        self.bytes = sum(b.nbytes for b in batches)
+
+    def _tensor(self, state: Mapping[str, torch.Tensor], m: TensorMeta) -> torch.Tensor:
+        t = _full(state[m.name].detach())
+        return t.to(device=self.device, dtype=dtype_from_name(m.dtype)).contiguous()
+
+    def _start(self, batch: Batch, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        """Post the batch's broadcasts (async); returns (works, tensors to keep alive until they finish)."""
+        if self.load_format == "per_tensor":
+            return [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in tensors], tensors
+        flat = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
+        for m, off, t in zip(batch.metas, flat_offsets(batch), tensors):
+            flat[off: off + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        return [dist.broadcast(flat, src=0, group=self.pg, async_op=True)], [flat]
+
+    def send(self, state: Mapping[str, torch.Tensor], samples: set[str], rows: int) -> dict[str, list]:
+        """Send every batch; returns {name: expected /get_weights_by_name answer} for ``samples`` (rank 0)."""
+        expected: dict[str, list] = {}
+        pending: collections.deque = collections.deque()
+        for batch in self.batches:
+            tensors = [self._tensor(state, m) for m in batch.metas]  # gathers: every rank, same order
+            if self.pg is None:
+                continue
+            for m, t in zip(batch.metas, tensors):
+                if m.name in samples:
+                    expected[m.name] = sample_value(t, rows)
+            pending.append((batch.index, *self._start(batch, tensors)))
+            while len(pending) > 1:  # one batch on the wire while the next is gathered
+                self._finish(pending.popleft())
+        while pending:
+            self._finish(pending.popleft())
+        return expected
+
+    def _finish(self, item) -> None:
+        index, works, _ = item
+        for w in works:
+            try:
+                w.wait()
+            except Exception as e:  # gloo raises on a timeout or a receiver that went away
+                raise PeerTimeout(f"SGLang weight group: batch {index} not received by every server rank "
+                                  f"({type(e).__name__}: {str(e).strip()[:200]}); see the servers' logs") from e
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SGLangBroadcastPublisher(WeightPublisher):
+    """Trainer side of broadcast into SGLang; ``initial`` (filesystem) publishes step 0 and fallbacks."""
+
+    def __init__(self, paths: RunPaths, cfg, peers: Peers, *, initial: WeightPublisher, host: str, port: int,
+                 num_receivers: int, inference_dtype: str, device: Optional[torch.device] = None):
+        self.paths, self.cfg, self.peers, self.initial = paths, cfg, peers, initial
+        self.host, self.port, self.num_receivers = host, port, num_receivers
+        self.inference_dtype, self.device = inference_dtype, torch.device(device or "cpu")
+        self.handshake = Handshake(paths.root)
+        self.sender: Optional[SGLangSender] = None
+        self.finished = False
+        if peers.rank == 0:
+            self.handshake.reset()
+
+    def _metas(self, state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
+        """What goes on the wire: floating tensors in inference.dtype (what the servers hold)."""
+        out = []
+        for name, t in state.items():
+            dtype = self.inference_dtype if t.is_floating_point() else str(t.dtype).replace("torch.", "")
+            item = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+            out.append(TensorMeta(name, dtype, tuple(t.shape), t.numel() * item))
+        return out
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+        if self.sender is None:
+            out = self.initial.publish(version, state)  # servers start from a checkpoint on disk
+            t0 = time.perf_counter()
+            self._form(state)
+            out.wait_s = time.perf_counter() - t0
+            return out
+        if self.finished:
+            return SyncStats(bytes=0, seconds=0.0, skipped=True)
+        # each rank checks what it holds (its shard of a DTensor), before anything is offered
+        bad = nonfinite_names((n, t.to_local() if hasattr(t, "to_local") else t) for n, t in state.items())
+        if self.peers.world_size > 1:
+            bad = sorted(n for part in self.peers.all_gather_object(bad) for n in part)
+        if bad:
+            if not self.cfg.skip_nonfinite:
+                raise NonFiniteWeights(nonfinite_message(version, bad))
+            log.warning("%s (skipped: weights.skip_nonfinite=true)", nonfinite_message(version, bad).split(";")[0])
+            return SyncStats(bytes=0, seconds=0.0, skipped=True)
+        samples = set(sample_names(list(state), self.cfg.verify_fraction, version))
+        if self.peers.rank == 0:
+            self.handshake.offer(version)
+        t0 = time.perf_counter()
+        if not self._wait(lambda: self.handshake.requested() == version, f"request of weights v{version}"):
+            self.finished = True
+            return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
+        t1 = time.perf_counter()
+        expected = self.sender.send(state, samples, self.cfg.verify_rows)
+        seconds = time.perf_counter() - t1
+        verdict = None
+        if self.peers.rank == 0:
+            self.handshake.write_marker(SAMPLES_FILE, {"version": version, "rows": self.cfg.verify_rows,
+                                                 "expected": expected})
+            self._wait(lambda: (self.handshake.read_marker(VERDICT_FILE) or {}).get("version") == version,
+                       f"verdict on weights v{version}")
+            verdict = self.handshake.read_marker(VERDICT_FILE)
+        if self.peers.world_size > 1:
+            verdict = self.peers.all_gather_object(verdict)[0]
+            seconds = max(self.peers.all_gather_object(seconds))
+        stats = SyncStats(bytes=self.sender.bytes, seconds=seconds, wait_s=t1 - t0)
+        if verdict is not None and not verdict.get("ok", False):
+            log.warning("weights v%d: SGLang servers did not take the broadcast (%s); publishing it through the "
+                        "filesystem instead", version, verdict.get("why", "?"))
+            stats = self.initial.publish(version, state)  # the orchestrator loads it with /update_weights_from_disk
+        return stats
+
+    def _wait(self, ready, what: str) -> bool:
+        """Poll ``ready()`` until the deadline; False when the orchestrator finished instead."""
+        deadline = time.monotonic() + self.cfg.broadcast_timeout_s
+        while not ready():
+            if self.paths.orchestrator_done.exists():
+                return False
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"trainer rank {self.peers.rank}: no {what} from the orchestrator within "
+                                  f"{self.cfg.broadcast_timeout_s:.0f}s ({self.handshake.dir}); see its log")
+            time.sleep(0.005)
+        return True
+
+    def _form(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Rank 0 writes group.json and joins as rank 0 (blocks until every server rank joined)."""
+        cfg = self.cfg
+        metas = self._metas(state)
+        backend = cfg.backend if cfg.backend != "auto" else backend_for(self.device)
+        pg = None
+        if self.peers.rank == 0:
+            port = self.port or free_port(self.host)
+            world = 1 + self.num_receivers
+            self.handshake.write_group({
+                "master_address": self.host, "master_port": port, "world_size": world, "num_senders": 1,
+                "group_name": cfg.group_name, "backend": backend, "protocol": "sglang",
+                "load_format": cfg.sglang_format, "bucket_bytes": cfg.bucket_size_mb << 20, **metas_json(metas)})
+            pg = open_update_group(backend=backend, master_address=self.host, master_port=port, world_size=world,
+                                   rank=0, group_name=cfg.group_name, timeout_s=cfg.broadcast_timeout_s)
+        self.sender = SGLangSender(pg, plan_batches(metas, cfg.bucket_size_mb << 20), load_format=cfg.sglang_format,
+                                   device=self.device, timeout_s=cfg.broadcast_timeout_s)
+        if self.peers.world_size > 1:
+            self.peers.all_gather_object(None)  # every rank leaves formation together
+
+    def close(self) -> None:
+        if self.sender is not None and self.sender.pg is not None:
+            close_update_group(self.sender.pg)
+            self.sender.pg = None
+        self.initial.close()
