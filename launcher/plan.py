@@ -29,7 +29,7 @@ from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDi
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.ranges import check_fields
-from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS
+from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
 from workers.weights.spec import check_transport as _transport_check
@@ -319,17 +319,10 @@ def check_sections(cfg: RunConfig) -> None:
 
 
 def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
-    """Broadcast into SGLang: bytes per inference GPU per update and seconds at cluster.nic_gb_s
-    (sglang_wire.update_cost, the simulator's figure too); "" for other transports."""
-    from workers.weights.broadcast import speaks_sglang
-    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY, ITEM_BYTES, update_cost
-
-    if cfg.weights.transport != "broadcast" or not speaks_sglang(cfg):
-        return ""
-    per_gpu, seconds = update_cost(params.total * ITEM_BYTES[cfg.inference.dtype], cfg.cluster.nic_gb_s)
-    return (f"broadcast into SGLang ({cfg.weights.sglang_format}): {per_gpu / 1e9:.1f} GB per inference GPU per "
-            f"update (every server rank receives the whole model in {cfg.inference.dtype}), ~{seconds:.1f} s at "
-            f"cluster.nic_gb_s={cfg.cluster.nic_gb_s:g} x {BULK_EFFICIENCY} NCCL efficiency")
+    """The weight transport's own line on one update's cost (TransportSpec.update_line; the SGLang
+    protocol's bytes per inference GPU and seconds, the simulator's figure too); "" where it has none."""
+    spec = TRANSPORTS.get(cfg.weights.transport)
+    return spec.update_line(cfg, params.total) if spec.update_line is not None else ""
 
 
 def build_plan(cfg: RunConfig) -> JobPlan:

@@ -57,7 +57,7 @@ def test_hidden_tests_cannot_be_prepared_or_replaced_by_the_agent(tmp_path):
 def test_presets_plan_with_the_swe_env_and_long_context():
     for preset in ("glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"):
         cfg = compose([f"experiment={preset}"])
-        assert cfg.env.name == "swe" and cfg.env.max_episode_tokens == 65536 and cfg.env.max_turns == 50
+        assert cfg.env.name == "swe" and cfg.env.max_episode_tokens == 131072 and cfg.env.max_turns == 50
         assert build_plan(cfg).roles
     with pytest.raises(PlanError, match=r"env.num_visible_tests\(9\) > the task's tests \(3 ="):
         build_plan(compose(["experiment=tiny_swe", "env.num_visible_tests=9"]))

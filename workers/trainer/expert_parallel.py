@@ -44,15 +44,37 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from workers.models.blocks import kernels
 
 
-class LocalExperts(nn.ModuleDict):
+class LocalExperts(nn.Module):
     """This EP rank's experts, keyed by global expert id (HF names). ``forward(rows, counts)``
     runs expert ``i``-th-local on the ``counts[i]`` consecutive rows of ``rows`` (the unit
-    ``fully_shard`` hooks: its forward gathers the expert shards)."""
+    ``fully_shard`` hooks: its forward gathers the expert shards). A plain Module with the experts
+    as children named by id, not an ``nn.ModuleDict``: torch 2.11's ``fully_shard`` refuses any
+    container class, forward or not."""
 
     def __init__(self, experts: dict[str, nn.Module]):
-        super().__init__(experts)
+        super().__init__()
+        for name, expert in experts.items():
+            self.add_module(name, expert)
         first = next(iter(experts.values()))
         self.gated = hasattr(first, "gate_proj")  # SwiGLU experts; else squared-ReLU (Nemotron-H)
+
+    def __getitem__(self, key: str) -> nn.Module:
+        return self._modules[key]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if kernels.fast(rows) and hasattr(F, "grouped_mm") and rows.dtype == torch.bfloat16:

@@ -50,6 +50,9 @@ class TransportSpec(PluginSpec):
     receiver: Callable[..., Any]
     """``receiver(weights_cfg, *, device) -> WeightReceiver``: the embedded inference worker's
     side, behind SGLang's weight routes (workers/inference/embedded/weight_routes.py)."""
+    update_line: Optional[Callable[[Any, float], str]] = None
+    """``update_line(run_cfg, num_params) -> str``: the plan's line on what one update costs (bytes per
+    inference GPU, seconds at ``cluster.nic_gb_s``), "" where it has nothing to say. Torch-free."""
     backends: Optional[tuple[str, ...]] = None
     """``inference.backend`` values whose servers this transport can update (checked at plan time);
     None: every backend (SGLang's ``/update_weights_from_disk``, which all of them serve). A backend

@@ -202,7 +202,8 @@ class MoeBlock(nn.Module):
             return
         self.__dict__["_stack_cache"] = None
         fresh = self._stacked_weights()
-        for old, new in zip(cached[1], fresh):
-            old.copy_(new)
+        with torch.inference_mode():  # the engine made the stacks inside inference mode: inference tensors
+            for old, new in zip(cached[1], fresh):
+                old.copy_(new)
         key = self.__dict__["_stack_cache"][0] if self.__dict__.get("_stack_cache") else None
         self.__dict__["_stack_cache"] = (key, cached[1]) if key is not None else None

@@ -64,7 +64,8 @@ import dataclasses
 
 from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
 from workers.common.registry import BACKENDS, MODELS, TRANSPORTS
-from workers.weights.broadcast.sglang_wire import FORMATS, WEIGHTS_BY_NAME_ARCHITECTURES
+from workers.weights.broadcast.sglang_wire import (BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES,
+                                                   update_cost)
 from workers.weights.filesystem import FilesystemWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
 
@@ -123,9 +124,20 @@ def check(cfg) -> None:
                          f"servers cannot be read back; set weights.verify_fraction=0")
 
 
+def update_line(cfg, num_params: float) -> str:
+    """Broadcast into SGLang: bytes per inference GPU per update and seconds at cluster.nic_gb_s
+    (sglang_wire.update_cost, the simulator's figure too); "" for embedded workers."""
+    if not speaks_sglang(cfg):
+        return ""
+    per_gpu, seconds = update_cost(num_params * ITEM_BYTES[cfg.inference.dtype], cfg.cluster.nic_gb_s)
+    return (f"broadcast into SGLang ({cfg.weights.sglang_format}): {per_gpu / 1e9:.1f} GB per inference GPU per "
+            f"update (every server rank receives the whole model in {cfg.inference.dtype}), ~{seconds:.1f} s at "
+            f"cluster.nic_gb_s={cfg.cluster.nic_gb_s:g} x {BULK_EFFICIENCY} NCCL efficiency")
+
+
 SPEC = TRANSPORTS.register(TransportSpec(
     name="broadcast", config=BroadcastWeightsConfig, check=check, backends=("embedded", "sglang"),
     summary="trainer ranks broadcast into inference memory: buckets (embedded) or SGLang's protocol (step 0 on disk)",
     publisher=lazy("workers.weights.broadcast.publisher:make_publisher"),
     coordinator=lazy("workers.weights.broadcast.coordinator:make_coordinator"),
-    receiver=lazy("workers.weights.broadcast.receiver:make_receiver")))
+    receiver=lazy("workers.weights.broadcast.receiver:make_receiver"), update_line=update_line))
