@@ -85,11 +85,15 @@ class RolloutBatch:
         return RolloutBatch(**{n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in fields.items()})
 
 
-def wait_for_batch(paths: RunPaths, step: int, *, timeout_s: float) -> float:
-    """Block until ``rollouts/step_N/READY`` exists; returns the seconds spent waiting."""
+def wait_for_batch(paths: RunPaths, step: int, *, timeout_s: float, publisher=None) -> float:
+    """Block until ``rollouts/step_N/READY`` exists; returns the seconds spent waiting. With a
+    ``publisher`` the wait is its (collective) ``wait``: a transport may act while the trainer idles."""
     t0 = time.perf_counter()
     ready = paths.rollouts(step) / READY
-    wait_for(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}", peer="orchestrator", poll_s=0.02)
+    if publisher is not None:
+        publisher.wait(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}")
+    else:
+        wait_for(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}", peer="orchestrator", poll_s=0.02)
     return time.perf_counter() - t0
 
 

@@ -100,7 +100,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
         for step in range(start + 1, tcfg.num_steps + 1):  # 1-based: step N publishes weights/step_N
-            idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s)
+            idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s, publisher=publisher)
             ckpt.begin_step()
             t0 = time.perf_counter()
             batch = load_batch(paths.rollouts(step), step=step, num_layers=model.config.num_routed_layers,

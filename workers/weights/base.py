@@ -18,9 +18,11 @@ import abc
 import dataclasses
 import pickle
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+
+from workers.common.protocol import wait_for
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -84,6 +86,12 @@ class WeightPublisher(abc.ABC):
     @abc.abstractmethod
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
         """Make ``state`` available to inference as weights version ``version``."""
+
+    def wait(self, ready: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+        """Block until ``ready()`` (the trainer waiting for its next batch). COLLECTIVE: every trainer
+        rank calls it. A transport that must act while the trainer idles (the broadcast group re-formed
+        for revived workers) overrides it; by default a plain poll."""
+        wait_for(ready, timeout_s=timeout_s, what=what, peer="orchestrator", poll_s=0.02)
 
     def close(self) -> None:
         """Release threads and process groups (idempotent)."""

@@ -11,7 +11,7 @@ import collections
 import datetime
 import logging
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,27 @@ class BroadcastPublisher(WeightPublisher):
         if failed:
             return SyncStats(bytes=0, seconds=seconds, wait_s=t1 - t0, skipped=True)
         return SyncStats(bytes=sum(b.nbytes for b in self.group.plan), seconds=seconds, wait_s=t1 - t0)
+
+    def wait(self, ready: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+        """The trainer waiting for a batch: also re-form the group when the orchestrator asks
+        (reform.json). Revived workers boot from step 0, too stale to produce the batch the trainer
+        waits for, so the re-formation cannot wait for the next publish. Every poll is one
+        all-gather among the trainer ranks (lockstep): they join together, and leave together once
+        all of them see ``ready``; a rank alone in ``_join`` would deadlock the others' training."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = (bool(ready()), self.handshake.reform_requested() if self.group is not None else 0)
+            views = self.peers.all_gather_object(seen) if self.peers.world_size > 1 else [seen]
+            if all(r for r, _ in views):
+                return
+            generation = min(g for _, g in views)
+            if generation > self.generation:
+                self._join(generation)
+                continue
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"trainer rank {self.peers.rank}: no {what} from the orchestrator within "
+                                  f"{timeout_s:.0f}s; is it alive? see its log")
+            time.sleep(0.02 if self.peers.world_size == 1 else 0.1)
 
     def _send(self, version: int, state: Mapping[str, torch.Tensor]) -> bool:
         """Send this rank's buckets; True when the transfer failed.
