@@ -22,7 +22,6 @@ adds what the trainer's step and loop call on any plan: ``target_logprobs``, ``s
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterable, Optional
 
 import torch
@@ -31,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from workers.trainer.grad_clip import clip_sharded_grads_, local_shard
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
@@ -61,16 +61,7 @@ class FsdpTrainerModel:
         Each rank sums the squares of its LOCAL shards (disjoint slices of every parameter, so
         nothing is counted twice); one all-reduce over the ranks gives the full model's norm.
         """
-        sq = torch.zeros((), dtype=torch.float64, device=self.dims.device)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        for g in grads:
-            sq += _local(g).detach().double().pow(2).sum()
-        norm = float(self.dims.all_reduce(sq, group="batch").sqrt())
-        coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return clip_sharded_grads_(list(self.parameters()), max_norm, reduce=self.dims.all_reduce)
 
     def full_state_dict(self, *, to_rank: Optional[int] = 0,
                         dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
@@ -142,21 +133,19 @@ def unsharded(full: nn.Module, dims: ParallelDims) -> nn.Module:
     return full
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def sharded_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
     total = 0
     for p in module.parameters():
-        total += _local(p).numel() * _local(p).element_size()
+        total += local_shard(p).numel() * local_shard(p).element_size()
         if p.grad is not None:
-            total += _local(p.grad).numel() * _local(p.grad).element_size()
+            total += local_shard(p.grad).numel() * local_shard(p.grad).element_size()
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    total += _local(v).numel() * _local(v).element_size()
+                    total += local_shard(v).numel() * local_shard(v).element_size()
     return total
 

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from workers.trainer.expert_parallel import LocalExperts, shard_experts
 from workers.trainer.fsdp import FsdpTrainerModel
+from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.trainer.micro import checkpoint_mode
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision
@@ -133,29 +134,17 @@ class MeshTrainerModel(FsdpTrainerModel):
         """Global L2 norm with each element counted once: a rank's local shard of a parameter is
         held by ``holders / shards`` ranks (holders: every rank, or the ``world / ep`` ranks of
         an expert's EP rank; shards: the product of the sharded dims of its mesh)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.dims.device)
-        grads = []
         experts = {id(p) for _, m in self.expert_modules() for p in m.parameters()}
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            g = p.grad
-            grads.append(g)
-            holders = self.dims.world_size // (self.dims.ep if id(p) in experts else 1)
-            shards = 1
-            if isinstance(g, DTensor):
-                # not is_shard(): FSDP over a TP-sharded dim uses _StridedShard, whose is_shard() is False
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-                g = g.to_local()
-            sq += g.detach().double().pow(2).sum() * shards / holders
-        if self.dims.world_size > 1:
-            dist.all_reduce(sq)
-        norm = float(sq.sqrt())
-        coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        world, ep = self.dims.world_size, self.dims.ep
+
+        def weight(p: nn.Parameter) -> float:
+            holders = world // (ep if id(p) in experts else 1)
+            g = p.grad  # not is_shard(): FSDP over a TP-sharded dim uses _StridedShard (is_shard() False)
+            shards = (math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                      if isinstance(g, DTensor) else 1)
+            return shards / holders
+        return clip_sharded_grads_(list(self.parameters()), max_norm, weight=weight,
+                                   reduce=dist.all_reduce if world > 1 else (lambda t: t))
 
     def full_state_dict(self, *, to_rank: Optional[int] = 0,
                         dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
