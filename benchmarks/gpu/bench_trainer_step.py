@@ -39,7 +39,7 @@ from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_inf
                                    param_counts, time_it, train_flops_per_token, write_result)
 from workers.common.config import RunConfig, TrainerConfig
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.fsdp import _local
+from workers.trainer.grad_clip import local_shard
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.parallel import ParallelDims
@@ -124,7 +124,7 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
     model, optimizer = trainer_model(cfg, dims, init=args.init, cpu_init=cpu_init)
     build_s = time.perf_counter() - t0
     batch = with_model_logprobs(model, base.to(device), replay=replay, seed=args.seed + 1)
-    watched = _local(next(model.model.layers[0].parameters())).detach().clone()
+    watched = local_shard(next(model.model.layers[0].parameters())).detach().clone()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     last: dict = {}
@@ -134,7 +134,7 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
 
     t = time_it(step, device, warmup=args.warmup, iters=args.iters)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    changed = float((_local(next(model.model.layers[0].parameters())).detach() != watched).float().mean())
+    changed = float((local_shard(next(model.model.layers[0].parameters())).detach() != watched).float().mean())
     opt_t = time_it(optimizer.step, device, warmup=1, iters=max(2, args.iters // 2))
     tokens = base.input_ids.numel()
     tps = tokens / t["median_s"]

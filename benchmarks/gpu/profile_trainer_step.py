@@ -44,5 +44,16 @@ for master in ("float32", "bfloat16"):
             (torch.cuda.synchronize() if torch.cuda.is_available() else None)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60), flush=True)
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:  # where the launches come from
+            train_step(model, opt, batch, cfg.trainer, dims)
+            (torch.cuda.synchronize() if torch.cuda.is_available() else None)
+        wanted = ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::mul_", "cudaMemcpyAsync",
+                  "cudaStreamSynchronize", "aten::empty_strided", "aten::sum", "aten::item", "aten::cat")
+        rows = [e for e in prof.key_averages(group_by_stack_n=7) if e.key in wanted]
+        rows.sort(key=lambda e: -e.count)
+        print("== launches by Python stack (one step; count, self CPU ms, op, innermost frames) ==")
+        for e in rows[:40]:
+            frames = [f for f in e.stack if "torch/" not in f or "distributed/fsdp" in f or "optim/" in f][:5]
+            print(f"{e.count:6d} {e.self_cpu_time_total / 1e3:8.2f} {e.key:24s} " + " <- ".join(frames), flush=True)
     del model, opt, batch
     (torch.cuda.empty_cache() if torch.cuda.is_available() else None)

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from workers.trainer.expert_parallel import LocalExperts, shard_experts
-from workers.trainer.fsdp import FsdpTrainerModel
+from workers.trainer.fsdp import FsdpTrainerModel, reshard_between
 from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.trainer.micro import checkpoint_mode
 from workers.trainer.parallel import ParallelDims
@@ -238,9 +238,10 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
             experts = shard_experts(block, ep_group=mesh.get_group("ep") if dims.ep > 1 else None, ep=dims.ep,
                                     ep_rank=dims.ep_rank, tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
                                     tp=dims.tp, tp_rank=dims.tp_rank)
-            fully_shard(experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+            fully_shard(experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard_between(edp_mesh, i, len(layers)))
             units.append(experts)
-        fully_shard(layer, mesh=batch_mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mesh=batch_mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_between(batch_mesh, i, len(layers)))
         units.append(layer)
     fully_shard(full, mesh=batch_mesh, mp_policy=policy, reshard_after_forward=False)
     for module in [*units, full]:
