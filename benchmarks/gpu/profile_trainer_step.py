@@ -5,16 +5,43 @@ table of two fp32-master steps (kernels by CUDA time, ops by CPU time).
 
 Result of 2026-12-03 on the H200: benchmarks/results/gpu/raw/trainer_step_profile_2026-12-03.log.
 """
+import collections
 import dataclasses
 import sys
 import time
+import traceback
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import benchmarks.gpu.bench_trainer_step as b
 from workers.trainer.loop import initial_model
 from workers.trainer.step import train_step
+
+class OpsByCaller(TorchDispatchMode):
+    """Counts aten calls of one step by the three innermost project / FSDP / optimizer frames (the
+    profiler's with_stack grouping came back empty on the CPU run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frames = [f for f in traceback.extract_stack(limit=40)
+                  if any(k in f.filename for k in ("/workers/", "/fsdp/", "/optim/", "/autograd/"))]
+        where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[::-1][:3])
+        self.counts[(func.overloadpacket.__name__, where)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def print(self, top: int = 40) -> None:
+        per_op = collections.Counter()
+        for (op, _), n in self.counts.items():
+            per_op[op] += n
+        print("== aten calls in one step:", sum(per_op.values()), "by op:", per_op.most_common(20))
+        for (op, where), n in self.counts.most_common(top):
+            print(f"{n:6d} {op:24s} {where}", flush=True)
+
 
 args = b.parse_args(["--iters", "5"] + sys.argv[1:])
 dims = b.world_of_one()
@@ -44,16 +71,9 @@ for master in ("float32", "bfloat16"):
             (torch.cuda.synchronize() if torch.cuda.is_available() else None)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60), flush=True)
-        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:  # where the launches come from
+        counter = OpsByCaller()
+        with counter:  # where the launches come from (one step)
             train_step(model, opt, batch, cfg.trainer, dims)
-            (torch.cuda.synchronize() if torch.cuda.is_available() else None)
-        wanted = ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::mul_", "cudaMemcpyAsync",
-                  "cudaStreamSynchronize", "aten::empty_strided", "aten::sum", "aten::item", "aten::cat")
-        rows = [e for e in prof.key_averages(group_by_stack_n=7) if e.key in wanted]
-        rows.sort(key=lambda e: -e.count)
-        print("== launches by Python stack (one step; count, self CPU ms, op, innermost frames) ==")
-        for e in rows[:40]:
-            frames = [f for f in e.stack if "torch/" not in f or "distributed/fsdp" in f or "optim/" in f][:5]
-            print(f"{e.count:6d} {e.self_cpu_time_total / 1e3:8.2f} {e.key:24s} " + " <- ".join(frames), flush=True)
+        counter.print()
     del model, opt, batch
     (torch.cuda.empty_cache() if torch.cuda.is_available() else None)
