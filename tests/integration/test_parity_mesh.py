@@ -34,6 +34,7 @@ from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
 from workers.trainer.mesh_plan import materialize, parallelize
+from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step, capture_routing, train_step
 
@@ -282,11 +283,21 @@ def _fused_worker(rank, world, port, tp, ep, out):
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     try:
         states = []
-        for fused in (False, True):
+        for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+                     lambda ps: ShardLocalAdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+                     lambda ps: ShardLocalAdamW(ps, lr=1e-2, weight_decay=0.1)):
             model = parallelize(moe.build_model(moe.CONFIGS["qwen3_moe"], SEED), dims)
-            backward_step(model, shard_rows(moe.make_batch(model="qwen3_moe"), dims.batch_rank, dims.num_batch_shards),
-                          moe.tcfg(), dims)
-            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused).step()
+            opt = make(model.parameters())
+            for _ in range(2):  # the second step reads the moments the first wrote
+                backward_step(model, shard_rows(moe.make_batch(model="qwen3_moe"), dims.batch_rank,
+                                                dims.num_batch_shards), moe.tcfg(), dims)
+                opt.step()
+                opt.zero_grad()
+            if isinstance(opt, ShardLocalAdamW):  # AdamW's state layout: DCP's optimizer state dict reads it
+                from torch.distributed.checkpoint.state_dict import get_state_dict
+                _, optim_sd = get_state_dict(model, opt)
+                assert {"step", "exp_avg", "exp_avg_sq"} <= set(next(iter(optim_sd["state"].values())))
             states.append(model.full_state_dict())
         if rank == 0:
             torch.save(states, out)
@@ -294,11 +305,13 @@ def _fused_worker(rank, world, port, tp, ep, out):
         dist.destroy_process_group()
 
 
-def test_fused_adamw_steps_the_mesh_plans_dtensors_like_foreach(tmp_path):
-    """The trainer builds AdamW(fused=True) on CUDA (loop.build_optimizer); the fused kernel takes the
-    plan's 2-D (FSDP x TP) and expert DTensors and updates them as the default implementation does."""
+def test_fused_and_shard_local_adamw_step_the_mesh_plans_dtensors_like_foreach(tmp_path):
+    """The trainer builds ShardLocalAdamW (fused on CUDA; loop.build_optimizer), which steps the local
+    shards of the plan's 2-D (FSDP x TP) and expert DTensors: two steps give the weights torch's
+    AdamW gives (default and fused), and DCP reads its state as AdamW's."""
     out = str(tmp_path / "fused.pt")
     spawn(_fused_worker, 4, (2, 2, out))
-    foreach, fused = torch.load(out)
-    for name, w in foreach.items():
-        assert float((fused[name] - w).abs().max()) < 1e-6, name
+    reference, *others = torch.load(out)
+    for other in others:
+        for name, w in reference.items():
+            assert float((other[name] - w).abs().max()) < 1e-6, name

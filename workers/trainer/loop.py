@@ -50,6 +50,7 @@ from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
 from workers.trainer.tracking import make_tracker
+from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.micro import apply_activation_checkpointing
@@ -212,12 +213,13 @@ def parallel_degrees(cfg: RunConfig) -> tuple[int, int, int]:
 
 
 def build_optimizer(model, tcfg) -> torch.optim.AdamW:
-    """AdamW over this rank's (sharded) parameters. On CUDA the fused kernel (one launch per dtype
-    group instead of foreach's several passes and per-parameter copies: the H200 profile of
-    2026-12-03 had AdamW at 16% of the step's GPU time); elsewhere the default implementation."""
+    """AdamW over this rank's (sharded) parameters, stepping their local shards
+    (workers/trainer/optimizer.py: DTensor dispatch made the fused kernel slower than foreach).
+    On CUDA the fused kernel (one launch per dtype group instead of foreach's several passes: the
+    H200 profile of 2026-12-03 had AdamW at 16% of the step's GPU time); elsewhere the default."""
     fused = all(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
-                             fused=fused or None)
+    return ShardLocalAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                           fused=fused or None)
 
 
 def step0_model(cfg: RunConfig, dims: ParallelDims):
