@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import time
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from workers.common.local_ranks import free_port
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher
 from workers.weights.broadcast.group import backend_for
@@ -93,12 +93,6 @@ class SGLangSender:
             except Exception as e:  # gloo raises on a timeout or a receiver that went away
                 raise PeerTimeout(f"SGLang weight group: batch {index} not received by every server rank "
                                   f"({type(e).__name__}: {str(e).strip()[:200]}); see the servers' logs") from e
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SGLangBroadcastPublisher(GroupPublisher):
