@@ -130,9 +130,12 @@ def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, s
             at, child, sig = pending[0]
             due_since = due_since or time.monotonic()
             pid = _pid(run_dir, child)
-            is_busy = busy(run_dir, pid) if pid is not None and child.startswith("inference[") else None
-            if pid is None or pid in killed or (is_busy is False and time.monotonic() - due_since < BUSY_WAIT_S):
-                time.sleep(0.01)  # not (re)started yet, or an inference worker with nothing to lose yet
+            if pid is None or pid in killed:  # not (re)started yet
+                time.sleep(0.05)
+                continue
+            is_busy = busy(run_dir, pid) if child.startswith("inference[") else None
+            if is_busy is False and time.monotonic() - due_since < BUSY_WAIT_S:
+                time.sleep(0.05)  # an inference worker with nothing to lose yet
                 continue
             pending.pop(0)
             due_since = None
