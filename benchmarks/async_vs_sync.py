@@ -54,7 +54,7 @@ def run_once(name: str, max_off: int, args, root: Path) -> dict:
         "steps": len(recs),
         "wall_s": wall,
         "train_wall_s": recs[-1]["time"] - t_start,
-        # steady state: step 0's wait is process start-up (imports, step-0 weights), not the loop
+        # steady state: step 1's wait is process start-up (imports, step-0 weights), not the loop
         "trainer_idle_frac": idle_frac(recs[1:]),
         "trainer_idle_frac_incl_startup": idle_frac(recs),
         "inference_util": sum(r.get("inference_busy_frac", 0.0) for r in recs) / len(recs),

@@ -9,6 +9,15 @@ exits; ``--trainer-signal KILL`` for a crash, which redoes the steps after the l
 periodic checkpoint), and the orchestrator once (SIGKILL). Targets are found by PID in
 ``run_dir/pids.json`` (the launcher rewrites it on every restart), never by name.
 
+An inference worker is killed while it serves: once its ``/server_info`` reports at least
+``BUSY_MIN_RUNNING`` requests running or queued (its URL is the process's own SLURMRL_INFERENCE_URLS
+entry), else after ``BUSY_WAIT_S`` anyway (the kill record says ``busy``); a child killed before
+is killed again only once the launcher restarted it (a new pid in pids.json). A kill at a
+random instant can find every group of the worker past its last generation (in its env
+step, which needs no worker): those groups rightly finish, nothing is resubmitted, and the
+kill measures nothing. Polling the step count is no substitute: steps say nothing of what the
+worker is doing.
+
 Measured from the run's own records, not from this script's guesses:
 - ``rollouts_lost``: samples of groups the finished run left pending (ledger.py),
 - ``rollouts_trained_twice``: samples of groups that two batches hold (ledger.py),
@@ -29,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -64,6 +74,38 @@ def _pid(run_dir: Path, child: str) -> Optional[int]:
         return None
 
 
+BUSY_MIN_RUNNING, BUSY_WAIT_S = 2, 30.0
+
+
+def _server_url(pid: int) -> Optional[str]:
+    """The URL inference process ``pid`` serves on: its entry of the launcher-given
+    SLURMRL_INFERENCE_URLS at its RANK (Linux /proc; None when the process is gone)."""
+    try:
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        return env["SLURMRL_INFERENCE_URLS"].split(",")[int(env["RANK"])]
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+
+
+def _running(url: str, token: str) -> int:
+    """Requests the server holds now, running or queued (its /server_info); 0 when it does not answer."""
+    req = urllib.request.Request(f"{url}/server_info", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as resp:
+            info = json.loads(resp.read())
+        return int(info.get("num_running_reqs") or 0) + int(info.get("num_waiting_reqs") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def busy(run_dir: Path, pid: int) -> bool:
+    """Inference process ``pid`` holds at least ``BUSY_MIN_RUNNING`` requests right now."""
+    url, token_file = _server_url(pid), run_dir / "admin_token"
+    if url is None or not token_file.exists():
+        return False
+    return _running(url, token_file.read_text().strip()) >= BUSY_MIN_RUNNING
+
+
 def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, str]], overrides: list[str] = (),
               timeout_s: float = 600.0) -> dict:
     """Run with kills: ``schedule`` = [(after_step, child name like 'inference[0]', 'KILL'|'TERM')]."""
@@ -74,22 +116,35 @@ def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, s
     t_start = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     kills, pending = [], sorted(schedule)
+    killed: set[int] = set()  # a pid stays in pids.json until the launcher restarted its child
+    due_since: Optional[float] = None
     try:
         while proc.poll() is None:
             if time.time() - t_start > timeout_s:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=60)
                 raise TimeoutError(f"chaos run not done after {timeout_s:.0f}s; see {log.name}")
-            if pending and _steps_done(run_dir) >= pending[0][0]:
-                at, child, sig = pending.pop(0)
-                pid = _pid(run_dir, child)
-                if pid is not None:
-                    try:
-                        os.kill(pid, getattr(signal, f"SIG{sig}"))
-                        kills.append({"child": child, "signal": sig, "after_step": at, "time": time.time()})
-                    except ProcessLookupError:
-                        pass
-            time.sleep(0.2)
+            if not pending or _steps_done(run_dir) < pending[0][0]:
+                time.sleep(0.2)
+                continue
+            at, child, sig = pending[0]
+            due_since = due_since or time.monotonic()
+            pid = _pid(run_dir, child)
+            if pid is None or pid in killed:  # not (re)started yet
+                time.sleep(0.05)
+                continue
+            is_busy = busy(run_dir, pid) if child.startswith("inference[") else None
+            if is_busy is False and time.monotonic() - due_since < BUSY_WAIT_S:
+                time.sleep(0.05)  # an inference worker with nothing to lose yet
+                continue
+            pending.pop(0)
+            due_since = None
+            try:
+                os.kill(pid, getattr(signal, f"SIG{sig}"))
+                killed.add(pid)
+                kills.append({"child": child, "signal": sig, "after_step": at, "time": time.time(), "busy": is_busy})
+            except ProcessLookupError:
+                pass
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.trainer_memory import _rss, _trim, make_batch
-from tests.netutil import free_port, gloo_dims
+from workers.common.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.blocks import kernels
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
@@ -71,14 +70,8 @@ def _worker(rank: int, world: int, port: int, cfg: TinyMoeConfig, seq_len: int, 
 
 def run_point(cfg: TinyMoeConfig, seq_len: int, cp: int, tmp: Path, timeout_s: float = 900.0) -> dict:
     out = tmp / f"T{seq_len}_cp{cp}.json"
-    ctx = mp.start_processes(_worker, args=(cp, free_port(), cfg, seq_len, str(out)), nprocs=cp, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"seq_len {seq_len} cp {cp} did not finish in {timeout_s}s")
+    run_ranks(_worker, cp, (cfg, seq_len, str(out)), what=f"seq_len {seq_len} cp {cp}", timeout_s=timeout_s,
+              start_method="spawn")
     return json.loads(out.read_text())
 
 

@@ -28,14 +28,12 @@ import ctypes
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.netutil import free_port, gloo_dims
+from workers.common.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
@@ -114,14 +112,7 @@ def warm_up(cfg: TinyMoeConfig, args: argparse.Namespace, tcfg: TrainerConfig, d
 
 def run_world(world: int, cfg: TinyMoeConfig, args: argparse.Namespace, tmp: Path, timeout_s: float = 600.0) -> dict:
     out = tmp / f"world{world}.json"
-    ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, args, str(out)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"world {world} did not finish in {timeout_s}s")
+    run_ranks(_worker, world, (cfg, args, str(out)), what=f"world {world}", timeout_s=timeout_s, start_method="spawn")
     return json.loads(out.read_text())
 
 

@@ -36,7 +36,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tests.fakes.fake_sglang_weights import receive_like_sglang
+from workers.common.local_ranks import free_port
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
 from workers.weights.broadcast.publisher import BucketSender, join_as_sender
 from workers.weights.broadcast.receiver import BroadcastReceiver
@@ -149,12 +149,6 @@ def bench_fs(state, where: Path, reps: int, threads: int) -> dict:
             "load_s": load_s, "bit_exact": exact}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket_mb: int, lone_mb, out,
                 sglang_port: int) -> None:
     torch.set_num_threads(1)
@@ -209,7 +203,7 @@ def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket
 
 def bench_broadcast(target: int, reps: int, bucket_mb: int, lone_mb=None, receivers: int = 2) -> dict:
     ctx = mp.get_context("spawn")
-    out, port, sglang_port, world = ctx.Queue(), _free_port(), _free_port(), 1 + receivers
+    out, port, sglang_port, world = ctx.Queue(), free_port(), free_port(), 1 + receivers
     procs = [ctx.Process(target=_bcast_rank, args=(r, world, port, target, reps, bucket_mb, lone_mb, out, sglang_port))
              for r in range(world)]
     for p in procs:

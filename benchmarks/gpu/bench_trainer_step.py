@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import datetime
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from benchmarks.gpu import bench_trainer
 from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_info, free_cuda, init_on_device,
                                    param_counts, time_it, train_flops_per_token, write_result)
 from workers.common.config import RunConfig, TrainerConfig
+from workers.common.local_ranks import free_port
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.grad_clip import local_shard
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
@@ -62,10 +62,7 @@ def world_of_one() -> ParallelDims:
     backend, device = ("nccl", torch.device("cuda", 0)) if cuda else ("gloo", torch.device("cpu"))
     if cuda:
         torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=300))
     dims = ParallelDims(rank=0, world_size=1, dp=1, backend=backend, device=device, group=dist.group.WORLD)
     dims.groups = dims.new_groups()

@@ -7,8 +7,8 @@ code. The same functions decide what happens:
              sticks to the least-loaded replica (prefill and decode chosen separately)
   buffer     the real ``RolloutBuffer``: a group's policy version is the oldest token's
              (the weights inference held when its first token was sampled); ``take(s)``
-             drops groups with s - version > max_off_policy_steps and counts them
-  weights    the trainer publishes v = s + 1 after step s; the orchestrator then pauses
+             drops groups with s - 1 - version > max_off_policy_steps and counts them
+  weights    step s (1-based) trains from version s - 1 and publishes v = s; the orchestrator then pauses
              every replica (in place: in-flight requests keep their state), loads, resumes;
              nothing launches or is batched during the update (the real loop awaits it)
   trainer    waits for batch s, trains, publishes; idle time is waiting for a batch

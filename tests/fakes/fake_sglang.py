@@ -294,11 +294,22 @@ class FakeSGLang:
         self.groups.discard(body.get("group_name"))
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
+    def close(self) -> None:
+        """Nothing to release here (serve_fake calls it; fake_sglang_weights stops its rank processes)."""
+
 
 @contextlib.asynccontextmanager
 async def serve_fake_sglang(cfg: FakeSGLangConfig, host: str = "127.0.0.1"):
     """Run a FakeSGLang on a free loopback port; yields (url, server)."""
-    fake = FakeSGLang(cfg)
+    async with serve_fake(FakeSGLang(cfg), host) as url_and_fake:
+        yield url_and_fake
+
+
+@contextlib.asynccontextmanager
+async def serve_fake(fake: FakeSGLang, host: str = "127.0.0.1"):
+    """Serve ``fake`` (a FakeSGLang or a subclass) on a free loopback port; yields (url, fake).
+    On exit the HTTP side stops first, then ``fake.close()`` releases what it started (off the
+    event loop: a subclass may join processes)."""
     runner = web.AppRunner(fake.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, 0)
@@ -308,3 +319,4 @@ async def serve_fake_sglang(cfg: FakeSGLangConfig, host: str = "127.0.0.1"):
         yield f"http://{host}:{port}", fake
     finally:
         await runner.cleanup()
+        await asyncio.to_thread(fake.close)

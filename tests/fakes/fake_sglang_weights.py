@@ -36,7 +36,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from tests.fakes.fake_sglang import FakeSGLang, FakeSGLangConfig
+from tests.fakes.fake_sglang import FakeSGLang, FakeSGLangConfig, serve_fake
 
 
 def receive_like_sglang(pg, names, dtypes, shapes, load_format=None) -> list:
@@ -220,14 +220,5 @@ class FakeSGLangWeights(FakeSGLang):
 @contextlib.asynccontextmanager
 async def serve_fake_sglang_weights(cfg: FakeWeightsConfig, host: str = "127.0.0.1"):
     """Run a FakeSGLangWeights (and its rank processes) on a free loopback port; yields (url, server)."""
-    fake = FakeSGLangWeights(cfg)
-    runner = web.AppRunner(fake.app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://{host}:{port}", fake
-    finally:
-        await runner.cleanup()
-        await asyncio.to_thread(fake.close)
+    async with serve_fake(FakeSGLangWeights(cfg), host) as url_and_fake:
+        yield url_and_fake

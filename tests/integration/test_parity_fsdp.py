@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.integration import test_parity_dense as dense
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import free_port, gloo_dims
+from tests.integration.step_parity import assert_step_matches
+from tests.netutil import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
@@ -60,14 +60,7 @@ def _worker(rank: int, world: int, port: int, family: str, cfg: TrainerConfig, o
 
 def run_fsdp(tmp_path, family: str, world: int, cfg: TrainerConfig, timeout_s: float = 180.0) -> dict:
     out = str(tmp_path / f"{family}_w{world}_{time.monotonic_ns()}.pt")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), family, cfg, out), nprocs=world, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"FSDP {family} world {world} did not finish in {timeout_s}s")
+    run_ranks(_worker, world, (family, cfg, out), what=f"FSDP {family}", timeout_s=timeout_s)
     return torch.load(out)
 
 
@@ -86,18 +79,6 @@ def reference(family: str) -> dict:
 
 def trainer_cfg(family: str, **kw) -> TrainerConfig:
     return dataclasses.replace(moe.tcfg() if family == "tiny_moe" else dense.TCFG, **kw)
-
-
-def check_matches(got: dict, ref: dict) -> None:
-    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
-    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert list(got["weights"]) == list(ref["weights"]), "full_state_dict keeps the HF names, in order"
-    for name, g in ref["clipped"].items():
-        err = float((got["grads"][name] - g).abs().max())
-        assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: grad differs by {err:.3g}"
-    for name, w in ref["weights"].items():
-        err = float((got["weights"][name] - w).abs().max())
-        assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
 
 
 # (family, world, micro_batch_tokens, activation_checkpointing, micro-batches per rank). The 8 rows
@@ -124,7 +105,7 @@ def test_fsdp_matches_one_process_reference(tmp_path, refs, family, world, mbt, 
     got = run_fsdp(tmp_path, family, world, trainer_cfg(family, micro_batch_tokens=mbt, activation_checkpointing=ac,
                                                         logprob_chunk_tokens=chunk))
     assert got["num_micro"] == num_micro
-    check_matches(got, refs[family])
+    assert_step_matches(got, refs[family], weights="all", grad_names=False)
     total = sum(p.numel() for p in refs[family]["weights"].values())
     assert sum(got["local"].values()) <= total // world + 64 * len(got["local"]), "each rank holds ~1/world"
     planned = trainer_memory(ParamCount(total=total, active=total, mtp=0), world, 141.0).per_gpu_gb * 1e9

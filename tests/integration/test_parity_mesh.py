@@ -16,15 +16,14 @@ layers.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import free_port, gloo_dims
+from tests.integration.step_parity import assert_step_matches, step_and_save
+from tests.netutil import gloo_dims, run_ranks
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
@@ -72,26 +71,13 @@ def _worker(rank, world, port, tp, ep, model_name, out, extra=None):
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        model = parallelize(full, dims)
-        stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
-                                                dims.num_batch_shards), cfg, dims)
-        grads = model.full_grad_dict()
-        torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
-        weights = model.full_state_dict()
-        if rank == 0:
-            torch.save({"stats": stats, "grads": grads, "weights": weights}, out)
+        step_and_save(parallelize(full, dims), dims, moe.make_batch(model=model_name), cfg, out)
     finally:
         dist.destroy_process_group()
 
 
 def spawn(fn, world: int, args: tuple, timeout_s: float = 240.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="fork")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{fn.__name__}{args[:3]} did not finish in {timeout_s}s")
+    run_ranks(fn, world, args, what=f"{fn.__name__}{args[:3]}", timeout_s=timeout_s)
 
 
 _REFS: dict[str, dict] = {}
@@ -117,17 +103,7 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, 
     ref = _REFS[model]
     out = str(tmp_path / "got.pt")
     spawn(_worker, dp * tp * ep, (tp, ep, model, out, extra))
-    got = torch.load(out)
-    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
-    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert list(got["grads"]) == list(ref["clipped"]), "full_grad_dict: the HF names, in the model's order"
-    for name, g in ref["clipped"].items():
-        err = float((got["grads"][name] - g).abs().max())
-        assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: grad differs by {err:.3g}"
-    assert list(got["weights"]) == list(ref["weights"])
-    for name, w in ref["weights"].items():
-        err = moe.weight_error(got["weights"][name], w, ref["clipped"].get(name, torch.ones_like(w)))
-        assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
+    assert_step_matches(torch.load(out), ref)
 
 
 def _fast_worker(rank, world, port, tp, ep, model_name, out):

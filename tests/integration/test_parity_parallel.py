@@ -19,13 +19,10 @@ layers, raw softmax gate weights (norm_topk_prob off).
 from __future__ import annotations
 
 import dataclasses
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from workers.common.config import TrainerConfig
 from workers.common.registry import MODELS
@@ -34,11 +31,12 @@ from workers.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from workers.models.nemotron_h.config import NemotronHConfig
 from workers.models.qwen3_moe.config import Qwen3MoeConfig
 from workers.models.tiny_moe.model import TinyMoeConfig
-from workers.trainer.batch import RolloutBatch, shard_rows
+from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
-from tests.netutil import gloo_dims
+from tests.integration.step_parity import assert_step_matches, step_and_save, weight_error
+from tests.netutil import gloo_dims, run_ranks
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.step import backward_step, capture_gate_logits
+from workers.trainer.step import capture_gate_logits
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
                     expert_intermediate_size=32, max_position_embeddings=32)
@@ -120,31 +118,16 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
         full = build_model(CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
         model = MODELS.get(full.config.family).shard(full, dims)  # the trainer's plan for (tp, ep)
-        shard = shard_rows(make_batch(model=model_name), dims.batch_rank, dims.num_batch_shards)
-        stats = backward_step(model, shard, cfg, dims)
-        grads = model.full_grad_dict()  # after clipping: compare with the clipped reference below
-        torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
-        weights = model.full_state_dict()
-        if rank == 0:
-            torch.save({"stats": stats, "grads": grads, "weights": weights}, out)
+        step_and_save(model, dims, make_batch(model=model_name), cfg, out)
     finally:
         dist.destroy_process_group()
 
 
 def run_layout(tmp_path, tp: int, ep: int, dp: int, cfg: TrainerConfig, timeout_s: float = 120.0,
                model: str = "tiny_moe") -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / f"{model}_tp{tp}_ep{ep}_dp{dp}.pt")
-    ctx = mp.start_processes(_worker, args=(tp * ep * dp, port, tp, ep, cfg, out, model), nprocs=tp * ep * dp,
-                             join=False, start_method=START_METHOD)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"layout tp{tp} ep{ep} dp{dp} did not finish in {timeout_s}s")
+    run_ranks(_worker, tp * ep * dp, (tp, ep, cfg, out, model), what=f"layout tp{tp} ep{ep} dp{dp}",
+              timeout_s=timeout_s, start_method=START_METHOD)
     return torch.load(out)
 
 
@@ -152,18 +135,6 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 
 
 _REFS: dict[str, dict] = {}
-
-
-ADAM_EPS_SCALE = 1e-6
-"""Gradient elements below this are within a few AdamW eps (1e-8): the first step's update
-lr * g / (|g| + eps) turns their last-bit differences (summation order across ranks) into
-lr-sized ones, so weights are compared only where the gradient is well above eps."""
-
-
-def weight_error(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor) -> float:
-    """Max |got - want| over the elements whose reference gradient is above :data:`ADAM_EPS_SCALE`."""
-    keep = grad.abs() >= ADAM_EPS_SCALE
-    return float((got - want).abs()[keep].max()) if bool(keep.any()) else 0.0
 
 
 def reference_step(model: str) -> dict:
@@ -188,16 +159,7 @@ CASES = [("tiny_moe",) + lay for lay in LAYOUTS] + [("qwen3_moe", 2, 1, 1), ("qw
 def test_layout_matches_one_process_reference(tmp_path, model, tp, ep, dp):
     ref = reference_step(model)
     got = run_layout(tmp_path, tp, ep, dp, tcfg(), model=model)
-    assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
-    assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert list(got["grads"]) == list(ref["clipped"]), "full_grad_dict must use the HF names, in order"
-    for name, g in ref["clipped"].items():
-        assert got["grads"][name].shape == g.shape, name
-        err = float((got["grads"][name] - g).abs().max())
-        assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: grad differs by {err:.3g}"
-    for name, w in ref["weights"].items():
-        err = weight_error(got["weights"][name], w, ref["clipped"][name])
-        assert err < 1e-5, f"{name}: weights after AdamW differ by {err:.3g}"
+    assert_step_matches(got, ref)
 
 
 def test_packed_and_unreplayed_forward_match_too(tmp_path):

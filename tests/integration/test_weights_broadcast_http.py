@@ -28,7 +28,8 @@ from workers.inference.embedded.config import EmbeddedInferenceConfig
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 from workers.weights.broadcast import BroadcastWeightsConfig
-from workers.weights.broadcast.coordinator import join_weight_group, update_all_workers_distributed
+from workers.weights.broadcast.coordinator import update_all_workers_distributed
+from workers.weights.broadcast.join import join_weight_group
 from workers.weights.coordinator import WeightUpdateError
 from workers.weights.base import SoloPeers
 from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender

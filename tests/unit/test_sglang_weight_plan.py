@@ -12,7 +12,7 @@ from tests.conftest import compose
 from tests.unit.sglang_cases import PRESETS
 from workers.inference.sglang.pd_client import merge_routing, pick
 from workers.weights.broadcast.handshake import receiver_rank_counts
-from workers.weights.broadcast.sglang_coordinator import join_sglang_group
+from workers.weights.broadcast.join import join_weight_group
 from workers.weights.broadcast.sglang_wire import Batch, Wire, flat_offsets, plan_batches, sample_names
 
 
@@ -58,10 +58,10 @@ def test_multi_node_servers_join_at_their_rank_offsets():
             return {"success": True}
     clients = [Client() for _ in counts]
     group = {"master_address": "t0", "master_port": 1, "world_size": 97, "group_name": "g", "backend": "nccl"}
-    offsets = asyncio.run(join_sglang_group(clients, group, counts, timeout_s=1))
+    offsets = asyncio.run(join_weight_group(clients, group, counts, timeout_s=1))
     assert offsets == [1, 17, 33, 65] and [c.kw["rank_offset"] for c in clients] == offsets
     with pytest.raises(RuntimeError, match="world_size"):
-        asyncio.run(join_sglang_group(clients, dict(group, world_size=96), counts, timeout_s=1))
+        asyncio.run(join_weight_group(clients, dict(group, world_size=96), counts, timeout_s=1))
 
 
 def test_routing_merge_per_position():

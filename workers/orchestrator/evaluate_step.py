@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from omegaconf import OmegaConf
 
 from workers.common.config import load_run_config, structure_section, to_yaml
 from workers.common.inference_client import InferenceClient, wait_until_ready
+from workers.common.local_ranks import free_port
 from workers.common.logs import get_logger
 from workers.common.protocol import RunPaths
 from workers.common.registry import ENVS
@@ -77,12 +77,6 @@ def scratch_run(run_dir: Path, step_dir: Path, cfg) -> RunPaths:
     return paths
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def start_server(paths: RunPaths, url: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RANK", "WORLD_SIZE"))}
     env.update(SLURMRL_ROLE="inference", SLURMRL_RUN_DIR=str(paths.root), SLURMRL_LOCAL="1", RANK="0",
@@ -116,7 +110,7 @@ async def evaluate(step_dir: Path, *, num_samples: Optional[int] = None, k: Opti
     evaluator = Evaluator(env, every=1, num_samples=num_samples or o.eval_num_samples, log=log, k=k or o.eval_k,
                           temperature=o.temperature, success_reward=o.eval_success_reward)
     paths = scratch_run(run_dir, step_dir, cfg)
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     proc = start_server(paths, url)
     try:

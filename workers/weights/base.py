@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import pickle
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -43,6 +44,22 @@ def nonfinite_message(version: int, names: list[str]) -> str:
     return (f"weights step {version} not published: tensor {names[0]} holds NaN or inf{more}; "
             f"the optimizer diverged (check trainer.lr and the loss), or set weights.skip_nonfinite=true "
             f"to skip such steps")
+
+
+def refuse_nonfinite(version: int, bad: Sequence[str], *, skip: bool, peers: Optional["Peers"] = None) -> bool:
+    """Every publisher's NaN/inf rule: True when ``version`` is to be skipped, raises
+    :class:`NonFiniteWeights` unless ``skip`` (weights.skip_nonfinite). ``bad``: the tensors this
+    rank found non-finite; with ``peers`` they are gathered first, so every rank decides the same
+    (a publisher that already gathered them passes none)."""
+    if peers is not None and peers.world_size > 1:
+        bad = [n for part in peers.all_gather_object(list(bad)) for n in part]
+    if not bad:
+        return False
+    message = nonfinite_message(version, sorted(bad))
+    if not skip:
+        raise NonFiniteWeights(message)
+    logging.getLogger("slurmrl.weights").warning("%s (skipped: weights.skip_nonfinite=true)", message.split(";")[0])
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

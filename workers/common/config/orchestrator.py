@@ -9,7 +9,7 @@ from workers.common.config.ranges import ANY_NUMBER, ConfigError, between, ge, g
 @dataclasses.dataclass(kw_only=True)
 class OrchestratorConfig:
     max_off_policy_steps: int = 2
-    """A batch for step s takes only samples with s - policy_version <= this; 0 is synchronous."""
+    """A batch for step s (1-based) takes only samples with s - 1 - policy_version <= this; 0 is synchronous."""
     max_inflight_rollouts: int = 64
     """Most generation requests outstanding over all inference workers."""
     num_prompts_per_step: int = 16

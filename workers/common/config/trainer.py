@@ -65,7 +65,7 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer ranks."""
     num_steps: int = 400
-    """Trainer steps of the run; each consumes one batch and publishes weights v=step+1."""
+    """Trainer steps of the run; step N (1-based) trains batch N from weights N-1 and publishes weights/step_N."""
     lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Optional, Sequence
 
-from workers.common.protocol import PeerTimeout, wait_for
-from workers.weights.broadcast.handshake import Handshake, group_name_of, rank_offsets, receiver_rank_counts
+from workers.common.protocol import PeerTimeout
+from workers.weights.broadcast.handshake import Handshake, group_name_of
+from workers.weights.broadcast.join import join_announced_group
 from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
 
 
@@ -42,25 +43,6 @@ async def update_all_workers_distributed(clients: Sequence[Any], group: dict, ve
     return await swap_weights(clients, version, receive, before=request)
 
 
-async def join_weight_group(clients: Sequence[Any], group: dict, rank_counts: Sequence[int], *,
-                            timeout_s: float) -> None:
-    """/init_weights_update_group on every worker at once (each call returns once the group
-    exists, so all must be in flight together); worker i's rank_offset follows the senders."""
-    if group["world_size"] != group["num_senders"] + sum(rank_counts) or len(rank_counts) != len(clients):
-        raise WeightUpdateError(f"weight group world_size({group['world_size']}) != num_senders({group['num_senders']})"
-                                f" + inference ranks({sum(rank_counts)} over {len(rank_counts)} servers; "
-                                f"{len(clients)} clients): trainer and orchestrator disagree on the inference layout")
-    offsets = rank_offsets(list(rank_counts), group["num_senders"])
-    results = await asyncio.gather(*(c.init_weights_update_group(
-        master_address=group["master_address"], master_port=group["master_port"], rank_offset=off,
-        world_size=group["world_size"], group_name=group["group_name"], backend=group["backend"], timeout_s=timeout_s)
-        for c, off in zip(clients, offsets)), return_exceptions=True)
-    failures = [f"{c.base_url}: {r}" for c, r in zip(clients, results) if isinstance(r, BaseException)]
-    if failures:
-        raise WeightUpdateError(f"{len(failures)} worker(s) could not join weight group {group['group_name']!r}: "
-                                + "; ".join(failures))
-
-
 class BroadcastCoordinator(WeightCoordinator):
     def __init__(self, cfg: Any, paths: Any, *, log: Any):
         super().__init__(cfg, paths, log=log)
@@ -74,10 +56,7 @@ class BroadcastCoordinator(WeightCoordinator):
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Every worker joins trainer rank 0's group."""
-        w = self.cfg.weights
-        info = await asyncio.to_thread(wait_for, self.handshake.read_group, timeout_s=w.broadcast_timeout_s,
-                                       what=f"{self.handshake.dir}/group.json", peer="trainer rank 0")
-        await join_weight_group(clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
+        info = await join_announced_group(self.handshake, self.cfg, clients)
         self.group, self.clients = info, list(clients)
         self.log.info("%d workers joined weight group %s (%s, world %d)", len(clients), info["group_name"],
                       info["backend"], info["world_size"])
@@ -138,9 +117,7 @@ class BroadcastCoordinator(WeightCoordinator):
         self.attempted = group_name_of(w.group_name, g)
         self.handshake.reform(g)
         self.log.info("re-forming weight group as generation %d with revived worker(s) %s", g, list(revived))
-        info = await asyncio.to_thread(wait_for, lambda: self.handshake.group_of(g), timeout_s=w.broadcast_timeout_s,
-                                       what=f"{self.handshake.dir}/group.json generation {g}", peer="trainer rank 0")
-        await join_weight_group(self.clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
+        info = await join_announced_group(self.handshake, self.cfg, self.clients, generation=g)
         self.group, self.generation = info, g
 
 

@@ -3,7 +3,7 @@
 The protocol (setup, per-update handshake, who waits for whom) is in the package docstring
 (workers/weights/broadcast/__init__.py); the group and the bucket plan in group.py.
 NaN/inf: each sender checks its share on its device before rank 0 offers the version
-(checksums.nonfinite_names), and all senders refuse or skip together.
+(checksums.nonfinite_names), and all senders refuse or skip together (group_publisher.py).
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch.distributed as dist
 import xxhash
 
 from workers.common.protocol import PeerTimeout, RunPaths
-from workers.weights.base import (NonFiniteWeights, Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares,
-                                  nonfinite_message, peers_for)
+from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
 from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
                                              metas_from_json, metas_to_json)
-from workers.weights.broadcast.handshake import Handshake, group_name_of, receiver_rank_counts
+from workers.weights.broadcast.group_publisher import GroupPublisher
+from workers.weights.broadcast.handshake import group_name_of, receiver_rank_counts
 from workers.weights.checksums import buffer_checksum, byte_view, nonfinite_names, state_digest, state_hashes
 from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.shards import dtype_from_name
@@ -87,46 +87,30 @@ class BucketSender:
             self.group.wait(w, what)
 
 
-class BroadcastPublisher(WeightPublisher):
+class BroadcastPublisher(GroupPublisher):
     """Trainer side (the package docstring has the protocol). ``initial`` publishes step 0 to disk."""
 
     def __init__(self, paths: RunPaths, cfg, peers: Peers, *, initial: WeightPublisher, host: str, port: int,
                  num_receivers: int, device: Optional[torch.device] = None):
-        self.paths, self.cfg, self.peers, self.initial = paths, cfg, peers, initial
-        self.host, self.port, self.num_receivers = host, port, num_receivers
-        self.device = torch.device(device or "cpu")
-        self.handshake = Handshake(paths.root)
+        super().__init__(paths, cfg, peers, initial=initial, host=host, port=port, num_receivers=num_receivers,
+                         device=device)
         self.group: Optional[WeightGroup] = None
         self.sender: Optional[BucketSender] = None
-        self.finished = False
         self.generation = 0
         self.broken_generation: Optional[int] = None  # a transfer of this generation failed (_send)
         self.store: Optional[dist.Store] = None
         self.addr: tuple[str, int] = (host, port)
         self.metas: list[TensorMeta] = []
         self.backend = cfg.backend
-        if peers.rank == 0:
-            self.handshake.reset()
 
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
-        if self.group is None:
-            out = self.initial.publish(version, state)  # workers start from a checkpoint on disk
-            t0 = time.perf_counter()
-            self._form(state)
-            out.wait_s = time.perf_counter() - t0
-            return out
-        if self.finished:
-            return SyncStats(bytes=0, seconds=0.0, skipped=True)
-        # Before the offer: once offered, receivers post their receives and must get buckets.
-        bad = nonfinite_names((e.name, state[e.name]) for b in self.sender.mine for e in b.entries)
-        if self.peers.world_size > 1:  # every sender decides the same
-            bad = sorted(n for part in self.peers.all_gather_object(bad) for n in part)
-        if bad:
-            message = nonfinite_message(version, bad)
-            if not self.cfg.skip_nonfinite:
-                raise NonFiniteWeights(message)
-            log.warning("%s (skipped: weights.skip_nonfinite=true)", message.split(";")[0])
-            return SyncStats(bytes=0, seconds=0.0, skipped=True)
+    @property
+    def formed(self) -> bool:
+        return self.group is not None
+
+    def _nonfinite(self, state: Mapping[str, torch.Tensor]) -> list[str]:
+        return nonfinite_names((e.name, state[e.name]) for b in self.sender.mine for e in b.entries)
+
+    def _update(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
         if self.peers.rank == 0:
             self.handshake.offer(version, state_digest(state_hashes(state)) if self.cfg.verify else None)
         t0 = time.perf_counter()

@@ -26,29 +26,12 @@ import time
 from typing import Any, Optional, Sequence
 
 from workers.common.protocol import latest_stable_step, wait_for
-from workers.weights.broadcast.handshake import Handshake, rank_offsets, receiver_rank_counts
+from workers.weights.broadcast.handshake import Handshake
+from workers.weights.broadcast.join import join_announced_group
 from workers.weights.broadcast.sglang_wire import metas_from, plan_batches
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError
 
 SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"  # the trainer's names for them (sglang_publisher.py)
-
-
-async def join_sglang_group(clients: Sequence[Any], group: dict, rank_counts: Sequence[int], *,
-                            timeout_s: float) -> list[int]:
-    """``/init_weights_update_group`` on every server at once; returns their rank offsets."""
-    if group["world_size"] != 1 + sum(rank_counts) or len(rank_counts) != len(clients):
-        raise WeightUpdateError(f"weight group world_size({group['world_size']}) != 1 + server ranks"
-                                f"({sum(rank_counts)} over {len(rank_counts)} servers; {len(clients)} clients)")
-    offsets = rank_offsets(list(rank_counts), 1)
-    results = await asyncio.gather(*(c.init_weights_update_group(
-        master_address=group["master_address"], master_port=group["master_port"], rank_offset=off,
-        world_size=group["world_size"], group_name=group["group_name"], backend=group["backend"], timeout_s=timeout_s)
-        for c, off in zip(clients, offsets)), return_exceptions=True)
-    failures = [f"{c.base_url}: {r}" for c, r in zip(clients, results) if isinstance(r, BaseException)]
-    if failures:
-        raise WeightUpdateError(f"{len(failures)} server(s) could not join weight group {group['group_name']!r}: "
-                                + "; ".join(failures))
-    return offsets
 
 
 async def receive_all(client: Any, group: dict, batches: list, version: int, timeout_s: float) -> Optional[str]:
@@ -94,10 +77,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
         self.clients: list = []
 
     async def start(self, clients: Sequence[Any]) -> None:
-        w = self.cfg.weights
-        info = await asyncio.to_thread(wait_for, self.handshake.read_group, timeout_s=w.broadcast_timeout_s,
-                                       what=f"{self.handshake.dir}/group.json", peer="trainer rank 0")
-        await join_sglang_group(clients, info, receiver_rank_counts(self.cfg), timeout_s=w.broadcast_timeout_s)
+        info = await join_announced_group(self.handshake, self.cfg, clients)
         self.group, self.clients = info, list(clients)
         self.batches = plan_batches(metas_from(info), int(info["bucket_bytes"]))
         self.log.info("%d SGLang servers joined weight group %s (%s, world %d, %d batches of %s)", len(clients),

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import time
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from workers.common.local_ranks import free_port
 from workers.common.protocol import PeerTimeout, RunPaths
-from workers.weights.base import NonFiniteWeights, Peers, SyncStats, TensorMeta, WeightPublisher, nonfinite_message
+from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher
 from workers.weights.broadcast.group import backend_for
-from workers.weights.broadcast.handshake import Handshake
+from workers.weights.broadcast.group_publisher import GroupPublisher
 from workers.weights.broadcast.sglang_wire import (Batch, close_update_group, flat_offsets, metas_json,
                                                    open_update_group, plan_batches, sample_names, sample_value)
 from workers.weights.checksums import nonfinite_names
@@ -95,25 +95,19 @@ class SGLangSender:
                                   f"({type(e).__name__}: {str(e).strip()[:200]}); see the servers' logs") from e
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class SGLangBroadcastPublisher(WeightPublisher):
+class SGLangBroadcastPublisher(GroupPublisher):
     """Trainer side of broadcast into SGLang; ``initial`` (filesystem) publishes step 0 and fallbacks."""
 
     def __init__(self, paths: RunPaths, cfg, peers: Peers, *, initial: WeightPublisher, host: str, port: int,
                  num_receivers: int, inference_dtype: str, device: Optional[torch.device] = None):
-        self.paths, self.cfg, self.peers, self.initial = paths, cfg, peers, initial
-        self.host, self.port, self.num_receivers = host, port, num_receivers
-        self.inference_dtype, self.device = inference_dtype, torch.device(device or "cpu")
-        self.handshake = Handshake(paths.root)
+        super().__init__(paths, cfg, peers, initial=initial, host=host, port=port, num_receivers=num_receivers,
+                         device=device)
+        self.inference_dtype = inference_dtype
         self.sender: Optional[SGLangSender] = None
-        self.finished = False
-        if peers.rank == 0:
-            self.handshake.reset()
+
+    @property
+    def formed(self) -> bool:
+        return self.sender is not None
 
     def _metas(self, state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
         """What goes on the wire: floating tensors in inference.dtype (what the servers hold)."""
@@ -124,24 +118,11 @@ class SGLangBroadcastPublisher(WeightPublisher):
             out.append(TensorMeta(name, dtype, tuple(t.shape), t.numel() * item))
         return out
 
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
-        if self.sender is None:
-            out = self.initial.publish(version, state)  # servers start from a checkpoint on disk
-            t0 = time.perf_counter()
-            self._form(state)
-            out.wait_s = time.perf_counter() - t0
-            return out
-        if self.finished:
-            return SyncStats(bytes=0, seconds=0.0, skipped=True)
-        # each rank checks what it holds (its shard of a DTensor), before anything is offered
-        bad = nonfinite_names((n, t.to_local() if hasattr(t, "to_local") else t) for n, t in state.items())
-        if self.peers.world_size > 1:
-            bad = sorted(n for part in self.peers.all_gather_object(bad) for n in part)
-        if bad:
-            if not self.cfg.skip_nonfinite:
-                raise NonFiniteWeights(nonfinite_message(version, bad))
-            log.warning("%s (skipped: weights.skip_nonfinite=true)", nonfinite_message(version, bad).split(";")[0])
-            return SyncStats(bytes=0, seconds=0.0, skipped=True)
+    def _nonfinite(self, state: Mapping[str, torch.Tensor]) -> list[str]:
+        """Each rank checks what it holds (its shard of a DTensor)."""
+        return nonfinite_names((n, t.to_local() if hasattr(t, "to_local") else t) for n, t in state.items())
+
+    def _update(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
         samples = set(sample_names(list(state), self.cfg.verify_fraction, version))
         if self.peers.rank == 0:
             self.handshake.offer(version)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import logging
 import os
 import shutil
 import time
@@ -19,14 +18,12 @@ from typing import Mapping, Optional
 import torch
 
 from workers.common.protocol import STABLE, step_name
-from workers.weights.base import (NonFiniteWeights, Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher,
-                                  assign_shares, nonfinite_message, peers_for)
+from workers.weights.base import (Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for,
+                                  refuse_nonfinite)
 from workers.weights.checksums import HASH_NAME, Hasher, tensor_hash  # noqa: F401  (tensor_hash re-exported)
 from workers.weights.filesystem.hf_layout import HFFiles, hf_files
 from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
 from workers.weights.shards import nbytes, write_shard
-
-log = logging.getLogger("slurmrl.weights")
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -96,10 +93,7 @@ class FilesystemPublisher(WeightPublisher):
         if bad:  # every rank sees the same list: all refuse (or skip) together
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            message = nonfinite_message(version, bad)
-            if not self.skip_nonfinite:
-                raise NonFiniteWeights(message)
-            log.warning("%s (skipped: weights.skip_nonfinite=true)", message.split(";")[0])
+            refuse_nonfinite(version, bad, skip=self.skip_nonfinite)
             return SyncStats(bytes=0, seconds=time.perf_counter() - t0, skipped=True)
         if rank == 0:
             merged = {k: v for e, _, _ in gathered for k, v in e.items()}
