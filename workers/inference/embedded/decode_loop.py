@@ -48,8 +48,6 @@ log = logging.getLogger("slurmrl.inference")
 class StaticEngine(InferenceEngine):
     """:class:`InferenceEngine` over fixed slots; ``cuda_graphs`` applies on CUDA devices only."""
 
-    samples_top_p = True
-
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
                  max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True,
                  smallest_key_window: int = 256):
