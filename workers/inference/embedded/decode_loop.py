@@ -143,6 +143,8 @@ class StaticEngine(InferenceEngine):
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
         st, dev = self.state, self.device
         rows = st.admit([s.slot for s in seqs], [s.req for s in seqs], dev)
+        self.slots.reset(rows)  # recurrent (Mamba-2) states start from zero; keys are masked instead
+        self.slots.live = None  # every admitted row is live
         lens = torch.tensor([len(s.req.input_ids) for s in seqs])
         n, t_max = len(seqs), int(lens.max())
         ids = torch.zeros(n, t_max, dtype=torch.long)
@@ -180,6 +182,7 @@ class StaticEngine(InferenceEngine):
         rows = st.arange[:b]
         self.slots.use(rows, prefix=True)
         self.slots.window = window
+        self.slots.live = st.active[:b] & ~st.done[:b]  # rows whose recurrent state this step may advance
         fed = st.pos[:b]
         out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
         routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
@@ -249,8 +252,9 @@ def create_engine(model: CausalLM, *, max_batch_size: int, seed: int, options=No
     """The engine ``options`` (an EmbeddedInferenceConfig, or None: defaults) asks for.
 
     ``static_cache``: ``auto`` is the static engine on CUDA and the dynamic one on CPU; ``on``
-    / ``off`` force it. Families the static cache cannot hold fall back to the dynamic engine
-    with a log line saying why (recurrent Mamba-2 state, DSA index keys)."""
+    / ``off`` force it. Every builtin family fits the slots (GQA, MLA + DSA keys, Mamba-2 state);
+    a model with a layer the slots cannot hold (two attention/mixer modules in one layer) falls
+    back to the dynamic engine with a log line saying why."""
     mode = getattr(options, "static_cache", "auto")
     device = next(model.parameters()).device
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
