@@ -106,6 +106,21 @@ def test_rows_that_are_not_live_keep_their_mamba2_state(tmp_path):
         assert not all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
 
 
+def test_latent_moe_dense_sum_is_the_expert_loop():
+    """Under CUDA-graph capture LatentMoE runs every expert on every token (no data-dependent
+    shapes); on CPU the two paths are called directly: the same weighted sum up to rounding."""
+    from workers.models.blocks.latent_moe import LatentMoE
+
+    torch.manual_seed(0)
+    moe = LatentMoE(hidden_size=16, num_experts=6, top_k=2, expert_intermediate_size=12, shared_intermediate_size=8,
+                    latent_size=8, n_group=2, topk_group=1)
+    flat = torch.randn(10, 8)
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2)
+    loop, dense = moe._experts(flat, idx, weights), moe._experts_dense(flat, idx, weights)
+    assert loop.abs().max() > 0 and torch.allclose(loop, dense, atol=1e-6)
+
+
 @pytest.mark.parametrize("variant", ["every_layer_full_plain_rope", "shared_layer_yarn"])
 def test_glm_moe_dsa_index_keys_in_slots(variant, tmp_path):
     """The DSA indexer's keys sit in slots beside the MLA latent; index_topk (4) is below every

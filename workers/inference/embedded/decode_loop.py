@@ -40,6 +40,7 @@ from workers.inference.embedded.requests import GenRequest, _Seq
 from workers.inference.embedded.slot_state import GREEDY_EPS, MAX_STOP_IDS, SlotState
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
 from workers.models.blocks.decoder import CausalLM
+from workers.models.blocks.latent_moe import LatentMoE
 from workers.models.blocks.moe_softmax import MoeBlock
 
 log = logging.getLogger("slurmrl.inference")
@@ -68,9 +69,11 @@ class StaticEngine(InferenceEngine):
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
         self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None
         self.graph_error: Optional[str] = None
-        if self._use_graphs and dtype != torch.bfloat16 and any(isinstance(m, MoeBlock) for m in model.modules()):
-            log.warning("static engine: %s MoE experts have no grouped GEMM; under CUDA-graph capture they run "
-                        "dense (every expert on every token): fine for tiny models, slow for large ones", dtype)
+        if self._use_graphs and any((isinstance(m, MoeBlock) and dtype != torch.bfloat16) or isinstance(m, LatentMoE)
+                                    for m in model.modules()):
+            log.warning("static engine: %s MoE experts (%s) have no grouped GEMM; under CUDA-graph capture they run "
+                        "dense (every expert on every token): fine for tiny models, slow for large ones", dtype,
+                        type(model).__name__)
         # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
         self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._retired_tokens = 0

@@ -39,8 +39,10 @@ class ReluSquaredMLP(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    # The same balance loss and load as tiny_moe's routed layers (reads num_experts and top_k).
+    # The same balance loss and load as tiny_moe's routed layers (reads num_experts and top_k), and
+    # its capture-safe dense expert sum (reads experts and num_experts).
     balance = MoeBlock.balance
+    _experts_dense = MoeBlock._experts_dense
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
                  shared_intermediate_size: int, latent_size: int = 0, n_group: int = 1, topk_group: int = 1,
@@ -81,7 +83,12 @@ class LatentMoE(nn.Module):
         return ep(flat, idx, weights) if ep is not None else self._experts(flat, idx, weights)
 
     def _experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference)."""
+        """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference).
+        Under CUDA-graph capture (the static engine's decode graphs) the loop's data-dependent
+        shapes cannot be recorded: every expert runs on every token instead (correct, E x the
+        expert FLOPs; a grouped GEMM for squared-ReLU experts would be the fast path)."""
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._experts_dense(flat, idx, weights)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         for e in range(self.num_experts):
             rows, slot = (idx == e).nonzero(as_tuple=True)

@@ -132,13 +132,14 @@ class MoeBlock(nn.Module):
     def _experts_dense(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, scaled by its gate weight (0 where not chosen): no
         data-dependent shapes, so a CUDA graph can capture it where grouped GEMM does not apply
-        (float32). E times the expert FLOPs: for tiny models and tests, not for serving."""
+        (float32). E times the expert FLOPs: for tiny models and tests, not for serving. Sums in
+        float32 (Nemotron-H's LatentMoE reuses it, whose reference sums its experts in float32)."""
         gate = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=flat.device)
         gate.scatter_add_(1, idx, weights)
-        out = torch.zeros_like(flat)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         for e, expert in enumerate(self.experts):
-            out = out + expert(flat) * gate[:, e:e + 1].to(flat.dtype)
-        return out
+            out = out + (expert(flat) * gate[:, e:e + 1]).float()
+        return out.to(flat.dtype)
 
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
         """Grouped GEMM needs bf16 operands and plain nn.Linear experts (not swapped modules)."""
