@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -61,6 +63,7 @@ def summarise(records: list[dict]) -> dict:
         return res
     res["reward_first"], res["reward_last"] = records[0].get("reward_mean"), records[-1].get("reward_mean")
     res["trainer_busy_s_mean"] = sum(r["step_time_s"] for r in records) / len(records)
+    res["inference_busy_frac_mean"] = sum(r.get("inference_busy_frac", 0.0) for r in records) / len(records)
     if len(records) >= 2:
         span = records[-1]["time"] - records[0]["time"]
         toks = sum(r.get("num_samples", 0) * r.get("completion_len_mean", 0.0) for r in records[1:])
@@ -69,7 +72,10 @@ def summarise(records: list[dict]) -> dict:
     return res
 
 
-def run_once(name: str, cache: str, args: argparse.Namespace, root: Path) -> dict:
+def run_once(name: str, cache: str, args: argparse.Namespace, root: Path, keep: Path) -> dict:
+    """One launcher run in ``root/name``; its metrics and logs are copied to ``keep/name`` and the
+    run directory (published weights: GBs per step for a 1.5B model) is removed when ``root`` is
+    not ``keep``."""
     run_dir = root / name
     cmd = [sys.executable, "-m", "launcher", *overrides(args, cache, run_dir)]
     print(f"[bench_loop] {name}: static_cache={cache}: {' '.join(cmd[2:])}", flush=True)
@@ -84,19 +90,27 @@ def run_once(name: str, cache: str, args: argparse.Namespace, root: Path) -> dic
     records = [json.loads(ln) for ln in mpath.read_text().splitlines() if ln.strip()] if mpath.exists() else []
     res = {"name": name, "static_cache": cache, "command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
            **summarise(records), "engines": engine_lines(run_dir)}
+    if root != keep and run_dir.is_dir():
+        (keep / name).mkdir(parents=True, exist_ok=True)
+        if mpath.exists():
+            shutil.copy2(mpath, keep / name / "metrics.jsonl")
+        if (run_dir / "logs").is_dir():
+            shutil.copytree(run_dir / "logs", keep / name / "logs", dirs_exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if rc != 0:
         res["output_tail"] = tail
     return res
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'run':<7} {'cache':<5} {'steps':>5} {'wall_s':>8} {'step_s':>8} {'rollout_tok/s':>13} {'reward first->last':>20}"
+    head = (f"{'run':<7} {'cache':<5} {'steps':>5} {'wall_s':>8} {'step_s':>8} {'rollout_tok/s':>13} {'infer_busy':>10} "
+            f"{'reward first->last':>20}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rew = f"{r.get('reward_first', float('nan')):.3f} -> {r.get('reward_last', float('nan')):.3f}"
         lines.append(f"{r['name']:<7} {r['static_cache']:<5} {r['steps']:>5d} {r['wall_s']:>8.1f} "
                      f"{r.get('mean_step_time_s', float('nan')):>8.2f} {r.get('rollout_tok_per_s', float('nan')):>13.0f} "
-                     f"{rew:>20}")
+                     f"{r.get('inference_busy_frac_mean', float('nan')):>10.2f} {rew:>20}")
     return "\n".join(lines)
 
 
@@ -109,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="inference.max_seq_len: positions per engine slot (1024; --cpu-smoke: 0 = the model's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs-root", default=None,
+                    help="where the runs (and their published weights) live: /dev/shm/slurmrl_bench_loop on CUDA "
+                         "when /dev/shm exists (the H200's disk writes 0.28 GB/s), else DIR/runs")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.cpu_smoke else 20)
@@ -121,9 +138,11 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     modes = (("before", "off"), ("after", "on")) if args.cpu_smoke else MODES
+    shm = not args.cpu_smoke and os.path.isdir("/dev/shm")
+    root = Path(args.runs_root or ("/dev/shm/slurmrl_bench_loop" if shm else out / "runs")).resolve()
     rows = []
     for name, cache in modes:  # one after the other: both share the one GPU
-        rows.append(run_once(name, cache, args, out / "runs"))
+        rows.append(run_once(name, cache, args, root, out / "runs"))
         (out / "loop.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args),
                                                    "runs": rows}, indent=1))
     before, after = rows
