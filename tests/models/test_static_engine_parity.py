@@ -106,19 +106,39 @@ def test_rows_that_are_not_live_keep_their_mamba2_state(tmp_path):
         assert not all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
 
 
-def test_latent_moe_dense_sum_is_the_expert_loop():
-    """Under CUDA-graph capture LatentMoE runs every expert on every token (no data-dependent
-    shapes); on CPU the two paths are called directly: the same weighted sum up to rounding."""
+def test_latent_moe_grouped_and_dense_sums_are_the_expert_loop(monkeypatch):
+    """LatentMoE's capture-safe paths: bf16 grouped GEMM over its squared-ReLU expert stacks (kept
+    across calls, refreshed in place after a weight update: what captured graphs read), and the
+    float32 dense sum (every expert on every token). Both equal the reference loop up to rounding."""
+    import workers.models.blocks.kernels as kernels
     from workers.models.blocks.latent_moe import LatentMoE
 
     torch.manual_seed(0)
-    moe = LatentMoE(hidden_size=16, num_experts=6, top_k=2, expert_intermediate_size=12, shared_intermediate_size=8,
+    moe = LatentMoE(hidden_size=16, num_experts=6, top_k=2, expert_intermediate_size=16, shared_intermediate_size=8,
                     latent_size=8, n_group=2, topk_group=1)
     flat = torch.randn(10, 8)
     idx = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
     weights = torch.rand(10, 2)
     loop, dense = moe._experts(flat, idx, weights), moe._experts_dense(flat, idx, weights)
     assert loop.abs().max() > 0 and torch.allclose(loop, dense, atol=1e-6)
+
+    moe, flat = moe.to(torch.bfloat16), flat.to(torch.bfloat16)
+    loop = moe._experts(flat, idx, weights).float()
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", True)
+    with torch.inference_mode():
+        grouped = moe._experts(flat, idx, weights).float()
+        assert moe.__dict__["_stack_cache"] is not None  # the stacks a graph would read
+        assert (grouped - loop).abs().max() <= 0.02 * loop.abs().max()
+        stacks = moe.__dict__["_stack_cache"][1]
+        with torch.no_grad():
+            for e in moe.experts:
+                e.up_proj.weight.mul_(2)
+        moe.restack_in_place()
+        assert moe.__dict__["_stack_cache"][1][0] is stacks[0]  # same tensors, new values
+        doubled = moe._experts(flat, idx, weights).float()
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", False)
+    ref = moe._experts(flat, idx, weights).float()  # relu(2u)^2 = 4 relu(u)^2
+    assert (doubled - ref).abs().max() <= 0.02 * ref.abs().max() and ref.abs().max() > 3 * loop.abs().max()
 
 
 @pytest.mark.parametrize("variant", ["every_layer_full_plain_rope", "shared_layer_yarn"])

@@ -143,10 +143,11 @@ def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
     assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in PROMPTS[:4]]
 
 
-SYNCING_OPS = {"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::equal",
+SYNCING_OPS = {"aten::nonzero", "aten::nonzero_numpy", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::equal",
                "aten::is_nonzero", "aten::bincount", "aten::_unique2", "aten::unique_consecutive"}
 
 
+# nonzero(as_tuple=True) dispatches as aten::nonzero_numpy (torch 2.13): listed so the expert loop is caught.
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the ops that read device data on the host (on CUDA: a sync, which a graph cannot capture)."""
 
@@ -164,7 +165,7 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["tiny_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["tiny_moe", "qwen3_moe", "deepseek_v3", "nemotron_h", "glm_moe_dsa"])
 def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatch):
     """What a CUDA graph captures (forward on the GPU fast path, sampling, records, stop test) has no
     op that needs a device-to-host copy: checked on CPU with the fast path forced on, bf16. (Token
@@ -180,11 +181,15 @@ def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatc
         from tests.models.test_parity_qwen3_moe import BASE
 
         lm = MODELS.get("qwen3_moe").build(BASE, dtype=torch.float32).init_weights(0)
-    else:
-        spec = MODELS.get("deepseek_v3")
+    else:  # deepseek_v3 (MLA); glm_moe_dsa (+ DSA keys); nemotron_h (Mamba-2 state, grouped LatentMoE)
         from transformers import AutoConfig
 
-        cfg = spec.config(name="t", **spec.from_hf_config(AutoConfig.for_model("deepseek_v3", **DSV3).to_dict()))
+        from tests.models.test_parity_glm_moe_dsa import GLM
+        from tests.models.test_parity_nemotron_h import HF_KW
+
+        spec = MODELS.get(family)
+        hf_kw = {"deepseek_v3": DSV3, "glm_moe_dsa": GLM, "nemotron_h": HF_KW}[family]
+        cfg = spec.config(name="t", **spec.from_hf_config(AutoConfig.for_model(family, **hf_kw).to_dict()))
         lm = spec.build(cfg, dtype=torch.float32).init_weights(0)
     lm = lm.to(torch.bfloat16)
     engine = make_static(lm, max_batch_size=4)

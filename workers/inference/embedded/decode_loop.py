@@ -69,8 +69,8 @@ class StaticEngine(InferenceEngine):
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
         self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None
         self.graph_error: Optional[str] = None
-        if self._use_graphs and any((isinstance(m, MoeBlock) and dtype != torch.bfloat16) or isinstance(m, LatentMoE)
-                                    for m in model.modules()):
+        if self._use_graphs and dtype != torch.bfloat16 and any(isinstance(m, (MoeBlock, LatentMoE))
+                                                                for m in model.modules()):
             log.warning("static engine: %s MoE experts (%s) have no grouped GEMM; under CUDA-graph capture they run "
                         "dense (every expert on every token): fine for tiny models, slow for large ones", dtype,
                         type(model).__name__)
@@ -93,7 +93,7 @@ class StaticEngine(InferenceEngine):
         """Captured graphs read the MoE expert stacks and the version tensor in place."""
         self.state.version.fill_(int(self.weight_version))
         for m in self.model.modules():
-            if isinstance(m, MoeBlock):
+            if isinstance(m, (MoeBlock, LatentMoE)):
                 m.restack_in_place()
 
     # ---- engine thread -----------------------------------------------------------------
