@@ -14,10 +14,13 @@ positions per slot are capped (``--max-seq-len``) so two static caches and the t
 ``--cpu-smoke`` (no GPU needed): the tiny model, a few steps, engines on CPU, the "after" run
 with ``static_cache=on`` (``auto`` is the dynamic engine on CPU) so both engines really run.
 
-Prints a table (steps, wall s, mean step time s, rollout tok/s, reward first -> last) and
-writes ``DIR/loop.json``. Mean step time is the interval between consecutive trainer steps
-(steps 2..N: step 1 waits for process start-up and the first rollouts), the rate the loop runs
-at; rollout tok/s is generated completion tokens over the same interval. The launcher composes
+Prints a table (steps, wall s, mean step time s, rollout tok/s, the engines' own tok/s, inference
+busy fraction, weight sync s, reward first -> last) and writes ``DIR/loop.json``. Mean step time
+is the interval between consecutive trainer steps (steps 2..N: step 1 waits for process start-up
+and the first rollouts), the rate the loop runs at; rollout tok/s is generated completion tokens
+over the same interval. The loop is asynchronous (rollouts overlap training), so the step time
+is the slower of generation and training + weight publishing (~3 GB per step at 1.5B): the env
+is reverse_digits with ``--digits`` 128 so generation is a real share of a step. The launcher composes
 its config with Hydra: on a machine without it, put hydra-core, omegaconf and antlr4-python3-runtime
 (pure-Python wheels) on PYTHONPATH, as benchmarks/gpu/device_run.sh does with .gpusite/.
 """
@@ -41,10 +44,12 @@ def overrides(args: argparse.Namespace, cache: str, run_dir: Path) -> list[str]:
     common = ["experiment=tiny_local", f"trainer.num_steps={args.steps}", f"seed={args.seed}",
               f"cluster.runs_root={run_dir.parent}", f"launcher.run_dir={run_dir}",
               f"inference.static_cache={cache}", f"inference.max_seq_len={args.max_seq_len}"]
+    if args.digits:  # reverse N digits: a prompt of ~N tokens, a completion of up to N + 1
+        common += [f"env.min_digits={args.digits}", f"env.max_digits={args.digits}"]
     if args.cpu_smoke:
         return common + ["inference.device=cpu", "inference.dtype=float32"]
     return common + [f"model={args.model}", "inference.device=cuda", "inference.dtype=bfloat16",
-                     "trainer.dtype=bfloat16"]
+                     "trainer.dtype=bfloat16", f"trainer.micro_batch_tokens={args.micro_batch_tokens}"]
 
 
 def engine_lines(run_dir: Path) -> list[str]:
@@ -63,7 +68,8 @@ def summarise(records: list[dict]) -> dict:
         return res
     res["reward_first"], res["reward_last"] = records[0].get("reward_mean"), records[-1].get("reward_mean")
     res["trainer_busy_s_mean"] = sum(r["step_time_s"] for r in records) / len(records)
-    res["inference_busy_frac_mean"] = sum(r.get("inference_busy_frac", 0.0) for r in records) / len(records)
+    for key in ("inference_busy_frac", "inference_tokens_per_s", "weight_sync_s", "completion_len_mean"):
+        res[f"{key}_mean"] = sum(r.get(key, 0.0) for r in records) / len(records)
     if len(records) >= 2:
         span = records[-1]["time"] - records[0]["time"]
         toks = sum(r.get("num_samples", 0) * r.get("completion_len_mean", 0.0) for r in records[1:])
@@ -103,14 +109,16 @@ def run_once(name: str, cache: str, args: argparse.Namespace, root: Path, keep: 
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'run':<7} {'cache':<5} {'steps':>5} {'wall_s':>8} {'step_s':>8} {'rollout_tok/s':>13} {'infer_busy':>10} "
-            f"{'reward first->last':>20}")
+    head = (f"{'run':<7} {'cache':<5} {'steps':>5} {'wall_s':>8} {'step_s':>8} {'rollout_tok/s':>13} {'engine_tok/s':>12} "
+            f"{'infer_busy':>10} {'sync_s':>6} {'reward first->last':>20}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rew = f"{r.get('reward_first', float('nan')):.3f} -> {r.get('reward_last', float('nan')):.3f}"
         lines.append(f"{r['name']:<7} {r['static_cache']:<5} {r['steps']:>5d} {r['wall_s']:>8.1f} "
                      f"{r.get('mean_step_time_s', float('nan')):>8.2f} {r.get('rollout_tok_per_s', float('nan')):>13.0f} "
-                     f"{r.get('inference_busy_frac_mean', float('nan')):>10.2f} {rew:>20}")
+                     f"{r.get('inference_tokens_per_s_mean', float('nan')):>12.0f} "
+                     f"{r.get('inference_busy_frac_mean', float('nan')):>10.2f} {r.get('weight_sync_s_mean', float('nan')):>6.2f} "
+                     f"{rew:>20}")
     return "\n".join(lines)
 
 
@@ -123,12 +131,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="inference.max_seq_len: positions per engine slot (1024; --cpu-smoke: 0 = the model's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--digits", type=int, default=None,
+                    help="env.min_digits = env.max_digits: completion length ~ digits + 1 (128; --cpu-smoke: the "
+                         "experiment's 2..4). Long enough that generation, not the 3 GB weight publish, can set the pace")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer.micro_batch_tokens on CUDA")
     ap.add_argument("--runs-root", default=None,
                     help="where the runs (and their published weights) live: /dev/shm/slurmrl_bench_loop on CUDA "
                          "when /dev/shm exists (the H200's disk writes 0.28 GB/s), else DIR/runs")
-    ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    ap.add_argument("--timeout-s", type=float, default=280.0,
+                    help="per run (both runs fit a 10-minute device call; a run cut short is still measured)")
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.cpu_smoke else 20)
+    args.digits = args.digits if args.digits is not None else (0 if args.cpu_smoke else 128)
     args.max_seq_len = args.max_seq_len if args.max_seq_len is not None else (0 if args.cpu_smoke else 1024)
     return args
 
