@@ -11,6 +11,7 @@ prompts of different lengths (stale keys masked), top-p, the per-slot length lim
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import types
@@ -129,6 +130,23 @@ def test_create_engine_picks_by_device_and_option(model):
     assert not on._use_graphs  # graphs are for CUDA devices
     off = create_engine(model, max_batch_size=2, seed=0, options=dataclasses.replace(opts, static_cache="off"))
     assert type(off) is InferenceEngine
+
+
+def test_a_layer_the_slots_cannot_hold_falls_back_to_the_dynamic_engine(caplog):
+    """Two attention modules in one layer (no builtin family has that): refused by the static cache,
+    served by the dynamic engine with a warning naming the layer."""
+    import logging
+
+    from workers.inference.embedded.config import EmbeddedInferenceConfig
+    from workers.inference.embedded.static_cache import StaticKVCache
+
+    odd = build_model(CFG, seed=3)
+    odd.model.layers[1].second = copy.deepcopy(odd.model.layers[1].self_attn)
+    with caplog.at_level(logging.WARNING, logger="slurmrl.inference"):
+        engine = create_engine(odd, max_batch_size=2, seed=0, options=EmbeddedInferenceConfig(static_cache="on"))
+    assert type(engine) is InferenceEngine and "layer 1" in caplog.text and "dynamic engine" in caplog.text
+    with pytest.raises(ValueError, match="layer 1"):
+        StaticKVCache(odd, num_slots=2, max_len=8, device="cpu", dtype=torch.float32)
 
 
 def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
