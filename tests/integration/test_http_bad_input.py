@@ -33,7 +33,7 @@ CASES = [
     ("/generate", {"input_ids": [1, 2], "sampling_params": [1]}, 400),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, 400),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}, 400),
-    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0.5}}, 400),  # would falsify logprobs
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, 400),  # SGLang: (0, 1]
     ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, 400),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"no_such_field": 1}}, 400),
     ("/pause_generation", NOT_JSON, 400), ("/pause_generation", {"mode": "sleep"}, 400),

@@ -117,7 +117,7 @@ BAD = [
     ({"input_ids": [1] * 512}, "max_position_embeddings"),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": [1], "sampling_params": {"top_p": 0.5}}, "sampling_params.top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "sampling_params.top_p"),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": [40]}}, "stop_token_ids"),
     ({"input_ids": [1], "text": "hi"}, "text"),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),  # unknown top-level keys: ignored

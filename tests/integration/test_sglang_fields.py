@@ -52,7 +52,7 @@ REFUSED = [  # (body, field named): SGLang refuses these too, or the answer woul
     ({**P, "priority": "high"}, "priority"), ({**P, "custom_labels": ["x"]}, "custom_labels"),
     ({**P, "stream": "yes"}, "stream"), ({"input_ids": [[1], [2]], "return_logprob": [True]}, "return_logprob"),
     # accepted by SGLang, but the engine cannot honour them: refused rather than ignored
-    ({**P, "sampling_params": {"top_p": 0.5}}, "sampling_params.top_p"),
+    ({**P, "sampling_params": {"min_p": 0.5}}, "sampling_params.min_p"),
     ({**P, "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop"),
     ({**P, "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
     ({**P, "sampling_params": {"n": 2}}, "sampling_params.n"),
@@ -106,4 +106,20 @@ def test_stream_true_answers_server_sent_events():
         async with session.post(base + "/generate", json={"input_ids": [[1], [2]], "stream": True}) as r:
             events = [e for e in (await r.text()).split("\n\n") if e.startswith("data: {")]
         assert sorted(json.loads(e[6:])["index"] for e in events) == [0, 1]
+    asyncio.run(with_embedded_app(MODEL, run))
+
+
+def test_top_p_reaches_the_sampler_per_request():
+    """top_p goes through to sampling, per prompt of a batch: a vanishing nucleus at temperature 1
+    answers exactly what greedy answers, while top_p 1 at temperature 1 samples."""
+    assert gr.parse_sampling({"top_p": 0.5}, "sp", 16, 64)["top_p"] == 0.5
+
+    async def run(session, base):
+        hot = {"temperature": 1.0, "max_new_tokens": 12}
+        body = {"input_ids": [[1, 2, 3]] * 3,
+                "sampling_params": [{**hot, "top_p": 1e-6}, {**hot, "temperature": 0.0}, {**hot, "top_p": 1.0}]}
+        async with session.post(base + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            nucleus, greedy, full = [o["output_ids"] for o in await r.json()]
+        assert nucleus == greedy and full != greedy
     asyncio.run(with_embedded_app(MODEL, run))

@@ -123,8 +123,8 @@ def test_generate_health_and_model_info_through_smg(routed):
         client = InferenceClient(router_url, TOKEN, session=session, timeout_s=30, num_layers=2, top_k=2, num_experts=8)
         res = await client.generate([1, 2, 3], return_routed_experts=True, **GREEDY)  # the orchestrator's client
         assert res.output_ids == direct["output_ids"] and res.routed_experts.shape == (3 + 4 - 1, 2, 2)
-        async with session.post(router_url + "/generate", json={"input_ids": [1], "sampling_params": {"top_p": 0.5}}) as r:
-            assert r.status == 400 and "sampling_params.top_p" in await r.text()  # the server's 400 passes through
+        async with session.post(router_url + "/generate", json={"input_ids": [1], "sampling_params": {"min_p": 0.5}}) as r:
+            assert r.status == 400 and "sampling_params.min_p" in await r.text()  # the server's 400 passes through
     _arun(body)
 
 

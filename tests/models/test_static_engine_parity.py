@@ -3,10 +3,11 @@ generates exactly transformers' greedy tokens and the dynamic engine's, per fami
 
 Covers the two cache layouts the static cache holds: GQA keys/values (llama with tied
 embeddings, qwen3_moe with q/k norms and head_dim != hidden/heads) and DeepSeek's MLA latent
-(deepseek_v3 with YaRN and interleaved rotary). Small slots (``max_batch_size`` 2 for 3-4
+(deepseek_v3 with YaRN and interleaved rotary), the DSA indexer's keys beside it (glm_moe_dsa)
+and Mamba-2's per-slot recurrent state (nemotron_h, a hybrid of Mamba-2, attention, MLP and
+LatentMoE layers). Small slots (``max_batch_size`` 2 for 3-4
 prompts: a slot is reused), a prefill chunk shorter than the prompts and a host sync every 3
-steps, so each run crosses chunk, slot-reuse and block boundaries. Families the static cache does
-not hold (Mamba-2 state, DSA index keys) fall back to the dynamic engine, with a log line.
+steps, so each run crosses chunk, slot-reuse and block boundaries.
 """
 from __future__ import annotations
 
@@ -72,21 +73,99 @@ def test_deepseek_v3_mla_latent_cache(tmp_path):
     _check(ours, hf)
 
 
-def test_recurrent_and_dsa_families_fall_back_to_the_dynamic_engine(caplog):
+def test_nemotron_h_mamba2_state_in_slots(tmp_path):
+    """Mamba-2 layers keep (conv window, SSM state) per slot: a prompt of 7 over chunks of 3
+    beside shorter right-padded rows, slot reuse (state zeroed at admission), rows idling
+    mid-block (state frozen), plus attention, MLP and LatentMoE layers (routing records)."""
+    from tests.models.test_parity_nemotron_h import pair
+
+    ours, hf, _ = pair(tmp_path)
+    _check(ours, hf)
+
+
+def test_rows_that_are_not_live_keep_their_mamba2_state(tmp_path):
+    """A CUDA graph's warm-up runs the decode step with every slot inactive (cuda_graphs.py): for
+    positional keys that is harmless, for a recurrent state only if the step leaves it alone. On
+    CPU no graph is captured, so the step is run here the way capture runs it."""
+    from tests.models.test_parity_nemotron_h import pair
+    from workers.inference.embedded.requests import _Seq
+
+    ours, _, _ = pair(tmp_path)
+    engine = STATIC(ours, max_batch_size=2, seed=0)
+    seqs = [_Seq(GenRequest(input_ids=p, max_new_tokens=5, temperature=0.0), lambda out: None) for p in PROMPTS[:2]]
+    for slot, s in enumerate(seqs):
+        s.slot = slot
+    with torch.inference_mode():
+        engine._prefill(seqs)
+        before = [tuple(t.clone() for t in st) for st in engine.slots.states if st]
+        with engine._quiesced():
+            engine._decode_step(2, 16, False)
+        after = [st for st in engine.slots.states if st]
+        assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+        engine._decode_step(2, 16, False)  # live rows do advance
+        assert not all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+
+
+def test_latent_moe_grouped_and_dense_sums_are_the_expert_loop(monkeypatch):
+    """LatentMoE's capture-safe paths: bf16 grouped GEMM over its squared-ReLU expert stacks (kept
+    across calls, refreshed in place after a weight update: what captured graphs read), and the
+    float32 dense sum (every expert on every token). Both equal the reference loop up to rounding."""
+    import workers.models.blocks.kernels as kernels
+    from workers.models.blocks.latent_moe import LatentMoE
+
+    torch.manual_seed(0)
+    moe = LatentMoE(hidden_size=16, num_experts=6, top_k=2, expert_intermediate_size=16, shared_intermediate_size=8,
+                    latent_size=8, n_group=2, topk_group=1)
+    flat = torch.randn(10, 8)
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2)
+    loop, dense = moe._experts(flat, idx, weights), moe._experts_dense(flat, idx, weights)
+    assert loop.abs().max() > 0 and torch.allclose(loop, dense, atol=1e-6)
+
+    moe, flat = moe.to(torch.bfloat16), flat.to(torch.bfloat16)
+    loop = moe._experts(flat, idx, weights).float()
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", True)
+    with torch.inference_mode():
+        grouped = moe._experts(flat, idx, weights).float()
+        assert moe.__dict__["_stack_cache"] is not None  # the stacks a graph would read
+        assert (grouped - loop).abs().max() <= 0.02 * loop.abs().max()
+        stacks = moe.__dict__["_stack_cache"][1]
+        with torch.no_grad():
+            for e in moe.experts:
+                e.up_proj.weight.mul_(2)
+        moe.restack_in_place()
+        assert moe.__dict__["_stack_cache"][1][0] is stacks[0]  # same tensors, new values
+        doubled = moe._experts(flat, idx, weights).float()
+    monkeypatch.setattr(kernels, "FAST_PATH_ON_CPU", False)
+    ref = moe._experts(flat, idx, weights).float()  # relu(2u)^2 = 4 relu(u)^2
+    assert (doubled - ref).abs().max() <= 0.02 * ref.abs().max() and ref.abs().max() > 3 * loop.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["every_layer_full_plain_rope", "shared_layer_yarn"])
+def test_glm_moe_dsa_index_keys_in_slots(variant, tmp_path):
+    """The DSA indexer's keys sit in slots beside the MLA latent; index_topk (4) is below every
+    sequence's length, so the choice of keys (and a shared layer's reuse of it) decides the tokens."""
+    from tests.models.test_parity_glm_moe_dsa import GLM, VARIANTS
+
+    hf, d = hf_model({**GLM, **VARIANTS[variant]}, tmp_path, family="glm_moe_dsa")
+    ours, _ = ours_from(hf, d, family="glm_moe_dsa")
+    _check(ours, hf)
+
+
+def test_every_builtin_family_gets_the_static_engine(caplog):
+    """No fallback any more: on ``static_cache=on`` the factory builds the static engine for the
+    recurrent and DSA families too, without the fallback's warning."""
     from transformers import GlmMoeDsaConfig, NemotronHConfig as HfNemotron
 
     from tests.models.test_parity_glm_moe_dsa import GLM
     from tests.models.test_parity_nemotron_h import HF_KW
 
-    models = []
-    for family, hf_cfg in (("nemotron_h", HfNemotron(**HF_KW)), ("glm_moe_dsa", GlmMoeDsaConfig(**GLM))):
-        spec = MODELS.get(family)
-        models.append(spec.build(spec.config(name="t", **spec.from_hf_config(hf_cfg.to_dict())), dtype=torch.float32))
-    assert "recurrent" in unsupported_reason(models[0]) and "DSA" in unsupported_reason(models[1])
     with caplog.at_level(logging.WARNING, logger="slurmrl.inference"):
-        for m in models:
-            engine = create_engine(m, max_batch_size=2, seed=0, options=type("O", (), {"static_cache": "on"})())
-            assert type(engine) is InferenceEngine
-    assert caplog.text.count("using the dynamic engine") == 2
-    with pytest.raises(ValueError, match="static KV cache"):
-        StaticEngine(models[0], max_batch_size=2, seed=0)
+        for family, hf_cfg in (("nemotron_h", HfNemotron(**HF_KW)), ("glm_moe_dsa", GlmMoeDsaConfig(**GLM))):
+            spec = MODELS.get(family)
+            m = spec.build(spec.config(name="t", **spec.from_hf_config(hf_cfg.to_dict())), dtype=torch.float32)
+            assert unsupported_reason(m) is None
+            engine = create_engine(m, max_batch_size=2, seed=0,
+                                   options=type("O", (), {"static_cache": "on", "max_seq_len": 32})())
+            assert type(engine) is StaticEngine
+    assert "dynamic engine" not in caplog.text

@@ -99,6 +99,35 @@ def test_sampled_logprobs_and_routing_match_full_forward(model):
     assert [o.output_ids for o in other] != [o.output_ids for o in outs]
 
 
+def test_top_p_samples_within_each_requests_nucleus(model):
+    """Per-request top_p in one batch: a vanishing nucleus is greedy, a top_p of 0.6 only ever
+    draws tokens inside that nucleus of the full-forward distribution (and the logprob stays the
+    temperature distribution's), top_p 1 still samples outside it."""
+    def nucleus_of(prompt, output, top_p):
+        lps, _ = full_forward(model, prompt, output, 1.0)
+        logits = model(torch.tensor([list(prompt) + list(output)])).logits[0, len(prompt) - 1:-1].float()
+        sp, si = logits.softmax(-1).sort(-1, descending=True)
+        keep = (sp.cumsum(-1) - sp) < top_p
+        return [set(si[i, keep[i]].tolist()) for i in range(len(output))], lps
+
+    reqs = [GenRequest(input_ids=p, temperature=1.0, top_p=tp, max_new_tokens=8)
+            for p in PROMPTS[:3] for tp in (1e-6, 0.6, 1.0)]
+    outs = run(make_engine(model, max_batch_size=9), reqs)
+    outside = 0
+    with torch.no_grad():
+        for r, o in zip(reqs, outs):
+            assert o.error is None and len(o.output_ids) == 8
+            sets, lps = nucleus_of(r.input_ids, o.output_ids, 0.6)
+            assert torch.allclose(torch.tensor(o.logprobs), lps, atol=1e-4)
+            if r.top_p < 0.01:
+                assert o.output_ids == reference_greedy(model, r.input_ids, 8)
+            elif r.top_p < 1.0:
+                assert all(t in ok for t, ok in zip(o.output_ids, sets)), (o.output_ids, sets)
+            else:
+                outside += sum(t not in ok for t, ok in zip(o.output_ids, sets))
+    assert outside > 0  # top_p 1 is not cut: the check above can fail
+
+
 def test_stop_tokens_and_max_new_tokens(model):
     prompt = PROMPTS[1]
     ref = reference_greedy(model, prompt, 12)

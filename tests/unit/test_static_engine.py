@@ -11,6 +11,7 @@ prompts of different lengths (stale keys masked), top-p, the per-slot length lim
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import types
@@ -106,8 +107,8 @@ def test_top_p_keeps_the_nucleus(model):
     assert [o.output_ids for o in outs] == [reference_greedy(model, p, 6) for p in PROMPTS[:3]]
     wide = run(make_static(model), [dataclasses.replace(r, top_p=1.0) for r in tiny])
     assert [o.output_ids for o in wide] != [o.output_ids for o in outs]  # sampling is on otherwise
-    refused = run(InferenceEngine(model, max_batch_size=2, seed=0), [dataclasses.replace(tiny[0])])[0]
-    assert refused.error and "top_p" in refused.error  # the dynamic engine does not sample top-p
+    dyn = run(InferenceEngine(model, max_batch_size=3, seed=0), [dataclasses.replace(r) for r in tiny])
+    assert [o.output_ids for o in dyn] == [o.output_ids for o in outs]  # the dynamic engine cuts the nucleus too
 
 
 def test_slot_length_limit_and_refusals(model):
@@ -131,6 +132,23 @@ def test_create_engine_picks_by_device_and_option(model):
     assert type(off) is InferenceEngine
 
 
+def test_a_layer_the_slots_cannot_hold_falls_back_to_the_dynamic_engine(caplog):
+    """Two attention modules in one layer (no builtin family has that): refused by the static cache,
+    served by the dynamic engine with a warning naming the layer."""
+    import logging
+
+    from workers.inference.embedded.config import EmbeddedInferenceConfig
+    from workers.inference.embedded.static_cache import StaticKVCache
+
+    odd = build_model(CFG, seed=3)
+    odd.model.layers[1].second = copy.deepcopy(odd.model.layers[1].self_attn)
+    with caplog.at_level(logging.WARNING, logger="slurmrl.inference"):
+        engine = create_engine(odd, max_batch_size=2, seed=0, options=EmbeddedInferenceConfig(static_cache="on"))
+    assert type(engine) is InferenceEngine and "layer 1" in caplog.text and "dynamic engine" in caplog.text
+    with pytest.raises(ValueError, match="layer 1"):
+        StaticKVCache(odd, num_slots=2, max_len=8, device="cpu", dtype=torch.float32)
+
+
 def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
     """On CPU a capture cannot work: forced on, it fails, the engine says why and decodes eagerly."""
     from workers.inference.embedded.cuda_graphs import DecodeGraphs
@@ -143,10 +161,11 @@ def test_a_failed_graph_capture_falls_back_to_eager_decoding(model):
     assert [o.output_ids for o in outs] == [reference_greedy(model, p, 5) for p in PROMPTS[:4]]
 
 
-SYNCING_OPS = {"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::equal",
+SYNCING_OPS = {"aten::nonzero", "aten::nonzero_numpy", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique", "aten::equal",
                "aten::is_nonzero", "aten::bincount", "aten::_unique2", "aten::unique_consecutive"}
 
 
+# nonzero(as_tuple=True) dispatches as aten::nonzero_numpy (torch 2.13): listed so the expert loop is caught.
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the ops that read device data on the host (on CUDA: a sync, which a graph cannot capture)."""
 
@@ -164,7 +183,7 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["tiny_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["tiny_moe", "qwen3_moe", "deepseek_v3", "nemotron_h", "glm_moe_dsa"])
 def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatch):
     """What a CUDA graph captures (forward on the GPU fast path, sampling, records, stop test) has no
     op that needs a device-to-host copy: checked on CPU with the fast path forced on, bf16. (Token
@@ -180,11 +199,15 @@ def test_the_decode_step_never_reads_the_device_from_the_host(family, monkeypatc
         from tests.models.test_parity_qwen3_moe import BASE
 
         lm = MODELS.get("qwen3_moe").build(BASE, dtype=torch.float32).init_weights(0)
-    else:
-        spec = MODELS.get("deepseek_v3")
+    else:  # deepseek_v3 (MLA); glm_moe_dsa (+ DSA keys); nemotron_h (Mamba-2 state, grouped LatentMoE)
         from transformers import AutoConfig
 
-        cfg = spec.config(name="t", **spec.from_hf_config(AutoConfig.for_model("deepseek_v3", **DSV3).to_dict()))
+        from tests.models.test_parity_glm_moe_dsa import GLM
+        from tests.models.test_parity_nemotron_h import HF_KW
+
+        spec = MODELS.get(family)
+        hf_kw = {"deepseek_v3": DSV3, "glm_moe_dsa": GLM, "nemotron_h": HF_KW}[family]
+        cfg = spec.config(name="t", **spec.from_hf_config(AutoConfig.for_model(family, **hf_kw).to_dict()))
         lm = spec.build(cfg, dtype=torch.float32).init_weights(0)
     lm = lm.to(torch.bfloat16)
     engine = make_static(lm, max_batch_size=4)

@@ -25,8 +25,9 @@ class EmbeddedInferenceConfig(InferenceConfig):
     4x orchestrator.max_inflight_rollouts' default, so a normal run never sees a 429)."""
     static_cache: str = "auto"
     """Engine kind: ``auto`` (the static engine on CUDA, the dynamic one on CPU), ``on`` (static on
-    any device; CUDA graphs only on CUDA) or ``off`` (dynamic: KV cache grown per step). Families the
-    static cache cannot hold (Mamba-2 state, DSA index keys) use the dynamic engine (a log line says so)."""
+    any device; CUDA graphs only on CUDA) or ``off`` (dynamic: KV cache grown per step). Every builtin
+    family fits the static slots (GQA k/v, MLA latent + DSA index keys, Mamba-2 state); a model whose
+    layer holds two attention/mixer modules uses the dynamic engine (a log line says so)."""
     max_seq_len: int = 0
     """Static engine: positions per KV slot (prompt + output); 0: model.max_position_embeddings, the
     dynamic engine's limit. The cache holds ``max_batch_size x max_seq_len`` positions per layer,

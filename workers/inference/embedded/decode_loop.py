@@ -40,6 +40,7 @@ from workers.inference.embedded.requests import GenRequest, _Seq
 from workers.inference.embedded.slot_state import GREEDY_EPS, MAX_STOP_IDS, SlotState
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
 from workers.models.blocks.decoder import CausalLM
+from workers.models.blocks.latent_moe import LatentMoE
 from workers.models.blocks.moe_softmax import MoeBlock
 
 log = logging.getLogger("slurmrl.inference")
@@ -47,8 +48,6 @@ log = logging.getLogger("slurmrl.inference")
 
 class StaticEngine(InferenceEngine):
     """:class:`InferenceEngine` over fixed slots; ``cuda_graphs`` applies on CUDA devices only."""
-
-    samples_top_p = True
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
                  max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True,
@@ -70,9 +69,11 @@ class StaticEngine(InferenceEngine):
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
         self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None
         self.graph_error: Optional[str] = None
-        if self._use_graphs and dtype != torch.bfloat16 and any(isinstance(m, MoeBlock) for m in model.modules()):
-            log.warning("static engine: %s MoE experts have no grouped GEMM; under CUDA-graph capture they run "
-                        "dense (every expert on every token): fine for tiny models, slow for large ones", dtype)
+        if self._use_graphs and dtype != torch.bfloat16 and any(isinstance(m, (MoeBlock, LatentMoE))
+                                                                for m in model.modules()):
+            log.warning("static engine: %s MoE experts (%s) have no grouped GEMM; under CUDA-graph capture they run "
+                        "dense (every expert on every token): fine for tiny models, slow for large ones", dtype,
+                        type(model).__name__)
         # Host copies of (done flag, tokens generated) per slot, then the non-finite flag: one read a block.
         self._pinned = torch.zeros(2 * max_batch_size + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._retired_tokens = 0
@@ -92,7 +93,7 @@ class StaticEngine(InferenceEngine):
         """Captured graphs read the MoE expert stacks and the version tensor in place."""
         self.state.version.fill_(int(self.weight_version))
         for m in self.model.modules():
-            if isinstance(m, MoeBlock):
+            if isinstance(m, (MoeBlock, LatentMoE)):
                 m.restack_in_place()
 
     # ---- engine thread -----------------------------------------------------------------
@@ -145,6 +146,8 @@ class StaticEngine(InferenceEngine):
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
         st, dev = self.state, self.device
         rows = st.admit([s.slot for s in seqs], [s.req for s in seqs], dev)
+        self.slots.reset(rows)  # recurrent (Mamba-2) states start from zero; keys are masked instead
+        self.slots.live = None  # every admitted row is live
         lens = torch.tensor([len(s.req.input_ids) for s in seqs])
         n, t_max = len(seqs), int(lens.max())
         ids = torch.zeros(n, t_max, dtype=torch.long)
@@ -182,6 +185,7 @@ class StaticEngine(InferenceEngine):
         rows = st.arange[:b]
         self.slots.use(rows, prefix=True)
         self.slots.window = window
+        self.slots.live = st.active[:b] & ~st.done[:b]  # rows whose recurrent state this step may advance
         fed = st.pos[:b]
         out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
         routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
@@ -251,8 +255,9 @@ def create_engine(model: CausalLM, *, max_batch_size: int, seed: int, options=No
     """The engine ``options`` (an EmbeddedInferenceConfig, or None: defaults) asks for.
 
     ``static_cache``: ``auto`` is the static engine on CUDA and the dynamic one on CPU; ``on``
-    / ``off`` force it. Families the static cache cannot hold fall back to the dynamic engine
-    with a log line saying why (recurrent Mamba-2 state, DSA index keys)."""
+    / ``off`` force it. Every builtin family fits the slots (GQA, MLA + DSA keys, Mamba-2 state);
+    a model with a layer the slots cannot hold (two attention/mixer modules in one layer) falls
+    back to the dynamic engine with a log line saying why."""
     mode = getattr(options, "static_cache", "auto")
     device = next(model.parameters()).device
     if mode == "off" or (mode == "auto" and device.type != "cuda"):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from workers.common.dtypes import check_name, torch_dtype
 from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
+from workers.inference.embedded.slot_state import nucleus
 from workers.common.registry import MODELS
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.decoder import CausalLM
@@ -48,8 +49,6 @@ def engine_seed(run_seed: int, rank: int) -> int:
 
 class InferenceEngine:
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
-
-    samples_top_p = False  # the static engine (decode_loop.py) samples within the top-p nucleus
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
         assert max_batch_size >= 1, max_batch_size
@@ -95,10 +94,6 @@ class InferenceEngine:
         thread for aborts), with the result. It must not block."""
         assert req.input_ids and len(req.input_ids) < self.max_seq_len, len(req.input_ids)
         seq = _Seq(req, on_done)
-        if req.top_p < 1.0 and not self.samples_top_p:
-            msg = "top_p < 1 needs the static engine (inference.static_cache)"
-            self._finish(seq, {"type": "abort", "message": msg}, error=msg)
-            return
         with self._cond:
             if not self._stopping:
                 self._pending.append(seq)
@@ -298,13 +293,18 @@ class InferenceEngine:
         self._sample_into(rows, out.logits[:, -1], [True] * len(rows))
 
     def _sample_into(self, seqs: list[_Seq], logits: torch.Tensor, wants: list[bool]) -> None:
-        """Sample one token per row; logprob under the sampling distribution, in float32."""
+        """Sample one token per row within its top-p nucleus; the logprob is under the temperature
+        distribution (before the nucleus cut, as the static engine and SGLang report it), in float32."""
         temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32).to(self.device)
         greedy = temps < GREEDY_EPS
         logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
         tok = logp.argmax(-1)
         if not bool(greedy.all()):
-            drawn = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(1)
+            probs = logp.exp()
+            top_p = [s.req.top_p for s in seqs]
+            if min(top_p) < 1.0:  # top_p 1 keeps the full distribution (and the seeded draws) untouched
+                probs = nucleus(probs, torch.tensor(top_p, dtype=torch.float32, device=self.device))
+            drawn = torch.multinomial(probs, 1, generator=self._gen).squeeze(1)
             tok = torch.where(greedy, tok, drawn)
         lp = logp.gather(1, tok[:, None]).squeeze(1)
         for s, want, t, l in zip(seqs, wants, tok.tolist(), lp.tolist()):

@@ -13,7 +13,7 @@ sglang here:
     different answer;
   - sampling_params: unknown keys are REFUSED (SGLang: "unknown keys rejected"); values
     outside SGLang's own ranges are refused with SGLang's range; values inside them that the
-    engine cannot honour (top_p < 1 ...) are refused as unsupported, since the returned
+    engine cannot honour (min_p > 0, penalties ...) are refused as unsupported, since the returned
     logprobs would be wrong; detokenizer-only options are ignored.
 """
 from __future__ import annotations
@@ -111,10 +111,14 @@ def parse_sampling(sp: Any, field: str, vocab_size: int, max_len: int) -> dict:
             if v is not None and not isinstance(v, list):
                 raise BadRequest(f"{f}: expected a list of token ids")
             out[key] = tuple(_int(t, f"{f}[{i}]", 0, vocab_size - 1) for i, t in enumerate(v or []) if t is not None)
-        elif key in ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            default = {"top_p": 1.0, "repetition_penalty": 1.0}.get(key, 0.0)
+        elif key == "top_p":  # both engines sample within the nucleus
+            out[key] = _float(v, f, 1.0)
+            if not 0 < out[key] <= 1:
+                raise BadRequest(f"{f}={v!r} must be in (0, 1] (as in SGLang)")
+        elif key in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            default = {"repetition_penalty": 1.0}.get(key, 0.0)
             x = _float(v, f, default)
-            valid, rng = {"top_p": (0 < x <= 1, "(0, 1]"), "min_p": (0 <= x <= 1, "[0, 1]"),
+            valid, rng = {"min_p": (0 <= x <= 1, "[0, 1]"),
                           "repetition_penalty": (0 < x <= 2, "(0, 2]")}.get(key, (-2 <= x <= 2, "[-2, 2]"))
             _neutral(f, x, default, valid, rng)
         elif key == "top_k":

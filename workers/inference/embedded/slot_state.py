@@ -37,12 +37,17 @@ def sample_tokens(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
     logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temp)[:, None], dim=-1)
     tok = logp.argmax(-1)
     if noise is not None:
-        probs = logp.exp()
-        sp, si = probs.sort(dim=-1, descending=True)
-        outside = (sp.cumsum(-1) - sp) >= top_p[:, None]  # mass before the token already reached top_p
-        probs = probs.masked_fill(torch.zeros_like(outside).scatter_(1, si, outside), 0.0)
-        tok = torch.where(greedy, tok, (probs / noise).argmax(-1))
+        tok = torch.where(greedy, tok, (nucleus(logp.exp(), top_p) / noise).argmax(-1))
     return tok, logp.gather(1, tok[:, None])[:, 0]
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` [B, V] with every token outside row b's top-``top_p[b]`` nucleus set to 0 (not
+    renormalised: both samplers are scale-free). The nucleus is the smallest set of most likely
+    tokens whose mass reaches top_p (SGLang's rule); the most likely token is always in it."""
+    sp, si = probs.sort(dim=-1, descending=True)
+    outside = (sp.cumsum(-1) - sp) >= top_p[:, None]  # mass before the token already reached top_p
+    return probs.masked_fill(torch.zeros_like(outside).scatter_(1, si, outside), 0.0)
 
 
 class SlotState:

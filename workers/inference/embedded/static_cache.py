@@ -7,7 +7,16 @@ buffer of ``num_slots x max_len`` positions allocated once:
 
 - GQA layers (workers/models/blocks/attention.py): keys and values ``[S, L, kv_heads, head_dim]``
   (time before heads, so one token's write is one contiguous row; SDPA reads the transposed view);
-- MLA layers (workers/models/blocks/mla.py): the normed latent + rotated key ``[S, L, r + dr]``.
+- MLA layers (workers/models/blocks/mla.py): the normed latent + rotated key ``[S, L, r + dr]``,
+  and where a DSA indexer scores the keys (GLM-5, workers/models/blocks/dsa_indexer.py) its keys
+  ``[S, L, index_head_dim]`` in ``index_keys``, written and read the same way;
+- Mamba-2 layers (workers/models/blocks/mamba2.py, nemotron_h): ``states`` = (conv window
+  ``[S, conv_dim, kernel - 1]``, SSM state ``[S, H, P, N]`` float32), no time axis. Unlike keys, a
+  state is not addressed by position, so it must be zeroed when a slot is admitted (:meth:`reset`),
+  and a decode step updates only live rows (``live``: the engine's active-and-not-done flags),
+  since rows that are not live -- free slots, finished ones, every row in a graph's warm-up runs
+  -- still run the step. Right-padded prefill chunks hold a row's state over its pads (the
+  mixer's ``right_pads``), so chunks and rows of any length carry exactly their own state.
 
 A sequence keeps position ``p`` at index ``p`` of its slot (no left padding), so the attention
 mask is simply ``key index <= query position``: a forward writes its new keys at their positions
@@ -20,9 +29,9 @@ no copy: what the CUDA graphs capture), or any slot list for a prefill (a gather
 ``window``: attention reads positions ``[0, window)`` only, a bound the engine knows on the host
 (every running sequence's next positions), so a short batch does not read the whole slot.
 
-Families whose layers keep other state (Mamba-2 recurrent state: nemotron_h; the DSA indexer's
-keys: glm_moe_dsa) are not supported here: :func:`unsupported_reason` names the layer and the
-engine falls back to the dynamic cache.
+A layer may cache nothing (an MLP or MoE block of a hybrid model). A layer with more than one
+attention or mixer is not supported: :func:`unsupported_reason` names it and the engine falls
+back to the dynamic cache.
 """
 from __future__ import annotations
 
@@ -32,24 +41,22 @@ import torch
 from torch import nn
 
 from workers.models.blocks import kernels
-from workers.models.blocks.attention import Attention
 from workers.models.blocks.cache import KVCache
+from workers.models.blocks.mamba2 import Mamba2Mixer
 from workers.models.blocks.mla import MLAttention
 
 
-def _attention_of(layer: nn.Module) -> Optional[nn.Module]:
-    found = [m for m in layer.modules() if isinstance(m, (Attention, MLAttention))]
-    return found[0] if len(found) == 1 else None
+def _cached_modules(layer: nn.Module) -> list[nn.Module]:
+    """What a layer keeps between steps: GQA attention (``kv_slots``), MLA, or a Mamba-2 mixer."""
+    return [m for m in layer.modules() if isinstance(m, (MLAttention, Mamba2Mixer)) or getattr(m, "kv_slots", False)]
 
 
 def unsupported_reason(model: nn.Module) -> Optional[str]:
-    """None when every layer caches only GQA keys/values or an MLA latent; else why not."""
+    """None when every layer caches at most one GQA k/v, MLA latent (+ DSA keys) or Mamba-2 state."""
     for i, layer in enumerate(model.model.layers):
-        att = _attention_of(layer)
-        if att is None:
-            return f"layer {i} ({type(layer).__name__}) has no single GQA/MLA attention (recurrent state?)"
-        if isinstance(att, MLAttention) and (att.indexer is not None or att.reuses_index):
-            return f"layer {i} uses the DSA indexer (its index keys have no static slot yet)"
+        found = _cached_modules(layer)
+        if len(found) > 1:
+            return f"layer {i} ({type(layer).__name__}) has {len(found)} attention/mixer modules, the slots hold one"
     return None
 
 
@@ -65,17 +72,22 @@ class StaticKVCache(KVCache):
         super().__init__(len(model.model.layers))
         self.num_slots, self.max_len = num_slots, max_len
         for i, layer in enumerate(model.model.layers):
-            att = _attention_of(layer)
-            if isinstance(att, MLAttention):
-                self.keys[i] = torch.zeros(num_slots, max_len, att.r + att.dr, device=device, dtype=dtype)
-            else:
-                shape = (num_slots, max_len, att.nkv, att.hd)
-                self.keys[i] = torch.zeros(shape, device=device, dtype=dtype)
-                self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
+            for m in _cached_modules(layer):
+                if isinstance(m, Mamba2Mixer):
+                    self.states[i] = m.empty_state(num_slots, device, dtype)
+                elif isinstance(m, MLAttention):
+                    self.keys[i] = torch.zeros(num_slots, max_len, m.r + m.dr, device=device, dtype=dtype)
+                    if m.indexer is not None:
+                        self.index_keys[i] = torch.zeros(num_slots, max_len, m.indexer.d, device=device, dtype=dtype)
+                else:
+                    shape = (num_slots, max_len, m.nkv, m.hd)
+                    self.keys[i] = torch.zeros(shape, device=device, dtype=dtype)
+                    self.values[i] = torch.zeros(shape, device=device, dtype=dtype)
         self.key_index = torch.arange(max_len, device=device)
         self.all_slots = torch.arange(num_slots, device=device)
         self.slots, self.prefix, self.window = self.all_slots, True, max_len
         self._pos: Optional[torch.Tensor] = None
+        self.live: Optional[torch.Tensor] = None  # [B] bool: rows whose recurrent state may change (None: all)
 
     @property
     def length(self) -> int:
@@ -83,11 +95,21 @@ class StaticKVCache(KVCache):
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+        tensors = self.keys + self.values + self.index_keys + [t for st in self.states if st for t in st]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero the recurrent states of newly admitted ``slots`` (keys need no clearing: masked)."""
+        for st in self.states:
+            for t in st or ():
+                t[slots] = 0
 
     def use(self, slots: torch.Tensor, prefix: bool) -> None:
-        """Rows of the next forwards: ``slots`` [B]; ``prefix`` promises ``slots == arange(B)``."""
+        """Rows of the next forwards: ``slots`` [B]; ``prefix`` promises ``slots == arange(B)``
+        (decode steps; prefills gather their slots)."""
         self.slots, self.prefix = slots, prefix
+
+    decoding = property(lambda self: self.prefix, doc="A decode step (one token per row), not a prefill chunk.")
 
     def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Starts a forward at ``position_ids`` [B, T] (remembered for the writes); returns the
@@ -125,6 +147,28 @@ class StaticKVCache(KVCache):
         """Store MLA's ``[B, T, r + dr]`` entries; returns the rows' slots over the key window."""
         self._write(self.keys[layer], entry)
         return self._rows(self.keys[layer])
+
+    def write_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store the DSA indexer's ``[B, T, D]`` keys; returns the rows' slots over the key window."""
+        self._write(self.index_keys[layer], keys)
+        return self._rows(self.index_keys[layer])
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The rows' recurrent state (views for a decode prefix, a gather for a prefill)."""
+        n = self.slots.shape[0]
+        return tuple(t[:n] if self.prefix else t.index_select(0, self.slots) for t in self.states[layer])
+
+    def write_state(self, layer: int, new: tuple[torch.Tensor, ...]) -> None:
+        """Store the rows' new state; rows that are not ``live`` keep theirs (in place: graph-safe)."""
+        n = self.slots.shape[0]
+        for buf, t in zip(self.states[layer], new):
+            if self.live is not None:
+                old = buf[:n] if self.prefix else buf.index_select(0, self.slots)
+                t = torch.where(self.live.view(-1, *[1] * (t.dim() - 1)), t.to(buf.dtype), old)
+            if self.prefix:
+                buf[:n].copy_(t)
+            else:
+                buf[self.slots] = t.to(buf.dtype)
 
     # The dynamic cache's batch surgery has no meaning for fixed slots.
     def select(self, rows):  # pragma: no cover - a programming error, not a run-time path

@@ -45,6 +45,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """q/k/v/o projections (bias-free) over ``num_heads`` query and ``num_kv_heads`` kv heads of ``head_dim``."""
 
+    kv_slots = True  # the static engine's cache keeps nkv x hd keys/values per position (static_cache.py)
+
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
                  qk_norm_eps: Optional[float] = None):
         super().__init__()

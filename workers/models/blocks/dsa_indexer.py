@@ -13,7 +13,9 @@ indexer gets no gradient from the language-model loss (transformers runs it unde
 DSA trains it with its own KL loss, which this project does not implement).
 
 Cache: a layer's indexer keys go to ``cache.index_keys[layer]`` ``[B, T, index_head_dim]`` (time
-on dim -2, so the engine's pad/merge/select/trim treat them like attention keys). GLM-5's
+on dim -2, so the engine's pad/merge/select/trim treat them like attention keys); the static
+engine's slots keep them per position beside the MLA latent (its mask already hides stale
+positions, so the top-k is chosen among the same keys). GLM-5's
 ``indexer_types`` may mark a layer ``shared``: it has no indexer and reuses the keep mask of the
 last ``full`` layer of the same forward (``ctx.memo``).
 
@@ -57,7 +59,9 @@ class DsaIndexer(nn.Module):
         """The attention mask ``[B, 1, T, S]`` narrowed to each query's top ``topk`` keys (S: cached + new)."""
         t = x.shape[1]
         q, k, w = self._project(x, q_latent, cos, sin)
-        if ctx.cache is not None:
+        if ctx.cache is not None and ctx.cache.static:  # fixed slots: every position of the key window, masked
+            k = ctx.cache.write_index_keys(ctx.layer, k)
+        elif ctx.cache is not None:
             past = ctx.cache.index_keys[ctx.layer]
             if past is not None:
                 k = torch.cat([past, k], dim=1)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.models.blocks import kernels
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.blocks.moe_softmax import MoeBlock
 
@@ -39,8 +40,13 @@ class ReluSquaredMLP(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    # The same balance loss and load as tiny_moe's routed layers (reads num_experts and top_k).
+    # tiny_moe's routed-layer machinery, reading num_experts, top_k and experts: the balance loss and
+    # load, the capture-safe dense expert sum, and the grouped-GEMM path over this layer's own stacks.
     balance = MoeBlock.balance
+    _experts_dense = MoeBlock._experts_dense
+    EXPERT_STACKS = (("up_proj",), ("down_proj",))
+    _grouped_ok, _experts_grouped = MoeBlock._grouped_ok, MoeBlock._experts_grouped
+    _stacked_weights, restack_in_place = MoeBlock._stacked_weights, MoeBlock.restack_in_place
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
                  shared_intermediate_size: int, latent_size: int = 0, n_group: int = 1, topk_group: int = 1,
@@ -80,8 +86,21 @@ class LatentMoE(nn.Module):
         ep = self.__dict__.get("expert_parallel")
         return ep(flat, idx, weights) if ep is not None else self._experts(flat, idx, weights)
 
+    def _grouped_mlp(self, xs: torch.Tensor, offs: torch.Tensor, stacks: tuple) -> torch.Tensor:
+        """Squared-ReLU experts on the expert-grouped rows ``xs`` [N*k, width]: two grouped GEMMs."""
+        w_up, w_down = stacks
+        h = F.relu(F.grouped_mm(xs, w_up.transpose(1, 2), offs=offs)).square()
+        return F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+
     def _experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference)."""
+        """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference).
+        bf16 on the fast path: sorted by expert, two grouped GEMMs, no host sync (MoeBlock's). Else
+        under CUDA-graph capture (the static engine's decode graphs, float32) the loop's
+        data-dependent shapes cannot be recorded: every expert runs on every token (E x the FLOPs)."""
+        if kernels.fast(flat) and self._grouped_ok(flat):
+            return self._experts_grouped(flat, idx, weights)
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._experts_dense(flat, idx, weights)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         for e in range(self.num_experts):
             rows, slot = (idx == e).nonzero(as_tuple=True)

@@ -79,40 +79,51 @@ class Mamba2Mixer(nn.Module):
                 torch.zeros(batch, self.num_heads, self.head_dim, self.state_size, device=device, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, state: Optional[tuple] = None,
-                return_state: bool = False, cp=None):
+                return_state: bool = False, cp=None, *, right_pads: bool = False, decode: Optional[bool] = None):
         """``x`` [B, T, hidden]; ``valid`` [B, T] bool (pads False) or None; ``state`` the cached
         ``(conv window, ssm state)`` or None. Returns ``(y [B, T, hidden], new state or None)``.
-        ``cp``: context parallel (this rank's chunk of the sequence; workers/models/blocks/mamba2_cp.py)."""
+        ``cp``: context parallel (this rank's chunk of the sequence; workers/models/blocks/mamba2_cp.py).
+        ``right_pads`` (the static engine's chunked prefill: every row's valid tokens first): pads
+        neither decay nor feed the state (dt = 0 there) and each row's conv window ends at its last
+        valid token, so the returned state is each row's own after its valid tokens.
+        ``decode``: whether this is a decode step (no dt floor); None: one cached token is one."""
         if cp is not None:
             return forward_cp(self, x, valid, cp), None
         b, t, _ = x.shape
         # One cached token is the reference's decode step: no padding mask, no dt floor.
-        step = state is not None and t == 1
+        step = (state is not None and t == 1) if decode is None else decode
         mask = None if (valid is None or step) else valid[:, :, None].to(x.dtype)
         if mask is not None:
             x = x * mask
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        xbc, window = self._conv(xbc, None if state is None else state[0])
+        xbc, window = self._conv(xbc, None if state is None else state[0],
+                                 valid.sum(1) if right_pads and mask is not None else None)
         if mask is not None:
             xbc = xbc * mask
         xs, bm, cm = xbc.split([self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1)
         dt = F.softplus(dt + self.dt_bias)
         if not step:
             dt = dt.clamp(min=self.time_step_min)
+        if right_pads and mask is not None:
+            dt = dt * mask  # exp(0 * A) = 1 and 0 * B x = 0: a pad leaves the state as it was
         y, ssm = self.scan(xs.view(b, t, self.num_heads, self.head_dim), dt, bm.view(b, t, self.n_groups, -1),
                            cm.view(b, t, self.n_groups, -1), None if state is None else state[1])
         y = self.norm(y.reshape(b, t, self.inner), z)
         out = self.out_proj(y.to(x.dtype))
         return out, ((window, ssm) if return_state else None)
 
-    def _conv(self, xbc: torch.Tensor, window: Optional[torch.Tensor]):
+    def _conv(self, xbc: torch.Tensor, window: Optional[torch.Tensor], num_valid: Optional[torch.Tensor] = None):
         """Depthwise causal conv + SiLU over [B, T, C]; the window is the last ``conv_kernel - 1``
-        inputs (zeros before the first token, as the conv's own left padding)."""
+        inputs (zeros before the first token, as the conv's own left padding), or with
+        ``num_valid`` [B] (right-padded rows) the ``conv_kernel - 1`` inputs before each row's pads."""
         u = xbc.transpose(1, 2)
         k = self.conv_kernel - 1
         full = F.pad(u, (k, 0)) if window is None else torch.cat([window.to(u.dtype), u], dim=-1)
         out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - k:]
+        if num_valid is None:
+            return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - k:]
+        at = (num_valid[:, None] + torch.arange(k, device=u.device))[:, None, :].expand(-1, u.shape[1], k)
+        return F.silu(out).transpose(1, 2), full.gather(-1, at)
 
     def scan(self, x: torch.Tensor, dt: torch.Tensor, bm: torch.Tensor, cm: torch.Tensor,
              h0: Optional[torch.Tensor], chunk: Optional[int] = None, heads: slice = slice(None)):

@@ -54,6 +54,11 @@ class _UnpermuteSum(torch.autograd.Function):
 class MoeBlock(nn.Module):
     """Softmax top-k router + experts. Gate weights always come from this model's router."""
 
+    EXPERT_STACKS = (("gate_proj", "up_proj"), ("down_proj",))
+    """The grouped-GEMM weight stacks: per stack, the expert projections concatenated along the
+    output dim ([E, 2I, H] gate|up, [E, H, I] down). Other expert shapes (Nemotron-H's squared-ReLU
+    LatentMoE) reuse the grouped path with their own stacks and :meth:`_grouped_mlp`."""
+
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
                  norm_topk_prob: bool = True):
         super().__init__()
@@ -132,20 +137,30 @@ class MoeBlock(nn.Module):
     def _experts_dense(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, scaled by its gate weight (0 where not chosen): no
         data-dependent shapes, so a CUDA graph can capture it where grouped GEMM does not apply
-        (float32). E times the expert FLOPs: for tiny models and tests, not for serving."""
+        (float32). E times the expert FLOPs: for tiny models and tests, not for serving. Sums in
+        float32 (Nemotron-H's LatentMoE reuses it, whose reference sums its experts in float32)."""
         gate = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=flat.device)
         gate.scatter_add_(1, idx, weights)
-        out = torch.zeros_like(flat)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         for e, expert in enumerate(self.experts):
-            out = out + expert(flat) * gate[:, e:e + 1].to(flat.dtype)
-        return out
+            out = out + (expert(flat) * gate[:, e:e + 1]).float()
+        return out.to(flat.dtype)
 
     def _grouped_ok(self, flat: torch.Tensor) -> bool:
-        """Grouped GEMM needs bf16 operands and plain nn.Linear experts (not swapped modules)."""
+        """Grouped GEMM needs bf16 operands, plain bias-free nn.Linear experts (not swapped modules)
+        and widths in multiples of 8 (its strides must be multiples of 16 bytes)."""
         e0 = self.experts[0]
         return (hasattr(F, "grouped_mm") and flat.dtype == torch.bfloat16
                 and all(type(getattr(e0, n)) is nn.Linear and getattr(e0, n).weight.dtype == torch.bfloat16
-                        for n in ("gate_proj", "up_proj", "down_proj")))
+                        and getattr(e0, n).bias is None and not any(d % 8 for d in getattr(e0, n).weight.shape)
+                        for group in self.EXPERT_STACKS for n in group))
+
+    def _grouped_mlp(self, xs: torch.Tensor, offs: torch.Tensor, stacks: tuple) -> torch.Tensor:
+        """SwiGLU of the expert-grouped rows ``xs`` [N*k, H]: two grouped GEMMs."""
+        w_gate_up, w_down = stacks
+        gate_up = F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [N*k, 2I]
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [N*k, H]
 
     def _experts_grouped(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sort token slots by expert, two grouped GEMMs over all experts, no host sync.
@@ -166,29 +181,30 @@ class MoeBlock(nn.Module):
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         xs = _GatherSlots.apply(flat, tok_of, inv, k)  # [N*k, H] grouped by expert
-        w_gate_up, w_down = self._stacked_weights()
-        gate_up = F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [N*k, 2I]
-        g, u = gate_up.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [N*k, H]
+        y = self._grouped_mlp(xs, offs, self._stacked_weights())
         y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
         return _UnpermuteSum.apply(y, tok_of, inv, k)
 
-    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([E, 2I, H] gate|up, [E, H, I] down). Without autograd (inference) the stack is kept
+    def _stacked_weights(self) -> tuple[torch.Tensor, ...]:
+        """One [E, out, in] tensor per :attr:`EXPERT_STACKS` entry. Without autograd (inference) the stack is kept
         until a weight changes (in-place copies bump ``_version``), so decode steps do not
         re-copy every expert; with autograd it is rebuilt so gradients reach the parameters.
         Update weights with ``param.copy_`` (as the engine does), not through ``param.data``,
         whose writes bypass the version counter."""
         # Straight through _modules/_parameters: nn.Module.__getattr__ costs ~2 us a lookup, x 192 a layer.
-        ws = [e._modules[n]._parameters["weight"] for e in self.experts._modules.values()
-              for n in ("gate_proj", "up_proj", "down_proj")]
+        names = [n for group in self.EXPERT_STACKS for n in group]
+        ws = [e._modules[n]._parameters["weight"] for e in self.experts._modules.values() for n in names]
         cacheable = not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
         key = tuple((w.data_ptr(), w._version) for w in ws) if cacheable else None
         cached = self.__dict__.get("_stack_cache")
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        stacked = (torch.stack([torch.cat([ws[i], ws[i + 1]]) for i in range(0, len(ws), 3)]),
-                   torch.stack(ws[2::3]))
+        per, at, stacked = len(names), 0, []
+        for group in self.EXPERT_STACKS:  # expert e's weights are ws[e*per : (e+1)*per], in names' order
+            parts = [ws[e + at:e + at + len(group)] for e in range(0, len(ws), per)]
+            stacked.append(torch.stack([p[0] if len(p) == 1 else torch.cat(p) for p in parts]))
+            at += len(group)
+        stacked = tuple(stacked)
         self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
         return stacked
 

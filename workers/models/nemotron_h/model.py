@@ -43,6 +43,8 @@ class RMSNorm(nn.Module):
 class NoPEAttention(nn.Module):
     """Grouped-query attention without positional encoding; the cache keeps kv heads only."""
 
+    kv_slots = True  # the static engine's cache keeps nkv x hd keys/values per position (static_cache.py)
+
     def __init__(self, cfg: NemotronHConfig):
         super().__init__()
         h, self.nh, self.hd, self.nkv = cfg.hidden_size, cfg.num_heads, cfg.attn_head_dim, cfg.kv_heads
@@ -57,6 +59,8 @@ class NoPEAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         cache = ctx.cache
+        if cache is not None and cache.static:  # preallocated slots: it writes k/v and attends (grouped heads)
+            return self.o_proj(cache.attend(ctx.layer, q, k, v, ctx.mask).transpose(1, 2).reshape(b, t, -1))
         if cache is not None:
             if cache.keys[ctx.layer] is not None:
                 k = torch.cat([cache.keys[ctx.layer], k], dim=2)
@@ -104,6 +108,11 @@ class HybridBlock(nn.Module):
             cache = ctx.cache
             if ctx.docs is not None and ctx.cp is None:  # packed: every document starts from a zero state
                 y = ctx.docs.map_runs(lambda r, a, b, doc: self.mixer(h[r:r + 1, a:b], ctx.valid[r:r + 1, a:b])[0])
+                return x + y, None
+            if cache is not None and cache.static:  # fixed slots: right-padded chunks, state per slot
+                y, new_state = self.mixer(h, ctx.valid, cache.read_state(ctx.layer), return_state=True,
+                                          right_pads=True, decode=cache.decoding)
+                cache.write_state(ctx.layer, new_state)
                 return x + y, None
             state = None if cache is None else cache.states[ctx.layer]
             y, new_state = self.mixer(h, ctx.valid, state, return_state=cache is not None, cp=ctx.cp)

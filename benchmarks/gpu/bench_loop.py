@@ -1,0 +1,178 @@
+"""The full local loop on one GPU, dynamic engine vs static engine, side by side (issue 24).
+
+    python -m benchmarks.gpu.bench_loop --out DIR [--steps 20] [--model gpu_moe_1b5]
+    python -m benchmarks.gpu.bench_loop --out DIR --cpu-smoke      # a few tiny steps on CPU
+
+Runs the SAME job twice through the real CLI (``python -m launcher experiment=tiny_local``:
+trainer + 2 embedded engines as processes, real HTTP, real weight publishing), once with
+``inference.static_cache=off`` (before: the dynamic KV cache, host-bound on a GPU) and once with
+``auto`` (after: fixed KV slots + CUDA-graph decode on a GPU). Same model, seed and steps, so
+the difference is the engine. On CUDA the model is a preset bigger than tiny (default
+``gpu_moe_1b5``: 1.5B MoE, bf16 trainer and engines) so generation is real work; the engines'
+positions per slot are capped (``--max-seq-len``) so two static caches and the trainer share one GPU.
+
+``--cpu-smoke`` (no GPU needed): the tiny model, a few steps, engines on CPU, the "after" run
+with ``static_cache=on`` (``auto`` is the dynamic engine on CPU) so both engines really run.
+
+Prints a table (steps, wall s, mean step time s, rollout tok/s, the engines' own tok/s, inference
+busy fraction, weight sync s, reward first -> last) and writes ``DIR/loop.json``. Mean step time
+is the interval between consecutive trainer steps (steps 2..N: step 1 waits for process start-up
+and the first rollouts), the rate the loop runs at; rollout tok/s is generated completion tokens
+over the same interval. The loop is asynchronous (rollouts overlap training), so the step time
+is the slower of generation and training + weight publishing (~3 GB per step at 1.5B): the env
+is reverse_digits with ``--digits`` 128 so generation is a real share of a step. The launcher composes
+its config with Hydra: on a machine without it, put hydra-core, omegaconf and antlr4-python3-runtime
+(pure-Python wheels) on PYTHONPATH, as benchmarks/gpu/device_run.sh does with .gpusite/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = (("before", "off"), ("after", "auto"))
+
+
+def overrides(args: argparse.Namespace, cache: str, run_dir: Path) -> list[str]:
+    """The launcher's command line of one run (``cache``: inference.static_cache)."""
+    common = ["experiment=tiny_local", f"trainer.num_steps={args.steps}", f"seed={args.seed}",
+              f"cluster.runs_root={run_dir.parent}", f"launcher.run_dir={run_dir}",
+              f"inference.static_cache={cache}", f"inference.max_seq_len={args.max_seq_len}"]
+    if args.digits:  # reverse N digits: a prompt of ~N tokens, a completion of up to N + 1
+        common += [f"env.min_digits={args.digits}", f"env.max_digits={args.digits}"]
+    if args.cpu_smoke:
+        return common + ["inference.device=cpu", "inference.dtype=float32"]
+    return common + [f"model={args.model}", "inference.device=cuda", "inference.dtype=bfloat16",
+                     "trainer.dtype=bfloat16", f"trainer.micro_batch_tokens={args.micro_batch_tokens}"]
+
+
+def engine_lines(run_dir: Path) -> list[str]:
+    """What each engine said it is (the static engine logs its slots; the factory its fallbacks)."""
+    out = []
+    for f in sorted((run_dir / "logs").glob("inference_*.log")) if (run_dir / "logs").is_dir() else []:
+        out += [f"{f.stem}: {ln.strip()[:300]}" for ln in f.read_text(errors="replace").splitlines()
+                if "static engine:" in ln or "static KV cache unavailable" in ln or "CUDA graph" in ln][:4]
+    return out
+
+
+def summarise(records: list[dict]) -> dict:
+    """Loop rate from metrics.jsonl: step-to-step interval and generated tokens over steps 2..N."""
+    res: dict = {"steps": len(records)}
+    if not records:
+        return res
+    res["reward_first"], res["reward_last"] = records[0].get("reward_mean"), records[-1].get("reward_mean")
+    res["trainer_busy_s_mean"] = sum(r["step_time_s"] for r in records) / len(records)
+    for key in ("inference_busy_frac", "inference_tokens_per_s", "weight_sync_s", "completion_len_mean"):
+        res[f"{key}_mean"] = sum(r.get(key, 0.0) for r in records) / len(records)
+    if len(records) >= 2:
+        span = records[-1]["time"] - records[0]["time"]
+        toks = sum(r.get("num_samples", 0) * r.get("completion_len_mean", 0.0) for r in records[1:])
+        res["mean_step_time_s"] = span / (len(records) - 1)
+        res["rollout_tok_per_s"] = toks / max(span, 1e-9)
+    return res
+
+
+def run_once(name: str, cache: str, args: argparse.Namespace, root: Path, keep: Path) -> dict:
+    """One launcher run in ``root/name``; its metrics and logs are copied to ``keep/name`` and the
+    run directory (published weights: GBs per step for a 1.5B model) is removed when ``root`` is
+    not ``keep``."""
+    run_dir = root / name
+    cmd = [sys.executable, "-m", "launcher", *overrides(args, cache, run_dir)]
+    print(f"[bench_loop] {name}: static_cache={cache}: {' '.join(cmd[2:])}", flush=True)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
+        rc, tail = proc.returncode, (proc.stdout[-2000:] + proc.stderr[-2000:])
+    except subprocess.TimeoutExpired as e:  # what it logged so far is still measured
+        rc, tail = 124, f"timed out after {args.timeout_s}s: {str(e.stdout or '')[-1500:]}"
+    wall = time.monotonic() - t0
+    mpath = run_dir / "metrics.jsonl"
+    records = [json.loads(ln) for ln in mpath.read_text().splitlines() if ln.strip()] if mpath.exists() else []
+    res = {"name": name, "static_cache": cache, "command": " ".join(cmd[1:]), "returncode": rc, "wall_s": wall,
+           **summarise(records), "engines": engine_lines(run_dir)}
+    if root != keep and run_dir.is_dir():
+        (keep / name).mkdir(parents=True, exist_ok=True)
+        if mpath.exists():
+            shutil.copy2(mpath, keep / name / "metrics.jsonl")
+        if (run_dir / "logs").is_dir():
+            shutil.copytree(run_dir / "logs", keep / name / "logs", dirs_exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if rc != 0:
+        res["output_tail"] = tail
+    return res
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'run':<7} {'cache':<5} {'steps':>5} {'wall_s':>8} {'step_s':>8} {'rollout_tok/s':>13} {'engine_tok/s':>12} "
+            f"{'infer_busy':>10} {'sync_s':>6} {'reward first->last':>20}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rew = f"{r.get('reward_first', float('nan')):.3f} -> {r.get('reward_last', float('nan')):.3f}"
+        lines.append(f"{r['name']:<7} {r['static_cache']:<5} {r['steps']:>5d} {r['wall_s']:>8.1f} "
+                     f"{r.get('mean_step_time_s', float('nan')):>8.2f} {r.get('rollout_tok_per_s', float('nan')):>13.0f} "
+                     f"{r.get('inference_tokens_per_s_mean', float('nan')):>12.0f} "
+                     f"{r.get('inference_busy_frac_mean', float('nan')):>10.2f} {r.get('weight_sync_s_mean', float('nan')):>6.2f} "
+                     f"{rew:>20}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for loop.json (and the two run directories)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU, a few steps")
+    ap.add_argument("--steps", type=int, default=None, help="trainer steps per run (20; --cpu-smoke: 3)")
+    ap.add_argument("--model", default="gpu_moe_1b5", help="hydra_conf/model preset used on CUDA")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="inference.max_seq_len: positions per engine slot (1024; --cpu-smoke: 0 = the model's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--digits", type=int, default=None,
+                    help="env.min_digits = env.max_digits: completion length ~ digits + 1 (128; --cpu-smoke: the "
+                         "experiment's 2..4). Long enough that generation, not the 3 GB weight publish, can set the pace")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer.micro_batch_tokens on CUDA")
+    ap.add_argument("--runs-root", default=None,
+                    help="where the runs (and their published weights) live: /dev/shm/slurmrl_bench_loop on CUDA "
+                         "when /dev/shm exists (the H200's disk writes 0.28 GB/s), else DIR/runs")
+    ap.add_argument("--timeout-s", type=float, default=280.0,
+                    help="per run (both runs fit a 10-minute device call; a run cut short is still measured)")
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (3 if args.cpu_smoke else 20)
+    args.digits = args.digits if args.digits is not None else (0 if args.cpu_smoke else 128)
+    args.max_seq_len = args.max_seq_len if args.max_seq_len is not None else (0 if args.cpu_smoke else 1024)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    modes = (("before", "off"), ("after", "on")) if args.cpu_smoke else MODES
+    shm = not args.cpu_smoke and os.path.isdir("/dev/shm")
+    root = Path(args.runs_root or ("/dev/shm/slurmrl_bench_loop" if shm else out / "runs")).resolve()
+    rows = []
+    for name, cache in modes:  # one after the other: both share the one GPU
+        rows.append(run_once(name, cache, args, root, out / "runs"))
+        (out / "loop.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args),
+                                                   "runs": rows}, indent=1))
+    before, after = rows
+    if before.get("mean_step_time_s") and after.get("mean_step_time_s"):
+        ratio = before["mean_step_time_s"] / after["mean_step_time_s"]
+        result = json.loads((out / "loop.json").read_text()) | {"step_time_before_over_after": ratio}
+        (out / "loop.json").write_text(json.dumps(result, indent=1))
+    print(table(rows))
+    for r in rows:
+        for line in r["engines"]:
+            print(f"  {r['name']}: {line}")
+        if r["returncode"] != 0:
+            print(f"  {r['name']} FAILED (rc {r['returncode']}):\n{r.get('output_tail', '')}")
+    print(f"[bench_loop] wrote {out / 'loop.json'}")
+    return 0 if all(r["returncode"] == 0 and r["steps"] == args.steps for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
