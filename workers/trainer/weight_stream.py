@@ -24,19 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.weights.stream import WeightStream, cast, meta_of
-from workers.weights.checksums import nonfinite_names
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective over its mesh for a DTensor)."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+from workers.weights.stream import DictStream, cast, full_tensor, meta_of
 
 
 class RemoteExpert:
@@ -46,7 +34,7 @@ class RemoteExpert:
         self.ep_rank, self.sibling = ep_rank, sibling
 
 
-class ModelWeights(WeightStream):
+class ModelWeights(DictStream):
     """Full HF-named tensors of ``model`` (a plan's sharded model, or a plain module), in ``dtype``.
 
     ``to_hf`` is the family's name map (``ModelSpec.to_hf``, a dict -> dict renaming keys); it is
@@ -63,6 +51,8 @@ class ModelWeights(WeightStream):
         for hf, n in self.ours.items():
             t = self.state[self.remote[n].sibling if n in self.remote else n]
             self.metas.append(meta_of(hf, t.shape, t.dtype, dtype))  # DTensor.shape is the full shape
+        self.experts = {n for n in self.state if self.remote and ".experts." in n and any(
+            n.startswith(p + ".") for p, _ in model.expert_modules())}
 
     @staticmethod
     def _remote_experts(model: nn.Module, names: list[str]) -> dict[str, RemoteExpert]:
@@ -88,29 +78,19 @@ class ModelWeights(WeightStream):
             yield hf, cast(self._gather(self.ours[hf]), self.dtype)
 
     def _gather(self, name: str) -> torch.Tensor:
-        if not self.remote:
-            return _full(self.state[name].detach())
-        owner = self.remote[name].ep_rank if name in self.remote else None
-        if owner is None and not self._is_expert(name):
-            return _full(self.state[name].detach())
+        if name not in self.remote and name not in self.experts:
+            return full_tensor(self.state[name].detach())
         # a routed expert under ep > 1: gathered on its EP rank, broadcast over every ep group
         dims = self.model.dims
-        if owner is None:
-            owner, full = dims.ep_rank, _full(self.state[name].detach()).contiguous()
-        else:
-            sib = self.state[self.remote[name].sibling]
+        if name in self.remote:
+            owner, sib = self.remote[name].ep_rank, self.state[self.remote[name].sibling]
             full = torch.empty(tuple(sib.shape), dtype=sib.dtype, device=dims.device)
+        else:
+            owner, full = dims.ep_rank, full_tensor(self.state[name].detach()).contiguous()
         dist.broadcast(full, group=self.model.mesh.get_group("ep"), group_src=owner)
         return full
-
-    def _is_expert(self, name: str) -> bool:
-        experts = self.__dict__.get("_experts")
-        if experts is None:
-            experts = self.__dict__["_experts"] = {n for n in self.state if any(
-                n.startswith(p + ".") for p, _ in self.model.expert_modules())}
-        return name in experts
 
     def local_nonfinite(self) -> list[str]:
         """Checked on this rank's shards (names are HF names)."""
         hf = {n: h for h, n in self.ours.items()}
-        return sorted(hf[n] for n in nonfinite_names((n, _local(t.detach())) for n, t in self.state.items()))
+        return sorted(hf[n] for n in super().local_nonfinite())

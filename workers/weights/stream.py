@@ -12,8 +12,9 @@ order to the end, whatever it keeps (ranks that do not own a tensor's file or bu
 :meth:`local_nonfinite` needs no communication: a NaN or inf is in some rank's shard, so the
 ranks' lists together name every bad tensor.
 
-Implementations: :class:`DictStream` (a full state dict already in memory: tools, tests, the
-unsharded model) here; the trainer's sharded models in workers/trainer/weight_stream.py.
+Implementations: :class:`DictStream` (a state dict of plain tensors or DTensors: tools, tests, the
+unsharded model) here; the trainer's sharded models (incl. expert parallel) in
+workers/trainer/weight_stream.py.
 """
 from __future__ import annotations
 
@@ -55,18 +56,31 @@ class WeightStream:
 
 
 class DictStream(WeightStream):
-    """A full state dict as a stream (nothing to gather: every tensor is already whole here)."""
+    """A state dict as a stream: plain tensors as they are, DTensors gathered one at a time when
+    reached (``full_tensor``: a collective over their mesh), floating ones cast to ``dtype``."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], dtype: Optional[torch.dtype] = None):
         self.state, self.dtype = state, dtype
-        self.metas = [_meta(n, t, dtype) for n, t in state.items()]
+        self.metas = [_meta(n, t, dtype) for n, t in state.items()]  # a DTensor's shape is the full one
 
     def items(self, names: Optional[Sequence[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names if names is None else names:
-            yield name, cast(self.state[name].detach(), self.dtype)
+            yield name, cast(full_tensor(self.state[name].detach()), self.dtype)
 
     def local_nonfinite(self) -> list[str]:
-        return nonfinite_names(self.state.items())
+        return nonfinite_names((n, local_part(t.detach())) for n, t in self.state.items())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective over its mesh for a DTensor: every rank of it calls, in step)."""
+    fn = getattr(t, "full_tensor", None)
+    return fn() if callable(fn) else t
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor itself."""
+    fn = getattr(t, "to_local", None)
+    return fn() if callable(fn) else t
 
 
 def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
