@@ -8,7 +8,7 @@ weakref finalizers on what the stream yields) never exceed two tensors, while th
 full state dict, then publish) holds the whole model. (torch.profiler's CPU memory counter was
 tried for this: frees on gloo's threads are not counted there, so it drifts upward.) Under the
 mesh plan with ep = 2 (experts live on one EP rank each) the stream yields what ``full_state_dict``
-gathers, in the same order, on every rank.
+gathers, in the same order, on every rank. Delta steps (weights.delta) write the same files both ways.
 """
 from __future__ import annotations
 
@@ -81,6 +81,18 @@ def _fsdp_rank(rank: int, world: int, port: int, cfg, root: str) -> None:
         assert streamed.live == 0, "the publisher keeps no gathered tensor"
         torch.save({"streamed": streamed.peak, "whole": whole.peak, "largest": largest, "total": total},
                    Path(root) / f"peaks{rank}.pt")
+        # delta mode: step 2 rewrites only the tensor that changed (hashing pass, then a pass over it)
+        deltas = [FilesystemPublisher(Path(root) / f"delta_{kind}", peers=DistPeers(), keep_last=3, delta=True)
+                  for kind in ("stream", "dict")]
+        for version in (1, 2):
+            if version == 2:
+                with torch.no_grad():
+                    next(model.parameters()).to_local().add_(1.0)  # every rank changes its shard of one tensor
+            moved = deltas[0].publish(version, Held(ModelWeights(model, dtype=compute))).bytes
+            deltas[1].publish(version, model.full_state_dict(to_rank=None, dtype=compute))
+        assert moved == max(m.nbytes for m in streamed.metas if m.name == next(iter(model.state_dict()))), moved
+        for p in deltas:
+            p.close()
     finally:
         dist.destroy_process_group()
 
@@ -94,6 +106,10 @@ def test_fsdp_meta_init_and_streamed_publish_bounded(tmp_path):
     for name in files:
         if name != "STABLE":  # STABLE holds the publish time
             assert filecmp.cmp(a / name, b / name, shallow=False), f"{name} differs between stream and dict publish"
+    a, b = tmp_path / "delta_stream" / step_name(2), tmp_path / "delta_dict" / step_name(2)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    assert all(filecmp.cmp(a / n, b / n, shallow=False) for n in files if n != "STABLE"), "delta steps differ"
     peaks = torch.load(tmp_path / "peaks0.pt")
     assert peaks["streamed"] * 10 < peaks["total"], peaks
     print(f"rank 0: gathered bytes held at once: streamed {peaks['streamed']} B, full dict {peaks['whole']} B "

@@ -48,12 +48,6 @@ class WeightStream:
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
 
-    def meta(self, name: str) -> TensorMeta:
-        by_name = self.__dict__.get("_by_name")
-        if by_name is None:
-            by_name = self.__dict__["_by_name"] = {m.name: m for m in self.metas}
-        return by_name[name]
-
 
 class DictStream(WeightStream):
     """A state dict as a stream: plain tensors as they are, DTensors gathered one at a time when
