@@ -13,48 +13,22 @@ gathers, in the same order, on every rank. Delta steps (weights.delta) write the
 from __future__ import annotations
 
 import filecmp
-import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tests.conftest import compose
+from tests.held_stream import Held
 from tests.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import initial_model, step0_model
 from workers.trainer.weight_stream import ModelWeights
 from workers.weights.base import DistPeers
 from workers.weights.filesystem.publisher import FilesystemPublisher
-from workers.weights.stream import WeightStream
 
 TINY = ["model=tiny_moe", "model.hidden_size=64", "model.num_layers=3", "model.expert_intermediate_size=32",
         "model.num_experts=16", "trainer.num_ranks=2", "trainer.dtype=bfloat16"]
-
-
-class Held(WeightStream):
-    """Wraps a stream and counts the bytes of the tensors it yielded that are still referenced
-    (weakref finalizers), and the peak of that: a consumer that keeps every tensor shows the
-    whole model, one that drops each once written shows about one tensor."""
-
-    def __init__(self, inner: WeightStream):
-        self.inner, self.metas = inner, inner.metas
-        self.live = self.peak = 0
-
-    def items(self, names=None):
-        for name, t in self.inner.items(names):
-            n = t.numel() * t.element_size()
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._drop, n)
-            yield name, t
-            del t
-
-    def _drop(self, n: int) -> None:
-        self.live -= n
-
-    def local_nonfinite(self):
-        return self.inner.local_nonfinite()
 
 
 def _fsdp_rank(rank: int, world: int, port: int, cfg, root: str) -> None:
