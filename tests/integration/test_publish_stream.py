@@ -8,13 +8,15 @@ weakref finalizers on what the stream yields) never exceed two tensors, while th
 full state dict, then publish) holds the whole model. (torch.profiler's CPU memory counter was
 tried for this: frees on gloo's threads are not counted there, so it drifts upward.) Under the
 mesh plan with ep = 2 (experts live on one EP rank each) the stream yields what ``full_state_dict``
-gathers, in the same order, on every rank. Delta steps (weights.delta) write the same files both ways.
+gathers, in the same order, on every rank (and with tp = 2, TP-sharded DTensors). Delta steps
+(weights.delta) write the same files both ways.
 """
 from __future__ import annotations
 
 import filecmp
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -90,15 +92,15 @@ def test_fsdp_meta_init_and_streamed_publish_bounded(tmp_path):
           f"(largest tensor {peaks['largest']} B, model {peaks['total']} B, bf16)")
 
 
-def _mesh_rank(rank: int, world: int, port: int, cfg) -> None:
-    dims = gloo_dims(rank, world, port, ep=2)
+def _mesh_rank(rank: int, world: int, port: int, cfg, tp: int, ep: int) -> None:
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     try:
         model = step0_model(cfg, dims)
         full = model.full_state_dict(to_rank=None, dtype=torch.bfloat16)
         stream = ModelWeights(model, dtype=torch.bfloat16)
         assert stream.names == list(full), "the stream keeps full_state_dict's names and order"
-        local = [n for n in stream.names if ".experts." in n and n not in model.state_dict()]
-        assert local, "ep = 2: some experts live on the other EP rank"
+        remote = [n for n in stream.names if ".experts." in n and n not in model.state_dict()]
+        assert bool(remote) == (ep > 1), "ep = 2: half the experts live on the other EP rank"
         for (name, t), m in zip(stream.items(), stream.metas):
             assert torch.equal(t, full[name]) and t.dtype == full[name].dtype, name
             assert (m.dtype, m.shape, m.nbytes) == ("bfloat16", tuple(t.shape), t.numel() * 2), name
@@ -108,6 +110,7 @@ def _mesh_rank(rank: int, world: int, port: int, cfg) -> None:
         dist.destroy_process_group()
 
 
-def test_mesh_plan_stream_gathers_experts_over_ep():
-    cfg = compose([*TINY, "trainer.parallel.ep=2"])
-    run_ranks(_mesh_rank, 2, (cfg,), what="weight stream at world 2, ep 2 (mesh plan)")
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_mesh_plan_stream_equals_full_state_dict(tp, ep):
+    cfg = compose([*TINY, f"trainer.parallel.tp={tp}", f"trainer.parallel.ep={ep}"])
+    run_ranks(_mesh_rank, 2, (cfg, tp, ep), what=f"weight stream at world 2, tp {tp} ep {ep} (mesh plan)")
