@@ -54,6 +54,7 @@ from workers.weights.broadcast.sglang_publisher import SGLangSender
 from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
 from workers.weights.checksums import state_hashes, tensor_hash
 from workers.weights.filesystem.publisher import FilesystemPublisher
+from workers.weights.stream import DictStream
 from workers.weights.filesystem.receiver import DiskReader
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -122,7 +123,7 @@ def bench_fs(state, where: Path, reps: int, threads: int) -> dict:
     total = nbytes(state)
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     dst = torch.ones(total, dtype=torch.uint8)  # preallocated and touched: the raw read's best case
-    pub = FilesystemPublisher(root / "weights", peers=SoloPeers(), keep_last=2, num_threads=threads)
+    pub = FilesystemPublisher(root / "weights", peers=SoloPeers(), keep_last=2)
     reader = DiskReader(num_threads=threads)
     raw, fs, pub_s, load_s = [], [], [], []
     try:
@@ -180,7 +181,7 @@ def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket
         dist.barrier()
         t1 = time.perf_counter()
         if rank == 0:
-            sender.send(v, state)
+            sender.send(v, DictStream(state))
         else:
             got, _, _ = receiver.receive(v)
         dist.barrier()
@@ -236,7 +237,7 @@ class SGLangBench:
     def run(self, state) -> dict:
         """Rank 0: send ``state``; others: receive it (returned {name: tensor} for the exactness check)."""
         if self.rank == 0:
-            self.sender.send(state, set(), 0)
+            self.sender.send(DictStream(state), set(), 0)
             return {}
         got = {}
         for b in self.batches:

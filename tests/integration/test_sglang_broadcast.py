@@ -146,6 +146,7 @@ def _sharded_rank(rank: int, ports: tuple[int, int], out) -> None:
     from workers.weights.base import TensorMeta
     from workers.weights.broadcast.sglang_publisher import SGLangSender
     from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
+    from workers.weights.stream import DictStream
 
     torch.set_num_threads(1)
     full = model_state(3)
@@ -159,7 +160,7 @@ def _sharded_rank(rank: int, ports: tuple[int, int], out) -> None:
             pg = open_update_group(backend="gloo", master_address="127.0.0.1", master_port=ports[1], world_size=2,
                                    rank=0, group_name="g", timeout_s=60) if rank == 0 else None
             SGLangSender(pg, batches, load_format="flattened_bucket", device=torch.device("cpu"),
-                         timeout_s=60).send(state, set(), 0)
+                         timeout_s=60).send(DictStream(state), set(), 0)
             local = {n: t.to_local().shape[0] for n, t in state.items()}  # each rank held half the rows
             out.put((rank, all(local[n] < full[n].shape[0] for n in full if full[n].shape[0] > 1)))
             dist.destroy_process_group()

@@ -1,12 +1,13 @@
 """The ``fake_copy`` test transport's three sides (protocol: tests/plugins/weights_plugin.py)."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -19,6 +20,7 @@ from workers.weights.digest import state_digest
 from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.filesystem.receiver import FilesystemReceiver
 from workers.weights.shards import dtype_from_name
+from workers.weights.stream import WeightStream, as_stream
 
 MANIFEST, COPIED, APPLIED = "manifest.json", "COPIED", "APPLIED.json"
 
@@ -43,23 +45,26 @@ class CopyPublisher(WeightPublisher):
         self.root = copy_root(paths.root, w)
         self.initial = filesystem_publisher(w, paths, peers)  # step 0: workers boot from weights/step_0
 
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+    def publish(self, version: int, weights: Union[WeightStream, Mapping[str, torch.Tensor]]) -> SyncStats:
+        stream = as_stream(weights)  # the trainer passes a stream: gathered tensor by tensor, every rank iterates
         if version == 0:
-            return self.initial.publish(version, state)
+            return self.initial.publish(version, stream)
         t0, nbytes = time.perf_counter(), 0
         if self.peers.rank == 0:
-            nbytes = self._write(version, state)
+            nbytes = self._write(version, stream)
+        else:
+            collections.deque(stream.items(), maxlen=0)  # join the gathers; rank 0 writes
         if self.peers.world_size > 1:
             self.peers.all_gather_object(None)  # the others wait until rank 0's copy is complete
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)
 
-    def _write(self, version: int, state: Mapping[str, torch.Tensor]) -> int:
+    def _write(self, version: int, stream: WeightStream) -> int:
         final = version_dir(self.root, version)
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         rows = []
-        for i, (name, t) in enumerate(state.items()):
+        for i, (name, t) in enumerate(stream.items()):
             t = t.detach().to("cpu").contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
             (tmp / f"{i}.bin").write_bytes(raw)
@@ -73,7 +78,7 @@ class CopyPublisher(WeightPublisher):
         for d in self.root.glob("v_*"):
             if d.name[2:].isdigit() and int(d.name[2:]) <= version - self.w.keep_last:
                 shutil.rmtree(d, ignore_errors=True)
-        return sum(t.numel() * t.element_size() for t in state.values())
+        return stream.nbytes
 
     def close(self) -> None:
         self.initial.close()

@@ -268,3 +268,24 @@ def test_a_receiver_dying_mid_run_skips_one_version_and_the_reformed_group_deliv
         assert not any(errors) and senders[0].bytes > 0, errors
     finally:
         h.close()
+
+
+def test_senders_pack_streamed_tensors_one_at_a_time(tmp_path):
+    """The trainer hands a stream (gathered tensor by tensor on a sharded model): each sender walks
+    the whole plan, copies its buckets' tensors into the send slots and drops them, so the
+    tensors held at once stay ~one per sender although a 1 MiB bucket holds this whole model."""
+    from tests.held_stream import Held
+    from workers.weights.stream import DictStream
+
+    state = build_model(CFG, seed=3).state_dict()
+    h = Harness(tmp_path, state)
+    try:
+        new = Held(DictStream(bumped(state, 1)))
+        stats, got, errors = h.update(1, new)
+        assert errors == [None, None], errors
+        assert state_hashes(got[0][0]) == state_hashes(bumped(state, 1))
+        largest = max(m.nbytes for m in new.metas)
+        assert new.peak <= 2 * 2 * largest and new.peak * 4 < new.nbytes, (new.peak, largest, new.nbytes)
+        assert new.live == 0, "no sender keeps a streamed tensor"
+    finally:
+        h.close()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from workers.trainer.grad_clip import clip_sharded_grads_, local_shard
 from workers.trainer.parallel import ParallelDims
@@ -129,6 +129,33 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     full.__class__ = type(f"Fsdp{type(full).__name__}", (FsdpTrainerModel, type(full)), {})
     full.dims, full.precision = dims, precision
     return full
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> nn.Module:
+    """Allocate a model sharded while on the meta device (either plan's ``parallelize`` of ``build(device="meta")``)
+    and fill this rank's shards from ``tensors``: ``(name, FULL tensor or a callable reading it)``
+    pairs taken one at a time (``CausalLM.seeded_tensors``, hf_checkpoint.checkpoint_tensors), so no
+    rank ever holds more than one full tensor and a callable is called only for names it holds. Each DTensor
+    shard is cut locally (``distribute_tensor(src_data_rank=None)``: no communication, any placement
+    incl. FSDP's strided shards over TP); names this rank does not hold (other EP ranks' experts)
+    are skipped. Every parameter and persistent buffer must come by (checked)."""
+    model.to_empty(device=device)
+    state = model.state_dict(keep_vars=True)
+    missing = set(state)
+    for name, full in tensors:
+        t = state.get(name)
+        if t is None:
+            continue
+        full = (full() if callable(full) else full).to(device=device, dtype=t.dtype)
+        if isinstance(t, DTensor):
+            t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+        else:
+            t.copy_(full)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"materialize: no values for {sorted(missing)[:8]} ({len(missing)} tensors)")
+    return model
 
 
 def unsharded(full: nn.Module, dims: ParallelDims) -> nn.Module:

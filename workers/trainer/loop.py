@@ -6,9 +6,9 @@ weights version N; checkpoints/step_N holds the state after step N. Per step N:
   wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
   ``ep * dp`` (TP peers take the same rows) -> barrier, rank 0 prunes old rollouts ->
   train_step (step.py: per micro-batch forward with Router Replay when asked, loss with
-  global normalisers, backward; grad sync, clip, AdamW) -> every rank joins the gather of
-  the full HF state dict (cast to trainer.dtype) -> rank 0 publishes weights/step_N
-  and appends the metrics record.
+  global normalisers, backward; grad sync, clip, AdamW) -> every rank publishes weights/step_N
+  through the transport, the full HF tensors (cast to trainer.dtype) gathered one at a time
+  as the transport writes or sends them (weight_stream.py) -> rank 0 appends the metrics record.
 The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
 family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
 at another layout); tp or ep > 1 -> the mesh plan (workers/trainer/mesh_plan.py: FSDP2 + DTensor
@@ -44,7 +44,7 @@ from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
-from workers.models.spec import MESH_PLAN
+from workers.models.spec import FSDP_PLAN, MESH_PLAN
 from workers.preflight.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
@@ -56,6 +56,7 @@ from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 from workers.trainer.step import train_step
+from workers.trainer.weight_stream import ModelWeights
 from workers.weights.base import NonFiniteWeights, WeightPublisher
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -90,7 +91,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                                                                     world_size=dims.world_size, device=dims.device)
         to_hf = MODELS.get(cfg.model.family).to_hf  # published weights carry HF names
         compute = Precision.of(tcfg).compute  # published weights: the compute dtype, as inference runs them
-        weights = FullWeights(to_hf(model.full_state_dict(to_rank=None, dtype=compute)))  # collective: every rank joins
+        weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # gathered tensor by tensor while published
         sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
@@ -117,7 +118,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
-            weights = FullWeights(to_hf(model.full_state_dict(to_rank=None, dtype=compute)))
+            weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # a fresh view of the updated shards
             sync = publish_weights(publisher, step, weights)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
@@ -151,19 +152,6 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             dims.destroy()
 
 
-class FullWeights:
-    """What ``publish_weights`` needs of a model: ``state_dict()`` of FULL HF tensors (the result of
-    the plan's collective ``full_state_dict``), so the publisher's signature stays ``(paths, version,
-    model, ...)``."""
-
-    def __init__(self, state: Optional[dict[str, torch.Tensor]]):
-        self._state = state
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        assert self._state is not None, "full weights exist only on the gathering rank"
-        return self._state
-
-
 def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle_s: float, step_time_s: float,
                 lr: float) -> dict:
     """The metrics.jsonl record of one step (keys listed in workers/trainer/metrics.py).
@@ -192,18 +180,19 @@ def step_record(step: int, batch: RolloutBatch, stats: dict, sync: dict, *, idle
     return record
 
 
-def publish_weights(publisher: WeightPublisher, version: int, model) -> dict:
-    """Publish weights ``version`` (``model.state_dict()``: full HF tensors) through
-    ``weights.transport``; returns the weight_sync_* metrics of workers.weights.base.SyncStats.
+def publish_weights(publisher: WeightPublisher, version: int, weights: ModelWeights) -> dict:
+    """Publish weights ``version`` through ``weights.transport``; returns the weight_sync_* metrics
+    of workers.weights.base.SyncStats.
 
-    COLLECTIVE: every rank calls it with the full state. filesystem: each rank writes a
-    share of the shards of weights/step_<version>, rank 0 the index and STABLE. broadcast
+    COLLECTIVE: every rank calls it with the same stream and iterates it whole (a gather per
+    tensor: no rank ever holds the full model, workers/trainer/weight_stream.py). filesystem:
+    each rank writes a share of the shards of weights/step_<version>, rank 0 the index and STABLE. broadcast
     (step 0 still on disk): each rank sends its share once the orchestrator has paused the
     workers and asked for this version; waiting for that request is ``weight_sync_wait_s``
     (deadline weights.broadcast_timeout_s), the transfer ``weight_sync_s``. The protocols
     and who waits for whom: workers/weights/<transport>/__init__.py.
     """
-    return publisher.publish(version, model.state_dict()).metrics()
+    return publisher.publish(version, weights).metrics()
 
 
 def parallel_degrees(cfg: RunConfig) -> tuple[int, int, int]:
@@ -225,15 +214,17 @@ def build_optimizer(model, tcfg) -> torch.optim.AdamW:
 def step0_model(cfg: RunConfig, dims: ParallelDims):
     """This rank's shard of the step-0 model under :func:`trainer_plan`, activation checkpointing applied.
 
-    Under the mesh plan (tp or ep > 1) with a seeded init or a ``model.path`` checkpoint: built on the
-    meta device, sharded, then each rank fills only its shards, one full tensor at a time
+    Under either built-in plan (FSDP, mesh) with a seeded init or a ``model.path`` checkpoint: built on
+    the meta device, sharded, then each rank fills only its shards, one full tensor at a time
     (``seeded_tensors``, or the checkpoint tensors it holds: hf_checkpoint.checkpoint_tensors), so
-    no rank holds the whole model (the GLM-5 / Kimi-K2 layouts could not). Otherwise (tp = ep = 1,
-    or a ``model.pretrained`` conversion) every rank builds the full model on the CPU, then shards it."""
+    no rank holds the whole model (the GLM-5 / Kimi-K2 layouts could not); the values are those of
+    :func:`initial_model`, bit for bit (tests/integration/test_publish_stream.py). Otherwise (a
+    ``model.pretrained`` conversion, or a family's own plan) every rank builds the full model on the
+    CPU, then shards it."""
     spec, master = MODELS.get(cfg.model.family), Precision.of(cfg.trainer).master
-    if trainer_plan(cfg) == MESH_PLAN and not cfg.model.pretrained:
+    if trainer_plan(cfg) in (FSDP_PLAN, MESH_PLAN) and not cfg.model.pretrained:
         from workers.models.hf_checkpoint import checkpoint_tensors
-        from workers.trainer.mesh_plan import materialize
+        from workers.trainer.fsdp import materialize
 
         full = spec.build(cfg.model, device="meta", dtype=master)
         apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)

@@ -37,11 +37,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from workers.trainer.expert_parallel import LocalExperts, shard_experts
-from workers.trainer.fsdp import FsdpTrainerModel, reshard_between
+from workers.trainer.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
 from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.trainer.micro import checkpoint_mode
 from workers.trainer.parallel import ParallelDims
@@ -183,33 +183,6 @@ class MeshTrainerModel(FsdpTrainerModel):
 
     def expert_modules(self) -> list[tuple[str, LocalExperts]]:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, LocalExperts)]
-
-
-@torch.no_grad()
-def materialize(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> nn.Module:
-    """Allocate a model sharded while on the meta device (``parallelize`` of ``build(device="meta")``)
-    and fill this rank's shards from ``tensors``: ``(name, FULL tensor or a callable reading it)``
-    pairs taken one at a time (``CausalLM.seeded_tensors``, hf_checkpoint.checkpoint_tensors), so no
-    rank ever holds more than one full tensor and a callable is called only for names it holds. Each DTensor
-    shard is cut locally (``distribute_tensor(src_data_rank=None)``: no communication, any placement
-    incl. FSDP's strided shards over TP); names this rank does not hold (other EP ranks' experts)
-    are skipped. Every parameter and persistent buffer must come by (checked)."""
-    model.to_empty(device=device)
-    state = model.state_dict(keep_vars=True)
-    missing = set(state)
-    for name, full in tensors:
-        t = state.get(name)
-        if t is None:
-            continue
-        full = (full() if callable(full) else full).to(device=device, dtype=t.dtype)
-        if isinstance(t, DTensor):
-            t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
-        else:
-            t.copy_(full)
-        missing.discard(name)
-    if missing:
-        raise ValueError(f"materialize: no values for {sorted(missing)[:8]} ({len(missing)} tensors)")
-    return model
 
 
 def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Precision] = None) -> nn.Module:

@@ -5,8 +5,10 @@ plugin's) registered in ``TRANSPORTS`` by ``weights.transport`` (workers/weights
 its protocol is written in that package's docstring. This module holds no transport: only
 the interfaces they implement and the pieces they share, so it imports none of them.
 
-Trainer side: every rank calls ``publisher.publish(version, state)`` with the full HF-named
-state dict and gets :class:`SyncStats` back (rank 0's go to metrics.jsonl as weight_sync_s,
+Trainer side: every rank calls ``publisher.publish(version, weights)`` with the same
+:class:`~workers.weights.stream.WeightStream` of full HF-named tensors (gathered one at a time
+as the publisher iterates it: every rank iterates it whole, in the same order) and gets
+:class:`SyncStats` back (rank 0's go to metrics.jsonl as weight_sync_s,
 weight_sync_gbps, weight_bytes). Inference side: a :class:`WeightReceiver` returns verified
 tensors as :class:`Received` (or raises :class:`WeightLoadError`, old weights untouched) and
 the engine copies them in. Every transport ships step 0 as a filesystem step
@@ -101,8 +103,11 @@ class WeightPublisher(abc.ABC):
     """Trainer side of a transport. ``publish`` is collective: every trainer rank calls it."""
 
     @abc.abstractmethod
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
-        """Make ``state`` available to inference as weights version ``version``."""
+    def publish(self, version: int, weights) -> SyncStats:
+        """Make ``weights`` available to inference as weights version ``version``. ``weights``: a
+        WeightStream (what the trainer passes; its ``items`` is collective on a sharded model, so
+        every rank iterates the same names in the same order) or a full state dict (tools, tests:
+        ``stream.as_stream`` wraps it)."""
 
     def wait(self, ready: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         """Block until ``ready()`` (the trainer waiting for its next batch). COLLECTIVE: every trainer

@@ -114,37 +114,84 @@ def write_shard(path: Path, tensors: Sequence[tuple[str, torch.Tensor]],
     Returns {name: xxh3 digest} (checksums.tensor_hash), computed chunk by chunk as written;
     names of tensors holding NaN/inf are appended to ``nonfinite`` (checked in the same pass).
     """
-    ordered = layout(tensors)
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for name, t in ordered:
-        assert t.device.type == "cpu" and t.is_contiguous(), name
-        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes(t)]}
-        offset += nbytes(t)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    digests = {}
+    writer = ShardWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], metadata)
     try:
-        _write_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), None)
-        for name, t in ordered:
-            h, scan = xxhash.xxh3_64(), FiniteScan(t.reshape(-1).view(torch.uint8), t.dtype)
-            _write_all(fd, memoryview(byte_view(t)), h, scan)
-            digests[name] = f"{h.intdigest():016x}"
-            if not scan.ok and nonfinite is not None:
-                nonfinite.append(name)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    return digests
+        for name, t in layout(tensors):
+            writer.write(name, t)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(nonfinite)
 
 
-def _write_all(fd: int, view: memoryview, h, scan: Optional[FiniteScan] = None) -> None:
+class ShardWriter:
+    """One safetensors shard written as its tensors arrive, in any order (``os.pwrite`` at offsets
+    fixed by the header), so a publisher streaming a sharded model never holds the shard in memory.
+
+    The header is computed from (name, dtype, shape) alone, in :func:`layout` order: the file is
+    byte for byte what :func:`write_shard` writes for the same tensors. Each tensor is hashed and
+    scanned for NaN/inf chunk by chunk as its bytes are written (one pass over memory)."""
+
+    def __init__(self, path: Path, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: Optional[Mapping[str, str]] = None):
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset, self.offsets = 0, {}
+        for name, dtype, shape in sorted(entries, key=lambda e: -e[1].itemsize):  # layout(): largest element first
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.offsets[name] = (offset, size, dtype, tuple(shape))
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.tmp = path, path.with_name(path.name + ".partial")
+        self.data_start = 8 + len(raw)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.digests: dict[str, str] = {}
+        self.bad: list[str] = []
+        _write_all(self.fd, memoryview(struct.pack("<Q", len(raw)) + raw), None)
+
+    def write(self, name: str, t: torch.Tensor) -> str:
+        """Write tensor ``name`` (contiguous, CPU) at its place; returns its digest."""
+        offset, size, dtype, shape = self.offsets[name]
+        assert t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype and tuple(t.shape) == shape, \
+            (name, t.device, t.dtype, tuple(t.shape), dtype, shape)
+        assert name not in self.digests, f"{name} written twice"
+        h, scan = xxhash.xxh3_64(), FiniteScan(t.reshape(-1).view(torch.uint8), t.dtype)
+        _write_all(self.fd, memoryview(byte_view(t)), h, scan, at=self.data_start + offset)
+        self.digests[name] = f"{h.intdigest():016x}"
+        if not scan.ok:
+            self.bad.append(name)
+        return self.digests[name]
+
+    def finish(self, nonfinite: Optional[list] = None) -> dict[str, str]:
+        """fsync, rename into place; returns {name: digest}. Every tensor must have been written."""
+        missing = sorted(set(self.offsets) - set(self.digests))
+        if missing:
+            self.abort()
+            raise ShardError(f"shard {self.path}: {len(missing)} tensors never written, e.g. {missing[:3]}")
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        os.rename(self.tmp, self.path)
+        if nonfinite is not None:
+            nonfinite.extend(n for n in self.offsets if n in self.bad)  # layout order, as write_shard reports
+        return self.digests
+
+    def abort(self) -> None:
+        """Close and delete the partial file (a failed publish leaves nothing half-written)."""
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_all(fd: int, view: memoryview, h, scan: Optional[FiniteScan] = None, at: Optional[int] = None) -> None:
+    """Write all of ``view`` at the file position (``at`` None) or at byte ``at`` (pwrite)."""
     done = 0
     while len(view):
-        n = os.write(fd, view[:CHUNK])
+        n = os.write(fd, view[:CHUNK]) if at is None else os.pwrite(fd, view[:CHUNK], at + done)
         if h is not None:
             h.update(view[:n])  # just written: still in cache
         done += n

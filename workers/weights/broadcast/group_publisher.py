@@ -9,21 +9,23 @@ here once:
   boot from a checkpoint on disk; only then is the group formed (``_form``, which blocks until
   every receiver joined; that wait is reported as the step's ``wait_s``);
 - once the orchestrator finished (``finished``), nothing is offered any more;
-- before a version is offered, every rank checks what it holds for NaN/inf
-  (``_nonfinite``), and all ranks refuse or skip it together (base.refuse_nonfinite): once
+- before a version is offered, every rank checks its local shards of the weight stream for
+  NaN/inf (``WeightStream.local_nonfinite``: together the ranks see every element), and all
+  ranks refuse or skip it together (base.refuse_nonfinite): once
   offered, the receivers post their receives and must get every tensor.
 """
 from __future__ import annotations
 
 import abc
 import time
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import torch
 
 from workers.common.protocol import RunPaths
 from workers.weights.base import Peers, SyncStats, WeightPublisher, refuse_nonfinite
 from workers.weights.broadcast.handshake import Handshake
+from workers.weights.stream import WeightStream, as_stream
 
 
 class GroupPublisher(WeightPublisher):
@@ -45,26 +47,24 @@ class GroupPublisher(WeightPublisher):
         """The group exists (after the first publish)."""
 
     @abc.abstractmethod
-    def _form(self, state: Mapping[str, torch.Tensor]) -> None:
+    def _form(self, stream: WeightStream) -> None:
         """Form the group with every receiver (collective over the trainer ranks)."""
 
     @abc.abstractmethod
-    def _nonfinite(self, state: Mapping[str, torch.Tensor]) -> list[str]:
-        """Names of the tensors this rank sends or holds that are NaN or inf."""
+    def _update(self, version: int, stream: WeightStream) -> SyncStats:
+        """Offer ``version``, wait for the orchestrator's request, send it (gathering as it goes)."""
 
-    @abc.abstractmethod
-    def _update(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
-        """Offer ``version``, wait for the orchestrator's request, send it."""
-
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+    def publish(self, version: int, weights: Union[WeightStream, Mapping[str, torch.Tensor]]) -> SyncStats:
+        """COLLECTIVE. ``weights``: a stream (gathered as sent) or a full state dict."""
+        stream = as_stream(weights)
         if not self.formed:
-            out = self.initial.publish(version, state)  # servers start from a checkpoint on disk
+            out = self.initial.publish(version, stream)  # servers start from a checkpoint on disk
             t0 = time.perf_counter()
-            self._form(state)
+            self._form(stream)
             out.wait_s = time.perf_counter() - t0
             return out
         if self.finished:
             return SyncStats(bytes=0, seconds=0.0, skipped=True)
-        if refuse_nonfinite(version, self._nonfinite(state), skip=self.cfg.skip_nonfinite, peers=self.peers):
+        if refuse_nonfinite(version, stream.local_nonfinite(), skip=self.cfg.skip_nonfinite, peers=self.peers):
             return SyncStats(bytes=0, seconds=0.0, skipped=True)
-        return self._update(version, state)
+        return self._update(version, stream)

@@ -11,7 +11,7 @@ import collections
 import datetime
 import logging
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,10 @@ from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, back
                                              metas_from_json, metas_to_json)
 from workers.weights.broadcast.group_publisher import GroupPublisher
 from workers.weights.broadcast.handshake import group_name_of, receiver_rank_counts
-from workers.weights.checksums import buffer_checksum, byte_view, nonfinite_names, state_digest, state_hashes
+from workers.weights.checksums import buffer_checksum, byte_view, state_digest, tensor_hash
 from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.shards import dtype_from_name
+from workers.weights.stream import WeightStream
 log = logging.getLogger("slurmrl.weights")
 
 
@@ -39,44 +40,55 @@ class BucketSender:
         self.slots = [torch.empty(biggest, dtype=torch.uint8, device=group.device) for _ in range(depth)]
         self.bytes = sum(b.nbytes for b in self.mine)
 
-    def _pack(self, bucket: Bucket, state: Mapping[str, torch.Tensor], slot: Optional[int]) -> tuple[torch.Tensor, str]:
-        """(flat buffer to send, its checksum). On CPU each tensor is hashed right after it was
-        copied into the slot, while it is in cache (one pass over memory, not two)."""
+    def _pack(self, bucket: Bucket, tensors: Iterator[tuple[str, torch.Tensor]],
+              slot: Optional[int]) -> tuple[torch.Tensor, str]:
+        """(flat buffer to send, its checksum), from the bucket's tensors as the stream yields them
+        (each dropped once copied). On CPU each tensor is hashed right after it was copied into the
+        slot, while it is in cache (one pass over memory, not two)."""
         dtype = dtype_from_name(bucket.dtype)
         if slot is None:  # a lone tensor is sent from where it lives
-            t = state[bucket.entries[0].name].detach()
+            (_, t), = tensors
             flat = t.reshape(-1) if t.device == self.group.device and t.is_contiguous() else \
                 t.to(self.group.device).reshape(-1).contiguous()
             return flat, buffer_checksum(flat)
         flat = self.slots[slot][: bucket.nbytes].view(dtype)
         h = xxhash.xxh3_64() if flat.device.type == "cpu" else None
-        for e, off in zip(bucket.entries, bucket.offsets()):
-            t = state[e.name].detach()
-            assert tuple(t.shape) == e.shape and t.dtype == dtype, (e, t.shape, t.dtype)
+        for e, off, (name, t) in zip(bucket.entries, bucket.offsets(), tensors, strict=True):
+            assert name == e.name and tuple(t.shape) == e.shape and t.dtype == dtype, (e, name, t.shape, t.dtype)
             part = flat[off: off + t.numel()]
             part.copy_(t.reshape(-1))
             if h is not None:
                 h.update(byte_view(part))
         return flat, (f"{h.intdigest():016x}" if h is not None else buffer_checksum(flat))
 
-    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> int:
-        """Broadcast every own bucket of ``state`` as version ``version``; returns bytes sent.
+    def send(self, version: int, stream: WeightStream) -> int:
+        """Broadcast every own bucket of ``stream`` as version ``version``; returns bytes sent.
 
-        Packing bucket i+1 overlaps the transfer of bucket i (the backend's threads move
-        it); a send buffer is reused only once the broadcast that read it has completed.
+        COLLECTIVE over the trainer ranks: every sender walks the WHOLE plan in order and asks
+        the stream for each bucket's tensors (a gather each on a sharded model); the bucket's
+        sender packs and sends them, the others drop them. So a rank holds at most its send
+        slots plus the lone tensors in flight, never the model. Packing bucket i+1 overlaps the
+        transfer of bucket i (the backend's threads move it); a send buffer is reused only once
+        the broadcast that read it has completed.
         """
         pending: collections.deque = collections.deque()  # (slot, works, keep-alive tensors, what)
         packed = 0
-        for b in self.mine:
+        for b in self.group.plan:
+            tensors = stream.items([e.name for e in b.entries])
+            if b.sender != self.group.rank:
+                collections.deque(tensors, maxlen=0)  # join the gathers, keep nothing
+                continue
             slot = None
             if len(b.entries) > 1:
                 slot, packed = packed % len(self.slots), packed + 1
                 while any(p[0] == slot for p in pending):
                     self._finish(pending.popleft())
-            buf, checksum = self._pack(b, state, slot)
+            buf, checksum = self._pack(b, tensors, slot)
             header = make_header(version, b, checksum, self.group.device)
             works = [self.group.broadcast(header, b), self.group.broadcast(buf, b)]
             pending.append((slot, works, (header, buf), f"sending bucket {b.index} of v{version}"))
+            while len(pending) > len(self.slots):  # bounded: lone tensors in flight count too
+                self._finish(pending.popleft())
         while pending:
             self._finish(pending.popleft())
         return self.bytes
@@ -107,18 +119,16 @@ class BroadcastPublisher(GroupPublisher):
     def formed(self) -> bool:
         return self.group is not None
 
-    def _nonfinite(self, state: Mapping[str, torch.Tensor]) -> list[str]:
-        return nonfinite_names((e.name, state[e.name]) for b in self.sender.mine for e in b.entries)
-
-    def _update(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+    def _update(self, version: int, stream: WeightStream) -> SyncStats:
+        digest = self._digest(stream) if self.cfg.verify else None  # collective: a hashing pass
         if self.peers.rank == 0:
-            self.handshake.offer(version, state_digest(state_hashes(state)) if self.cfg.verify else None)
+            self.handshake.offer(version, digest)
         t0 = time.perf_counter()
         if not self._wait_for_request(version):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
-        failed = self._send(version, state)
+        failed = self._send(version, stream)
         seconds = time.perf_counter() - t1
         if self.peers.world_size > 1:  # the update lasts until the slowest sender is done; failed if one failed
             got = self.peers.all_gather_object((seconds, failed))
@@ -148,7 +158,13 @@ class BroadcastPublisher(GroupPublisher):
                                   f"{timeout_s:.0f}s; is it alive? see its log")
             time.sleep(0.02 if self.peers.world_size == 1 else 0.1)
 
-    def _send(self, version: int, state: Mapping[str, torch.Tensor]) -> bool:
+    @staticmethod
+    def _digest(stream: WeightStream) -> str:
+        """The whole-model digest the offer carries (weights.verify): every rank streams every
+        tensor (the gathers pair up); each is hashed and dropped, so no rank holds the model."""
+        return state_digest({name: tensor_hash(t) for name, t in stream.items()})
+
+    def _send(self, version: int, stream: WeightStream) -> bool:
         """Send this rank's buckets; True when the transfer failed.
 
         A receiver that dies during an update breaks the group for every member: this version is
@@ -156,7 +172,7 @@ class BroadcastPublisher(GroupPublisher):
         respawned worker (reform.json). A second failure in the same generation is no death
         the orchestrator will repair: it stops the trainer."""
         try:
-            self.sender.send(version, state)
+            self.sender.send(version, stream)
             return False
         except TimeoutError as e:
             if self.broken_generation == self.generation:
@@ -182,11 +198,11 @@ class BroadcastPublisher(GroupPublisher):
                                   f"is the orchestrator alive? see its log")
             time.sleep(0.005)
 
-    def _form(self, state: Mapping[str, torch.Tensor]) -> None:
+    def _form(self, stream: WeightStream) -> None:
         """Generation 0: rank 0 opens the group's TCPStore, every sender joins."""
         cfg, rank = self.cfg, self.peers.rank
         timeout = datetime.timedelta(seconds=cfg.broadcast_timeout_s)
-        self.metas = [TensorMeta.of(n, t) for n, t in state.items()]
+        self.metas = list(stream.metas)
         if rank == 0:
             self.store = dist.TCPStore(self.host, self.port, None, True, timeout=timeout, wait_for_workers=False)
         self.addr = self.peers.all_gather_object((self.host, self.store.port) if rank == 0 else None)[0]

@@ -4,8 +4,9 @@ The wire protocol is SGLang's own (sglang_wire.py); who waits for whom is the pa
 docstring's "SGLang servers" part. What this module adds:
 
 - Streaming from sharded ranks: every trainer rank walks the same batches in the same order
-  and gathers each tensor (``DTensor.full_tensor``, an all-gather per tensor; plain tensors
-  as they are); only rank 0 keeps it, casts it to ``inference.dtype`` and broadcasts it.
+  and asks the weight stream (workers/weights/stream.py) for each batch's tensors (a gather
+  each on a sharded model); only rank 0 keeps them, casts them to ``inference.dtype`` and
+  broadcasts them.
   At most two batches are alive on rank 0 (the one on the wire and the one being gathered),
   never the whole model.
 - Verification data: for the tensors :func:`~sglang_wire.sample_names` picks for this
@@ -20,7 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,17 +33,11 @@ from workers.weights.broadcast.group import backend_for
 from workers.weights.broadcast.group_publisher import GroupPublisher
 from workers.weights.broadcast.sglang_wire import (Batch, close_update_group, flat_offsets, metas_json,
                                                    open_update_group, plan_batches, sample_names, sample_value)
-from workers.weights.checksums import nonfinite_names
 from workers.weights.shards import dtype_from_name
+from workers.weights.stream import WeightStream, meta_of
 
 log = logging.getLogger("slurmrl.weights")
 SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective for a DTensor: every trainer rank must call it, in step)."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else t
 
 
 class SGLangSender:
@@ -54,9 +49,6 @@ class SGLangSender:
         self.device, self.timeout_s = torch.device(device), timeout_s
         self.bytes = sum(b.nbytes for b in batches)
 
-    def _tensor(self, state: Mapping[str, torch.Tensor], m: TensorMeta) -> torch.Tensor:
-        t = _full(state[m.name].detach())
-        return t.to(device=self.device, dtype=dtype_from_name(m.dtype)).contiguous()
 
     def _start(self, batch: Batch, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
         """Post the batch's broadcasts (async); returns (works, tensors to keep alive until they finish)."""
@@ -67,14 +59,17 @@ class SGLangSender:
             flat[off: off + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
         return [dist.broadcast(flat, src=0, group=self.pg, async_op=True)], [flat]
 
-    def send(self, state: Mapping[str, torch.Tensor], samples: set[str], rows: int) -> dict[str, list]:
+    def send(self, stream: WeightStream, samples: set[str], rows: int) -> dict[str, list]:
         """Send every batch; returns {name: expected /get_weights_by_name answer} for ``samples`` (rank 0)."""
         expected: dict[str, list] = {}
         pending: collections.deque = collections.deque()
         for batch in self.batches:
-            tensors = [self._tensor(state, m) for m in batch.metas]  # gathers: every rank, same order
+            tensors = stream.items([m.name for m in batch.metas])  # gathers: every rank, same order
             if self.pg is None:
+                collections.deque(tensors, maxlen=0)  # join the gathers, keep nothing
                 continue
+            tensors = [t.to(device=self.device, dtype=dtype_from_name(m.dtype)).contiguous()
+                       for m, (_, t) in zip(batch.metas, tensors, strict=True)]
             for m, t in zip(batch.metas, tensors):
                 if m.name in samples:
                     expected[m.name] = sample_value(t, rows)
@@ -109,21 +104,16 @@ class SGLangBroadcastPublisher(GroupPublisher):
     def formed(self) -> bool:
         return self.sender is not None
 
-    def _metas(self, state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
+    def _metas(self, stream: WeightStream) -> list[TensorMeta]:
         """What goes on the wire: floating tensors in inference.dtype (what the servers hold)."""
         out = []
-        for name, t in state.items():
-            dtype = self.inference_dtype if t.is_floating_point() else str(t.dtype).replace("torch.", "")
-            item = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
-            out.append(TensorMeta(name, dtype, tuple(t.shape), t.numel() * item))
+        for m in stream.metas:
+            dtype = self.inference_dtype if dtype_from_name(m.dtype).is_floating_point else m.dtype
+            out.append(meta_of(m.name, m.shape, dtype_from_name(dtype), None))
         return out
 
-    def _nonfinite(self, state: Mapping[str, torch.Tensor]) -> list[str]:
-        """Each rank checks what it holds (its shard of a DTensor)."""
-        return nonfinite_names((n, t.to_local() if hasattr(t, "to_local") else t) for n, t in state.items())
-
-    def _update(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
-        samples = set(sample_names(list(state), self.cfg.verify_fraction, version))
+    def _update(self, version: int, stream: WeightStream) -> SyncStats:
+        samples = set(sample_names(stream.names, self.cfg.verify_fraction, version))
         if self.peers.rank == 0:
             self.handshake.offer(version)
         t0 = time.perf_counter()
@@ -131,7 +121,7 @@ class SGLangBroadcastPublisher(GroupPublisher):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
-        expected = self.sender.send(state, samples, self.cfg.verify_rows)
+        expected = self.sender.send(stream, samples, self.cfg.verify_rows)
         seconds = time.perf_counter() - t1
         verdict = None
         if self.peers.rank == 0:
@@ -147,7 +137,7 @@ class SGLangBroadcastPublisher(GroupPublisher):
         if verdict is not None and not verdict.get("ok", False):
             log.warning("weights v%d: SGLang servers did not take the broadcast (%s); publishing it through the "
                         "filesystem instead", version, verdict.get("why", "?"))
-            stats = self.initial.publish(version, state)  # the orchestrator loads it with /update_weights_from_disk
+            stats = self.initial.publish(version, stream)  # the orchestrator loads it with /update_weights_from_disk
         return stats
 
     def _wait(self, ready, what: str) -> bool:
@@ -162,10 +152,10 @@ class SGLangBroadcastPublisher(GroupPublisher):
             time.sleep(0.005)
         return True
 
-    def _form(self, state: Mapping[str, torch.Tensor]) -> None:
+    def _form(self, stream: WeightStream) -> None:
         """Rank 0 writes group.json and joins as rank 0 (blocks until every server rank joined)."""
         cfg = self.cfg
-        metas = self._metas(state)
+        metas = self._metas(stream)
         backend = cfg.backend if cfg.backend != "auto" else backend_for(self.device)
         pg = None
         if self.peers.rank == 0:

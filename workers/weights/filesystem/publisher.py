@@ -1,5 +1,10 @@
 """Filesystem transport, trainer side: every rank writes its share of ``weights/step_N/``.
 
+Weights come as a stream (workers/weights/stream.py): every rank iterates all tensors in the same
+order (each a gather on a sharded model) and pwrites its share's into its shard file as they pass,
+so no rank ever holds more than one full tensor; the files are byte for byte those a full state
+dict gives (shards.ShardWriter). A delta step streams twice: once to hash, once for what changed.
+
 The layout and the publish protocol (gathers, STABLE last, rename, delta mode, retention)
 are in the package docstring (workers/weights/filesystem/__init__.py). NaN/inf in a written
 tensor is found while it is hashed (shards.FiniteScan); gather #2 carries each rank's list,
@@ -13,17 +18,18 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import torch
 
 from workers.common.protocol import STABLE, step_name
 from workers.weights.base import (Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for,
                                   refuse_nonfinite)
-from workers.weights.checksums import HASH_NAME, Hasher, tensor_hash  # noqa: F401  (tensor_hash re-exported)
+from workers.weights.checksums import HASH_NAME, tensor_hash
 from workers.weights.filesystem.hf_layout import HFFiles, hf_files
 from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
-from workers.weights.shards import nbytes, write_shard
+from workers.weights.shards import ShardWriter, dtype_from_name
+from workers.weights.stream import WeightStream, as_stream
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -43,12 +49,11 @@ class FilesystemPublisher(WeightPublisher):
     """Trainer side (the package docstring has the protocol and delta mode)."""
 
     def __init__(self, root: Path, *, peers: Peers, keep_last: int, delta: bool = False, full_every: int = 10,
-                 num_threads: int = 2, skip_nonfinite: bool = False, hf: Optional[HFFiles] = None):
+                 skip_nonfinite: bool = False, hf: Optional[HFFiles] = None):
         assert keep_last >= 1 and full_every >= 1, (keep_last, full_every)
         self.root, self.peers, self.keep_last = Path(root), peers, keep_last
         self.delta, self.full_every = delta, full_every
         self.skip_nonfinite = skip_nonfinite  # NaN/inf in a step: skip it (True) or raise NonFiniteWeights
-        self.hasher = Hasher(num_threads)
         self.hf = hf  # config.json, HF index and tokenizer files in every step (hf_layout.py); None: not an HF dir
         self._prev: dict[str, tuple[str, str]] = {}  # this rank's share: name -> (hash, file relative to root)
         self._last_full: Optional[int] = None
@@ -57,13 +62,16 @@ class FilesystemPublisher(WeightPublisher):
         self._pruner = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-prune")
         self._pruning: Optional[cf.Future] = None
 
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> SyncStats:
+    def publish(self, version: int, weights: Union[WeightStream, Mapping[str, torch.Tensor]]) -> SyncStats:
+        """COLLECTIVE. ``weights``: a stream (gathered tensor by tensor; every rank iterates it
+        whole, each writes its share's tensors into its file as they pass) or a full state dict."""
         t0 = time.perf_counter()
+        stream = as_stream(weights)
         rank, world = self.peers.rank, self.peers.world_size
         self.wait_pruned()
         final = self.root / step_name(version)
         tmp = self.root / f".{final.name}.tmp"
-        metas = [TensorMeta.of(n, t) for n, t in state.items()]
+        metas = stream.metas
         mine = assign_shares(metas, world)[rank]
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -71,23 +79,25 @@ class FilesystemPublisher(WeightPublisher):
             tmp.mkdir()
         if world > 1:
             self.peers.all_gather_object(None)  # gather #1: the temp dir exists
-        tensors = [(m.name, _host(state[m.name])) for m in mine]
         full = not self.delta or self._last_full is None or version - self._last_full >= self.full_every
         hashes: dict[str, str] = {}
+        names = stream.names
         if full:
-            to_write = tensors
-        else:  # the decision needs the hashes first (in threads; not overlapped with the write)
-            hashes = {n: f.result() for n, f in self.hasher.hash_tensors(tensors).items()}
-            to_write = [(n, t) for n, t in tensors if self._prev.get(n, ("", ""))[0] != hashes[n]]
+            to_write = mine
+        else:  # the decision needs the hashes: a first pass hashes this rank's share as it streams by
+            own = {m.name for m in mine}
+            hashes = {n: tensor_hash(_host(t)) for n, t in stream.items() if n in own}
+            to_write = [m for m in mine if self._prev.get(m.name, ("", ""))[0] != hashes[m.name]]
+            changed = {n for part in self.peers.all_gather_object([m.name for m in to_write]) for n in part}
+            names = [n for n in names if n in changed]  # the second pass gathers only what some rank rewrites
         fname = shard_name(rank, world, sharded=self.delta)  # delta: never model.safetensors (hf_layout.py)
         bad: list[str] = []  # tensors holding NaN/inf, found in the hashing pass
-        if to_write:
-            hashes.update(write_shard(tmp / fname, to_write, {"format": "pt", "step": str(version)}, nonfinite=bad))
-        written = {n for n, _ in to_write}
+        hashes.update(self._write(tmp / fname, stream, names, to_write, {"format": "pt", "step": str(version)}, bad))
+        written = {m.name for m in to_write}
         entries = {m.name: {"shape": list(m.shape), "dtype": m.dtype, HASH_NAME: hashes[m.name],
                             "file": f"{final.name}/{fname}" if m.name in written else self._prev[m.name][1]}
                    for m in mine}
-        moved = sum(nbytes(t) for _, t in to_write)
+        moved = sum(m.nbytes for m in to_write)
         gathered = self.peers.all_gather_object((entries, moved, bad))  # gather #2: every shard is on disk
         bad = sorted(n for _, _, b in gathered for n in b)
         if bad:  # every rank sees the same list: all refuse (or skip) together
@@ -102,6 +112,25 @@ class FilesystemPublisher(WeightPublisher):
         if full:
             self._last_full = version
         return SyncStats(bytes=sum(b for _, b, _ in gathered), seconds=time.perf_counter() - t0)
+
+    @staticmethod
+    def _write(path: Path, stream: WeightStream, names: list[str], own: list[TensorMeta], metadata: dict,
+               bad: list[str]) -> dict[str, str]:
+        """Iterate ``names`` of ``stream`` (every rank the same: the gathers pair up) and write the
+        ``own`` ones into ``path`` as they arrive; each gathered tensor is dropped once written, so
+        a rank holds one full tensor at a time. No ``own`` tensor: no file (delta steps)."""
+        writer = ShardWriter(path, [(m.name, dtype_from_name(m.dtype), m.shape) for m in own], metadata) \
+            if own else None
+        wanted = {m.name for m in own}
+        try:
+            for name, t in stream.items(names):
+                if writer is not None and name in wanted:
+                    writer.write(name, _host(t))
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        return writer.finish(bad) if writer is not None else {}
 
     def _finish(self, version: int, tmp: Path, final: Path, metas: list[TensorMeta], entries: dict) -> None:
         def rel(file: str) -> str:  # files are recorded relative to the weights root
@@ -134,7 +163,6 @@ class FilesystemPublisher(WeightPublisher):
     def close(self) -> None:
         self.wait_pruned()
         self._pruner.shutdown(wait=True)
-        self.hasher.close()
 
 
 def prune(weights_root: Path, *, keep_last: int, newest: int) -> list[str]:
@@ -175,5 +203,5 @@ def filesystem_publisher(w, paths, peers: Peers, *, model=None) -> FilesystemPub
     """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too); with the
     run's ``model`` section, every step is also a Hugging Face directory when the family has a config.json."""
     return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
-                               full_every=w.delta_full_every, num_threads=w.num_hash_threads,
+                               full_every=w.delta_full_every,
                                skip_nonfinite=w.skip_nonfinite, hf=hf_files(model) if model is not None else None)
