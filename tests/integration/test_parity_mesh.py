@@ -64,9 +64,9 @@ def reference(model_name: str) -> dict:
             "weights": model.state_dict()}
 
 
-def _worker(rank, world, port, tp, ep, model_name, out, extra=None):
+def _worker(rank, world, port, tp, ep, model_name, out, extra=None, cp=1):
     torch.set_num_threads(1)
-    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep, cp=cp)
     cfg = moe.tcfg(**(extra or {}))
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
@@ -116,7 +116,11 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, 
     ref = _REFS[model]
     out = str(tmp_path / "got.pt")
     spawn(_worker, dp * tp * ep, (tp, ep, model, out, extra))
-    got = torch.load(out)
+    check_matches_reference(torch.load(out), ref)
+
+
+def check_matches_reference(got: dict, ref: dict) -> None:
+    """A layout's loss, grad norm, clipped full gradients and updated weights against :func:`reference`."""
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert list(got["grads"]) == list(ref["clipped"]), "full_grad_dict: the HF names, in the model's order"

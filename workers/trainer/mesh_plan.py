@@ -51,10 +51,14 @@ COL, ROW = ColwiseParallel(), RowwiseParallel()
 
 
 def build_mesh(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """(mesh (ep, dp_shard, tp), batch view, edp view). COLLECTIVE (creates the groups)."""
-    ranks = torch.arange(dims.world_size).view(dims.dp, dims.ep, dims.tp).permute(1, 0, 2)
-    mesh = DeviceMesh(dims.device.type, ranks, mesh_dim_names=("ep", "dp_shard", "tp"))
-    return mesh, mesh["ep", "dp_shard"]._flatten("batch"), mesh["dp_shard", "tp"]._flatten("edp")
+    """(mesh (ep, dp_shard, cp, tp), batch view, edp view). COLLECTIVE (creates the groups).
+
+    The cp ranks of a group hold the same parameters and different tokens of the same rows, so
+    they are one more data-parallel dimension to FSDP: dense parameters shard over ep x dp_shard x
+    cp (``batch``, torchtitan's dp_shard_cp), experts over dp_shard x cp x tp (``edp``)."""
+    ranks = torch.arange(dims.world_size).view(dims.dp, dims.ep, dims.cp, dims.tp).permute(1, 0, 2, 3)
+    mesh = DeviceMesh(dims.device.type, ranks, mesh_dim_names=("ep", "dp_shard", "cp", "tp"))
+    return mesh, mesh["ep", "dp_shard", "cp"]._flatten("batch"), mesh["dp_shard", "cp", "tp"]._flatten("edp")
 
 
 def _is_moe(m: nn.Module) -> bool:
