@@ -21,13 +21,18 @@ from tests.integration import test_parity_mesh as mesh
 
 # (family, dp, cp, tp, ep): world = dp * cp * tp * ep
 CASES = [("qwen3_moe", 1, 2, 2, 1), ("qwen3_moe", 1, 2, 1, 2), ("deepseek_v3", 1, 2, 2, 1), ("deepseek_v3", 1, 2, 1, 2),
-         ("glm_moe_dsa", 1, 2, 2, 1), ("nemotron_h", 1, 2, 1, 2)]
+         ("glm_moe_dsa", 1, 2, 2, 1), ("nemotron_h", 1, 2, 1, 2), ("qwen3_moe", 1, 2, 2, 2)]
+# micro-batches of 16 tokens with full activation checkpointing (the recompute replays the all-to-alls
+# of both kinds), and packed rows (per-document attention over the whole rows after the all-to-all)
+CASES += [("deepseek_v3", 1, 2, 2, 1, mesh.MICRO_AC), ("qwen3_moe", 1, 2, 1, 2, {**mesh.MICRO_AC, "pack_sequences": True})]
 
 
-@pytest.mark.parametrize("model,dp,cp,tp,ep", CASES, ids=[f"{c[0]}-dp{c[1]}-cp{c[2]}-tp{c[3]}-ep{c[4]}" for c in CASES])
-def test_cp_in_the_mesh_plan_matches_one_process_reference(tmp_path, model, dp, cp, tp, ep):
+@pytest.mark.parametrize("model,dp,cp,tp,ep,extra", [c if len(c) == 6 else (*c, None) for c in CASES],
+                         ids=[f"{c[0]}-dp{c[1]}-cp{c[2]}-tp{c[3]}-ep{c[4]}" + ("-" + "-".join(c[5]) if len(c) == 6 else "")
+                              for c in CASES])
+def test_cp_in_the_mesh_plan_matches_one_process_reference(tmp_path, model, dp, cp, tp, ep, extra):
     torch.set_num_threads(1)
     ref = mesh.reference(model)
     out = str(tmp_path / "got.pt")
-    mesh.spawn(mesh._worker, dp * cp * tp * ep, (tp, ep, model, out, None, cp))
+    mesh.spawn(mesh._worker, dp * cp * tp * ep, (tp, ep, model, out, extra, cp))
     mesh.check_matches_reference(torch.load(out), ref)
