@@ -29,8 +29,9 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
 Tokens per GPU (:func:`forward_tokens`): a micro-batch of ``trainer.micro_batch_tokens`` (at least
 the longest sample: ``env.max_episode_tokens`` when the env has one, else
 ``model.max_position_embeddings``), or with micro_batch_tokens 0 the rank's whole batch of rows at
-the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence; 1 until the
-trainer has it). Attention/MLP widths divide by tp. A hybrid family's Mamba-2 layers are counted
+the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence,
+under the FSDP plan or with tp/ep in the mesh plan). Attention/MLP widths divide by tp; under cp attention
+holds all T positions for 1/(tp*cp) of the heads, the same bytes as T/cp positions of 1/tp of them. A hybrid family's Mamba-2 layers are counted
 as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/test_activation_estimate.py holds
 the estimate to within 25% of the measured peak of a real trainer step on CPU.
 Pure arithmetic; no torch (the launcher imports it on the login node).
@@ -169,7 +170,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
     ``rows_per_rank``: samples of a step each rank trains on (its forward with micro_batch_tokens 0).
     """
     t = cfg.trainer
-    cp = getattr(t.parallel, "cp", 1)  # context parallel, once the trainer has it (issue 20 item 3)
+    cp = t.parallel.cp
     tokens = forward_tokens(cfg, rows_per_rank)
 
     def act(c: int) -> ActivationEstimate:
