@@ -36,3 +36,13 @@ def test_cp_in_the_mesh_plan_matches_one_process_reference(tmp_path, model, dp, 
     out = str(tmp_path / "got.pt")
     mesh.spawn(mesh._worker, dp * cp * tp * ep, (tp, ep, model, out, extra, cp))
     mesh.check_matches_reference(torch.load(out), ref)
+
+
+RESUMES = [("deepseek_v3", (1, 1, 2, 2), (1, 2, 1, 1)), ("qwen3_moe", (1, 2, 1, 2), (2, 1, 1, 1))]
+
+
+@pytest.mark.parametrize("model,saved,resumed", RESUMES, ids=[f"{m}-{s}-to-{r}" for m, s, r in RESUMES])
+def test_a_checkpoint_saved_with_cp_resumes_at_another_layout(tmp_path, model, saved, resumed):
+    """(dp, tp, ep, cp): saved at ep 2 x cp 2 resumed at tp 2, saved at tp 2 x cp 2 resumed at dp 2
+    (the FSDP plan): DCP reshards the cp ranks' shards like any other dimension's."""
+    mesh.check_resume(tmp_path, model, saved, resumed)
