@@ -24,7 +24,8 @@ CASES = [("qwen3_moe", 1, 2, 2, 1), ("qwen3_moe", 1, 2, 1, 2), ("deepseek_v3", 1
          ("glm_moe_dsa", 1, 2, 2, 1), ("nemotron_h", 1, 2, 1, 2), ("qwen3_moe", 1, 2, 2, 2)]
 # micro-batches of 16 tokens with full activation checkpointing (the recompute replays the all-to-alls
 # of both kinds), and packed rows (per-document attention over the whole rows after the all-to-all)
-CASES += [("deepseek_v3", 1, 2, 2, 1, mesh.MICRO_AC), ("qwen3_moe", 1, 2, 1, 2, {**mesh.MICRO_AC, "pack_sequences": True})]
+CASES += [("deepseek_v3", 1, 2, 2, 1, mesh.MICRO_AC), ("qwen3_moe", 1, 2, 1, 2, {**mesh.MICRO_AC, "pack_sequences": True}),
+          ("glm_moe_dsa", 1, 2, 1, 2, mesh.MICRO_AC)]  # DSA's per-chunk checkpoints nested in the layer's
 
 
 @pytest.mark.parametrize("model,dp,cp,tp,ep,extra", [c if len(c) == 6 else (*c, None) for c in CASES],

@@ -28,10 +28,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from workers.models.blocks import kernels
+from workers.models.facts import DSA_CHUNK_PAIRS
 
-CHUNK_PAIRS = 1 << 25
+CHUNK_PAIRS = DSA_CHUNK_PAIRS
 """(query, key) pairs per chunk: index scores ``CHUNK_PAIRS x H_index x 4`` bytes (4.3 GB for GLM-5's
-32 index heads), an attention chunk's mask rows ``CHUNK_PAIRS`` bytes. The planner counts the same
+32 index heads), an attention chunk's mask rows a few bytes per pair. The planner counts the same
 (launcher/activations.py)."""
 
 
