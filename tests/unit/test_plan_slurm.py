@@ -49,7 +49,7 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
 
 def test_parallel_dims_mismatch_prints_the_numbers():
     msg = plan_error([*GLM5, "trainer.parallel.dp=4"])
-    assert "trainer.parallel: tp(1) * pp(1) * ep(64) * dp(4) = 256 != trainer.num_ranks(128)" in msg
+    assert "trainer.parallel: tp(1) * pp(1) * ep(8) * cp(16) * dp(4) = 512 != trainer.num_ranks(128)" in msg
     msg = plan_error([*TINY_SLURM, "trainer.parallel.tp=3"])
     assert "does not divide trainer.num_ranks(1)" in msg
 
@@ -66,8 +66,8 @@ def test_dp_is_derived():
     ([*GLM5, "inference.prefill.tp=8"], "inference.prefill.tp(8) must equal the GPUs of one replica"),
     ([*GLM5, "inference.decode.ep=24"], "inference.decode.ep(24) must divide inference.decode.tp(32)"),
     ([*GLM5, "inference.num_workers=2"], "inference.num_workers(2) must be 0 with prefill/decode replicas"),
-    ([*GLM5, "trainer.parallel.tp=16", "trainer.parallel.ep=8", "trainer.parallel.dp=1"], "trainer.parallel.tp(16) > cluster.num_gpus_per_node(8)"),
-    ([*GLM5, "launcher.trainer.num_nodes=8", "trainer.num_ranks=64", "trainer.parallel.dp=1",
+    ([*GLM5, "trainer.parallel.tp=16", "trainer.parallel.cp=1", "trainer.parallel.dp=1"], "trainer.parallel.tp(16) > cluster.num_gpus_per_node(8)"),
+    ([*GLM5, "launcher.trainer.num_nodes=8", "trainer.num_ranks=64", "trainer.parallel.cp=8", "trainer.parallel.dp=1",
       "launcher.num_gpu_nodes=0"], "trainer does not fit"),
     ([*TINY_SLURM, "inference.num_prefill_replicas=1", "inference.num_decode_replicas=1", "inference.num_workers=0"],
      "need inference.backend=sglang"),
