@@ -29,8 +29,9 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
 Tokens per GPU (:func:`forward_tokens`): a micro-batch of ``trainer.micro_batch_tokens`` (at least
 the longest sample: ``env.max_episode_tokens`` when the env has one, else
 ``model.max_position_embeddings``), or with micro_batch_tokens 0 the rank's whole batch of rows at
-the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence; 1 until the
-trainer has it). Attention/MLP widths divide by tp. A hybrid family's Mamba-2 layers are counted
+the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence,
+under the FSDP plan or with tp/ep in the mesh plan). Attention/MLP widths divide by tp; under cp attention
+holds all T positions for 1/(tp*cp) of the heads, the same bytes as T/cp positions of 1/tp of them. A hybrid family's Mamba-2 layers are counted
 as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/test_activation_estimate.py holds
 the estimate to within 25% of the measured peak of a real trainer step on CPU.
 Pure arithmetic; no torch (the launcher imports it on the login node).
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workers.models.facts import DSA_CHUNK_PAIRS
 from workers.models.spec import architecture
 
 FIT_FRACTION = 0.9
@@ -100,10 +102,10 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
                       logprob_chunk: int = 4096) -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
-    A DSA model (``num_indexer_heads``) adds its indexer's dense reference scoring
-    (workers/models/blocks/dsa_indexer.py): float32 scores of each of the GPU's queries against every
-    key of its sequence, per index head, plus the index and keep masks, one layer at a time
-    (:data:`INDEXER_BYTES_PER_PAIR` per head and pair): quadratic, until a sparse kernel replaces it."""
+    A DSA model (``num_indexer_heads``) adds its indexer (:func:`dsa_bytes`): at cp 1 the dense
+    reference scoring (workers/models/blocks/dsa_indexer.py), float32 scores of each query against every
+    key per index head plus the masks (:data:`INDEXER_BYTES_PER_PAIR` per head and pair): quadratic;
+    under cp the chunked path, bounded by ``DSA_CHUNK_PAIRS`` pairs at a time."""
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
@@ -125,14 +127,30 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
-    indexer = n * tokens * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 7) if a.num_indexer_heads else 0
+    indexer = dsa_bytes(a, n, tokens, cp)
     total = int(n * kept) + max(head, int(n * working) + indexer) + trainer
     detail = (f"{human_bytes(total)} for {n} tokens/GPU ({tokens} per forward / cp {cp}), activation_checkpointing "
               f"{ac}: layers {human_bytes(layers)}, log-prob head {human_bytes(head)} (chunk {chunk}), "
               f"trainer tensors {human_bytes(trainer)}"
-              + (f", DSA indexer scores {human_bytes(indexer)} (dense reference)" if indexer else ""))
+              + (f", DSA indexer scores {human_bytes(indexer)} ("
+                 + ("dense reference" if cp == 1 else f"chunks of {DSA_CHUNK_PAIRS} pairs") + ")" if indexer else ""))
     return ActivationEstimate(tokens=n, total_bytes=total, layers_bytes=layers, head_bytes=head, trainer_bytes=trainer,
                               indexer_bytes=indexer, detail=detail)
+
+
+def dsa_bytes(a, n: int, tokens: int, cp: int) -> int:
+    """The DSA indexer's working memory while one layer runs (0 without an indexer). cp 1: the dense
+    reference scores all ``n x tokens`` pairs per index head and builds ``[T, T]`` masks. cp > 1
+    (workers/models/blocks/dsa_cp.py): :data:`DSA_CHUNK_PAIRS` pairs scored at a time (float32 per
+    index head, plus the index, visibility and top-k work), the gathered chosen indices of every
+    query and this rank's (int64 ``[T + n, index_topk]``), an attention chunk's mask rows (bools
+    and their float bias)."""
+    if not a.num_indexer_heads:
+        return 0
+    if cp == 1:
+        return n * tokens * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 7)
+    pairs = min(n, max(1, DSA_CHUNK_PAIRS // tokens)) * tokens
+    return pairs * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 13) + (tokens + n) * a.index_topk * 8 + pairs * 7
 
 
 def longest_sample(cfg) -> tuple[int, str]:
@@ -169,7 +187,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
     ``rows_per_rank``: samples of a step each rank trains on (its forward with micro_batch_tokens 0).
     """
     t = cfg.trainer
-    cp = getattr(t.parallel, "cp", 1)  # context parallel, once the trainer has it (issue 20 item 3)
+    cp = t.parallel.cp
     tokens = forward_tokens(cfg, rows_per_rank)
 
     def act(c: int) -> ActivationEstimate:

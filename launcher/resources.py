@@ -204,13 +204,13 @@ def check_context_parallel(cfg: RunConfig) -> None:
     model.mamba_num_heads (Mamba groups are repeated as needed, so they need not); attention splits
     by heads when cp divides model.num_heads and gathers the keys/values otherwise (no constraint).
     cp must divide the sequence (the longest, model.max_position_embeddings; shorter rows are padded
-    to a multiple of cp). There is no context parallelism in the tensor/expert-parallel plan."""
+    to a multiple of cp). With tp/ep > 1 (the mesh plan) the same holds: attention splits its heads
+    over tp first and Ulysses splits what is left over cp (or gathers the keys/values when too few
+    are left), the Mamba-2 mixers are replicated over tp (all their heads split over cp), and the
+    experts' all-to-all carries each cp rank's tokens."""
     par, m, t = cfg.trainer.parallel, cfg.model, cfg.trainer
     if par.cp == 1:
         return
-    if par.tp != 1 or par.ep != 1:
-        raise PlanError(f"trainer.parallel.cp({par.cp}) needs tp(1) and ep(1) (got tp({par.tp}), ep({par.ep})): "
-                        f"context parallelism runs in the FSDP plan only")
     mamba = getattr(m, "mamba_num_heads", 0) if "M" in getattr(m, "hybrid_override_pattern", "") else 0
     if mamba % par.cp:
         raise PlanError(f"trainer.parallel.cp({par.cp}) must divide model.mamba_num_heads({mamba}): context "

@@ -106,7 +106,7 @@ def with_split(cfg: RunConfig, *, prefill: tuple[int, int], decode: tuple[int, i
                                    ep=min(tp, cfg.model.num_experts), dp_attention=tp)
 
     ranks = trainer_nodes * gpn
-    shard = par.tp * par.pp * par.ep
+    shard = par.tp * par.pp * par.ep * par.cp
     inference = dataclasses.replace(inf, num_prefill_replicas=prefill[0], prefill=server(inf.prefill, prefill[1]),
                                     num_decode_replicas=decode[0], decode=server(inf.decode, decode[1]))
     trainer = dataclasses.replace(cfg.trainer, num_ranks=ranks, parallel=dataclasses.replace(
@@ -126,7 +126,7 @@ def candidate_splits(cfg: RunConfig, total_nodes: int, *, replica_nodes: tuple[i
                      max_candidates: int = 400) -> Iterator[tuple[RunConfig, JobPlan]]:
     """Every (prefill, decode, trainer) split of ``total_nodes`` GPU nodes that build_plan accepts."""
     par = cfg.trainer.parallel
-    step = max(1, par.tp * par.pp * par.ep // (cfg.cluster.num_gpus_per_node or GPUS_PER_NODE))
+    step = max(1, par.tp * par.pp * par.ep * par.cp // (cfg.cluster.num_gpus_per_node or GPUS_PER_NODE))
     seen = 0
     for t_nodes in range(step, total_nodes, step):
         rest = total_nodes - t_nodes

@@ -132,7 +132,7 @@ def workload_stats(a: Assumptions, seed: int = 0) -> dict:
 def coarse_splits(cfg: RunConfig, total: int) -> list[RunConfig]:
     """Candidates at large node counts: trainer share x prefill share, 2-node prefill, 4/8-node decode."""
     par, gpn = cfg.trainer.parallel, cfg.cluster.num_gpus_per_node
-    unit = max(1, par.tp * par.pp * par.ep // gpn)
+    unit = max(1, par.tp * par.pp * par.ep * par.cp // gpn)
     samples = cfg.orchestrator.num_prompts_per_step * cfg.orchestrator.num_samples_per_prompt
     most = samples // gpn // unit * unit  # the plan wants >= 1 sample per trainer rank
     trainers = sorted({min(most, max(2 * unit, round(total * f / unit) * unit)) for f in (0.125, 0.25, 0.375, 0.5)})

@@ -256,3 +256,15 @@ def test_packed_samples_under_cp_equal_the_samples_alone(tmp_path, family, cp):
     out = str(tmp_path / "packed.pt")
     run_ranks(_packed_worker, cp, (mcfg, out), what=f"packed {family} cp{cp}")
     torch.testing.assert_close(torch.load(out), alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp,overrides", [(2, ()), (4, ("model.num_heads=2",))], ids=["ulysses-cp2", "gathered-cp4"])
+def test_dsa_scores_and_attends_in_query_chunks_with_the_same_numbers(tmp_path, monkeypatch, cp, overrides):
+    """glm_moe_dsa under cp with chunks of 3 queries (workers/models/blocks/dsa_cp.py: 48 pairs over 16
+    keys; uneven last chunk): index scoring, top-k and the checkpointed per-chunk attention equal the
+    one-rank dense reference path, through Ulysses (4 heads) and the gathered keys (2 heads, cp 4)."""
+    from workers.models.blocks import dsa_cp
+
+    monkeypatch.setattr(dsa_cp, "CHUNK_PAIRS", 3 * T)
+    assert dsa_cp.chunk_rows(T) == 3
+    check_family(tmp_path, "glm_moe_dsa", cp, overrides)

@@ -64,9 +64,9 @@ def reference(model_name: str) -> dict:
             "weights": model.state_dict()}
 
 
-def _worker(rank, world, port, tp, ep, model_name, out, extra=None):
+def _worker(rank, world, port, tp, ep, model_name, out, extra=None, cp=1):
     torch.set_num_threads(1)
-    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep, cp=cp)
     cfg = moe.tcfg(**(extra or {}))
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
@@ -137,10 +137,10 @@ def test_bfloat16_gpu_code_path_matches_the_fsdp_plan(tmp_path, model):
         assert got[2, 2][key] == pytest.approx(got[1, 1][key], rel=2e-2, abs=1e-3), key
 
 
-def _resume_worker(rank, world, port, tp, ep, model_name, run_dir, phase, out):
+def _resume_worker(rank, world, port, tp, ep, model_name, run_dir, phase, out, cp=1):
     """phase "save": step 0, checkpoint, step 1. "resume": another seed, load, step 1."""
     torch.set_num_threads(1)
-    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
+    dims = gloo_dims(rank, world, port, tp=tp, ep=ep, cp=cp)
     cfg = dataclasses.replace(moe.tcfg(), lr=1e-3)
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED if phase == "save" else 99)
@@ -172,11 +172,16 @@ RESUMES = [("qwen3_moe", (1, 2, 2), (2, 1, 1)), ("deepseek_v3", (1, 2, 1), (1, 1
 def test_checkpoint_of_one_layout_resumes_at_another(tmp_path, model, saved, resumed):
     """Saved at (dp, tp, ep) = ``saved`` (DCP), resumed at ``resumed`` (the mesh or the FSDP plan):
     the resumed step 1 is the saved run's step 1 (loss, grad norm, weights)."""
+    check_resume(tmp_path, model, (*saved, 1), (*resumed, 1))
+
+
+def check_resume(tmp_path, model: str, saved: tuple, resumed: tuple) -> None:
+    """Save at (dp, tp, ep, cp) = ``saved``, resume at ``resumed``: the same step 1."""
     run_dir = str(tmp_path / "run")
     results = {}
-    for phase, (dp, tp, ep) in (("save", saved), ("resume", resumed)):
+    for phase, (dp, tp, ep, cp) in (("save", saved), ("resume", resumed)):
         out = str(tmp_path / f"{phase}.pt")
-        spawn(_resume_worker, dp * tp * ep, (tp, ep, model, run_dir, phase, out))
+        spawn(_resume_worker, dp * tp * ep * cp, (tp, ep, model, run_dir, phase, out, cp))
         results[phase] = torch.load(out)
     a, b = results["save"], results["resume"]
     assert b["start"] == 1

@@ -36,8 +36,13 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     cp4 = activation_memory(m, tokens=131072, ac="full", cp=4)
     assert cp4.tokens == 32768 and cp4.total_bytes < full / 3
     assert cp4.indexer_bytes == 0
-    dsa = activation_memory(compose(["model=glm5"]).model, tokens=131072, ac="full", cp=8)
-    assert dsa.indexer_bytes == 16384 * 131072 * (32 * 4 + 7) and "DSA indexer scores" in dsa.detail  # quadratic
+    glm5 = compose(["model=glm5"]).model
+    dense = activation_memory(glm5, tokens=131072, ac="full")
+    assert dense.indexer_bytes == 131072 * 131072 * (32 * 4 + 7) and "(dense reference)" in dense.detail  # quadratic
+    dsa = activation_memory(glm5, tokens=131072, ac="full", cp=8)  # cp: chunks of 2**25 pairs, topk indices
+    pairs = 256 * 131072
+    assert dsa.indexer_bytes == pairs * (32 * 4 + 13) + (131072 + 16384) * 2048 * 8 + pairs * 7
+    assert dsa.indexer_bytes < 8e9 and "chunks of 33554432 pairs" in dsa.detail
     small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024)
     assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
 

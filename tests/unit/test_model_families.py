@@ -69,17 +69,24 @@ def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
 
 @pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"])
 def test_tp_ep_layouts_of_the_large_presets_plan_onto_the_mesh_plan(experiment):
-    """deepseek_v3, glm_moe_dsa, nemotron_h presets' expert-parallel layouts (ep 32/64) plan for a real
-    run onto the mesh plan (workers/trainer/mesh_plan.py), with no refusal and no dry-run WARNING, at
-    8k-token episodes; at their 131k limit the planner refuses the activations (cp is not in the mesh
-    plan yet; GLM-5's DSA indexer is a dense reference), a WARNING in a dry run."""
+    """deepseek_v3, glm_moe_dsa, nemotron_h presets' expert-parallel layouts plan for a real run onto
+    the mesh plan (workers/trainer/mesh_plan.py), with no refusal and no dry-run WARNING, at 8k-token
+    episodes. At their 131k limit Kimi K2 (cp 8), Nemotron 3 Ultra and GLM-5 (cp 16: its DSA indexer
+    in bounded chunks) plan too, context parallel inside the mesh plan, and are refused without
+    their cp (the planner names the cp that fits)."""
     short = ["env.max_episode_tokens=8192", "env.max_new_tokens_per_turn=2048", "trainer.micro_batch_tokens=8192"]
     for dry in ("false", "true"):
         plan = build_plan(compose([f"experiment={experiment}", "cluster=h200_ib", f"launcher.dry_run={dry}", *short]))
         assert plan.trainer_dims.ep > 1 and plan.trainer_dims.plan == MESH_PLAN
         assert not any("refused" in w for w in plan.trainer_dims.warnings), plan.trainer_dims.warnings
-    with pytest.raises(PlanError, match="does not fit its GPUs with the activations"):
-        build_plan(compose([f"experiment={experiment}", "cluster=h200_ib", "launcher.dry_run=false"]))
+    real = [f"experiment={experiment}", "cluster=h200_ib", "launcher.dry_run=false"]
+    plan = build_plan(compose(real))
+    cp = plan.trainer_dims.cp
+    assert cp > 1 and plan.trainer_dims.plan == MESH_PLAN and not plan.trainer_dims.warnings
+    (mem,) = [m for m in plan.memory if m.what == "trainer"]
+    assert mem.fits and f"{131072 // cp} tokens/GPU (131072 per forward / cp {cp})" in mem.detail
+    with pytest.raises(PlanError, match=rf"does not fit its GPUs.*use trainer\.parallel\.cp >= {cp} \(context parallel\)"):
+        build_plan(compose([*real, "trainer.parallel.cp=1", f"trainer.parallel.dp={plan.trainer_dims.dp * cp}"]))
 
 
 @pytest.mark.parametrize("args, key, schema", [

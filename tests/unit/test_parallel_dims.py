@@ -84,8 +84,8 @@ def test_cp_sits_between_tp_and_ep_and_shares_rows():
 
 def test_context_parallel_layouts_the_trainer_cannot_run_are_refused_at_plan_time():
     """cp must divide the Mamba-2 heads (Ulysses; attention with too few heads gathers keys and values
-    instead) and the sequence, runs in the FSDP plan only, with token-level ratios; the messages name
-    the keys and the numbers."""
+    instead) and the sequence, with token-level ratios, under the FSDP or the mesh plan; the messages
+    name the keys and the numbers."""
     assert parallel_degrees(compose(["trainer.num_ranks=4", "trainer.parallel.cp=2"])) == (1, 1, 2)
     summary = "\n".join(build_plan(compose(["trainer.num_ranks=4", "trainer.parallel.cp=2"])).summary())
     assert "tp(1) x pp(1) x ep(1) x cp(2) x dp(2) = 4 ranks" in summary
@@ -99,8 +99,11 @@ def test_context_parallel_layouts_the_trainer_cannot_run_are_refused_at_plan_tim
     assert "cp(2)" in "\n".join(build_plan(compose(nemotron_cp2)).summary())  # unpacked: runs
     assert "must divide the sequence, model.max_position_embeddings(30)" in plan_error(
         ["model.max_position_embeddings=30", "trainer.num_ranks=4", "trainer.parallel.cp=4"])
-    assert "context parallelism runs in the FSDP plan only" in plan_error(
-        ["trainer.num_ranks=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"])
+    # cp with tp / ep: a dimension of the mesh plan (tests/integration/test_context_parallel_mesh.py)
+    mesh = build_plan(compose(["model=qwen3_moe_tiny", "trainer.num_ranks=8", "trainer.parallel.cp=2",
+                               "trainer.parallel.tp=2", "trainer.parallel.ep=2"]))
+    assert "tp(2) x pp(1) x ep(2) x cp(2) x dp(1) = 8 ranks" in "\n".join(mesh.summary())
+    assert mesh.trainer_dims.plan == "workers.trainer.mesh_plan:parallelize"
     assert "ratio_level='sequence' with trainer.parallel.cp(2)" in plan_error(
         ["trainer.num_ranks=2", "trainer.parallel.cp=2", "trainer.ratio_level=sequence"])
     assert "trainer.parallel.cp must be in [1, 1024], got 0" in plan_error(["trainer.parallel.cp=0"])

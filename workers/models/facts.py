@@ -16,6 +16,10 @@ import dataclasses
 
 from workers.common.registry import MODELS
 
+DSA_CHUNK_PAIRS = 1 << 25
+"""(query, key) pairs the context-parallel DSA path scores or masks at once (workers/models/blocks/
+dsa_cp.py); here so that the planner (launcher/activations.py, no torch) counts the same."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParamCount:
@@ -61,6 +65,8 @@ class Architecture:
     num_indexer_heads: int = 0
     """DeepSeek Sparse Attention indexer heads (0: dense attention)."""
     indexer_head_dim: int = 0
+    index_topk: int = 0
+    """Keys each query keeps (DSA); the context-parallel path holds their indices, ``[T, index_topk]``."""
     num_mtp_layers: int = 0
 
     @property

@@ -17,9 +17,11 @@ full row) and the routing-disagreement slots are the same functions as at cp = 1
 loss is the sum over ITS tokens with the step's GLOBAL normalisers, the token and expert counts
 are summed over every rank (the ``batch`` group includes cp), and FSDP's gradient reduce-scatter
 over all ranks adds the cp ranks' shares: the result equals cp = 1 (tests/integration/
-test_context_parallel.py). A row-level ratio (``ratio_level`` sequence / geometric) would need
-the whole row on one rank: the plan refuses it with cp > 1 (launcher/resources.py), as it refuses
-cp with tp/ep, a cp that does not divide the heads, and a sequence cp does not divide.
+test_context_parallel.py). The same holds in the mesh plan with tp/ep > 1, where cp is a mesh
+dimension (workers/trainer/mesh_plan.py; tests/integration/test_context_parallel_mesh.py). A
+row-level ratio (``ratio_level`` sequence / geometric) would need the whole row on one rank: the
+plan refuses it with cp > 1 (launcher/resources.py), as it refuses a cp that does not divide the
+Mamba-2 heads, and a sequence cp does not divide.
 
 Collectives added per step (every rank of a cp group, in the same order, each bounded by the
 process group's timeout like the step's other collectives): per attention layer four all-to-alls

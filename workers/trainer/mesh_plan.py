@@ -2,12 +2,21 @@
 ``CausalLM`` built from the shared blocks (tiny_moe, llama, qwen3_moe, deepseek_v3, glm_moe_dsa,
 nemotron_h). ``ModelSpec.trainer_plan`` picks it whenever trainer.parallel.tp or ep > 1.
 
-The mesh (:func:`build_mesh`) has dimensions ``(ep, dp_shard, tp)`` over the ranks of
-workers/trainer/parallel.py's layout (rank = (dp * ep + ep_rank) * tp + tp_rank, TP innermost),
-and two flattened views: ``batch`` = ep x dp_shard (every rank with distinct rows: dense
-parameters are fully_shard-ed over it) and ``edp`` = dp_shard x tp (the ranks holding the same
-experts: the expert-data-parallel dimension the experts are fully_shard-ed over). dp_replicate
-(HSDP) is not a dimension yet: every data-parallel rank shards.
+The mesh (:func:`build_mesh`) has dimensions ``(ep, dp_shard, cp, tp)`` over the ranks of
+workers/trainer/parallel.py's layout (rank = ((dp * ep + ep_rank) * cp + cp_rank) * tp + tp_rank,
+TP innermost), and two flattened views: ``batch`` = ep x dp_shard x cp (every rank with distinct
+tokens: dense parameters are fully_shard-ed over it) and ``edp`` = dp_shard x cp x tp (the ranks
+holding the same experts: the expert-data-parallel dimension the experts are fully_shard-ed over).
+dp_replicate (HSDP) is not a dimension yet: every data-parallel rank shards.
+
+Context parallel (``cp`` > 1, workers/trainer/context_parallel.py): the cp ranks of a group hold
+the same rows and each runs a contiguous chunk of every row. Nothing in the model changes for it:
+attention splits its heads over tp first, then Ulysses swaps sequence for heads over the cp group
+on the heads left (workers/models/blocks/ulysses.py; with fewer local heads than cp it gathers the
+keys and values instead); routers, Router Replay and the EP all-to-all see this cp rank's tokens
+only (routing is per position); the Mamba-2 scan (replicated over tp) splits its heads over cp.
+Each cp rank's loss is its tokens' share of the globally normalised loss, so FSDP's gradient sum
+over ``batch`` / ``edp`` (which include cp) adds the cp ranks' contributions.
 
 Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors last):
   attention  GQA: q/k/v ColwiseParallel (heads split), o_proj RowwiseParallel, per-head q/k norms
@@ -52,10 +61,14 @@ COL, ROW = ColwiseParallel(), RowwiseParallel()
 
 
 def build_mesh(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """(mesh (ep, dp_shard, tp), batch view, edp view). COLLECTIVE (creates the groups)."""
-    ranks = torch.arange(dims.world_size).view(dims.dp, dims.ep, dims.tp).permute(1, 0, 2)
-    mesh = DeviceMesh(dims.device.type, ranks, mesh_dim_names=("ep", "dp_shard", "tp"))
-    return mesh, mesh["ep", "dp_shard"]._flatten("batch"), mesh["dp_shard", "tp"]._flatten("edp")
+    """(mesh (ep, dp_shard, cp, tp), batch view, edp view). COLLECTIVE (creates the groups).
+
+    The cp ranks of a group hold the same parameters and different tokens of the same rows, so
+    they are one more data-parallel dimension to FSDP: dense parameters shard over ep x dp_shard x
+    cp (``batch``, torchtitan's dp_shard_cp), experts over dp_shard x cp x tp (``edp``)."""
+    ranks = torch.arange(dims.world_size).view(dims.dp, dims.ep, dims.cp, dims.tp).permute(1, 0, 2, 3)
+    mesh = DeviceMesh(dims.device.type, ranks, mesh_dim_names=("ep", "dp_shard", "cp", "tp"))
+    return mesh, mesh["ep", "dp_shard", "cp"]._flatten("batch"), mesh["dp_shard", "cp", "tp"]._flatten("edp")
 
 
 def _is_moe(m: nn.Module) -> bool:

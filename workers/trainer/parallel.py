@@ -10,7 +10,8 @@ Under the FSDP plan (tp = ep = 1) that is ``rank = dp_rank * cp + cp_rank``: a d
 cp ranks hold the same rows (each a contiguous chunk of every sequence: workers/trainer/
 context_parallel.py) and whose FSDP shard group is ALL ranks (the flattened dp x cp mesh, as
 torchtitan's dp_shard_cp): every rank's loss is its own tokens' share of the global loss, so the
-gradient reduce-scatter sums the cp ranks' contributions like the dp ranks'.
+gradient reduce-scatter sums the cp ranks' contributions like the dp ranks'. The mesh plan
+(tp or ep > 1) keeps the same rank order on its DeviceMesh ``(ep, dp_shard, cp, tp)``.
 
 Groups (each rank belongs to one of every kind; size-1 groups are None, collectives on
 them are no-ops, so tp = ep = 1 runs the same code without communication):

@@ -32,7 +32,7 @@ class ParallelConfig:
     """Context parallel size: each sequence is split into cp contiguous chunks, one per rank, with
     Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/context_parallel.py; attention
     with fewer heads than cp gathers keys/values instead); divides model.max_position_embeddings and a
-    hybrid's model.mamba_num_heads; FSDP plan only (tp = ep = 1)."""
+    hybrid's model.mamba_num_heads; with tp/ep > 1 a dimension of the mesh plan (heads split over tp, then cp)."""
     dp: int = -1
     """Data-parallel replicas of each (tp, pp, ep, cp) shard; -1 derives num_ranks / (tp * pp * ep * cp)."""
 

@@ -26,7 +26,9 @@ index heads, sequence-sharded, as the rest of the layer) and all-gathers the ind
 ``index_head_dim`` vector per token shared by every head (linear traffic, no gradient). It scores
 its queries against every key, takes each query's top-k locally (the same numbers as one rank
 computes for those rows), and all-gathers the chosen key INDICES ``[B, T/cp, topk]`` so every
-rank can build the whole-sequence keep mask that attention needs after its head all-to-all.
+rank can build the keep mask rows that attention needs after its head all-to-all. Scoring and
+attention run in query chunks there (workers/models/blocks/dsa_cp.py: no ``[T, T]`` mask, memory
+linear in T per rank), so :meth:`DsaIndexer.restrict` returns a ``dsa_cp.SparseKeep`` under cp.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.models.blocks import dsa_cp
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.ulysses import gather_seq
@@ -56,7 +59,8 @@ class DsaIndexer(nn.Module):
     @torch.no_grad()
     def restrict(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
-        """The attention mask ``[B, 1, T, S]`` narrowed to each query's top ``topk`` keys (S: cached + new)."""
+        """The attention mask ``[B, 1, T, S]`` narrowed to each query's top ``topk`` keys (S: cached + new);
+        under context parallelism the same as a ``dsa_cp.SparseKeep`` (indices, rows built on demand)."""
         t = x.shape[1]
         q, k, w = self._project(x, q_latent, cos, sin)
         if ctx.cache is not None and ctx.cache.static:  # fixed slots: every position of the key window, masked
@@ -69,13 +73,11 @@ class DsaIndexer(nn.Module):
         cp = ctx.cp
         if cp is None:
             mask = self._keep(q, k, w, visible(ctx, t, k.shape[1], x.device))[:, None]
-        else:  # every token's key; queries stay this rank's (see the module docstring)
-            k = gather_seq(k, cp)
-            allowed = visible(ctx, k.shape[1], k.shape[1], x.device)  # every query's row
-            index = self._index(q, k, w).masked_fill(~cp.local(allowed), float("-inf"))
-            chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
-            chosen = gather_seq(chosen, cp)  # every rank's choice: attention after the head all-to-all sees every query
-            mask = (allowed & torch.zeros_like(allowed).scatter_(-1, chosen, True))[:, None]
+        else:  # every token's key; queries stay this rank's, scored in chunks (workers/models/blocks/dsa_cp.py)
+            rows = dsa_cp.visible_rows(ctx.mask, ctx.docs, cp.valid)
+            # every rank's choice (gathered): attention after the head all-to-all sees every query
+            mask = dsa_cp.choose(self._index, q, gather_seq(k, cp), w, self.topk, rows, cp.rank * t,
+                                 lambda chosen: gather_seq(chosen, cp))
         ctx.memo[MEMO_KEY] = mask
         return mask
 

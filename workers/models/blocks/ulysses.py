@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from workers.models.blocks import kernels
+from workers.models.blocks import dsa_cp, kernels
 from workers.models.blocks.varlen import Documents
 
 
@@ -117,7 +117,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
            scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
     """Softmax attention of this rank's tokens over the whole sequence: ``q [B, H, T/cp, D]``,
     ``k``/``v [B, Hkv, T/cp, D]`` (query head h reads kv head ``h // (H / Hkv)``), ``mask`` over the
-    whole sequence ``[B, 1, T, T]`` or None (plain causal). Returns ``[B, H, T/cp, Dv]``.
+    whole sequence ``[B, 1, T, T]`` or None (plain causal), or a DSA layer's ``dsa_cp.SparseKeep``
+    (chosen key indices, mask rows built per query chunk). Returns ``[B, H, T/cp, Dv]``.
 
     The kv heads travel as they are when cp divides their number (rank r gets exactly the ones its
     query heads read); otherwise :func:`spread_groups` repeats them first, never more than needed.
@@ -134,6 +135,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     if groups != nh:  # this rank's query head j reads its kv head j // (H / groups)
         k = k.repeat_interleave(nh // groups, dim=1)
         v = v.repeat_interleave(nh // groups, dim=1)
+    if isinstance(mask, dsa_cp.SparseKeep):  # DSA: every query's kept keys, in query chunks
+        return heads_to_seq(dsa_cp.attend(q, k, v, mask, 0, scale), cp, head_dim=1, seq_dim=2)
     return heads_to_seq(kernels.attend(q, k, v, mask, scale, docs=docs), cp, head_dim=1, seq_dim=2)
 
 
@@ -147,6 +150,10 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     rank that owns the position (a reduce-scatter, through all-to-all)."""
     nh, lo, t = q.shape[1], cp.rank * cp.local_len, cp.local_len
     k, v = _GatherSeq.apply(k, cp.group, cp.size, 2), _GatherSeq.apply(v, cp.group, cp.size, 2)
+    if isinstance(mask, dsa_cp.SparseKeep):  # DSA: this chunk's queries' kept keys, in query chunks
+        if k.shape[1] != nh:
+            k, v = k.repeat_interleave(nh // k.shape[1], dim=1), v.repeat_interleave(nh // v.shape[1], dim=1)
+        return dsa_cp.attend(q, k, v, mask, lo, scale)
     if mask is None and docs is not None:  # packed rows: this chunk's rows of the per-document mask
         mask = docs.causal_rows(lo, t)[:, None]
     elif mask is None:  # plain causal over the whole sequence: this chunk's rows of it

@@ -36,7 +36,7 @@ class DsaArchitecture(Architecture):
 
 def arch(m: GlmMoeDsaConfig) -> Architecture:
     return DsaArchitecture(**arch_fields(m), num_indexer_heads=m.num_indexer_heads,
-                           indexer_head_dim=m.indexer_head_dim, num_shared_index_layers=m.indexer_pattern.count("S"))
+                           indexer_head_dim=m.indexer_head_dim, index_topk=m.index_topk, num_shared_index_layers=m.indexer_pattern.count("S"))
 
 
 def check(cfg) -> None:
