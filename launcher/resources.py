@@ -14,7 +14,6 @@ from launcher.activations import longest_sample
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision
 from workers.common.registry import BACKENDS, MODELS
-from workers.models.spec import MESH_PLAN
 
 
 class PlanError(ValueError):
@@ -242,11 +241,6 @@ def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
             raise PlanError(str(e)) from None
         plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
         warnings.append(f"{e} (a real run is refused)")
-    if plan == MESH_PLAN and t.activation_checkpointing == "selective" and cfg.model.num_experts:
-        raise PlanError(f"trainer.activation_checkpointing=selective with trainer.parallel tp({par.tp}) x ep({par.ep}) on "
-                        f"a MoE model: the experts' own FSDP unit inside each checkpointed layer runs other hook ops "
-                        f"in the recompute than in the forward, which selective checkpointing refuses; use full "
-                        f"(or none)")
     longest, where = longest_sample(cfg)
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "

@@ -102,14 +102,19 @@ CASES = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 1, 2, 2),
 
 
 MICRO_AC = {"micro_batch_tokens": 16, "activation_checkpointing": "full"}
-CASES += [("deepseek_v3", 1, 2, 2, MICRO_AC), ("nemotron_h", 1, 2, 2, MICRO_AC)]
+SELECTIVE = {"micro_batch_tokens": 16, "activation_checkpointing": "selective"}
+CASES += [("deepseek_v3", 1, 2, 2, MICRO_AC), ("nemotron_h", 1, 2, 2, MICRO_AC), ("qwen3_moe", 1, 1, 2, SELECTIVE),
+          ("deepseek_v3", 1, 2, 2, SELECTIVE)]
 
 
 @pytest.mark.parametrize("model,dp,tp,ep,extra", [c if len(c) == 5 else (*c, None) for c in CASES],
-                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}" + ("-micro-ac" if len(c) == 5 else "") for c in CASES])
+                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}" + (f"-micro-{c[4]['activation_checkpointing']}" if len(c) == 5 else "")
+                              for c in CASES])
 def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, extra):
     """Also with micro-batches of 16 tokens (uneven counts per EP rank: the padding micro-batch
-    still joins every all-to-all) and activation checkpointing (recompute replays the dispatch)."""
+    still joins every all-to-all) and activation checkpointing (recompute replays the dispatch;
+    selective: the matmul outputs, the experts' included, come from the store, the rest and the
+    all-to-alls rerun)."""
     if model not in _REFS:
         torch.set_num_threads(1)
         _REFS[model] = reference(model)

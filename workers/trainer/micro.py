@@ -16,17 +16,22 @@ recomputes everything; ``selective`` keeps the outputs of the matmuls and attent
 (:data:`SAVED_OPS`: the expensive FLOPs) and recomputes the cheap elementwise rest (norms,
 activations, softmax, routing), which holds most of the activation bytes. Parameter names do not change (no wrapper
 module), and FSDP2's hooks, which fire around ``__call__``, still gather a layer's weights
-before the forward and before the backward's recompute.
+before the forward and before the backward's recompute. Only the saved ops are numbered and
+matched between the forward and the recompute (:class:`_SaveOnly`), so the mesh plan's nested
+experts FSDP unit, whose hooks run other ops in the two passes, checkpoints selectively too; its
+EP all-to-alls are recomputed (rerun by every rank, in the same order), the expert matmuls kept.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils import checkpoint as _ckpt
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.parallel import ParallelDims
@@ -116,22 +121,45 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"trainer.activation_checkpointing={mode!r}: choose none | full | selective")
-    context = None if mode == "full" else functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    context = None if mode == "full" else _selective_contexts
     for layer in layers:
         inner = layer.forward  # the bound method of the class: what __call__ would have run
         layer.forward = functools.partial(_checkpointed, inner, context)
 
 
-def checkpoint_mode(layer: nn.Module) -> str:
-    """``none`` | ``full`` | ``selective``: what :func:`apply_activation_checkpointing` did to ``layer``."""
-    fwd = layer.__dict__.get("forward")
-    if not (isinstance(fwd, functools.partial) and fwd.func is _checkpointed):
-        return "none"
-    return "full" if fwd.args[1] is None else "selective"
-
-
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _SaveOnly(_ckpt._CachingTorchDispatchMode):
+    """The forward side of selective checkpointing, counting only the :data:`SAVED_OPS`.
+
+    torch's modes number EVERY op of the region and the recompute must replay the same numbers.
+    Under the mesh plan a MoE layer holds the experts' own FSDP unit, whose hooks run other
+    bookkeeping ops (record_function, copies, collectives) in the backward's recompute than in the
+    forward (the unit's parameters are already gathered for the backward). Ops that are recomputed
+    anyway need no number: they pass through, and only the saved ops (matmuls, attention: the same
+    ones in the same order in both passes) are numbered and matched.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ReplaySaved(_ckpt._CachedTorchDispatchMode):
+    """The recompute side of :class:`_SaveOnly`: saved ops come from the store, the rest run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _selective_contexts():
+    storage = collections.defaultdict(dict)
+    return _SaveOnly(_save_matmuls, storage), _ReplaySaved(None, storage)
 
 
 def _checkpointed(forward, context, *args, **kwargs):
