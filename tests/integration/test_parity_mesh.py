@@ -29,6 +29,7 @@ from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
 from workers.trainer.batch import shard_rows
+from workers.trainer import ep_capacity, expert_parallel
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
@@ -64,21 +65,27 @@ def reference(model_name: str) -> dict:
             "weights": model.state_dict()}
 
 
-def _worker(rank, world, port, tp, ep, model_name, out, extra=None):
+def _worker(rank, world, port, tp, ep, model_name, out, extra=None, capacity_factor=0.0):
+    """``capacity_factor`` > 0: the fixed-capacity EP dispatch (workers/trainer/ep_capacity.py); the
+    saved ``fixed`` counts the MoE blocks' calls of it on rank 0."""
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     cfg = moe.tcfg(**(extra or {}))
+    calls = []
+    fixed = expert_parallel.fixed_exchange
+    expert_parallel.fixed_exchange = lambda *a: calls.append(1) or fixed(*a)  # this forked process only
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
         model = parallelize(full, dims)
+        ep_capacity.configure(model, capacity_factor)
         stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
                                                 dims.num_batch_shards), cfg, dims)
         grads = model.full_grad_dict()
         torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
         weights = model.full_state_dict()
         if rank == 0:
-            torch.save({"stats": stats, "grads": grads, "weights": weights}, out)
+            torch.save({"stats": stats, "grads": grads, "weights": weights, "fixed": len(calls)}, out)
     finally:
         dist.destroy_process_group()
 
@@ -121,7 +128,11 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, 
     ref = _REFS[model]
     out = str(tmp_path / "got.pt")
     spawn(_worker, dp * tp * ep, (tp, ep, model, out, extra))
-    got = torch.load(out)
+    assert_matches_reference(torch.load(out), ref)
+
+
+def assert_matches_reference(got: dict, ref: dict) -> None:
+    """A layout's step (``_worker``'s output) is the one-process step: loss, norm, clipped gradients, weights."""
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert list(got["grads"]) == list(ref["clipped"]), "full_grad_dict: the HF names, in the model's order"

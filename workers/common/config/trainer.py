@@ -35,6 +35,13 @@ class ParallelConfig:
     hybrid's model.mamba_num_heads; FSDP plan only (tp = ep = 1)."""
     dp: int = -1
     """Data-parallel replicas of each (tp, pp, ep, cp) shard; -1 derives num_ranks / (tp * pp * ep * cp)."""
+    ep_capacity_factor: float = 2.0
+    """ep > 1: each rank sends every EP peer a fixed ``C = ceil(factor * slots / ep)`` rows (rounded up
+    to 8; slots = tokens x top_k of the step's largest forward), padded, so the all-to-alls need no
+    split sizes on the host and a MoE block has no host sync (workers/trainer/ep_capacity.py). A step
+    in which any rank would send a peer more than C rows is redone with exact dispatch (counted as
+    ``ep_overflow_steps``, warned): never a dropped token. 0: exact dispatch always (one host read of
+    the split sizes per MoE block and micro-batch). Larger: fewer redos, more padding moved."""
 
     def resolve(self, num_ranks: int) -> dict[str, int]:
         """``{tp, pp, ep, cp, dp}`` with dp derived; ValueError with the numbers when they do not make num_ranks."""
@@ -155,7 +162,8 @@ def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
     return None
 
 
-limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)))
+limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)),
+       ep_capacity_factor=between(0, 1024))
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
        master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),
