@@ -68,7 +68,7 @@ def test_capacity_rounds_up_to_eight_and_splits_tokens_over_tp():
 
 
 def _no_sync_worker(rank, world, port, tp, ep, model_name, out, factor):
-    """bfloat16 on the fast path; inside every MoE block, a host read (tolist / item) raises."""
+    """bfloat16 on the fast path; inside every MoE block, a host read (tolist, item, bool, int, float) raises."""
     torch.set_num_threads(1)
     kernels.FAST_PATH_ON_CPU = True  # this forked process only
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
@@ -93,7 +93,7 @@ def _no_sync_worker(rank, world, port, tp, ep, model_name, out, factor):
         return read
     expert_parallel.ExpertParallel.__call__ = guarded
     if factor:
-        for name in ("tolist", "item"):
+        for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
             setattr(torch.Tensor, name, refuse(name))
     try:
         full = moe.build_model(moe.CONFIGS[model_name], moe.SEED)
