@@ -67,8 +67,9 @@ class ActivationEstimate:
     detail: str
 
 
-def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0) -> tuple[float, float]:
-    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs).
+def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0, ep: int = 1) -> tuple[float, float]:
+    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs
+    and, at ep > 1, the rows the dispatch / combine all-to-alls delivered: what ``selective`` keeps).
     ``routed_rows``: expert rows per routed slot (:func:`dispatch_rows`)."""
     h = a.hidden_size
     heads = max(1, a.num_heads // tp)
@@ -90,6 +91,8 @@ def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0) -> tuple[float,
         visits = a.top_k * routed_rows + a.num_shared_experts
         e = a.num_experts
         mm_bytes += e * 4 + visits * (2 * inter + h) * c  # router logits, gate/up/down outputs
+        if ep > 1:  # the exchanged rows, there and back (workers/trainer/micro.py SAVED_OPS)
+            mm_bytes += 2 * a.top_k * routed_rows * h * c
         other_bytes += 2 * e * 4 + visits * (h + 2 * inter) * c + a.top_k * 8 * 3  # probs, inputs, act, indices
     else:
         inter = a.dense_intermediate_size // tp
@@ -105,7 +108,7 @@ def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
 
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
-                      logprob_chunk: int = 4096, routed_rows: float = 1.0) -> ActivationEstimate:
+                      logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1) -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer's dense reference scoring
@@ -115,7 +118,7 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
-    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c, routed_rows=routed_rows)
+    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c, routed_rows=routed_rows, ep=ep)
     num_layers, inputs = a.num_layers, a.num_layers * a.hidden_size * c
     if ac == "none":  # everything kept; the backward frees layer by layer from the top
         kept, working = num_layers * per_layer, 0.0
@@ -183,7 +186,8 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
     def act(c: int) -> ActivationEstimate:
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
-                                 routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor))
+                                 routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
+                                 ep=t.parallel.ep)
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

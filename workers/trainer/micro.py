@@ -18,8 +18,9 @@ activations, softmax, routing), which holds most of the activation bytes. Parame
 module), and FSDP2's hooks, which fire around ``__call__``, still gather a layer's weights
 before the forward and before the backward's recompute. Only the saved ops are numbered and
 matched between the forward and the recompute (:class:`_SaveOnly`), so the mesh plan's nested
-experts FSDP unit, whose hooks run other ops in the two passes, checkpoints selectively too; its
-EP all-to-alls are recomputed (rerun by every rank, in the same order), the expert matmuls kept.
+experts FSDP unit, whose hooks run other ops in the two passes, checkpoints selectively too; the
+rows its EP all-to-alls delivered are kept (the recompute only re-exchanges the small count
+tensor), and so are the expert matmuls.
 """
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ _aten = torch.ops.aten
 SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default,
              _aten._scaled_dot_product_flash_attention.default,
              _aten._scaled_dot_product_efficient_attention.default,
-             _aten._scaled_dot_product_flash_attention_for_cpu.default}
-"""What ``selective`` activation checkpointing keeps: matmul and attention outputs."""
+             _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops._c10d_functional.all_to_all_single.default}
+"""What ``selective`` activation checkpointing keeps: matmul and attention outputs, and the rows the
+EP dispatch / combine all-to-alls delivered (workers/trainer/expert_parallel.py), so the recompute
+does not move them again."""
 try:  # packed rows on CUDA run torch's varlen flash attention (workers/models/blocks/varlen.py)
     import torch.nn.attention.varlen  # noqa: F401  (registers the op)
 
