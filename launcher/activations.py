@@ -17,7 +17,7 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   attention is per document with a flash kernel, so nothing here is T x T;
 * ``activation_checkpointing``: ``none`` keeps every layer's; ``full`` keeps each layer's input
   and recomputes one layer at a time in the backward; ``selective`` keeps the matmul and attention
-  outputs of every layer and recomputes the rest one layer at a time (measured on CPU: the layer
+  outputs of every layer (at ep > 1 also the rows its EP all-to-alls delivered) and recomputes the rest one layer at a time (measured on CPU: the layer
   being recomputed, with its gradients, peaks at about one layer's activations);
 * the trainer around the model: rotary tables, routing records (forced, chosen, own top-k as
   int64; the router probabilities are reduced to [E] sums as each router runs), packing indices and the loss's per-token tensors (:data:`TRAINER_BYTES_PER_TOKEN` plus
@@ -67,9 +67,8 @@ class ActivationEstimate:
     detail: str
 
 
-def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0, ep: int = 1) -> tuple[float, float]:
-    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs
-    and, at ep > 1, the rows the dispatch / combine all-to-alls delivered: what ``selective`` keeps).
+def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0) -> tuple[float, float]:
+    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs).
     ``routed_rows``: expert rows per routed slot (:func:`dispatch_rows`)."""
     h = a.hidden_size
     heads = max(1, a.num_heads // tp)
@@ -91,8 +90,6 @@ def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0, ep: int = 1) ->
         visits = a.top_k * routed_rows + a.num_shared_experts
         e = a.num_experts
         mm_bytes += e * 4 + visits * (2 * inter + h) * c  # router logits, gate/up/down outputs
-        if ep > 1:  # the exchanged rows, there and back (workers/trainer/micro.py SAVED_OPS)
-            mm_bytes += 2 * a.top_k * routed_rows * h * c
         other_bytes += 2 * e * 4 + visits * (h + 2 * inter) * c + a.top_k * 8 * 3  # probs, inputs, act, indices
     else:
         inter = a.dense_intermediate_size // tp
@@ -118,12 +115,15 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
-    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c, routed_rows=routed_rows, ep=ep)
+    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c, routed_rows=routed_rows)
+    # At ep > 1 selective also keeps the rows each MoE layer's all-to-alls delivered, there and back
+    # (workers/trainer/micro.py SAVED_OPS); autograd itself keeps none of them.
+    exchanged = 2 * a.top_k * routed_rows * a.hidden_size * c * a.num_moe_layers if ep > 1 and a.is_moe else 0.0
     num_layers, inputs = a.num_layers, a.num_layers * a.hidden_size * c
     if ac == "none":  # everything kept; the backward frees layer by layer from the top
         kept, working = num_layers * per_layer, 0.0
     elif ac == "selective":  # matmul/attention outputs kept; one layer's rest recomputed at a time
-        kept, working = num_layers * saved_mm + inputs, per_layer - saved_mm
+        kept, working = num_layers * saved_mm + exchanged + inputs, per_layer - saved_mm
     elif ac == "full":  # layer inputs kept; one layer recomputed at a time
         kept, working = inputs, per_layer
     else:

@@ -79,3 +79,6 @@ def test_fixed_capacity_dispatch_grows_the_routed_expert_activations():
     assert dispatch_rows(1, 2.0) == dispatch_rows(4, 0.0) == 1.0 and dispatch_rows(4, 2.0) == 2.0
     exact, fixed = (activation_memory(m, tokens=16384, ac="none", routed_rows=r).total_bytes for r in (1.0, 2.0))
     assert exact < fixed < 2 * exact
+    sel = {ep: activation_memory(m, tokens=16384, ac="selective", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
+    full = {ep: activation_memory(m, tokens=16384, ac="full", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
+    assert sel[2] > sel[1] and full[2] == full[1], "selective alone keeps the exchanged rows"
