@@ -6,7 +6,8 @@ sync per layer that stalls the GPU's queue. Here (``trainer.parallel.ep_capacity
 every rank sends each EP peer exactly ``C`` rows, a size fixed for the whole step:
 
   C = ceil(factor * slots / ep), rounded up to a multiple of 8, where slots = top_k x the tokens
-      of the largest forward any rank runs this step (/ tp when the tp ranks split the tokens).
+      of the largest forward any rank runs this step (/ tp when the tp ranks split the tokens),
+      agreed by one all-reduce (max) and host read when the step starts.
 
 Per MoE block (:func:`fixed_exchange`), all on the device:
   1. per-(destination, local expert) counts exchanged as in the exact path (one small
