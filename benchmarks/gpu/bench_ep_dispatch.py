@@ -8,8 +8,8 @@ the median step time, the loss and grad norm of the first step (equal across fac
 step overflowed and was redone), the redo count, and on CUDA the synchronising calls of one step
 (torch.cuda.set_sync_debug_mode: every host read the step makes, all layers included).
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/bench_ep_dispatch.py --world 2            # 2 H200s, 1.5B MoE
-    PYTHONPATH=$PWD python3 benchmarks/gpu/bench_ep_dispatch.py --tiny --world 2     # CPU smoke test
+    PYTHONPATH=$PWD python3 -m benchmarks.gpu.bench_ep_dispatch --world 2            # 2 H200s, 1.5B MoE
+    PYTHONPATH=$PWD python3 -m benchmarks.gpu.bench_ep_dispatch --tiny --world 2     # CPU smoke test
 
 Writes ep_dispatch.json under --out.
 """
