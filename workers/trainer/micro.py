@@ -31,8 +31,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils import checkpoint as _ckpt
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.parallel import ParallelDims
@@ -131,39 +132,68 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         layer.forward = functools.partial(_checkpointed, inner, context)
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _keep(out):
+    """``out`` detached, with the version of each tensor: an in-place change after the forward
+    would make the kept value wrong for the backward, so :class:`_ReplaySaved` checks it."""
+    kept = tree_map(lambda x: _detach(x) if isinstance(x, torch.Tensor) else x, out)
+    return kept, [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]
 
 
-class _SaveOnly(_ckpt._CachingTorchDispatchMode):
-    """The forward side of selective checkpointing, counting only the :data:`SAVED_OPS`.
+def _detach(x: torch.Tensor) -> torch.Tensor:
+    # Below autograd (inside a dispatch mode) the ADInplaceOrView key is excluded and a plain detach
+    # would get its own version counter; re-enabled, it shares the original's (what torch's SAC does).
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
 
-    torch's modes number EVERY op of the region and the recompute must replay the same numbers.
-    Under the mesh plan a MoE layer holds the experts' own FSDP unit, whose hooks run other
-    bookkeeping ops (record_function, copies, collectives) in the backward's recompute than in the
-    forward (the unit's parameters are already gathered for the backward). Ops that are recomputed
-    anyway need no number: they pass through, and only the saved ops (matmuls, attention: the same
-    ones in the same order in both passes) are numbered and matched.
+
+class _SaveOnly(TorchDispatchMode):
+    """The forward side of ``selective``: keeps the outputs of the :data:`SAVED_OPS`, in call order.
+
+    Our own pair of modes, not torch's ``create_selective_checkpoint_contexts``: torch's number
+    EVERY op of the region and the recompute must replay the same numbers, but under the mesh plan
+    a MoE layer holds the experts' own FSDP unit, whose hooks run other bookkeeping ops
+    (record_function, copies, collectives) in the backward's recompute than in the forward (its
+    parameters are already gathered for the backward). Ops that are recomputed anyway need no
+    number: only the saved ops (matmuls, attention, row all-to-alls: the same ones in the same
+    order in both passes) are queued and matched. torch's mode classes are private and changed
+    between 2.11 and 2.13, so they are not subclassed.
     """
 
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            self.store[func].append(_keep(out))
+        return out
+
+
+class _ReplaySaved(TorchDispatchMode):
+    """The recompute side of :class:`_SaveOnly`: saved ops come from its queues, the rest run."""
+
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in SAVED_OPS:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _ReplaySaved(_ckpt._CachedTorchDispatchMode):
-    """The recompute side of :class:`_SaveOnly`: saved ops come from the store, the rest run."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SAVED_OPS:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        queue = self.store.get(func)
+        if not queue:
+            raise RuntimeError(f"selective activation checkpointing: {func} ran more often in the recompute than in "
+                               f"the forward (the layer's forward must run the same matmuls both times)")
+        kept, versions = queue.popleft()
+        if versions != [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]:
+            raise RuntimeError(f"selective activation checkpointing: the output of {func} kept in the forward was "
+                               f"changed in place afterwards; add the changing op to the model out of place")
+        return kept
 
 
 def _selective_contexts():
-    storage = collections.defaultdict(dict)
-    return _SaveOnly(_save_matmuls, storage), _ReplaySaved(None, storage)
+    store = collections.defaultdict(collections.deque)
+    return _SaveOnly(store), _ReplaySaved(store)
 
 
 def _checkpointed(forward, context, *args, **kwargs):
