@@ -8,6 +8,9 @@ the step's GLOBAL normalisers).
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
+  ep         fixed-capacity EP dispatch (workers/trainer/ep_capacity.py): one all-reduce (max) over
+             all ranks of the largest forward's tokens before the forwards, one of the overflow
+             flags after the backwards (then, rarely, the whole forward/backward again, exact);
   forward    per layer: FSDP all-gathers; with tp/ep, DTensor TP all-reduces (attention, MLPs), EP
              all-to-alls (dispatch, combine) and tp token all-gathers in MoE blocks, vocab-parallel
              all-reduces for the log-probs,
