@@ -12,11 +12,12 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
 * per decoder layer, what autograd keeps (:func:`layer_bytes`): the norms' outputs, the q/k/v
   (or MLA latent, expanded keys/values) projections, the rotated q/k, the attention output and its
   log-sum-exp, the router's float32 logits and probabilities, and for each expert a token visits
-  (top_k routed + shared) its gathered input, gate, up, activation and product, and down output;
+  (top_k routed + shared) its gathered input, gate, up, activation and product, and down output
+  (routed: ``ep_capacity_factor`` x as many rows under the fixed-capacity EP dispatch, padding included);
   attention is per document with a flash kernel, so nothing here is T x T;
 * ``activation_checkpointing``: ``none`` keeps every layer's; ``full`` keeps each layer's input
   and recomputes one layer at a time in the backward; ``selective`` keeps the matmul and attention
-  outputs of every layer and recomputes the rest one layer at a time (measured on CPU: the layer
+  outputs of every layer (at ep > 1 also the rows its EP all-to-alls delivered) and recomputes the rest one layer at a time (measured on CPU: the layer
   being recomputed, with its gradients, peaks at about one layer's activations);
 * the trainer around the model: rotary tables, routing records (forced, chosen, own top-k as
   int64; the router probabilities are reduced to [E] sums as each router runs), packing indices and the loss's per-token tensors (:data:`TRAINER_BYTES_PER_TOKEN` plus
@@ -68,8 +69,9 @@ class ActivationEstimate:
     detail: str
 
 
-def layer_bytes(a, *, tp: int, c: int) -> tuple[float, float]:
-    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs)."""
+def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0) -> tuple[float, float]:
+    """(bytes a decoder layer keeps per token with no checkpointing, of which matmul/attention outputs).
+    ``routed_rows``: expert rows per routed slot (:func:`dispatch_rows`)."""
     h = a.hidden_size
     heads = max(1, a.num_heads // tp)
     if a.attention == "mla":
@@ -87,7 +89,7 @@ def layer_bytes(a, *, tp: int, c: int) -> tuple[float, float]:
     other_bytes = (other + 2 * h) * c + 2 * h * 4  # + the two norms' outputs and their float32 rstd/inputs
     if a.is_moe:
         inter = a.expert_intermediate_size // tp
-        visits = a.top_k + a.num_shared_experts
+        visits = a.top_k * routed_rows + a.num_shared_experts
         e = a.num_experts
         mm_bytes += e * 4 + visits * (2 * inter + h) * c  # router logits, gate/up/down outputs
         other_bytes += 2 * e * 4 + visits * (h + 2 * inter) * c + a.top_k * 8 * 3  # probs, inputs, act, indices
@@ -98,8 +100,14 @@ def layer_bytes(a, *, tp: int, c: int) -> tuple[float, float]:
     return mm_bytes + other_bytes, mm_bytes
 
 
+def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
+    """Expert rows per routed slot: the fixed-capacity EP dispatch (workers/trainer/ep_capacity.py) runs
+    the experts over buffers of ``factor`` x the slots (padding included); exact dispatch: 1."""
+    return max(1.0, ep_capacity_factor) if ep > 1 and ep_capacity_factor > 0 else 1.0
+
+
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
-                      logprob_chunk: int = 4096) -> ActivationEstimate:
+                      logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1) -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer (:func:`dsa_bytes`): at cp 1 the dense
@@ -109,12 +117,15 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
-    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c)
+    per_layer, saved_mm = layer_bytes(a, tp=tp, c=c, routed_rows=routed_rows)
+    # At ep > 1 selective also keeps the rows each MoE layer's all-to-alls delivered, there and back
+    # (workers/trainer/micro.py SAVED_OPS); autograd itself keeps none of them.
+    exchanged = 2 * a.top_k * routed_rows * a.hidden_size * c * a.num_moe_layers if ep > 1 and a.is_moe else 0.0
     num_layers, inputs = a.num_layers, a.num_layers * a.hidden_size * c
     if ac == "none":  # everything kept; the backward frees layer by layer from the top
         kept, working = num_layers * per_layer, 0.0
     elif ac == "selective":  # matmul/attention outputs kept; one layer's rest recomputed at a time
-        kept, working = num_layers * saved_mm + inputs, per_layer - saved_mm
+        kept, working = num_layers * saved_mm + exchanged + inputs, per_layer - saved_mm
     elif ac == "full":  # layer inputs kept; one layer recomputed at a time
         kept, working = inputs, per_layer
     else:
@@ -192,7 +203,9 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
 
     def act(c: int) -> ActivationEstimate:
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
-                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens)
+                                 cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
+                                 routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
+                                 ep=t.parallel.ep)
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

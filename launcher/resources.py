@@ -14,7 +14,6 @@ from launcher.activations import longest_sample
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision
 from workers.common.registry import BACKENDS, MODELS
-from workers.models.spec import MESH_PLAN
 
 
 class PlanError(ValueError):
@@ -88,13 +87,24 @@ class TrainerDims:
     """The trainer's sharding plan (``module:callable``): FSDP2 at tp = ep = 1, else the family's own."""
     warnings: tuple[str, ...] = ()
     """Plan-time warnings about the trainer's settings (printed with the plan summary)."""
+    ep_capacity_factor: float = 0.0
+    """trainer.parallel.ep_capacity_factor: fixed-capacity EP dispatch (> 0) or exact split sizes (0)."""
 
     def describe(self) -> str:
         where = (f"{self.num_nodes} node(s) x {self.num_gpus_per_node} GPUs" if self.num_gpus_per_node
                  else f"{self.num_nodes} node(s), CPU")
         cp = f" x cp({self.cp})" if self.cp > 1 else ""  # shown only when used (golden sbatch files stay)
         return (f"tp({self.tp}) x pp({self.pp}) x ep({self.ep}){cp} x dp({self.dp}) = {self.num_ranks} ranks on {where}; "
-                f"{self.num_experts // self.ep} routed experts per EP rank")
+                f"{self.num_experts // self.ep} routed experts per EP rank" + self.describe_dispatch())
+
+    def describe_dispatch(self) -> str:
+        """How the EP all-to-alls are sized (workers/trainer/ep_capacity.py); nothing at ep 1."""
+        if self.ep == 1:
+            return ""
+        if self.ep_capacity_factor > 0:
+            return (f"; EP dispatch: fixed capacity {self.ep_capacity_factor:g}x (no host sync per MoE block; a step "
+                    f"that overflows is redone exactly)")
+        return "; EP dispatch: exact split sizes (one host sync per MoE block and micro-batch)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +200,8 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
     if check_fit:
         _check_cpus(cfg, "trainer", "launcher.trainer.num_cpus_per_task", tpn, lt.num_cpus_per_task)
     dims = TrainerDims(**d, num_ranks=ranks, num_nodes=lt.num_nodes, num_gpus_per_node=gpn,
-                       num_experts=m.num_experts, plan=plan, warnings=warnings)
+                       num_experts=m.num_experts, plan=plan, warnings=warnings,
+                       ep_capacity_factor=par.ep_capacity_factor)
     role = RolePlan(role="trainer", num_procs=ranks, module="workers.trainer", num_nodes=lt.num_nodes,
                     num_tasks_per_node=tpn, num_cpus_per_task=lt.num_cpus_per_task, num_gpus_per_node=gpn,
                     mem_gb=lt.mem_gb, main=True, config_key="launcher.trainer",
@@ -242,11 +253,6 @@ def check_trainer_options(cfg: RunConfig) -> tuple[str, tuple[str, ...]]:
             raise PlanError(str(e)) from None
         plan, warning = "", check_precision(t.dtype, t.master_dtype)  # a dry run plans layouts still to come
         warnings.append(f"{e} (a real run is refused)")
-    if plan == MESH_PLAN and t.activation_checkpointing == "selective" and cfg.model.num_experts:
-        raise PlanError(f"trainer.activation_checkpointing=selective with trainer.parallel tp({par.tp}) x ep({par.ep}) on "
-                        f"a MoE model: the experts' own FSDP unit inside each checkpointed layer runs other hook ops "
-                        f"in the recompute than in the forward, which selective checkpointing refuses; use full "
-                        f"(or none)")
     longest, where = longest_sample(cfg)
     if 0 < t.micro_batch_tokens < longest:
         raise PlanError(f"trainer.micro_batch_tokens({t.micro_batch_tokens}) < the longest sample a run can hold, "

@@ -37,7 +37,7 @@ def test_cp_in_the_mesh_plan_matches_one_process_reference(tmp_path, model, dp, 
     torch.set_num_threads(1)
     ref = mesh.reference(model)
     out = str(tmp_path / "got.pt")
-    mesh.spawn(mesh._worker, dp * cp * tp * ep, (tp, ep, model, out, extra, cp))
+    mesh.spawn(mesh._worker, dp * cp * tp * ep, (tp, ep, model, out, extra, 0.0, cp))
     assert_step_matches(torch.load(out), ref)
 
 

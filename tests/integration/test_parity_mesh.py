@@ -28,6 +28,7 @@ from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
 from workers.trainer.batch import shard_rows
+from workers.trainer import ep_capacity, expert_parallel
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
@@ -64,14 +65,21 @@ def reference(model_name: str) -> dict:
             "weights": model.state_dict()}
 
 
-def _worker(rank, world, port, tp, ep, model_name, out, extra=None, cp=1):
+def _worker(rank, world, port, tp, ep, model_name, out, extra=None, capacity_factor=0.0, cp=1):
+    """``capacity_factor`` > 0: the fixed-capacity EP dispatch (workers/trainer/ep_capacity.py); the
+    saved ``fixed`` lists the MoE blocks' calls of it on rank 0."""
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep, cp=cp)
     cfg = moe.tcfg(**(extra or {}))
+    calls = []
+    fixed = expert_parallel.fixed_exchange
+    expert_parallel.fixed_exchange = lambda *a: calls.append(1) or fixed(*a)  # this forked process only
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        step_and_save(parallelize(full, dims), dims, moe.make_batch(model=model_name), cfg, out)
+        model = parallelize(full, dims)
+        ep_capacity.configure(model, capacity_factor)
+        step_and_save(model, dims, moe.make_batch(model=model_name), cfg, out, fixed=calls)
     finally:
         dist.destroy_process_group()
 
@@ -89,14 +97,19 @@ CASES = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 1, 2, 2),
 
 
 MICRO_AC = {"micro_batch_tokens": 16, "activation_checkpointing": "full"}
-CASES += [("deepseek_v3", 1, 2, 2, MICRO_AC), ("nemotron_h", 1, 2, 2, MICRO_AC)]
+SELECTIVE = {"micro_batch_tokens": 16, "activation_checkpointing": "selective"}
+CASES += [("deepseek_v3", 1, 2, 2, MICRO_AC), ("nemotron_h", 1, 2, 2, MICRO_AC), ("qwen3_moe", 1, 1, 2, SELECTIVE),
+          ("deepseek_v3", 1, 2, 2, SELECTIVE)]
 
 
 @pytest.mark.parametrize("model,dp,tp,ep,extra", [c if len(c) == 5 else (*c, None) for c in CASES],
-                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}" + ("-micro-ac" if len(c) == 5 else "") for c in CASES])
+                         ids=[f"{c[0]}-dp{c[1]}-tp{c[2]}-ep{c[3]}" + (f"-micro-{c[4]['activation_checkpointing']}" if len(c) == 5 else "")
+                              for c in CASES])
 def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, extra):
     """Also with micro-batches of 16 tokens (uneven counts per EP rank: the padding micro-batch
-    still joins every all-to-all) and activation checkpointing (recompute replays the dispatch)."""
+    still joins every all-to-all) and activation checkpointing (recompute replays the dispatch;
+    selective: the matmul outputs, the experts' included, come from the store, the rest and the
+    all-to-alls rerun)."""
     if model not in _REFS:
         torch.set_num_threads(1)
         _REFS[model] = reference(model)

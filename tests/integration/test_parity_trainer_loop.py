@@ -67,6 +67,8 @@ def test_tp2_ep2_loop_publishes_the_one_rank_weights(tmp_path):
     assert_same_run(par, ref, 2, ("loss", "grad_norm", "mismatch_kl", "aux_loss", "routing_disagreement",
                                   "num_loss_tokens", "expert_load_max_l0", "expert_load_min_l1"), "tp2 x ep2")
     assert "tp 2 x cp 1 x ep 2 x dp 1 (gloo, cpu)" in (par.logs_dir / "trainer_0.log").read_text()
+    steps = [json.loads(line) for line in par.metrics.read_text().splitlines()]
+    assert [r["ep_overflow_steps"] for r in steps] == [0, 0], "the default fixed-capacity EP dispatch, no redo"
 
 
 def test_fsdp_dp2_loop_with_micro_batches_and_checkpointing_publishes_the_one_rank_weights(tmp_path):

@@ -73,3 +73,17 @@ def test_without_micro_batches_the_whole_rank_batch_is_one_forward():
     with pytest.raises(PlanError, match=r"131072 tokens/GPU \(131072 per forward.*trainer\.micro_batch_tokens=1024 "
                                         r"\(one longest sample per forward\)"):
         build_plan(compose([*base, "trainer.micro_batch_tokens=0", "model.max_position_embeddings=1024"]))
+
+
+def test_fixed_capacity_dispatch_grows_the_routed_expert_activations():
+    """ep_capacity_factor 2 runs the routed experts over twice the slots (padding): more bytes kept
+    without checkpointing; at ep 1 or factor 0 (exact dispatch) nothing changes."""
+    from launcher.activations import dispatch_rows
+
+    m = compose(["model=gpu_moe_1b5"]).model
+    assert dispatch_rows(1, 2.0) == dispatch_rows(4, 0.0) == 1.0 and dispatch_rows(4, 2.0) == 2.0
+    exact, fixed = (activation_memory(m, tokens=16384, ac="none", routed_rows=r).total_bytes for r in (1.0, 2.0))
+    assert exact < fixed < 2 * exact
+    sel = {ep: activation_memory(m, tokens=16384, ac="selective", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
+    full = {ep: activation_memory(m, tokens=16384, ac="full", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
+    assert sel[2] > sel[1] and full[2] == full[1], "selective alone keeps the exchanged rows"

@@ -59,8 +59,14 @@ def test_parallel_degrees_come_from_trainer_parallel():
     assert "trainer dims: tp(2) x pp(1) x ep(2) x dp(1) = 4 ranks" in "\n".join(
         build_plan(compose(["trainer.num_ranks=4", "trainer.parallel.tp=2", "trainer.parallel.ep=2"])).summary())
     assert "must divide model.num_experts(8)" in plan_error(["trainer.num_ranks=3", "trainer.parallel.ep=3"])
-    assert "selective checkpointing refuses; use full" in plan_error(  # workers/trainer/mesh_plan.py says why
-        ["trainer.num_ranks=2", "trainer.parallel.ep=2", "trainer.activation_checkpointing=selective"])
+    summary = "\n".join(build_plan(compose(  # selective works on the mesh plan
+        ["trainer.num_ranks=2", "trainer.parallel.ep=2", "trainer.activation_checkpointing=selective"])).summary())
+    assert "trainer.activation_checkpointing" not in summary
+    assert "EP dispatch: fixed capacity 2x (no host sync per MoE block" in summary  # the default
+    assert "EP dispatch: exact split sizes" in "\n".join(build_plan(compose(
+        ["trainer.num_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.ep_capacity_factor=0"])).summary())
+    assert "ep_capacity_factor must be in [1, 1024] or 0, got 0.5" in plan_error(  # below 1: every step overflows
+        ["trainer.num_ranks=2", "trainer.parallel.ep=2", "trainer.parallel.ep_capacity_factor=0.5"])
     assert "must divide model.num_kv_heads(2)" in plan_error(
         ["model=qwen3_moe_tiny", "trainer.num_ranks=4", "trainer.parallel.tp=4", "model.num_heads=4", "model.num_kv_heads=2"])
 

@@ -164,3 +164,23 @@ def test_selective_checkpointing_recomputes_the_cheap_ops_but_no_matmul():
     assert counts["full"][0] > counts["none"][0], "full recomputes the matmuls"
     assert counts["selective"][0] == counts["none"][0], "selective keeps every matmul output"
     assert counts["selective"][1] > counts["none"][1], "selective recomputes the elementwise ops"
+
+
+def test_selective_checkpointing_refuses_a_kept_output_changed_in_place():
+    """A matmul output kept for the backward, then changed in place in the forward: the recompute
+    would hand the changed value to the backward, so it raises instead of training on it."""
+    from workers.trainer.micro import apply_activation_checkpointing
+
+    class InPlace(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            y.mul_(2.0)
+            return y.sin()
+
+    layers = torch.nn.ModuleList([InPlace(4, 4), torch.nn.Linear(4, 4)])
+    apply_activation_checkpointing(layers, "selective")
+    with pytest.raises(RuntimeError, match="changed in place"):
+        layers[0](torch.randn(3, 4, requires_grad=True)).sum().backward()
+    out = layers[1](torch.randn(3, 4, requires_grad=True))  # out of place: fine
+    out.sum().backward()
+    assert layers[1].weight.grad is not None

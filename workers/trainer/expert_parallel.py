@@ -21,11 +21,12 @@ block calls from ``routed_experts`` instead of its own expert loop):
   5. combine: the reverse all-to-all, the k slots weighted by the gate and summed, then
      tp > 1: all-gather over tp (:class:`_GatherTokens`, backward: this rank's slice).
 
-Host syncs: ``all_to_all_single`` needs its split sizes on the host, so each MoE block reads
-``2 * ep`` ints per micro-batch (one ``tolist`` of the stacked send/receive totals); that is the
-only sync of the block. Removing it needs an all-to-all with device-side splits (NVSHMEM:
-torch.ops.symm_mem.all_to_all_vdev, or DeepEP's dispatch/combine), which nothing here can build
-or test; see the report of issue 19. With ep = 1 there is no exchange and no sync.
+Host syncs: ``all_to_all_single`` needs its split sizes on the host, so the EXACT dispatch reads
+``2 * ep`` ints per MoE block and micro-batch (one ``tolist`` of the stacked send/receive
+totals). The trainer's default is the fixed-capacity dispatch instead
+(``trainer.parallel.ep_capacity_factor`` > 0, workers/trainer/ep_capacity.py): equal splits of a
+per-step size C, padded buffers, device-side offsets, no host sync in the block; a step in which
+some peer would get more than C rows is redone exactly. With ep = 1 there is no exchange and no sync.
 
 Gradients: the experts' parameters are fully_shard-ed over the expert-data-parallel mesh
 (``dp_shard x tp``: the ranks holding the same experts, with different tokens), whose
@@ -42,6 +43,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from workers.models.blocks import kernels
+from workers.trainer.ep_capacity import fixed_exchange, inverse
 
 
 class LocalExperts(nn.Module):
@@ -76,10 +78,22 @@ class LocalExperts(nn.Module):
     def items(self):
         return self._modules.items()
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """``padded``: rows past ``counts.sum()`` are fixed-capacity padding (workers/trainer/ep_capacity.py);
+        their output rows are zero."""
         if kernels.fast(rows) and hasattr(F, "grouped_mm") and rows.dtype == torch.bfloat16:
-            return self._grouped(rows, counts)
-        outs = [expert(seg) for expert, seg in zip(self.values(), rows.split(counts.tolist()))]
+            out = self._grouped(rows, counts)
+            if padded:  # grouped_mm leaves rows past the last offset unwritten
+                real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
+                out = torch.where(real[:, None], out, out.new_zeros(()))
+            return out
+        sizes = counts.tolist()  # the CPU loop (tests) needs the sizes on the host anyway
+        if padded:
+            sizes.append(rows.shape[0] - sum(sizes))
+        segs = rows.split(sizes)
+        outs = [expert(seg) for expert, seg in zip(self.values(), segs)]
+        if padded:
+            outs.append(torch.zeros_like(segs[-1]))
         return torch.cat(outs) if outs else rows
 
     def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -127,12 +141,6 @@ class _GatherTokens(torch.autograd.Function):
         return g.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return inv
-
-
 class ExpertParallel:
     """What a MoE block's ``routed_experts(flat, idx, weights)`` runs under the mesh plan (module
     docstring). Not an nn.Module: the block keeps it in ``__dict__`` (no parameters of its own)."""
@@ -142,6 +150,9 @@ class ExpertParallel:
         self.experts, self.num_experts, self.top_k = experts, num_experts, top_k
         self.ep_group, self.ep, self.num_local = ep_group, ep, num_experts // ep
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
+        self.capacity_factor = 0.0  # trainer.parallel.ep_capacity_factor (ep_capacity.configure)
+        self.capacity: Optional[int] = None  # rows per peer this step (ep_capacity.StepCapacity); None: exact
+        self.overflow: Optional[torch.Tensor] = None  # device flag: a peer got more than ``capacity`` slots
 
     def __call__(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, h = flat.shape
@@ -162,7 +173,7 @@ class ExpertParallel:
             ys = self.experts(xs, counts)
         else:
             ys = self._exchange(xs, counts)
-        y = ys.index_select(0, _inverse(order)).view(-1, k, h)
+        y = ys.index_select(0, inverse(order)).view(-1, k, h)
         out = (y * weights[..., None].to(y.dtype)).sum(1)
         if self.tp > 1:
             out = _GatherTokens.apply(out, self.tp_group, self.tp_rank, self.tp)[:n]
@@ -170,6 +181,8 @@ class ExpertParallel:
 
     def _exchange(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert -> this rank's experts (all-to-all) -> back, same order."""
+        if self.capacity is not None:  # no host sync: workers/trainer/ep_capacity.py
+            return fixed_exchange(self, xs, counts, self.capacity)
         send = counts.view(self.ep, self.num_local)  # [destination EP rank, its local expert]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # [source EP rank, my expert]
@@ -180,7 +193,7 @@ class ExpertParallel:
             recv.flatten(), output_size=sum(out_splits))
         regroup = expert_of_row.argsort(stable=True)
         ys = self.experts(got.index_select(0, regroup), recv.sum(0))
-        back = ys.index_select(0, _inverse(regroup)).contiguous()
+        back = ys.index_select(0, inverse(regroup)).contiguous()
         return all_to_all_single_autograd(back, in_splits, out_splits, self.ep_group)
 
 

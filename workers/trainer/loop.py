@@ -53,6 +53,7 @@ from workers.trainer.tracking import make_tracker
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
+from workers.trainer import ep_capacity
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 from workers.trainer.step import train_step
@@ -250,8 +251,11 @@ def trainer_plan(cfg: RunConfig) -> str:
 
 
 def parallelize(cfg: RunConfig, full, dims: ParallelDims):
-    """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision."""
-    return MODELS.get(cfg.model.family).shard(full, dims, precision=Precision.of(cfg.trainer))
+    """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision and
+    expert-parallel dispatch (trainer.parallel.ep_capacity_factor: workers/trainer/ep_capacity.py)."""
+    model = MODELS.get(cfg.model.family).shard(full, dims, precision=Precision.of(cfg.trainer))
+    ep_capacity.configure(model, cfg.trainer.parallel.ep_capacity_factor)
+    return model
 
 
 def num_parameters(cfg: RunConfig) -> int:

@@ -52,7 +52,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from workers.trainer.expert_parallel import LocalExperts, shard_experts
 from workers.trainer.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
 from workers.trainer.grad_clip import clip_sharded_grads_
-from workers.trainer.micro import checkpoint_mode
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision
 from workers.trainer.tensor_parallel import HeadSharedNorm, copy_to, vocab_parallel_target_logprobs
@@ -208,11 +207,6 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     state_names = list(full.state_dict().keys())
     if dims.ep > 1 and not any(_is_moe(m) for m in full.modules()):
         raise ValueError(f"trainer.parallel.ep({dims.ep}) > 1 needs a MoE model; this one has no routed layers")
-    if dims.ep > 1 or dims.tp > 1:
-        for layer in full.model.layers:
-            if checkpoint_mode(layer) == "selective" and any(_is_moe(m) for m in layer.modules()):
-                raise ValueError("trainer.activation_checkpointing=selective: not with the mesh plan's MoE layers "
-                                 "(the nested experts' FSDP hooks differ in the recompute); use full")
     mesh, batch_mesh, edp_mesh = build_mesh(dims)
     vocab_sharded = _apply_tp(full, mesh["tp"], dims.tp) if dims.tp > 1 else False
     policy = MixedPrecisionPolicy(param_dtype=None if not precision.mixed else precision.compute,

@@ -16,17 +16,24 @@ recomputes everything; ``selective`` keeps the outputs of the matmuls and attent
 (:data:`SAVED_OPS`: the expensive FLOPs) and recomputes the cheap elementwise rest (norms,
 activations, softmax, routing), which holds most of the activation bytes. Parameter names do not change (no wrapper
 module), and FSDP2's hooks, which fire around ``__call__``, still gather a layer's weights
-before the forward and before the backward's recompute.
+before the forward and before the backward's recompute. Only the saved ops are numbered and
+matched between the forward and the recompute (:class:`_SaveOnly`), so the mesh plan's nested
+experts FSDP unit, whose hooks run other ops in the two passes, checkpoints selectively too; the
+rows its EP all-to-alls delivered are kept (the recompute only re-exchanges the small count
+tensor), and so are the expert matmuls.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.parallel import ParallelDims
@@ -36,8 +43,11 @@ _aten = torch.ops.aten
 SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default,
              _aten._scaled_dot_product_flash_attention.default,
              _aten._scaled_dot_product_efficient_attention.default,
-             _aten._scaled_dot_product_flash_attention_for_cpu.default}
-"""What ``selective`` activation checkpointing keeps: matmul and attention outputs."""
+             _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops._c10d_functional.all_to_all_single.default}
+"""What ``selective`` activation checkpointing keeps: matmul and attention outputs, and the rows the
+EP dispatch / combine all-to-alls delivered (workers/trainer/expert_parallel.py), so the recompute
+does not move them again."""
 try:  # packed rows on CUDA run torch's varlen flash attention (workers/models/blocks/varlen.py)
     import torch.nn.attention.varlen  # noqa: F401  (registers the op)
 
@@ -116,22 +126,74 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"trainer.activation_checkpointing={mode!r}: choose none | full | selective")
-    context = None if mode == "full" else functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    context = None if mode == "full" else _selective_contexts
     for layer in layers:
         inner = layer.forward  # the bound method of the class: what __call__ would have run
         layer.forward = functools.partial(_checkpointed, inner, context)
 
 
-def checkpoint_mode(layer: nn.Module) -> str:
-    """``none`` | ``full`` | ``selective``: what :func:`apply_activation_checkpointing` did to ``layer``."""
-    fwd = layer.__dict__.get("forward")
-    if not (isinstance(fwd, functools.partial) and fwd.func is _checkpointed):
-        return "none"
-    return "full" if fwd.args[1] is None else "selective"
+def _keep(out):
+    """``out`` detached, with the version of each tensor: an in-place change after the forward
+    would make the kept value wrong for the backward, so :class:`_ReplaySaved` checks it."""
+    kept = tree_map(lambda x: _detach(x) if isinstance(x, torch.Tensor) else x, out)
+    return kept, [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _detach(x: torch.Tensor) -> torch.Tensor:
+    # Below autograd (inside a dispatch mode) the ADInplaceOrView key is excluded and a plain detach
+    # would get its own version counter; re-enabled, it shares the original's (what torch's SAC does).
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+class _SaveOnly(TorchDispatchMode):
+    """The forward side of ``selective``: keeps the outputs of the :data:`SAVED_OPS`, in call order.
+
+    Our own pair of modes, not torch's ``create_selective_checkpoint_contexts``: torch's number
+    EVERY op of the region and the recompute must replay the same numbers, but under the mesh plan
+    a MoE layer holds the experts' own FSDP unit, whose hooks run other bookkeeping ops
+    (record_function, copies, collectives) in the backward's recompute than in the forward (its
+    parameters are already gathered for the backward). Ops that are recomputed anyway need no
+    number: only the saved ops (matmuls, attention, row all-to-alls: the same ones in the same
+    order in both passes) are queued and matched. torch's mode classes are private and changed
+    between 2.11 and 2.13, so they are not subclassed.
+    """
+
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            self.store[func].append(_keep(out))
+        return out
+
+
+class _ReplaySaved(TorchDispatchMode):
+    """The recompute side of :class:`_SaveOnly`: saved ops come from its queues, the rest run."""
+
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        queue = self.store.get(func)
+        if not queue:
+            raise RuntimeError(f"selective activation checkpointing: {func} ran more often in the recompute than in "
+                               f"the forward (the layer's forward must run the same matmuls both times)")
+        kept, versions = queue.popleft()
+        if versions != [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]:
+            raise RuntimeError(f"selective activation checkpointing: the output of {func} kept in the forward was "
+                               f"changed in place afterwards; add the changing op to the model out of place")
+        return kept
+
+
+def _selective_contexts():
+    store = collections.defaultdict(collections.deque)
+    return _SaveOnly(store), _ReplaySaved(store)
 
 
 def _checkpointed(forward, context, *args, **kwargs):

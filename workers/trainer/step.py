@@ -8,6 +8,9 @@ the step's GLOBAL normalisers).
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
+  ep         fixed-capacity EP dispatch (workers/trainer/ep_capacity.py): one all-reduce (max) over
+             all ranks of the largest forward's tokens before the forwards, one of the overflow
+             flags after the backwards (then, rarely, the whole forward/backward again, exact);
   forward    per layer: FSDP all-gathers; with tp/ep, DTensor TP all-reduces (attention, MLPs), EP
              all-to-alls (dispatch, combine) and tp token all-gathers in MoE blocks, vocab-parallel
              all-reduces for the log-probs,
@@ -35,6 +38,7 @@ from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, expert_counts, load_balance_loss, loss_relevant_inputs, policy_loss,
                                   routing_disagreement)
+from workers.trainer.ep_capacity import StepCapacity
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
@@ -130,12 +134,43 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     replay = tcfg.router_replay and shard.routed_experts is not None
     model.train()
     micro = split_micro_batches(shard, tcfg.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims)
-    for p in model.parameters():
-        p.grad = None
     tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
                           device=dims.device)
     if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
         micro, tokens = context_parallel.own_chunks(micro, dims)
+    cap = StepCapacity.begin(model, [mb.input_ids for mb in micro], dims)  # None unless fixed-capacity EP
+
+    def run() -> tuple[_Accumulator, torch.Tensor | None, float]:
+        return _forward_backward(model, micro, tokens.clone(), tcfg, dims, replay=replay)
+    try:
+        acc, counts, num_valid = run()
+        if cap is not None and cap.overflowed():  # the step's one read of the EP overflow flags
+            acc, counts, num_valid = cap.redo_exact(run)
+    finally:
+        if cap is not None:
+            cap.end()
+    if counts is None:  # several micro-batches, no balance gradient: the counts are still a metric
+        counts = dims.all_reduce(acc.counts) if acc.counts.numel() else acc.counts
+    model.sync_grads()
+    grad_norm = model.clip_grad_norm_(tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+    # The balance loss is linear in prob_sums (its routed fractions are detached): the sum of the
+    # micro-batches' detached sums gives its value exactly.
+    aux_loss = float(load_balance_loss(acc.prob_sums, counts, num_valid, mcfg.top_k)) if acc.prob_sums is not None else 0.0
+    stats = reduce_stats(dims, acc.tok, pg_loss=acc.pg_loss, aux_loss=aux_loss, aux_coef=tcfg.aux_loss_coef,
+                         grad_norm=grad_norm, extra=acc.extra(shard.routed_experts is not None))
+    stats.update(expert_load_metrics(counts))
+    if cap is not None:
+        stats["ep_overflow_steps"] = model.ep_overflow_steps
+    return stats
+
+
+def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens: torch.Tensor, tcfg: TrainerConfig,
+                      dims: ParallelDims, *, replay: bool) -> tuple["_Accumulator", torch.Tensor | None, float]:
+    """Every micro-batch's forward, loss and backward from zero gradients: (sums, the global expert
+    counts when the balance loss needed them, the global valid-token count)."""
+    mcfg = model.config
+    for p in model.parameters():
+        p.grad = None
     counts = None
     chunk = tcfg.logprob_chunk_tokens
     if len(micro) == 1:
@@ -165,17 +200,7 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
             loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
         loss.backward()
         acc.add(mb, fwd, tok, pg_loss=pg_loss.item(), unreported=float((mb.loss_mask & ~loss_mask).sum()))
-    if counts is None:  # several micro-batches, no balance gradient: the counts are still a metric
-        counts = dims.all_reduce(acc.counts) if acc.counts.numel() else acc.counts
-    model.sync_grads()
-    grad_norm = model.clip_grad_norm_(tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
-    # The balance loss is linear in prob_sums (its routed fractions are detached): the sum of the
-    # micro-batches' detached sums gives its value exactly.
-    aux_loss = float(load_balance_loss(acc.prob_sums, counts, num_valid, mcfg.top_k)) if acc.prob_sums is not None else 0.0
-    stats = reduce_stats(dims, acc.tok, pg_loss=acc.pg_loss, aux_loss=aux_loss, aux_coef=tcfg.aux_loss_coef,
-                         grad_norm=grad_norm, extra=acc.extra(shard.routed_experts is not None))
-    stats.update(expert_load_metrics(counts))
-    return stats
+    return acc, counts, num_valid
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from workers.common.config.ranges import ConfigError, Each, between, ge, gt, limits, one_of
+from workers.common.config.ranges import ConfigError, Each, Range, between, ge, gt, limits, one_of
 from workers.common.dtypes import COMPUTE_DTYPES
 
 MASTER_DTYPES = ("float32", "bfloat16")
@@ -35,6 +35,15 @@ class ParallelConfig:
     hybrid's model.mamba_num_heads; with tp/ep > 1 a dimension of the mesh plan (heads split over tp, then cp)."""
     dp: int = -1
     """Data-parallel replicas of each (tp, pp, ep, cp) shard; -1 derives num_ranks / (tp * pp * ep * cp)."""
+    ep_capacity_factor: float = 2.0
+    """ep > 1: each rank sends every EP peer a fixed ``C = ceil(factor * slots / ep)`` rows (rounded up
+    to 8; slots = tokens x top_k of the step's largest forward), padded, so the all-to-alls need no
+    split sizes on the host and a MoE block has no host sync (workers/trainer/ep_capacity.py). A step
+    in which any rank would send a peer more than C rows is redone with exact dispatch (counted as
+    ``ep_overflow_steps``, warned): never a dropped token. 0: exact dispatch always (one host read of
+    the split sizes per MoE block and micro-batch). Else >= 1 (below, C cannot hold the average
+    peer's rows and every step would be redone). Larger: fewer redos, more padding moved and computed
+    (the routed experts' activations grow by the factor: launcher/activations.py)."""
 
     def resolve(self, num_ranks: int) -> dict[str, int]:
         """``{tp, pp, ep, cp, dp}`` with dp derived; ValueError with the numbers when they do not make num_ranks."""
@@ -155,7 +164,8 @@ def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
     return None
 
 
-limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)))
+limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(0, also=(-1,)),
+       ep_capacity_factor=Range(lo=1, hi=1024, also=(0,)))  # below 1 every step would overflow
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
        master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),

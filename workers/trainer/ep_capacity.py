@@ -1,0 +1,172 @@
+"""Fixed-capacity expert-parallel dispatch: the MoE all-to-alls without split sizes on the host.
+
+``all_to_all_single`` needs its split sizes on the host, so the exact dispatch of
+workers/trainer/expert_parallel.py reads ``2 * ep`` ints per MoE block and micro-batch: a host
+sync per layer that stalls the GPU's queue. Here (``trainer.parallel.ep_capacity_factor`` > 0)
+every rank sends each EP peer exactly ``C`` rows, a size fixed for the whole step:
+
+  C = ceil(factor * slots / ep), rounded up to a multiple of 8, where slots = top_k x the tokens
+      of the largest forward any rank runs this step (/ tp when the tp ranks split the tokens),
+      agreed by one all-reduce (max) and host read when the step starts.
+
+Per MoE block (:func:`fixed_exchange`), all on the device:
+  1. per-(destination, local expert) counts exchanged as in the exact path (one small
+     all-to-all whose result stays on the device);
+  2. the send buffer ``[ep * C, h]``: row ``d * C + j`` is the j-th slot bound for peer d (slots
+     are sorted by global expert, so by destination), or a zero row past that peer's count;
+  3. rows all-to-all with equal splits ``[C] * ep`` (autograd: the backward is the reverse one);
+  4. the arrived rows, regrouped by local expert with the padding last, go through the local
+     experts with device-side offsets (the grouped GEMM; padding rows are past the last offset
+     and come out zero);
+  5. the reverse all-to-all, and each slot picks its row back out of the returned buffer.
+
+Overflow: a rank with more than C slots for one peer sends only the first C (the rest come back
+zero) and sets the block's device flag. The step (:class:`StepCapacity`, driven by
+workers/trainer/step.py) reads the flags ONCE, after every micro-batch's backward (one
+all-reduce over all ranks, one host read), and if any rank overflowed the whole step's
+forward/backward is run again with the exact dispatch: never a silently dropped token. The redo
+is counted (``ep_overflow_steps`` in the step statistics, cumulative) and warned about.
+With no overflow the rows each expert sees, and their order, are the exact dispatch's: the same
+loss, gradients and weights (tests/integration/test_ep_capacity.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+if TYPE_CHECKING:
+    from workers.trainer.expert_parallel import ExpertParallel
+    from workers.trainer.parallel import ParallelDims
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def capacity(max_tokens: int, *, factor: float, top_k: int, ep: int, tp: int) -> int:
+    """Rows each rank sends each EP peer (module docstring): ``max_tokens`` is the largest forward's
+    token count (padding included) over every rank this step."""
+    slots = -(-max_tokens // tp) * top_k
+    rows = math.ceil(factor * slots / ep)
+    return max(8, -(-rows // 8) * 8)
+
+
+def fixed_exchange(par: "ExpertParallel", xs: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
+    """Rows sorted by global expert (``counts [E]`` of them per expert) -> this EP rank's experts ->
+    back in the same order, every peer sent exactly ``cap`` rows. Sets ``par.overflow``."""
+    ep, local, group = par.ep, par.num_local, par.ep_group
+    n, h = xs.shape
+    dev = xs.device
+    send = counts.view(ep, local)  # [destination EP rank, its local expert]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source EP rank, my expert]: stays on the device
+    per_peer = send.sum(1)
+    start = per_peer.cumsum(0) - per_peer  # first slot bound for each peer
+    overflow = (per_peer > cap).any()
+    par.overflow = overflow if par.overflow is None else par.overflow | overflow
+    j = torch.arange(cap, device=dev)
+    src = torch.where(j < per_peer[:, None], start[:, None] + j, n).flatten()  # n: the zero row
+    buf = torch.cat([xs, xs.new_zeros(1, h)]).index_select(0, src)
+    got = all_to_all_single_autograd(buf, [cap] * ep, [cap] * ep, group)  # source-major blocks of cap rows
+    # Source s sent its first cap rows, sorted by my local expert: the expert of its row j is the
+    # number of cumulative counts <= j; rows past what it sent get ``local`` (the padding, sorted last).
+    cum = recv.cumsum(1).clamp(max=cap)
+    kept = torch.diff(cum, dim=1, prepend=cum.new_zeros(ep, 1)).sum(0)  # rows per local expert that arrived
+    expert_of_row = torch.searchsorted(cum, j.expand(ep, cap).contiguous(), right=True).flatten()
+    regroup = expert_of_row.argsort(stable=True)
+    ys = par.experts(got.index_select(0, regroup), kept, padded=True)
+    back = ys.index_select(0, inverse(regroup)).contiguous()
+    ret = all_to_all_single_autograd(back, [cap] * ep, [cap] * ep, group)
+    # Slot i (peer d) is row d * cap + (i - start[d]) of what came back; slots past cap: zero row.
+    slot = torch.arange(n, device=dev)
+    peer = torch.searchsorted(per_peer.cumsum(0), slot, right=True)
+    pos = slot - start[peer]
+    row = torch.where(pos < cap, peer * cap + pos, ep * cap)
+    return torch.cat([ret, ret.new_zeros(1, h)]).index_select(0, row)
+
+
+def inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``order`` (``x[order][inverse(order)] == x``)."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+def configure(model: nn.Module, factor: float) -> None:
+    """Set ``trainer.parallel.ep_capacity_factor`` on every EP block of ``model`` (0: exact dispatch)."""
+    for par in _blocks(model, armed_only=False):
+        par.capacity_factor = factor
+    model.__dict__.setdefault("ep_overflow_steps", 0)
+
+
+def _blocks(model: nn.Module, *, armed_only: bool = True) -> list["ExpertParallel"]:
+    found = [m.__dict__["expert_parallel"] for m in model.modules() if "expert_parallel" in m.__dict__]
+    found = [p for p in found if p.ep_group is not None]
+    return [p for p in found if p.capacity_factor > 0] if armed_only else found
+
+
+class StepCapacity:
+    """One training step's fixed-capacity dispatch: arm every block with the step's C, read the
+    overflow flags once, redo with the exact dispatch when any rank overflowed."""
+
+    def __init__(self, model: nn.Module, blocks: list["ExpertParallel"], dims: "ParallelDims"):
+        self.model, self.blocks, self.dims = model, blocks, dims
+
+    @classmethod
+    def begin(cls, model: nn.Module, forwards: list[torch.Tensor], dims: "ParallelDims") -> Optional["StepCapacity"]:
+        """Arm ``model``'s blocks for forwards of these ``input_ids`` (COLLECTIVE over all ranks when
+        there is any block: one all-reduce (max) of the largest forward, read on the host); None
+        without fixed-capacity blocks."""
+        blocks = _blocks(model)
+        if not blocks:
+            return None
+        largest = torch.tensor([max(ids.numel() for ids in forwards)], dtype=torch.int64, device=dims.device)
+        if dims.group is not None and dims.world_size > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=dims.group)
+        largest = int(largest[0])
+        for par in blocks:
+            par.capacity = capacity(largest, factor=par.capacity_factor, top_k=par.top_k, ep=par.ep, tp=par.tp)
+            par.overflow = None
+        return cls(model, blocks, dims)
+
+    def overflowed(self) -> bool:
+        """Did any block of any rank overflow since :meth:`begin` (COLLECTIVE: one all-reduce, one host read)?"""
+        flags = [p.overflow for p in self.blocks if p.overflow is not None]
+        flag = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.dims.device))
+        flag = flag.to(torch.int32).reshape(1)
+        if self.dims.group is not None and self.dims.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.group)
+        for p in self.blocks:
+            p.overflow = None
+        return bool(flag[0])
+
+    def redo_exact(self, run: Callable[[], T]) -> T:
+        """``run()`` again with the exact dispatch (the step's forward/backward), counted and warned."""
+        self.model.ep_overflow_steps = getattr(self.model, "ep_overflow_steps", 0) + 1
+        log.warning("expert-parallel dispatch overflowed its fixed capacity (%s rows per peer, "
+                    "trainer.parallel.ep_capacity_factor=%s): step redone with exact dispatch (%d so far)",
+                    self.blocks[0].capacity, self.blocks[0].capacity_factor, self.model.ep_overflow_steps)
+        with self.exact():
+            return run()
+
+    @contextlib.contextmanager
+    def exact(self):
+        saved = [p.capacity for p in self.blocks]
+        for p in self.blocks:
+            p.capacity = None
+        try:
+            yield
+        finally:
+            for p, c in zip(self.blocks, saved):
+                p.capacity = c
+
+    def end(self) -> None:
+        """Disarm: forwards outside a training step (no bound agreed) use the exact dispatch."""
+        for p in self.blocks:
+            p.capacity, p.overflow = None, None
