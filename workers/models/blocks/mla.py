@@ -14,7 +14,9 @@ None. Each step re-expands the cached latents through ``kv_b_proj`` (the referen
 ``kv_b_proj`` into the query and output, "weight absorption", is a later optimisation).
 
 An optional ``indexer`` (DeepSeek Sparse Attention, workers/models/blocks/dsa_indexer.py)
-narrows each query's keys to its top ``index_topk``: the indexer's keep mask is ANDed into the
+narrows each query's keys to its top ``index_topk``. With ``dsa_chunk`` > 0 (GLM-5's default) the
+attention gathers each query's chosen keys a chunk of queries at a time (workers/models/blocks/
+dsa_sparse.py: memory linear in the sequence); with 0 the indexer's keep mask is ANDed into the
 attention mask (the dense reference path of sparse attention). Packed rows (``ctx.docs``) attend
 per document (workers/models/blocks/varlen.py), the indexer choosing inside each document.
 """
@@ -25,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels, ulysses
+from workers.models.blocks import dsa_sparse, kernels, ulysses
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
@@ -57,6 +59,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.indexer: Optional[nn.Module] = None  # set by families with sparse attention (GLM-5)
         self.reuses_index = False  # a DSA "shared" layer: the previous full layer's choice of keys
+        self.dsa_chunk = 0  # > 0: sparse attention over the chosen keys, this many queries at a time (dsa_sparse.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x ``[B, T, H]`` (normed), cos/sin ``[B, 1, T, qk_rope_head_dim]``; uses ctx.mask and ctx.cache."""
@@ -88,6 +91,11 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
+        if self.dsa_chunk and (self.indexer is not None or self.reuses_index):
+            chosen = self.indexer.choose(x, q_latent, cos, sin, ctx, self.dsa_chunk) if self.indexer is not None \
+                else shared_mask(ctx)
+            out = attend_chosen(q, k, v, chosen, ctx, self.scale, self.dsa_chunk)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
         mask, sparse = ctx.mask, self.indexer is not None or self.reuses_index
         per_doc = ctx.docs is not None and ctx.cp is None
         if self.indexer is not None:
@@ -102,3 +110,14 @@ class MLAttention(nn.Module):
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
+
+
+def attend_chosen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen, ctx: ForwardContext, scale: float,
+                  chunk: int) -> torch.Tensor:
+    """Sparse attention over the indexer's choice (workers/models/blocks/dsa_sparse.py): over the whole
+    sequence after the context-parallel all-to-all, per document (``chosen`` a dict), or row by row."""
+    if ctx.cp is not None:
+        return ulysses.attend(q, k, v, None, ctx.cp, scale, chosen=chosen, chunk=chunk)
+    if isinstance(chosen, dict):
+        return dsa_sparse.attend_docs_chosen(q, k, v, ctx.docs, chosen, scale, chunk)
+    return dsa_sparse.attend_selected(q, k, v, chosen, scale, chunk)
