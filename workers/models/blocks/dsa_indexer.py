@@ -98,7 +98,7 @@ class DsaIndexer(nn.Module):
         """The memory-linear path (workers/models/blocks/dsa_sparse.py): each query's top ``topk`` key
         positions, int32 ``[B, T, K]`` (-1: none), scored ``chunk`` queries at a time; packed rows
         (``ctx.docs``, no cp): ``{(row, start): [1, n, K]}`` with positions inside each document.
-        Under cp: this rank's queries against the gathered keys, then every rank's choice gathered."""
+        Under cp: this rank's queries against the gathered keys (global key positions)."""
         t = x.shape[1]
         q, k, w = self._project(x, q_latent, cos, sin)
         k = self._with_cache(k, ctx)
@@ -119,7 +119,7 @@ class DsaIndexer(nn.Module):
             k = gather_seq(k, cp)
             s = k.shape[1]
             rows = visible_rows(ctx.mask, ctx.docs, x.shape[0], s, 0, cp.rank * cp.local_len, dev)
-            chosen = gather_seq(pick(q, k, w, rows), cp)
+            chosen = pick(q, k, w, rows)  # this rank's queries only: attention gathers the latents instead
         ctx.memo[MEMO_KEY] = chosen
         return chosen
 

@@ -77,7 +77,11 @@ class MLAttention(nn.Module):
             k_rot = shared(k_rot)
         q_rot = rotate(q_rot, cos, sin, self.interleaved)
         k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
-        entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached
+        normed = self.kv_a_layernorm(latent)
+        chunked = self.dsa_chunk > 0 and (self.indexer is not None or self.reuses_index)
+        if shared is not None and chunked:  # read by every head through the absorbed kv_b_proj: gradient over tp
+            normed = shared(normed)
+        entry = torch.cat([normed, k_rot], dim=-1)  # [B, T, r + dr]: what is cached
         if ctx.cache is not None and ctx.cache.static:  # preallocated slots: all L positions, masked
             entry = ctx.cache.write_latent(ctx.layer, entry)
         elif ctx.cache is not None:
@@ -85,17 +89,15 @@ class MLAttention(nn.Module):
             if past is not None:
                 entry = torch.cat([past, entry], dim=1)
             ctx.cache.keys[ctx.layer] = entry
+        if chunked:
+            out = self._sparse(x, q_latent, q_nope, q_rot, entry, cos, sin, ctx)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
         latent_all, k_rot_all = entry.split([self.r, self.dr], dim=-1)
         s = entry.shape[1]
         kv = self.kv_b_proj(latent_all).view(b, s, self.nh, self.dn + self.dv).transpose(1, 2)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_rot_all[:, None].expand(b, self.nh, s, self.dr)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        if self.dsa_chunk and (self.indexer is not None or self.reuses_index):
-            chosen = self.indexer.choose(x, q_latent, cos, sin, ctx, self.dsa_chunk) if self.indexer is not None \
-                else shared_mask(ctx)
-            out = attend_chosen(q, k, v, chosen, ctx, self.scale, self.dsa_chunk)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
         mask, sparse = ctx.mask, self.indexer is not None or self.reuses_index
         per_doc = ctx.docs is not None and ctx.cp is None
         if self.indexer is not None:
@@ -111,13 +113,16 @@ class MLAttention(nn.Module):
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
 
-
-def attend_chosen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen, ctx: ForwardContext, scale: float,
-                  chunk: int) -> torch.Tensor:
-    """Sparse attention over the indexer's choice (workers/models/blocks/dsa_sparse.py): over the whole
-    sequence after the context-parallel all-to-all, per document (``chosen`` a dict), or row by row."""
-    if ctx.cp is not None:
-        return ulysses.attend(q, k, v, None, ctx.cp, scale, chosen=chosen, chunk=chunk)
-    if isinstance(chosen, dict):
-        return dsa_sparse.attend_docs_chosen(q, k, v, ctx.docs, chosen, scale, chunk)
-    return dsa_sparse.attend_selected(q, k, v, chosen, scale, chunk)
+    def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, q_nope: torch.Tensor, q_rot: torch.Tensor,
+                entry: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """DSA's memory-linear path (workers/models/blocks/dsa_sparse.py): ``[B, H, T, dv]``. Under cp
+        each rank gathers every latent key (``T x (r + dr)``) and attends with its own queries."""
+        chosen = (self.indexer.choose(x, q_latent, cos, sin, ctx, self.dsa_chunk) if self.indexer is not None
+                  else shared_mask(ctx))
+        w = self.kv_b_proj.weight
+        w = (w.to_local() if hasattr(w, "to_local") else w).view(self.nh, self.dn + self.dv, self.r)  # tp: own heads
+        if isinstance(chosen, dict):
+            return dsa_sparse.attend_latent_docs(q_nope, q_rot, entry, w, ctx.docs, chosen, self.scale, self.dsa_chunk)
+        if ctx.cp is not None:
+            entry = ulysses.gather_seq_grad(entry, ctx.cp)
+        return dsa_sparse.attend_latent(q_nope, q_rot, entry, w, chosen, self.scale, self.dsa_chunk)

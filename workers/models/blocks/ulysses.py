@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from workers.models.blocks import kernels
-from workers.models.blocks.dsa_sparse import attend_selected
 from workers.models.blocks.varlen import Documents
 
 
@@ -115,8 +114,7 @@ def gather_seq(x: torch.Tensor, cp: SeqShard, dim: int = 1) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], cp: SeqShard,
-           scale: Optional[float] = None, docs: Optional[Documents] = None, chosen: Optional[torch.Tensor] = None,
-           chunk: int = 0) -> torch.Tensor:
+           scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
     """Softmax attention of this rank's tokens over the whole sequence: ``q [B, H, T/cp, D]``,
     ``k``/``v [B, Hkv, T/cp, D]`` (query head h reads kv head ``h // (H / Hkv)``), ``mask`` over the
     whole sequence ``[B, 1, T, T]`` or None (plain causal). Returns ``[B, H, T/cp, Dv]``.
@@ -126,28 +124,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     With fewer heads than cp (H % cp != 0) Ulysses cannot split them: :func:`attend_gathered`.
     ``docs`` (packed rows, whole-sequence documents; ``mask`` None): after the all-to-all each rank
     attends per document on its heads (workers/models/blocks/varlen.py), no [T, T] mask.
-    ``chosen`` (DSA, int32 ``[B, T, K]`` over the whole sequence; ``mask`` None): each query attends
-    to its chosen keys only, ``chunk`` queries at a time (workers/models/blocks/dsa_sparse.py).
     """
     nh = q.shape[1]
     if nh % cp.size:
-        return attend_gathered(q, k, v, mask, cp, scale, docs, chosen, chunk)
+        return attend_gathered(q, k, v, mask, cp, scale, docs)
     k, groups = spread_groups(k, k.shape[1], nh, cp.size, dim=1)
     v, _ = spread_groups(v, v.shape[1], nh, cp.size, dim=1)
     q, k, v = (seq_to_heads(x, cp, head_dim=1, seq_dim=2) for x in (q, k, v))
     if groups != nh:  # this rank's query head j reads its kv head j // (H / groups)
         k = k.repeat_interleave(nh // groups, dim=1)
         v = v.repeat_interleave(nh // groups, dim=1)
-    if chosen is not None:
-        out = attend_selected(q, k, v, chosen, q.shape[-1] ** -0.5 if scale is None else scale, chunk)
-    else:
-        out = kernels.attend(q, k, v, mask, scale, docs=docs)
-    return heads_to_seq(out, cp, head_dim=1, seq_dim=2)
+    return heads_to_seq(kernels.attend(q, k, v, mask, scale, docs=docs), cp, head_dim=1, seq_dim=2)
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], cp: SeqShard,
-                    scale: Optional[float] = None, docs: Optional[Documents] = None,
-                    chosen: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+                    scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
     """:func:`attend` for models with too few heads for Ulysses (H % cp != 0): every rank all-gathers
     the keys and values of the whole sequence (the all-gather form of context parallelism; ring
     attention would pass them around instead) and attends with its own queries, all heads. Keys
@@ -156,12 +147,6 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     rank that owns the position (a reduce-scatter, through all-to-all)."""
     nh, lo, t = q.shape[1], cp.rank * cp.local_len, cp.local_len
     k, v = _GatherSeq.apply(k, cp.group, cp.size, 2), _GatherSeq.apply(v, cp.group, cp.size, 2)
-    if k.shape[1] != nh:  # query head h reads kv head h // (H / Hkv)
-        k = k.repeat_interleave(nh // k.shape[1], dim=1)
-        v = v.repeat_interleave(nh // v.shape[1], dim=1)
-    if chosen is not None:  # DSA: this chunk's rows of the whole sequence's choice
-        return attend_selected(q, k, v, chosen.narrow(1, lo, t), q.shape[-1] ** -0.5 if scale is None else scale,
-                               chunk)
     if mask is None and docs is not None:  # packed rows: this chunk's rows of the per-document mask
         mask = docs.causal_rows(lo, t)[:, None]
     elif mask is None:  # plain causal over the whole sequence: this chunk's rows of it
@@ -169,7 +154,16 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
         mask = (keys[None, :] <= torch.arange(lo, lo + t, device=q.device)[:, None])[None, None]
     else:
         mask = mask.narrow(2, lo, t)
+    if k.shape[1] != nh:  # query head h reads kv head h // (H / Hkv)
+        k = k.repeat_interleave(nh // k.shape[1], dim=1)
+        v = v.repeat_interleave(nh // v.shape[1], dim=1)
     return kernels.attend(q, k, v, mask, scale)
+
+
+def gather_seq_grad(x: torch.Tensor, cp: SeqShard, dim: int = 1) -> torch.Tensor:
+    """Every rank's chunk concatenated along ``dim``, with gradients: each position's gradient is
+    summed over the ranks that read it, onto the rank that owns it (DSA's latent keys, dsa_sparse.py)."""
+    return _GatherSeq.apply(x, cp.group, cp.size, dim)
 
 
 class _GatherSeq(torch.autograd.Function):
