@@ -36,8 +36,15 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     cp4 = activation_memory(m, tokens=131072, ac="full", cp=4)
     assert cp4.tokens == 32768 and cp4.total_bytes < full / 3
     assert cp4.indexer_bytes == 0
-    dsa = activation_memory(compose(["model=glm5"]).model, tokens=131072, ac="full", cp=8)
-    assert dsa.indexer_bytes == 16384 * 131072 * (32 * 4 + 7) and "DSA indexer scores" in dsa.detail  # quadratic
+    glm5 = compose(["model=glm5"]).model
+    dense = activation_memory(dataclasses.replace(glm5, dsa_chunk_tokens=0), tokens=131072, ac="full", cp=8)
+    assert dense.indexer_bytes == 16384 * 131072 * (32 * 4 + 7) and "dense reference" in dense.detail  # quadratic
+    dsa = activation_memory(glm5, tokens=131072, ac="full", cp=8)  # memory-linear: one chunk + the chosen positions
+    chunk = 256 * 131072 * (2 * 32 * 4 + 9) + 256 * 2048 * (2 * 576 * 2 + 4 * 64 * 4) + 2 * 131072 * 576 * 2
+    assert dsa.indexer_bytes == chunk + 16384 * 2048 * 4 and "query chunks of 256" in dsa.detail
+    assert dsa.indexer_bytes < dense.indexer_bytes / 25
+    half = activation_memory(compose(["model=glm5"]).model, tokens=65536, ac="full", cp=4)  # same queries, half the keys
+    assert half.indexer_bytes < 0.6 * dsa.indexer_bytes  # linear in the keys, not quadratic
     small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024)
     assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
 

@@ -36,11 +36,14 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
     assert 35e9 < p.params.active < 45e9  # published: ~40B active
     assert {m.what for m in p.memory} == {"trainer", "prefill", "decode"}
     assert all(m.fits for m in p.memory if m.what != "trainer")
-    # one 131072-token episode per trainer GPU does not fit: the DSA indexer's dense reference scores
-    # every (query, key) pair (2.3 TB at 131k); the dry run says so with the numbers; a real run is refused
+    # one 131072-token episode per trainer GPU does not fit at cp 1: not for the DSA indexer (its memory-linear
+    # path: 11.7 GB, where the dense reference took 2.3 TB) but for the layers' own activations (216 GB); the
+    # dry run says so with the numbers and the cp that fits; a real run is refused
     (trainer,) = [m for m in p.memory if m.what == "trainer"]
-    assert not trainer.fits and "131072 tokens/GPU" in trainer.detail and "DSA indexer scores 2.3 TB" in trainer.detail
-    assert any("need a sparse indexer kernel" in w and "a real run is refused" in w for w in d.warnings)
+    assert not trainer.fits and "131072 tokens/GPU" in trainer.detail and "layers 216.0 GB" in trainer.detail
+    assert "DSA indexer 11.7 GB (query chunks of 256, top 2048 keys each)" in trainer.detail
+    assert any("trainer.parallel.cp >= 16" in w and "a real run is refused" in w for w in d.warnings)
+    assert not any("dsa_chunk_tokens" in w for w in d.warnings)
     prefill, decode = p.role("prefill"), p.role("decode")
     assert (prefill.num_procs, prefill.num_nodes_per_replica, prefill.num_replicas) == (4, 2, 2)
     assert (decode.num_procs, decode.num_nodes_per_replica, decode.num_replicas) == (8, 4, 2)
