@@ -121,3 +121,16 @@ def test_the_sparse_path_never_materialises_a_t_by_t_tensor(glm, packed, monkeyp
     got = squares(8)
     assert not got, got[:3]
     assert squares(0), "the dense reference path should show [T, T] tensors"
+
+
+def test_layer_checkpointing_around_the_chunk_checkpoints_keeps_the_gradients(glm):
+    """The trainer wraps each layer in activation checkpointing (full) around the chunks' own
+    checkpoints (nested, non-reentrant): same logits and gradients as the dense path without it."""
+    import copy
+
+    from workers.trainer.micro import apply_activation_checkpointing
+
+    wrapped = copy.deepcopy(glm)
+    apply_activation_checkpointing(wrapped.model.layers, "full")
+    ids = torch.randint(1, 96, (2, 13), generator=torch.Generator().manual_seed(6))
+    assert_same(run(wrapped, 4, ids), run(glm, 0, ids))

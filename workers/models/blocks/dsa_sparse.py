@@ -18,8 +18,8 @@ the order of the float sums differs (absorption re-associates the products; fp32
 
 Gradients: the choice is not differentiable (the indexer runs under no_grad in both paths: the LM
 loss trains it not at all, as in transformers). The attention of each chunk runs under
-non-reentrant activation checkpointing, so the backward keeps only its inputs (views of q, k, v
-and the chunk's indices) and recomputes the gathered latents one chunk at a time; the gathers'
+non-reentrant activation checkpointing, so the backward keeps only its inputs (views of the queries, the
+latents, kv_b_proj's weight and the chunk's indices) and recomputes the gathered latents one chunk at a time; the gathers'
 backward scatters into the ``[B, S, r + dr]`` latent gradient (linear).
 
 Where it runs (``MLAttention.dsa_chunk`` > 0, GLM-5's ``model.dsa_chunk_tokens``): plain and
