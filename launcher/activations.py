@@ -53,6 +53,11 @@ TRAINER_BYTES_PER_TOKEN = 160
 tensors (log-probs, entropy, ratios, masks, advantages: ~12 x 8 B)."""
 INDEXER_BYTES_PER_PAIR = 4
 """float32 relu score of one (query, key) pair for one DSA index head."""
+DSA_INDEX_BYTES = 4
+"""int32 position of one chosen key of one query (the memory-linear DSA path keeps [T, topk] per layer)."""
+DSA_SCORE_COPIES = 4
+"""float32 [heads, chunk, topk] tensors alive at once in a sparse-attention chunk (scores, masked,
+probabilities, and a gradient in the backward)."""
 HEAD_COPIES = 4
 """float32 [chunk, V] tensors alive at once while a log-prob chunk is scored or recomputed."""
 
@@ -110,10 +115,7 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
                       logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1) -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
-    A DSA model (``num_indexer_heads``) adds its indexer (:func:`dsa_bytes`): at cp 1 the dense
-    reference scoring (workers/models/blocks/dsa_indexer.py), float32 scores of each query against every
-    key per index head plus the masks (:data:`INDEXER_BYTES_PER_PAIR` per head and pair): quadratic;
-    under cp the chunked path, bounded by ``DSA_CHUNK_PAIRS`` pairs at a time."""
+    A DSA model (``num_indexer_heads``) adds its indexer and sparse attention (:func:`dsa_bytes`)."""
     a = architecture(model_cfg)
     c = DTYPE_BYTES[compute_dtype]
     n = -(-tokens // cp)
@@ -138,30 +140,55 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
-    indexer = dsa_bytes(a, n, tokens, cp)
+    indexer = dsa_bytes(a, n=n, keys=tokens, c=c, tp=tp, cp=cp)
+    if indexer and getattr(a, "dsa_chunk_tokens", 0):  # the chosen positions of every layer are saved for backward
+        kept_layers = num_layers if ac != "full" else 1
+        indexer += int(kept_layers * n * min(a.index_topk, tokens) * DSA_INDEX_BYTES)
     total = int(n * kept) + max(head, int(n * working) + indexer) + trainer
     detail = (f"{human_bytes(total)} for {n} tokens/GPU ({tokens} per forward / cp {cp}), activation_checkpointing "
               f"{ac}: layers {human_bytes(layers)}, log-prob head {human_bytes(head)} (chunk {chunk}), "
               f"trainer tensors {human_bytes(trainer)}"
-              + (f", DSA indexer scores {human_bytes(indexer)} ("
-                 + ("dense reference" if cp == 1 else f"chunks of {DSA_CHUNK_PAIRS} pairs") + ")" if indexer else ""))
+              + (f", DSA indexer {human_bytes(indexer)} ({dsa_how(a, cp)})" if indexer else ""))
     return ActivationEstimate(tokens=n, total_bytes=total, layers_bytes=layers, head_bytes=head, trainer_bytes=trainer,
                               indexer_bytes=indexer, detail=detail)
 
 
-def dsa_bytes(a, n: int, tokens: int, cp: int) -> int:
-    """The DSA indexer's working memory while one layer runs (0 without an indexer). cp 1: the dense
-    reference scores all ``n x tokens`` pairs per index head and builds ``[T, T]`` masks. cp > 1
-    (workers/models/blocks/dsa_cp.py): :data:`DSA_CHUNK_PAIRS` pairs scored at a time (float32 per
-    index head, plus the index, visibility and top-k work), the gathered chosen indices of every
-    query and this rank's (int64 ``[T + n, index_topk]``), an attention chunk's mask rows (bools
-    and their float bias)."""
+def dsa_bytes(a, *, n: int, keys: int, c: int, tp: int, cp: int = 1) -> int:
+    """Working bytes of one DSA layer for ``n`` queries over ``keys`` keys (0 without an indexer).
+
+    Memory-linear path (``dsa_chunk_tokens`` C > 0, workers/models/blocks/dsa_sparse.py), one chunk of
+    C queries at a time: the indexer's float32 scores against every key (per index head, relu'd,
+    weighted, masked: :data:`INDEXER_BYTES_PER_PAIR` each, plus the visibility rows) and the
+    attention's gathered latents ``C x topk x (kv_lora_rank + qk_rope_head_dim)`` with their gradient,
+    and its float32 scores, probabilities and their gradients per local head
+    (:data:`DSA_SCORE_COPIES`); plus, under cp, the whole sequence's gathered latents. The chosen
+    positions (int32 ``[n, topk]`` per layer) are added by the caller. Dense reference path (C = 0):
+    at cp 1 every (query, key) pair at once, quadratic; under cp (workers/models/blocks/dsa_cp.py)
+    :data:`DSA_CHUNK_PAIRS` pairs scored at a time (float32 per index head, plus the index,
+    visibility and top-k work), the gathered chosen indices of every query and this rank's (int64
+    ``[T + n, index_topk]``), an attention chunk's mask rows (bools and their float bias)."""
     if not a.num_indexer_heads:
         return 0
-    if cp == 1:
-        return n * tokens * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 7)
-    pairs = min(n, max(1, DSA_CHUNK_PAIRS // tokens)) * tokens
-    return pairs * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 13) + (tokens + n) * a.index_topk * 8 + pairs * 7
+    chunk = getattr(a, "dsa_chunk_tokens", 0)
+    if not chunk and cp == 1:
+        return n * keys * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 7)
+    if not chunk:
+        pairs = min(n, max(1, DSA_CHUNK_PAIRS // keys)) * keys
+        return pairs * (a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 13) + (keys + n) * a.index_topk * 8 + pairs * 7
+    c_q, k = min(chunk, n), min(a.index_topk, keys)
+    latent = a.kv_lora_rank + a.qk_rope_head_dim
+    heads = max(1, a.num_heads // tp)
+    scoring = c_q * keys * (2 * a.num_indexer_heads * INDEXER_BYTES_PER_PAIR + 9)
+    attention = c_q * k * (2 * latent * c + DSA_SCORE_COPIES * heads * 4)
+    gathered = 2 * keys * latent * c if keys > n else 0  # cp: every rank's latents, and their gradient
+    return int(scoring + attention + gathered)
+
+
+def dsa_how(a, cp: int = 1) -> str:
+    chunk = getattr(a, "dsa_chunk_tokens", 0)
+    if chunk:
+        return f"query chunks of {chunk}, top {a.index_topk} keys each"
+    return "dense reference path: every (query, key) pair" if cp == 1 else f"dense path in chunks of {DSA_CHUNK_PAIRS} pairs"
 
 
 def longest_sample(cfg) -> tuple[int, str]:

@@ -263,9 +263,10 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
                         ["trainer.activation_checkpointing=full"] if t.activation_checkpointing != "full" else []) + [
                         "a smaller trainer.logprob_chunk_tokens", "more trainer GPUs"]
                     cure = ", ".join(cures[:-1]) + " or " + cures[-1]
-                    if getattr(cfg.model, "num_indexer_heads", 0) and t.parallel.cp == 1:
-                        cure += ("; at cp 1 the DSA indexer's dense reference path scores every (query, key) pair "
-                                 "at once (quadratic); under cp it scores in bounded chunks")
+                    if getattr(cfg.model, "num_indexer_heads", 0) and not getattr(cfg.model, "dsa_chunk_tokens", 1):
+                        cure += ("; model.dsa_chunk_tokens=0 runs the DSA indexer's dense reference path, which "
+                                 + ("scores every (query, key) pair at once" if t.parallel.cp == 1 else
+                                    "scores in chunks but keeps the quadratic work") + ": set it > 0 (the memory-linear path)")
                     problem = (f"trainer does not fit its GPUs with the activations of its largest forward: {line}; "
                                f"use {cure}")
                     if not cfg.launcher.dry_run:

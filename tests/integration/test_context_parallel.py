@@ -122,6 +122,15 @@ def test_attention_with_fewer_heads_than_cp_gathers_keys_and_values(tmp_path, fa
     check_family(tmp_path, family, 4, FEW_HEADS[family])
 
 
+@pytest.mark.parametrize("overrides", [["model.dsa_chunk_tokens=3"], ["model.dsa_chunk_tokens=3", "model.num_heads=2"],
+                                       ["model.dsa_chunk_tokens=0"]], ids=["chunk3", "chunk3-gathered", "dense"])
+def test_dsa_sparse_chunks_and_dense_reference_under_cp(tmp_path, overrides):
+    """GLM-5's memory-linear path with query chunks smaller than a rank's rows (each rank chooses for its
+    queries, every rank attends over the gathered choice, after the all-to-all or with gathered keys), and
+    the dense reference path, each against one rank of the same model."""
+    check_family(tmp_path, "glm_moe_dsa", 2 if "model.num_heads=2" not in overrides else 4, overrides)
+
+
 @pytest.mark.parametrize("family,cp", [("qwen3_moe", 4), ("nemotron_h", 2)])
 def test_the_causal_fast_path_without_a_mask_too(tmp_path, monkeypatch, family, cp):
     """On GPU right-padded rows take plain causal attention (``ctx.mask`` None, no [T, T] mask):

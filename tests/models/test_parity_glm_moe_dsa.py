@@ -49,7 +49,8 @@ def test_the_indexer_restricts_attention(tmp_path):
         for layer in ours.model.layers:
             layer.self_attn.indexer.topk = 64
         dense = ours(ids).logits
-    assert torch.equal(sparse[:, :4], dense[:, :4])  # the first index_topk queries see every key anyway
+    # the first index_topk queries see every key anyway (equal up to the order of the float sums)
+    torch.testing.assert_close(sparse[:, :4], dense[:, :4], rtol=1e-5, atol=1e-6)
     assert rel_err(sparse, dense) > 1e-3
 
 

@@ -37,12 +37,18 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     assert cp4.tokens == 32768 and cp4.total_bytes < full / 3
     assert cp4.indexer_bytes == 0
     glm5 = compose(["model=glm5"]).model
-    dense = activation_memory(glm5, tokens=131072, ac="full")
-    assert dense.indexer_bytes == 131072 * 131072 * (32 * 4 + 7) and "(dense reference)" in dense.detail  # quadratic
-    dsa = activation_memory(glm5, tokens=131072, ac="full", cp=8)  # cp: chunks of 2**25 pairs, topk indices
-    pairs = 256 * 131072
-    assert dsa.indexer_bytes == pairs * (32 * 4 + 13) + (131072 + 16384) * 2048 * 8 + pairs * 7
-    assert dsa.indexer_bytes < 8e9 and "chunks of 33554432 pairs" in dsa.detail
+    dense = activation_memory(dataclasses.replace(glm5, dsa_chunk_tokens=0), tokens=131072, ac="full")
+    assert dense.indexer_bytes == 131072 * 131072 * (32 * 4 + 7) and "dense reference" in dense.detail  # quadratic
+    dense_cp = activation_memory(dataclasses.replace(glm5, dsa_chunk_tokens=0), tokens=131072, ac="full", cp=8)
+    pairs = 256 * 131072  # the dense path under cp (dsa_cp.py): chunks of 2**25 pairs, topk indices
+    assert dense_cp.indexer_bytes == pairs * (32 * 4 + 13) + (131072 + 16384) * 2048 * 8 + pairs * 7
+    assert "chunks of 33554432 pairs" in dense_cp.detail
+    dsa = activation_memory(glm5, tokens=131072, ac="full", cp=8)  # memory-linear: one chunk + the chosen positions
+    chunk = 256 * 131072 * (2 * 32 * 4 + 9) + 256 * 2048 * (2 * 576 * 2 + 4 * 64 * 4) + 2 * 131072 * 576 * 2
+    assert dsa.indexer_bytes == chunk + 16384 * 2048 * 4 and "query chunks of 256" in dsa.detail
+    assert dsa.indexer_bytes < dense.indexer_bytes / 25
+    half = activation_memory(compose(["model=glm5"]).model, tokens=65536, ac="full", cp=4)  # same queries, half the keys
+    assert half.indexer_bytes < 0.6 * dsa.indexer_bytes  # linear in the keys, not quadratic
     small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024)
     assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
 

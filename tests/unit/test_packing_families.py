@@ -1,7 +1,7 @@
 """Packed rows through every family equal the unpacked rows: forward, backward and Router Replay.
 
 The packed forward never builds a [T, T] mask (workers/models/blocks/varlen.py): attention runs per
-document, the DSA indexer picks its top-k inside a document, Mamba-2 restarts its state at each
+document, the DSA indexer picks its top-k inside a document (in query chunks), Mamba-2 restarts its state at each
 document. The reference is today's masked path on the UNPACKED right-padded rows (each sample
 alone in its row), which is what a packed sample must reproduce exactly.
 """
@@ -151,11 +151,14 @@ class _Shapes:
         self.mode = Mode()
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "glm_moe_dsa_tiny"])  # DSA: n x n per document
+@pytest.mark.parametrize("preset", PRESETS)
 def test_a_packed_row_never_materialises_a_t_by_t_tensor(preset):
     """One 257-token document in a packed row, forward + backward: no op output has two dims of 257
-    (the old block mask was [B, 1, T, T] and SDPA's masked path an [B, H, T, T] score matrix)."""
+    (the old block mask was [B, 1, T, T] and SDPA's masked path an [B, H, T, T] score matrix; DSA
+    chooses and attends in query chunks, workers/models/blocks/dsa_sparse.py)."""
     model, cfg = build(preset)
+    if cfg.family == "glm_moe_dsa":
+        assert 0 < cfg.dsa_chunk_tokens < 257 and cfg.index_topk < 257  # chunks smaller than the document
     t = 257
     ids = torch.randint(1, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
     shapes = _Shapes()

@@ -36,11 +36,11 @@ def test_glm5_plan_adds_up_to_28_gpu_nodes():
     assert 35e9 < p.params.active < 45e9  # published: ~40B active
     assert {m.what for m in p.memory} == {"trainer", "prefill", "decode"}
     assert all(m.fits for m in p.memory if m.what != "trainer")
-    # one 131072-token episode over 16 cp ranks fits: 8192 tokens/GPU, the DSA indexer scored in bounded
-    # chunks under cp (at cp 1 its dense reference would score every (query, key) pair: 2.3 TB at 131k)
+    # one 131072-token episode over 16 cp ranks fits: 8192 tokens/GPU, the DSA indexer on its memory-linear
+    # path (query chunks; the dense reference would score every (query, key) pair: 2.3 TB at 131k)
     (trainer,) = [m for m in p.memory if m.what == "trainer"]
     assert trainer.fits and "8192 tokens/GPU (131072 per forward / cp 16)" in trainer.detail
-    assert "DSA indexer scores 7.2 GB (chunks of 33554432 pairs)" in trainer.detail and not d.warnings
+    assert "DSA indexer 11.0 GB (query chunks of 256, top 2048 keys each)" in trainer.detail and not d.warnings
     prefill, decode = p.role("prefill"), p.role("decode")
     assert (prefill.num_procs, prefill.num_nodes_per_replica, prefill.num_replicas) == (4, 2, 2)
     assert (decode.num_procs, decode.num_nodes_per_replica, decode.num_replicas) == (8, 4, 2)

@@ -7,8 +7,11 @@ index score for a query is ``sum_h w_h * relu(q_h . k * index_head_dim**-0.5)`` 
 weights ``w = weights_proj(x) * index_n_heads**-0.5``; each query keeps its ``index_topk``
 best-scoring keys among those it may see (causal, valid), and attention is masked to them.
 
-This is the dense reference path (every score computed, the choice applied as a boolean mask):
-exact on CPU, what a sparse kernel must reproduce. The choice is not differentiable, and the
+Two paths choose the same keys. ``restrict`` is the dense reference (every score computed, the
+choice applied as a boolean mask ``[B, 1, T, S]``): quadratic in memory, kept as the reference
+(``model.dsa_chunk_tokens=0``). ``choose`` is the memory-linear path: scores one chunk of queries
+at a time and keeps only each query's chosen key positions ``[B, T, topk]`` (int32), for
+workers/models/blocks/dsa_sparse.py to attend over. The choice is not differentiable, and the
 indexer gets no gradient from the language-model loss (transformers runs it under no_grad too;
 DSA trains it with its own KL loss, which this project does not implement).
 
@@ -38,17 +41,18 @@ from torch import nn
 
 from workers.models.blocks import dsa_cp
 from workers.models.blocks.decoder import ForwardContext
+from workers.models.blocks.dsa_sparse import topk_rows, visible_rows
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.ulysses import gather_seq
 
 MEMO_KEY = "dsa_keep"
-"""ctx.memo key of the last full indexer's keep mask ``[B, 1, T, S]``, or its per-document masks
-under packing (for shared layers)."""
+"""ctx.memo key of the last full indexer's choice (for shared layers): its keep mask ``[B, 1, T, S]``
+or per-document masks (dense path), its chosen positions or per-document ones (``choose``)."""
 
 
 class DsaIndexer(nn.Module):
     def __init__(self, *, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rope_dim: int,
-                 topk: int):
+                 topk: int):  # (the chunk of the memory-linear path is the attention's: MLAttention.dsa_chunk)
         super().__init__()
         self.nh, self.d, self.dr, self.topk = num_heads, head_dim, rope_dim, topk
         self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
@@ -63,13 +67,7 @@ class DsaIndexer(nn.Module):
         under context parallelism the same as a ``dsa_cp.SparseKeep`` (indices, rows built on demand)."""
         t = x.shape[1]
         q, k, w = self._project(x, q_latent, cos, sin)
-        if ctx.cache is not None and ctx.cache.static:  # fixed slots: every position of the key window, masked
-            k = ctx.cache.write_index_keys(ctx.layer, k)
-        elif ctx.cache is not None:
-            past = ctx.cache.index_keys[ctx.layer]
-            if past is not None:
-                k = torch.cat([past, k], dim=1)
-            ctx.cache.index_keys[ctx.layer] = k
+        k = self._with_cache(k, ctx)
         cp = ctx.cp
         if cp is None:
             mask = self._keep(q, k, w, visible(ctx, t, k.shape[1], x.device))[:, None]
@@ -97,6 +95,49 @@ class DsaIndexer(nn.Module):
                     masks[(r, a)] = self._keep(q[r:r + 1, a:b], k[r:r + 1, a:b], w[r:r + 1, a:b], allowed)[:, None]
         ctx.memo[MEMO_KEY] = masks
         return masks
+
+    @torch.no_grad()
+    def choose(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ctx: ForwardContext, chunk: int):
+        """The memory-linear path (workers/models/blocks/dsa_sparse.py): each query's top ``topk`` key
+        positions, int32 ``[B, T, K]`` (-1: none), scored ``chunk`` queries at a time; packed rows
+        (``ctx.docs``, no cp): ``{(row, start): [1, n, K]}`` with positions inside each document.
+        Under cp: this rank's queries against the gathered keys (global key positions)."""
+        t = x.shape[1]
+        q, k, w = self._project(x, q_latent, cos, sin)
+        k = self._with_cache(k, ctx)
+        cp, dev = ctx.cp, x.device
+
+        def pick(qq, kk, ww, rows):
+            return topk_rows(lambda a, b: self._index(qq[:, a:b], kk, ww[:, a:b]), rows, qq.shape[1], kk.shape[1],
+                             self.topk, chunk)
+
+        if ctx.docs is not None and cp is None:
+            chosen = {(r, a): pick(q[r:r + 1, a:b], k[r:r + 1, a:b], w[r:r + 1, a:b],
+                                   visible_rows(None, None, 1, b - a, 0, 0, dev))
+                      for r, runs in enumerate(ctx.docs.runs) for a, b, doc in runs if doc}
+        elif cp is None:
+            s = k.shape[1]
+            chosen = pick(q, k, w, visible_rows(ctx.mask, ctx.docs, x.shape[0], s, s - t, 0, dev))
+        else:
+            k = gather_seq(k, cp)
+            s = k.shape[1]
+            rows = visible_rows(ctx.mask, ctx.docs, x.shape[0], s, 0, cp.rank * cp.local_len, dev)
+            chosen = pick(q, k, w, rows)  # this rank's queries only: attention gathers the latents instead
+        ctx.memo[MEMO_KEY] = chosen
+        return chosen
+
+    def _with_cache(self, k: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """This forward's index keys after the cached ones (the cache then holds them all); a static
+        cache (fixed slots) returns every position of the key window, masked by the caller."""
+        if ctx.cache is not None and ctx.cache.static:
+            return ctx.cache.write_index_keys(ctx.layer, k)
+        if ctx.cache is not None:
+            past = ctx.cache.index_keys[ctx.layer]
+            if past is not None:
+                k = torch.cat([past, k], dim=1)
+            ctx.cache.index_keys[ctx.layer] = k
+        return k
 
     def _project(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Index queries [B, T, H, D], keys [B, T, D] (rotated) and head weights [B, T, H] (float32)."""

@@ -14,7 +14,9 @@ None. Each step re-expands the cached latents through ``kv_b_proj`` (the referen
 ``kv_b_proj`` into the query and output, "weight absorption", is a later optimisation).
 
 An optional ``indexer`` (DeepSeek Sparse Attention, workers/models/blocks/dsa_indexer.py)
-narrows each query's keys to its top ``index_topk``: the indexer's keep mask is ANDed into the
+narrows each query's keys to its top ``index_topk``. With ``dsa_chunk`` > 0 (GLM-5's default) the
+attention gathers each query's chosen keys a chunk of queries at a time (workers/models/blocks/
+dsa_sparse.py: memory linear in the sequence); with 0 the indexer's keep mask is ANDed into the
 attention mask (the dense reference path of sparse attention). Packed rows (``ctx.docs``) attend
 per document (workers/models/blocks/varlen.py), the indexer choosing inside each document.
 """
@@ -25,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from workers.models.blocks import kernels, ulysses
+from workers.models.blocks import dsa_sparse, kernels, ulysses
 from workers.models.blocks.decoder import ForwardContext
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
@@ -57,6 +59,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.indexer: Optional[nn.Module] = None  # set by families with sparse attention (GLM-5)
         self.reuses_index = False  # a DSA "shared" layer: the previous full layer's choice of keys
+        self.dsa_chunk = 0  # > 0: sparse attention over the chosen keys, this many queries at a time (dsa_sparse.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x ``[B, T, H]`` (normed), cos/sin ``[B, 1, T, qk_rope_head_dim]``; uses ctx.mask and ctx.cache."""
@@ -74,7 +77,12 @@ class MLAttention(nn.Module):
             k_rot = shared(k_rot)
         q_rot = rotate(q_rot, cos, sin, self.interleaved)
         k_rot = rotate(k_rot[:, None], cos, sin, self.interleaved)[:, 0]
-        entry = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [B, T, r + dr]: what is cached
+        normed = self.kv_a_layernorm(latent)
+        static = ctx.cache is not None and ctx.cache.static  # fixed slots (the static engine): the dense path
+        chunked = self.dsa_chunk > 0 and (self.indexer is not None or self.reuses_index) and not static
+        if shared is not None and chunked:  # read by every head through the absorbed kv_b_proj: gradient over tp
+            normed = shared(normed)
+        entry = torch.cat([normed, k_rot], dim=-1)  # [B, T, r + dr]: what is cached
         if ctx.cache is not None and ctx.cache.static:  # preallocated slots: all L positions, masked
             entry = ctx.cache.write_latent(ctx.layer, entry)
         elif ctx.cache is not None:
@@ -82,6 +90,9 @@ class MLAttention(nn.Module):
             if past is not None:
                 entry = torch.cat([past, entry], dim=1)
             ctx.cache.keys[ctx.layer] = entry
+        if chunked:
+            out = self._sparse(x, q_latent, q_nope, q_rot, entry, cos, sin, ctx)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
         latent_all, k_rot_all = entry.split([self.r, self.dr], dim=-1)
         s = entry.shape[1]
         kv = self.kv_b_proj(latent_all).view(b, s, self.nh, self.dn + self.dv).transpose(1, 2)
@@ -102,3 +113,17 @@ class MLAttention(nn.Module):
         else:
             out = kernels.attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.dv))
+
+    def _sparse(self, x: torch.Tensor, q_latent: torch.Tensor, q_nope: torch.Tensor, q_rot: torch.Tensor,
+                entry: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """DSA's memory-linear path (workers/models/blocks/dsa_sparse.py): ``[B, H, T, dv]``. Under cp
+        each rank gathers every latent key (``T x (r + dr)``) and attends with its own queries."""
+        chosen = (self.indexer.choose(x, q_latent, cos, sin, ctx, self.dsa_chunk) if self.indexer is not None
+                  else shared_mask(ctx))
+        w = self.kv_b_proj.weight
+        w = (w.to_local() if hasattr(w, "to_local") else w).view(self.nh, self.dn + self.dv, self.r)  # tp: own heads
+        if isinstance(chosen, dict):
+            return dsa_sparse.attend_latent_docs(q_nope, q_rot, entry, w, ctx.docs, chosen, self.scale, self.dsa_chunk)
+        if ctx.cp is not None:
+            entry = ulysses.gather_seq_grad(entry, ctx.cp)
+        return dsa_sparse.attend_latent(q_nope, q_rot, entry, w, chosen, self.scale, self.dsa_chunk)

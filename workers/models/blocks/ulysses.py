@@ -167,6 +167,12 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     return kernels.attend(q, k, v, mask, scale)
 
 
+def gather_seq_grad(x: torch.Tensor, cp: SeqShard, dim: int = 1) -> torch.Tensor:
+    """Every rank's chunk concatenated along ``dim``, with gradients: each position's gradient is
+    summed over the ranks that read it, onto the rank that owns it (DSA's latent keys, dsa_sparse.py)."""
+    return _GatherSeq.apply(x, cp.group, cp.size, dim)
+
+
 class _GatherSeq(torch.autograd.Function):
     """All-gather along ``dim`` (rank order); backward: the sum over ranks of each rank's gradient
     for this rank's chunk (one all-to-all of the chunks, then a sum)."""

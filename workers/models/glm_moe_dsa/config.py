@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import Pattern, gt, limits
+from workers.common.config.ranges import Pattern, ge, gt, limits
 from workers.models.deepseek_v3.config import DeepseekV3Config
 
 
@@ -17,12 +17,17 @@ class GlmMoeDsaConfig(DeepseekV3Config):
     """Indexer head width, its first ``qk_rope_head_dim`` channels rotated (``index_head_dim``)."""
     index_topk: int = 2048
     """Keys each query attends to, chosen by the indexer (``index_topk``)."""
+    dsa_chunk_tokens: int = 256
+    """Queries the DSA indexer scores and sparse attention gathers at a time (workers/models/blocks/
+    dsa_sparse.py): memory linear in the sequence, O(chunk x index_topk x heads x head dims) per
+    layer at a time. 0: the dense reference path (a [T, S] score and keep mask per layer: quadratic,
+    for checking only). Not a config.json key: how we run the model, not what it is."""
     indexer_pattern: str = ""
     """Per layer ``F`` (the layer runs its indexer) or ``S`` (it reuses the last F layer's choice of keys
     and has no indexer weights) (``indexer_types`` full/shared); "": every layer F."""
 
 
-limits(GlmMoeDsaConfig, num_indexer_heads=gt(0), indexer_head_dim=gt(0), index_topk=gt(0),
+limits(GlmMoeDsaConfig, num_indexer_heads=gt(0), indexer_head_dim=gt(0), index_topk=gt(0), dsa_chunk_tokens=ge(0),
        indexer_pattern=Pattern(r"(F[FS]*)?", "'' or a string of F/S per layer starting with F"))
 
 

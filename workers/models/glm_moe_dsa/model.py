@@ -2,7 +2,8 @@
 the DeepSeek Sparse Attention indexer in each ``full`` layer's MLA (``self_attn.indexer.*``).
 
 A ``shared`` layer (``indexer_pattern`` S) has no indexer and attends to the keys the last full
-layer chose. Dense reference path: workers/models/blocks/dsa_indexer.py.
+layer chose. ``dsa_chunk_tokens`` > 0: the memory-linear sparse path (workers/models/blocks/
+dsa_sparse.py); 0: the dense reference path (workers/models/blocks/dsa_indexer.py ``restrict``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def make_dsa_attention(cfg: GlmMoeDsaConfig, layer: int) -> MLAttention:
                                   rope_dim=cfg.qk_rope_head_dim, topk=cfg.index_topk)
     else:
         attn.reuses_index = True
+    attn.dsa_chunk = cfg.dsa_chunk_tokens
     return attn
 
 

@@ -2,7 +2,8 @@
 
 DeepSeek-V3's blocks (MLA, dense + sigmoid-routed MoE layers, shared experts; interleaved
 rotary always) plus the DeepSeek Sparse Attention indexer (workers/models/blocks/dsa_indexer.py:
-each query attends to its ``index_topk`` best keys; dense reference path). The embedded engine
+each query attends to its ``index_topk`` best keys; in query chunks of ``dsa_chunk_tokens``, memory
+linear in the sequence: workers/models/blocks/dsa_sparse.py). The embedded engine
 serves it (latent + indexer-key cache); the trainer shards it with the generic plans (FSDP2; the mesh plan
 with tp or ep > 1, where the DSA indexer stays replicated over tp). MTP layers: counted, not built.
 """
@@ -25,6 +26,10 @@ class DsaArchitecture(Architecture):
     """MLA + indexer, where ``shared`` layers have no indexer weights of their own."""
 
     num_shared_index_layers: int = 0
+    index_topk: int = 0
+    """Keys each query attends to (the memory-linear path keeps ``[T, index_topk]`` int32 positions)."""
+    dsa_chunk_tokens: int = 0
+    """Queries scored and attended at a time (0: the dense reference path, [T, T] per layer)."""
 
     def params(self) -> ParamCount:
         p = super().params()
@@ -36,7 +41,8 @@ class DsaArchitecture(Architecture):
 
 def arch(m: GlmMoeDsaConfig) -> Architecture:
     return DsaArchitecture(**arch_fields(m), num_indexer_heads=m.num_indexer_heads,
-                           indexer_head_dim=m.indexer_head_dim, index_topk=m.index_topk, num_shared_index_layers=m.indexer_pattern.count("S"))
+                           indexer_head_dim=m.indexer_head_dim, num_shared_index_layers=m.indexer_pattern.count("S"),
+                           index_topk=m.index_topk, dsa_chunk_tokens=m.dsa_chunk_tokens)
 
 
 def check(cfg) -> None:
