@@ -8,11 +8,14 @@ checkpointing (workers/trainer/micro.py) are unchanged. One compiled graph serve
 of the same class and inputs (the layer index is not read on the training path), so a 60-layer
 model compiles a handful of graphs, not 60.
 
-Order: :func:`apply_compile` BEFORE ``apply_activation_checkpointing`` (which wraps whatever
-``layer.forward`` is): the checkpoint then sits outside the compiled function and its recompute
-runs the compiled code again. The H200 profile of 2026-12-03 (README "GPU") showed ~8.2k kernel
-launches a step for a 1.5B MoE at 16k tokens: inductor fuses the elementwise tails (norms, rotary,
-SwiGLU, routing softmax/top-k) into far fewer kernels.
+Order (as torchtitan): ``apply_activation_checkpointing`` first, then :func:`apply_compile`, which
+compiles whatever ``layer.forward`` is, so the checkpoint is traced as a higher-order op and its
+recompute is part of the compiled backward. (The other order, a compiled forward inside an eager
+checkpoint, lets the recompute pick another compiled variant than the forward did -- one with
+other saved tensors -- and the checkpoint raises; seen with micro-batches of several shapes.)
+The H200 profile of 2026-12-03 (README "GPU") showed ~8.2k kernel launches a step for a 1.5B MoE
+at 16k tokens: inductor fuses the elementwise tails (norms, rotary, SwiGLU, routing softmax and
+top-k) into far fewer kernels.
 
 Modes: ``none``; ``layers``; ``auto`` (the default) = ``layers`` on CUDA, ``none`` elsewhere (on
 the CPU inductor would spend minutes compiling C++ for tiny models; tests compile with the
@@ -21,8 +24,6 @@ breaks left on purpose: the expert-parallel all-to-all's host-side split sizes
 (workers/trainer/expert_parallel.py) and the CPU reference expert loop (``nonzero`` per expert).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -45,25 +46,53 @@ def resolve(mode: str, device: torch.device) -> str:
 def apply_compile(layers: nn.ModuleList, mode: str, *, device: torch.device | str = "cpu",
                   backend: str = BACKEND) -> str:
     """Compile each layer's ``forward`` on the instance when ``mode`` resolves to ``layers``;
-    returns the resolved mode. Call before activation checkpointing (module docstring)."""
+    returns the resolved mode. Call AFTER activation checkpointing (module docstring)."""
     resolved = resolve(mode, torch.device(device))
     if resolved == "none":
         return resolved
     _raise_limits(len(layers))
     for layer in layers:
-        if isinstance(layer.__dict__.get("forward"), functools.partial):
-            raise ValueError("trainer.compile: apply it before activation checkpointing (the checkpoint must wrap "
-                             "the compiled forward)")
-        # The bound method of the class: parameters are graph inputs (dynamo inlines nn.Modules), so
-        # the layers of one class share compiled code and differ only in the tensors they pass in.
-        layer.forward = torch.compile(type(layer).forward.__get__(layer), backend=backend, dynamic=None)
-        layer.__dict__["compiled_with"] = backend
+        if compiled(layer):
+            continue
+        # What __call__ runs: the class's forward, or the activation-checkpointing wrapper around it
+        # (then dynamo traces the checkpoint as a higher-order op: the recompute is part of the graph).
+        inner = layer.__dict__.get("forward") or type(layer).forward.__get__(layer)
+        layer.forward = CompiledForward(torch.compile(inner, backend=backend), inner, backend)
     return resolved
 
 
 def compiled(layer: nn.Module) -> bool:
-    """True when :func:`apply_compile` compiled ``layer``'s forward."""
-    return "compiled_with" in layer.__dict__
+    """True when :func:`apply_compile` compiled ``layer``'s forward (also under a checkpoint wrapper)."""
+    return isinstance(layer.__dict__.get("forward"), CompiledForward)
+
+
+class CompiledForward:
+    """A layer's compiled ``forward(x, ctx)`` with the token dimensions marked dynamic up front.
+
+    Why: every micro-batch and step has other row counts and lengths. Left to dynamo's automatic
+    dynamic shapes, the first shape compiles a static graph and the second a dynamic one; an
+    activation-checkpointing recompute can then pick the other graph than its forward did, which
+    saves another number of tensors (torch.utils.checkpoint raises; pytorch issue 166926), and
+    inductor would compile twice. Marked before the first call, the rows and positions of ``x``
+    and of the context's per-token tensors are symbolic from the start: one graph per layer kind
+    (a 1-row or 1-column input, e.g. the padding micro-batch, still gets its own static one)."""
+
+    def __init__(self, fn, inner, backend: str):
+        self.fn, self.inner, self.backend = fn, inner, backend  # inner: the uncompiled forward
+
+    def __call__(self, x: torch.Tensor, ctx, *args, **kwargs):
+        _mark(x, (0, 1))
+        for name in ("position_ids", "valid", "forced", "forced_mask"):
+            _mark(getattr(ctx, name, None), (0, 1))
+        _mark(getattr(ctx, "mask", None), (0, -2, -1))
+        return self.fn(x, ctx, *args, **kwargs)
+
+
+def _mark(t, dims: tuple[int, ...]) -> None:
+    if isinstance(t, torch.Tensor):
+        for d in dims:
+            if t.dim() > abs(d) - (d < 0) and t.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def _raise_limits(num_layers: int) -> None:

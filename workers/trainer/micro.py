@@ -125,6 +125,7 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
 def checkpoint_mode(layer: nn.Module) -> str:
     """``none`` | ``full`` | ``selective``: what :func:`apply_activation_checkpointing` did to ``layer``."""
     fwd = layer.__dict__.get("forward")
+    fwd = getattr(fwd, "inner", fwd)  # under trainer.compile: the compiled wrapper's uncompiled forward
     if not (isinstance(fwd, functools.partial) and fwd.func is _checkpointed):
         return "none"
     return "full" if fwd.args[1] is None else "selective"
@@ -139,8 +140,18 @@ def _checkpointed(forward, context, *args, **kwargs):
         return forward(*args, **kwargs)
     # The skeleton reuses ONE ForwardContext for every layer (ctx.layer, ctx.forced change per
     # layer): the recompute must see this layer's values, so it gets a shallow copy taken now
-    # (its memo dict and cache stay shared).
-    args = tuple(copy.copy(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
+    # (its cache stays shared). Its memo too is the forward's as of now (a shallow dict copy): the
+    # recompute then runs exactly the forward's ops (layer 0 computes the rotary tables again; a DSA
+    # layer reads the indexer mask of the layer before it, not the last one) -- and under
+    # trainer.compile the same compiled graph, which saves the same tensors.
+    args = tuple(_snapshot(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
     if context is not None:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _snapshot(ctx):
+    ctx = copy.copy(ctx)
+    if isinstance(getattr(ctx, "memo", None), dict):
+        ctx.memo = dict(ctx.memo)
+    return ctx

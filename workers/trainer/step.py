@@ -279,6 +279,12 @@ def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[t
     context is open. Under replay the own choice is one more no-grad ``route`` without forcing,
     also when an activation-checkpointing recompute runs it, so the recompute replays exactly
     the forward's ops (selective checkpointing matches them one by one).
+
+    Each router keeps its LAST result on the wrapper (``last``), and the list is filled when the
+    context closes: the wrapper's code then does the same thing in the forward and in a
+    checkpoint's recompute, so under trainer.compile both run the same compiled graph (a
+    Python-list sink open in one and closed in the other made two graphs that save different
+    tensors, which the checkpoint refuses).
     """
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
     routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
@@ -288,17 +294,18 @@ def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[t
     for r in routers:
         if not isinstance(r.__dict__.get("route"), _CapturingRoute):
             r.route = _CapturingRoute(type(r).route.__get__(r))
-        r.route.sink, r.route.weights = captured, weights
+        r.route.last, r.route.weights = None, weights
     try:
         yield captured
-    finally:
-        for r in routers:  # weights stay: an activation-checkpointing recompute must run the same ops
-            r.route.sink = None
+    finally:  # weights stay: an activation-checkpointing recompute must run the same ops
+        captured.extend(r.route.last for r in routers if r.route.last is not None)
+        for r in routers:
+            r.route.last = None
 
 
 class _CapturingRoute:
     def __init__(self, route):
-        self.route, self.sink, self.weights = route, None, None
+        self.route, self.last, self.weights = route, None, None
 
     def __call__(self, x, *args, **kwargs):
         idx, weights, probs = self.route(x, *args, **kwargs)
@@ -311,8 +318,7 @@ class _CapturingRoute:
         kept = probs
         if self.weights is not None and self.weights.shape[0] == probs.shape[0]:
             kept = (probs.float() * self.weights).sum(0)  # also in a recompute (sink closed): same saved tensors
-        if self.sink is not None:
-            self.sink.append((kept, own.detach()))
+        self.last = (kept, own.detach())
         return idx, weights, probs
 
 
