@@ -70,10 +70,14 @@ def plan_micro_batches(lengths: list[int], budget: int, *, packed: bool) -> list
     return groups
 
 
-def take(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
-    """Rows ``rows`` of ``batch``, cut to the longest of them (at least one column)."""
+def take(batch: RolloutBatch, rows: list[int], lengths: list[int] | None = None) -> RolloutBatch:
+    """Rows ``rows`` of ``batch``, cut to the longest of them (at least one column); ``lengths``: every
+    row's :func:`row_lengths` already on the host (no sync here)."""
     sub = batch.rows(torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device))
-    width = max(1, int(row_lengths(sub).max())) if rows else 1
+    if lengths is None:
+        width = max(1, int(row_lengths(sub).max())) if rows else 1
+    else:
+        width = max([1] + [lengths[i] for i in rows])
     return cut_columns(sub, width)
 
 
@@ -104,9 +108,10 @@ def split_micro_batches(shard: RolloutBatch, budget: int, *, packed: bool, dims:
     when ``budget`` > 0: one all-reduce of the count)."""
     if budget <= 0:
         return [shard]
-    groups = plan_micro_batches(row_lengths(shard).tolist(), budget, packed=packed)
+    lengths = row_lengths(shard).tolist()  # one host copy for every micro-batch
+    groups = plan_micro_batches(lengths, budget, packed=packed)
     count = dims.all_reduce(torch.tensor([len(groups)], dtype=torch.int64, device=dims.device), op="max")
-    micro = [take(shard, g) for g in groups]
+    micro = [take(shard, g, lengths) for g in groups]
     return micro + [empty_like(shard)] * (int(count[0]) - len(micro))
 
 
