@@ -1,10 +1,10 @@
 """``trainer.compile``: torch.compile of each decoder layer's forward, the trainer's launch-bound fix.
 
 Why per layer (as torchtitan does) and not the whole model: FSDP2 hooks fire around each layer's
-``__call__`` (all-gather before, reshard after, reduce-scatter in the backward) and activation
-checkpointing wraps each layer's ``forward``; compiling only the layer's own ``forward`` keeps
-both outside the compiled region, so the plans (workers/trainer/fsdp.py, mesh_plan.py) and
-checkpointing (workers/trainer/micro.py) are unchanged. One compiled graph serves every layer
+``__call__`` (all-gather before, reshard after, reduce-scatter in the backward); compiling only
+the layer's ``forward`` (the instance attribute ``__call__`` runs) keeps them outside the compiled
+region, so the plans (workers/trainer/fsdp.py, mesh_plan.py) are unchanged and work with any
+family. One compiled graph serves every layer
 of the same class and inputs (the layer index is not read on the training path), so a 60-layer
 model compiles a handful of graphs, not 60.
 
