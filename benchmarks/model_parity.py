@@ -10,10 +10,15 @@ and loads the checkpoint strictly. Measured: logits relative error and the worst
 gradient error (float32), then the training step (forward + backward of a token-mean loss +
 AdamW step) of both models on the same batch in the compute dtype, interleaved so both see the
 same machine state; reported as tokens/s and the ratio ours / transformers (> 1: ours faster).
+On a GPU (or with ``--compile on``) a third model is timed: ours with every decoder layer
+torch.compile-d as ``trainer.compile=layers`` does (workers/trainer/compile.py), with its own ratio
+(``ratio_ours_compiled_over_hf``); transformers' model stays eager. CPU smoke of that column:
+``--families qwen3_moe --compile on --compile-backend aot_eager --iters 1 --out /tmp/mp.json``.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -123,25 +128,37 @@ def train_step(model, ids: torch.Tensor, opt, *, ours: bool) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def time_steps(hf, ours, ids: torch.Tensor, dtype: torch.dtype, iters: int) -> tuple[float, float]:
-    """Seconds per training step (median), interleaved: ours, transformers, ours, ..."""
-    hf, ours = hf.to(dtype).train(), ours.to(dtype).train()
-    opts = {True: torch.optim.AdamW(ours.parameters(), lr=1e-6), False: torch.optim.AdamW(hf.parameters(), lr=1e-6)}
-    times = {True: [], False: []}
+def time_steps(models: dict[str, torch.nn.Module], ids: torch.Tensor, dtype: torch.dtype,
+               iters: int) -> dict[str, float]:
+    """Seconds per training step (median) of each model, interleaved: ours, transformers, ours compiled,
+    ours, ... (names starting with ``ours`` are ours). The 2 warm-up rounds include compiling."""
+    models = {name: m.to(dtype).train() for name, m in models.items()}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-6) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     for i in range(iters + 2):
-        for is_ours, model in ((True, ours), (False, hf)):
+        for name, model in models.items():
             sync()
             t0 = time.perf_counter()
-            train_step(model, ids, opts[is_ours], ours=is_ours)
+            train_step(model, ids, opts[name], ours=name.startswith("ours"))
             sync()
-            if i >= 2:  # warm-up: allocator, kernels, optimizer state
-                times[is_ours].append(time.perf_counter() - t0)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return med(times[True]), med(times[False])
+            if i >= 2:  # warm-up: allocator, kernels, optimizer state, torch.compile
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(xs)[len(xs) // 2] for name, xs in times.items()}
 
 
-def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int) -> dict:
+def compiled_copy(ours: torch.nn.Module, backend: str) -> torch.nn.Module:
+    """A copy of ours with every decoder layer compiled as the trainer's ``trainer.compile=layers`` does."""
+    from workers.trainer.compile import apply_compile
+
+    twin = copy.deepcopy(ours)
+    apply_compile(twin.model.layers, "layers", backend=backend)
+    return twin
+
+
+def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
+        compile_backend: str | None = None) -> dict:
+    """``compile_backend`` (None: no compiled column): also time ours with compiled layers."""
     configs = gpu_configs() if size == "1b" else tiny_configs()
     rows = []
     for family in families:
@@ -153,16 +170,26 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
         ids = torch.randint(0, kw["vocab_size"], (batch, seq), generator=gen).to(device)
         small = ids[:, : min(seq, 64)]
         logits_err, grad_err = grad_errors(hf, ours, small) if size != "1b" else (float("nan"), float("nan"))
-        ours_s, hf_s = time_steps(hf, ours, ids, dtype, iters)
+        models = {"ours": ours, "hf": hf}
+        if compile_backend:
+            models["ours_compiled"] = compiled_copy(ours, compile_backend)
+        secs = time_steps(models, ids, dtype, iters)
+        ours_s, hf_s = secs["ours"], secs["hf"]
         tokens = batch * seq
         row = {"family": family, "params": sum(p.numel() for p in ours.parameters()), "tokens_per_step": tokens,
                "logits_rel_err": logits_err, "grad_rel_err_max": grad_err, "ours_tokens_per_s": tokens / ours_s,
                "hf_tokens_per_s": tokens / hf_s, "ratio_ours_over_hf": hf_s / ours_s}
+        line = ""
+        if "ours_compiled" in secs:
+            row.update(ours_compiled_tokens_per_s=tokens / secs["ours_compiled"], compile_backend=compile_backend,
+                       ratio_ours_compiled_over_hf=hf_s / secs["ours_compiled"])
+            line = (f"  compiled {row['ours_compiled_tokens_per_s']:9.0f} tok/s  "
+                    f"ratio {row['ratio_ours_compiled_over_hf']:.2f}")
         rows.append(row)
         print(f"{family:12s} params {row['params']:>13,d}  logits err {logits_err:.1e}  grad err {grad_err:.1e}  "
               f"step ours {tokens / ours_s:9.0f} tok/s  transformers {tokens / hf_s:9.0f} tok/s  "
-              f"ratio {row['ratio_ours_over_hf']:.2f}", flush=True)
-        del hf, ours
+              f"ratio {row['ratio_ours_over_hf']:.2f}{line}", flush=True)
+        del hf, ours, models
     return {"device": device if device == "cpu" else torch.cuda.get_device_name(), "dtype": str(dtype),
             "batch": batch, "seq_len": seq, "size": size, "rows": rows}
 
@@ -177,10 +204,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/model_parity.json")
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                    help="also time ours with compiled layers (trainer.compile=layers); auto: on a CUDA device")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU smoke)")
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    compiled = a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda"))
     result = run(a.families.split(","), size=a.size, device=a.device, dtype=getattr(torch, a.dtype), batch=a.batch,
-                 seq=a.seq, iters=a.iters)
+                 seq=a.seq, iters=a.iters, compile_backend=a.compile_backend if compiled else None)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -11,7 +11,9 @@ process, a process group of world 1 (NCCL on CUDA, gloo on CPU): FSDP2 with one 
 one-GPU trainer runs it.
 
 Rows of the table: replay off and on at the chosen activation checkpointing, each ``--extra-ac``
-mode with replay off, and the direct-model step (bench_trainer.bench_one). The issue's target is
+mode with replay off, the same again with ``trainer.compile=layers`` (``--extra-compile``, default on
+CUDA: torch.compile/inductor of each decoder layer around its checkpoint, workers/trainer/compile.py),
+and the direct-model step (bench_trainer.bench_one). The issue's target is
 MFU >= 40% at 16k tokens, within 10% of the direct step (``ratio_vs_direct`` >= 0.9).
 MFU = train_flops_per_token (common.py; recompute of checkpointing not counted) x tokens/s /
 989e12, tokens = rows x seq_len (prompt tokens included, as in bench_trainer.py).
@@ -41,6 +43,7 @@ from workers.common.local_ranks import free_port
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.grad_clip import local_shard
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
+from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.step import forward_rows, train_step
@@ -48,11 +51,11 @@ from workers.trainer.step import forward_rows, train_step
 RESULT_NAME = "trainer_step"
 
 
-def run_config(args: argparse.Namespace, *, replay: bool, ac: str) -> RunConfig:
+def run_config(args: argparse.Namespace, *, replay: bool, ac: str, compile: str = "none") -> RunConfig:
     """The run's config as the trainer would load it (no Hydra: the dataclasses themselves)."""
     model = dataclasses.replace(TINY_MOE if args.tiny else GPU_MOE, name="bench_tiny_moe" if args.tiny else "gpu_moe")
     trainer = TrainerConfig(dtype=args.dtype, master_dtype="float32", micro_batch_tokens=args.micro_batch_tokens,
-                            activation_checkpointing=ac, router_replay=replay, lr=args.lr)
+                            activation_checkpointing=ac, router_replay=replay, lr=args.lr, compile=compile)
     return RunConfig(experiment="bench_trainer_step", model=model, trainer=trainer)
 
 
@@ -99,26 +102,29 @@ def with_model_logprobs(model, batch: RolloutBatch, *, replay: bool, seed: int) 
     return dataclasses.replace(batch, inference_logprobs=torch.where(batch.loss_mask, noisy, torch.zeros_like(noisy)))
 
 
-def trainer_model(cfg: RunConfig, dims: ParallelDims, *, init: str, cpu_init):
-    """This rank's model and optimizer, in the loop's order (workers/trainer/loop.py train())."""
+def trainer_model(cfg: RunConfig, dims: ParallelDims, *, init: str, cpu_init, backend: str = "inductor"):
+    """This rank's model and optimizer, in the loop's order (workers/trainer/loop.py step0_model):
+    activation checkpointing, then trainer.compile around it (``backend``: aot_eager for CPU smoke runs)."""
     tcfg = cfg.trainer
     if init == "device":  # same distributions as the seeded init, drawn on the GPU (fast for 1.5B)
         full = init_on_device(cfg.model, dims.device, torch.float32, seed=cfg.model.init_seed)
     else:
         full = copy.deepcopy(cpu_init).to(dims.device)
     apply_activation_checkpointing(full.model.layers, tcfg.activation_checkpointing)
+    apply_compile(full.model.layers, tcfg.compile, device=dims.device, backend=backend)
     model = parallelize(cfg, full, dims)
     optimizer = build_optimizer(model, tcfg)
     return model, optimizer
 
 
 def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch, *, replay: bool, ac: str,
-               cpu_init) -> dict:
-    """One row: build the trainer's model for this config, time train_step on the batch."""
-    cfg = run_config(args, replay=replay, ac=ac)
+               cpu_init, compile: str = "none") -> dict:
+    """One row: build the trainer's model for this config, time train_step on the batch (the warm-up
+    steps include torch.compile's compilation; ``first_step_s`` shows its cost)."""
+    cfg = run_config(args, replay=replay, ac=ac, compile=compile)
     device = dims.device
     t0 = time.perf_counter()
-    model, optimizer = trainer_model(cfg, dims, init=args.init, cpu_init=cpu_init)
+    model, optimizer = trainer_model(cfg, dims, init=args.init, cpu_init=cpu_init, backend=args.compile_backend)
     build_s = time.perf_counter() - t0
     batch = with_model_logprobs(model, base.to(device), replay=replay, seed=args.seed + 1)
     watched = local_shard(next(model.model.layers[0].parameters())).detach().clone()
@@ -129,7 +135,12 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
     def step():
         last.update(train_step(model, optimizer, batch, cfg.trainer, dims))
 
-    t = time_it(step, device, warmup=args.warmup, iters=args.iters)
+    t_first = time.perf_counter()
+    step()  # the first step compiles (trainer.compile): timed apart, then the usual warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - t_first
+    t = time_it(step, device, warmup=max(0, args.warmup - 1), iters=args.iters)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     changed = float((local_shard(next(model.model.layers[0].parameters())).detach() != watched).float().mean())
     opt_t = time_it(optimizer.step, device, warmup=1, iters=max(2, args.iters // 2))
@@ -138,6 +149,7 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
     fl = train_flops_per_token(cfg.model, base.input_ids.shape[1])
     res = {
         "kind": "real", "router_replay": replay, "activation_checkpointing": ac,
+        "compile": resolve_compile(compile, device), "compile_backend": args.compile_backend, "first_step_s": first_s,
         "micro_batch_tokens": cfg.trainer.micro_batch_tokens, "dtype": cfg.trainer.dtype,
         "master_dtype": cfg.trainer.master_dtype, "plan": trainer_plan(cfg), "init": args.init,
         "rows": base.num_rows, "seq_len": base.input_ids.shape[1], "tokens_per_step": tokens,
@@ -175,11 +187,15 @@ def run(args: argparse.Namespace, device: torch.device | None = None) -> dict:
             t0 = time.perf_counter()
             cpu_init = initial_model(run_config(args, replay=False, ac="none"))  # fp32 master, on the CPU
             init_s = time.perf_counter() - t0
-        configs = [(False, args.activation_checkpointing), (True, args.activation_checkpointing)]
-        configs += [(False, m) for m in args.extra_ac.split(",") if m and m != args.activation_checkpointing]
+        ac0 = args.activation_checkpointing
+        configs = [(False, ac0, args.compile), (True, ac0, args.compile)]
+        configs += [(False, m, args.compile) for m in args.extra_ac.split(",") if m and m != ac0]
+        for mode in [m for m in args.extra_compile.split(",") if m and m != args.compile]:
+            configs += [(False, ac0, mode), (True, ac0, mode)]  # the compiled layers, replay off and on
+            configs += [(False, m, mode) for m in args.extra_ac.split(",") if m and m != ac0]
         runs = []
-        for replay, ac in configs:
-            r = bench_real(args, dims, base, replay=replay, ac=ac, cpu_init=cpu_init)
+        for replay, ac, mode in configs:
+            r = bench_real(args, dims, base, replay=replay, ac=ac, cpu_init=cpu_init, compile=mode)
             runs.append(r)
             print("  " + table_row(r), flush=True)
         del cpu_init
@@ -200,7 +216,7 @@ def run(args: argparse.Namespace, device: torch.device | None = None) -> dict:
 
 def table_row(r: dict) -> str:
     what = (f"{r['kind']:6s} replay {'on ' if r['router_replay'] else 'off'} ac {r['activation_checkpointing']:9s} "
-            f"mb {r['micro_batch_tokens']:>6d}")
+            f"compile {r.get('compile', 'none'):6s} mb {r['micro_batch_tokens']:>6d}")
     mem = r.get("peak_memory_gib")
     ratio = f"  x{r['ratio_vs_direct']:.2f} of direct" if "ratio_vs_direct" in r else ""
     return (f"{what}  {r['tokens_per_step']:>6d} tok  {r['tokens_per_s']:>10.0f} tok/s  MFU {r['mfu']:.3f}  "
@@ -215,6 +231,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=0, help="trainer.micro_batch_tokens (0: one pass)")
     ap.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "selective"))
     ap.add_argument("--extra-ac", default="full", help="comma list of further AC modes timed with replay off")
+    ap.add_argument("--compile", default="none", choices=("none", "layers", "auto"),
+                    help="trainer.compile of the first rows (none: the eager baseline)")
+    ap.add_argument("--extra-compile", default=None,
+                    help="comma list of trainer.compile modes timed again (replay off and on, and each --extra-ac); "
+                         "default 'layers' on CUDA, none on CPU")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU smoke)")
     ap.add_argument("--dtype", default="bfloat16", help="trainer.dtype (compute); master is float32")
     ap.add_argument("--init", default="step0", choices=("step0", "device"),
                     help="step0: the loop's initial_model (CPU, seeded); device: same distributions drawn on the GPU")
@@ -225,6 +247,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-direct", action="store_true", help="skip bench_trainer.py's direct-model row")
     ap.add_argument("--out", default="benchmarks/results/gpu/", help="directory for trainer_step.json")
     args = ap.parse_args(argv)
+    if args.extra_compile is None:
+        args.extra_compile = "layers" if torch.cuda.is_available() else ""
     for key, full, tiny in (("rows", 4, 2), ("seq_len", 4096, 64), ("warmup", 2, 1), ("iters", 10, 2)):
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)

@@ -26,6 +26,7 @@ from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from launcher.estimate import ParamCount, trainer_memory
 from workers.trainer.fsdp import parallelize, sharded_bytes
+from workers.trainer.compile import apply_compile
 from workers.trainer.micro import apply_activation_checkpointing, split_micro_batches
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step
@@ -40,6 +41,7 @@ def _worker(rank: int, world: int, port: int, family: str, cfg: TrainerConfig, o
     try:
         full = build_model(mcfg, seed)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
+        apply_compile(full.model.layers, cfg.compile, backend="aot_eager")  # trainer.compile; auto: none on CPU
         model = parallelize(full, dims, precision=Precision.of(cfg))
         local = {n: p.to_local().numel() for n, p in model.named_parameters()}
         shard = shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards)

@@ -30,6 +30,7 @@ from workers.models.hf_checkpoint import checkpoint_tensors
 from workers.trainer.batch import shard_rows
 from workers.trainer import ep_capacity, expert_parallel
 from workers.trainer.checkpoint import Checkpointer
+from workers.trainer.compile import apply_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
@@ -77,6 +78,7 @@ def _worker(rank, world, port, tp, ep, model_name, out, extra=None, capacity_fac
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
+        apply_compile(full.model.layers, cfg.compile, backend="aot_eager")  # trainer.compile; auto: none on CPU
         model = parallelize(full, dims)
         ep_capacity.configure(model, capacity_factor)
         step_and_save(model, dims, moe.make_batch(model=model_name), cfg, out, fixed=calls)

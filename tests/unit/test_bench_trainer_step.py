@@ -48,3 +48,29 @@ def test_tiny_micro_batches(tmp_path):
     res = run_bench(tmp_path, "--micro-batch-tokens", "64", "--extra-ac", "", "--skip-direct", "--iters", "1")
     assert [r["micro_batch_tokens"] for r in res["runs"]] == [64, 64]
     assert all(r["tokens_per_s"] > 0 and r["weights_changed_frac"] > 0.5 for r in res["runs"])
+
+
+def test_tiny_compiled_rows(tmp_path):
+    """trainer.compile=layers rows (replay off and on) through the real step, aot_eager on CPU: the
+    same loss as the eager rows (the first step is the same weights and batch)."""
+    res = run_bench(tmp_path, "--extra-compile", "layers", "--compile-backend", "aot_eager", "--extra-ac", "",
+                    "--skip-direct", "--iters", "1")
+    runs = res["runs"]
+    assert [(r["router_replay"], r["compile"]) for r in runs] == [(False, "none"), (True, "none"),
+                                                                   (False, "layers"), (True, "layers")]
+    assert all(r["compile_backend"] == "aot_eager" and r["weights_changed_frac"] > 0.5 for r in runs)
+    for eager, compiled in ((runs[0], runs[2]), (runs[1], runs[3])):
+        assert compiled["last_step_stats"]["num_loss_tokens"] == eager["last_step_stats"]["num_loss_tokens"]
+
+
+def test_model_parity_compiled_column(tmp_path):
+    """benchmarks/model_parity.py's 'ours compiled' column runs on CPU with aot_eager."""
+    out = tmp_path / "mp.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.model_parity", "--families", "qwen3_moe", "--compile", "on",
+                        "--compile-backend", "aot_eager", "--iters", "1", "--batch", "2", "--seq", "16",
+                        "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["ours_compiled_tokens_per_s"] > 0 and row["ratio_ours_compiled_over_hf"] > 0
+    assert row["logits_rel_err"] < 1e-5

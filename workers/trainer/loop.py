@@ -54,6 +54,7 @@ from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
 from workers.trainer import ep_capacity
+from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 from workers.trainer.step import train_step
@@ -98,7 +99,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
             log.info(f"tp {dims.tp} x cp {dims.cp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
-                     f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, "
+                     f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, compile "
+                     f"{resolve_compile(tcfg.compile, dims.device)}, "
                      f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
@@ -213,7 +215,8 @@ def build_optimizer(model, tcfg) -> torch.optim.AdamW:
 
 
 def step0_model(cfg: RunConfig, dims: ParallelDims):
-    """This rank's shard of the step-0 model under :func:`trainer_plan`, activation checkpointing applied.
+    """This rank's shard of the step-0 model under :func:`trainer_plan`, compiled per layer (trainer.compile)
+    and activation checkpointing applied.
 
     Under either built-in plan (FSDP, mesh) with a seeded init or a ``model.path`` checkpoint: built on
     the meta device, sharded, then each rank fills only its shards, one full tensor at a time
@@ -229,12 +232,14 @@ def step0_model(cfg: RunConfig, dims: ParallelDims):
 
         full = spec.build(cfg.model, device="meta", dtype=master)
         apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
+        apply_compile(full.model.layers, cfg.trainer.compile, device=dims.device)  # wraps the checkpoint
         # both streams read names and full shapes now, before sharding changes them
         tensors = (checkpoint_tensors(full, cfg.model, spec.checkpoint_from_hf(cfg.model)) if cfg.model.path
                    else full.seeded_tensors(cfg.model.init_seed))
         return materialize(parallelize(cfg, full, dims), tensors, dims.device)
     full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
     apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
+    apply_compile(full.model.layers, cfg.trainer.compile, device=dims.device)  # wraps the checkpoint
     return parallelize(cfg, full, dims)
 
 

@@ -59,9 +59,21 @@ class TokenStats:
     ratio_min: float
 
     SUM_FIELDS = ("num_tokens", "num_masked", "num_capped", "ratio_sum", "k3_sum", "entropy_sum")
+    FIELDS = SUM_FIELDS + ("ratio_max", "ratio_min")
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor) -> "TokenStats":
+        """From :func:`token_stat_vector`'s ``[8]`` tensor (one host sync)."""
+        return cls(**dict(zip(cls.FIELDS, vec.tolist())))
 
 
-def policy_loss(
+def policy_loss(*args, **kwargs) -> tuple[torch.Tensor, TokenStats]:
+    """:func:`policy_loss_terms` with its statistics as a :class:`TokenStats` of floats (one host sync)."""
+    pg_loss, vec = policy_loss_terms(*args, **kwargs)
+    return pg_loss, TokenStats.from_vector(vec)
+
+
+def policy_loss_terms(
     logp_train: torch.Tensor,
     logp_inference: torch.Tensor,
     advantages: torch.Tensor,
@@ -73,8 +85,9 @@ def policy_loss(
     ratio_mask_high: float,
     entropy: torch.Tensor | None = None,
     ratio_level: str = "token",
-) -> tuple[torch.Tensor, TokenStats]:
-    """Policy gradient with truncated importance sampling and ratio masking.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy gradient with truncated importance sampling and ratio masking; returns the loss and
+    the :class:`TokenStats` sums as a device tensor (:func:`token_stat_vector`: no host sync).
 
     r = exp(logp_train - logp_inference) corrects for the trainer/inference mismatch (other
     kernels, dtype, and stale policy versions in async mode). Tokens with r outside
@@ -104,21 +117,25 @@ def policy_loss(
     per_token = weight * adv.to(logp_train.dtype) * logp_train
     pg_loss = -torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / max(float(num_loss_tokens), 1.0)
 
+    return pg_loss, token_stat_vector(log_ratio, ratio, mask, keep, level, ratio_cap, entropy)
+
+
+def token_stat_vector(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor,
+                      level: torch.Tensor, ratio_cap: float, entropy: torch.Tensor | None) -> torch.Tensor:
+    """:class:`TokenStats` as one float64 ``[8]`` tensor on the device (``TokenStats.FIELDS`` order), with no
+    host sync: the trainer step adds the micro-batches' vectors and reads them once per step."""
     # float64: for near-identical policies k3 ~ d^2/2 ~ 1e-14 cancels to exactly 0 in float32.
     lr64 = log_ratio.double()
     k3 = torch.expm1(lr64) - lr64  # = r - log r - 1; 0 where mask is False (ratio 1, log 0)
-    n = int(mask.sum())
-    stats = TokenStats(
-        num_tokens=float(n),
-        num_masked=float((mask & ~keep).sum()),
-        num_capped=float((keep & (level > ratio_cap)).sum()),
-        ratio_sum=float(ratio[mask].sum()) if n else 0.0,
-        k3_sum=float(k3[mask].sum()) if n else 0.0,
-        entropy_sum=float(entropy[mask].sum()) if (n and entropy is not None) else 0.0,
-        ratio_max=float(ratio[mask].max()) if n else float("-inf"),
-        ratio_min=float(ratio[mask].min()) if n else float("inf"),
-    )
-    return pg_loss, stats
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    r64 = ratio.double()
+    return torch.stack([
+        mask.sum().double(), (mask & ~keep).sum().double(), (keep & (level > ratio_cap)).sum().double(),
+        torch.where(mask, r64, zero).sum(), torch.where(mask, k3, zero).sum(),
+        torch.where(mask, entropy.double(), zero).sum() if entropy is not None else zero,
+        torch.where(mask, r64, float("-inf")).amax() if mask.numel() else zero - float("inf"),
+        torch.where(mask, r64, float("inf")).amin() if mask.numel() else zero + float("inf"),
+    ])
 
 
 def _level_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -207,11 +224,17 @@ def routing_disagreement(own: torch.Tensor, reference: torch.Tensor, slot_mask: 
     Sets, not ordered lists: engines may report the k experts in any order. ``slot_mask
     [B, T]`` selects the tokens to compare (loss-relevant and reported by inference).
     """
+    d, n = disagreement_counts(own, reference, slot_mask).tolist()
+    return d, n
+
+
+def disagreement_counts(own: torch.Tensor, reference: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`routing_disagreement` as a float64 ``[2]`` tensor on the device (no host sync)."""
     a = own.long().sort(dim=-1).values
     b = reference.long().sort(dim=-1).values
     differs = (a != b).any(dim=-1)  # [B, T, L]
     m = slot_mask.bool()[:, :, None].expand_as(differs)
-    return float((differs & m).sum()), float(m.sum())
+    return torch.stack([(differs & m).sum(), m.sum()]).double()
 
 
 def loss_relevant_inputs(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,14 @@ def plan_micro_batches(lengths: list[int], budget: int, *, packed: bool) -> list
     return groups
 
 
-def take(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
-    """Rows ``rows`` of ``batch``, cut to the longest of them (at least one column)."""
+def take(batch: RolloutBatch, rows: list[int], lengths: list[int] | None = None) -> RolloutBatch:
+    """Rows ``rows`` of ``batch``, cut to the longest of them (at least one column); ``lengths``: every
+    row's :func:`row_lengths` already on the host (no sync here)."""
     sub = batch.rows(torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device))
-    width = max(1, int(row_lengths(sub).max())) if rows else 1
+    if lengths is None:
+        width = max(1, int(row_lengths(sub).max())) if rows else 1
+    else:
+        width = max([1] + [lengths[i] for i in rows])
     return cut_columns(sub, width)
 
 
@@ -114,9 +118,10 @@ def split_micro_batches(shard: RolloutBatch, budget: int, *, packed: bool, dims:
     when ``budget`` > 0: one all-reduce of the count)."""
     if budget <= 0:
         return [shard]
-    groups = plan_micro_batches(row_lengths(shard).tolist(), budget, packed=packed)
+    lengths = row_lengths(shard).tolist()  # one host copy for every micro-batch
+    groups = plan_micro_batches(lengths, budget, packed=packed)
     count = dims.all_reduce(torch.tensor([len(groups)], dtype=torch.int64, device=dims.device), op="max")
-    micro = [take(shard, g) for g in groups]
+    micro = [take(shard, g, lengths) for g in groups]
     return micro + [empty_like(shard)] * (int(count[0]) - len(micro))
 
 
@@ -137,6 +142,15 @@ def _keep(out):
     would make the kept value wrong for the backward, so :class:`_ReplaySaved` checks it."""
     kept = tree_map(lambda x: _detach(x) if isinstance(x, torch.Tensor) else x, out)
     return kept, [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]
+
+
+def checkpoint_mode(layer: nn.Module) -> str:
+    """``none`` | ``full`` | ``selective``: what :func:`apply_activation_checkpointing` did to ``layer``."""
+    fwd = layer.__dict__.get("forward")
+    fwd = getattr(fwd, "inner", fwd)  # under trainer.compile: the compiled wrapper's uncompiled forward
+    if not (isinstance(fwd, functools.partial) and fwd.func is _checkpointed):
+        return "none"
+    return "full" if fwd.args[1] is None else "selective"
 
 
 def _detach(x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +215,18 @@ def _checkpointed(forward, context, *args, **kwargs):
         return forward(*args, **kwargs)
     # The skeleton reuses ONE ForwardContext for every layer (ctx.layer, ctx.forced change per
     # layer): the recompute must see this layer's values, so it gets a shallow copy taken now
-    # (its memo dict and cache stay shared).
-    args = tuple(copy.copy(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
+    # (its cache stays shared). Its memo too is the forward's as of now (a shallow dict copy): the
+    # recompute then runs exactly the forward's ops (layer 0 computes the rotary tables again; a DSA
+    # layer reads the indexer mask of the layer before it, not the last one) -- and under
+    # trainer.compile the same compiled graph, which saves the same tensors.
+    args = tuple(_snapshot(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
     if context is not None:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _snapshot(ctx):
+    ctx = copy.copy(ctx)
+    if isinstance(getattr(ctx, "memo", None), dict):
+        ctx.memo = dict(ctx.memo)
+    return ctx

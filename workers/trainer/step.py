@@ -36,8 +36,8 @@ from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.logprobs import Scoring
 from workers.trainer import context_parallel
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.loss import (TokenStats, expert_counts, load_balance_loss, loss_relevant_inputs, policy_loss,
-                                  routing_disagreement)
+from workers.trainer.loss import (TokenStats, disagreement_counts, expert_counts, load_balance_loss,
+                                  loss_relevant_inputs, policy_loss_terms)
 from workers.trainer.ep_capacity import StepCapacity
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.packing import plan_packing
@@ -134,8 +134,7 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     replay = tcfg.router_replay and shard.routed_experts is not None
     model.train()
     micro = split_micro_batches(shard, tcfg.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims)
-    tokens = torch.tensor([int(shard.loss_mask.sum()), int(shard.attention_mask.sum())], dtype=torch.float64,
-                          device=dims.device)
+    tokens = torch.stack([shard.loss_mask.sum(), shard.attention_mask.sum()]).to(torch.float64)  # no host sync
     if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
         micro, tokens = context_parallel.own_chunks(micro, dims)
     cap = StepCapacity.begin(model, [mb.input_ids for mb in micro], dims)  # None unless fixed-capacity EP
@@ -155,9 +154,10 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     grad_norm = model.clip_grad_norm_(tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
     # The balance loss is linear in prob_sums (its routed fractions are detached): the sum of the
     # micro-batches' detached sums gives its value exactly.
-    aux_loss = float(load_balance_loss(acc.prob_sums, counts, num_valid, mcfg.top_k)) if acc.prob_sums is not None else 0.0
-    stats = reduce_stats(dims, acc.tok, pg_loss=acc.pg_loss, aux_loss=aux_loss, aux_coef=tcfg.aux_loss_coef,
-                         grad_norm=grad_norm, extra=acc.extra(shard.routed_experts is not None))
+    aux_loss = (load_balance_loss(acc.prob_sums, counts, num_valid, mcfg.top_k).detach()
+                if acc.prob_sums is not None else torch.zeros((), device=dims.device))
+    stats = reduce_stats(dims, acc.sums(aux_loss, routed=shard.routed_experts is not None), acc.ext,
+                         aux_coef=tcfg.aux_loss_coef, grad_norm=grad_norm)
     stats.update(expert_load_metrics(counts))
     if cap is not None:
         stats["ep_overflow_steps"] = model.ep_overflow_steps
@@ -183,23 +183,23 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
         if mcfg.num_routed_layers and tcfg.aux_loss_coef > 0:
             counts = dims.all_reduce(count_experts(model, micro, replay=replay, pack=tcfg.pack_sequences))
         fwds = [None] * len(micro)
-    num_loss_tokens, num_valid = float(totals[0]), float(totals[1])
-    acc = _Accumulator()
+    num_loss_tokens, num_valid = totals[:2].tolist()  # the step's one sync before the backward
+    acc = _Accumulator(dims.device)
     for i, mb in enumerate(micro):
         fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
         fwds[i] = None  # drop the graph's owner as soon as it is used
         loss_mask = mb.loss_mask
         if replay and tcfg.replay_unreported == "mask":
             loss_mask = mask_unreported(loss_mask, mb.routed_mask)
-        pg_loss, tok = policy_loss(fwd.logp, mb.inference_logprobs, mb.advantages, loss_mask,
-                                   num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
-                                   ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
-                                   entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
+        pg_loss, tok = policy_loss_terms(fwd.logp, mb.inference_logprobs, mb.advantages, loss_mask,
+                                         num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
+                                         ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
+                                         entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
         loss = pg_loss
         if counts is not None and tcfg.aux_loss_coef > 0:
             loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
         loss.backward()
-        acc.add(mb, fwd, tok, pg_loss=pg_loss.item(), unreported=float((mb.loss_mask & ~loss_mask).sum()))
+        acc.add(mb, fwd, tok, pg_loss=pg_loss.detach(), unreported=(mb.loss_mask & ~loss_mask).sum())
     return acc, counts, num_valid
 
 
@@ -214,35 +214,39 @@ def count_experts(model: FsdpTrainerModel, micro: list[RolloutBatch], *, replay:
 
 
 class _Accumulator:
-    """Per-rank sums over the micro-batches of what the statistics need."""
+    """Per-rank sums over the micro-batches of what the statistics need, kept ON THE DEVICE: nothing
+    here syncs with the host (a ``.item()`` per micro-batch stalls the GPU queue each time); the step
+    reads them all at once in :func:`reduce_stats`."""
 
-    def __init__(self):
-        self.tok: TokenStats | None = None
-        self.pg_loss = 0.0
+    def __init__(self, device: torch.device):
+        self.vec = torch.zeros(len(TokenStats.SUM_FIELDS) + 4, dtype=torch.float64, device=device)
+        """TokenStats.SUM_FIELDS, then pg_loss, unreported, disagree, slots."""
+        self.ext = torch.full((2,), float("-inf"), dtype=torch.float64, device=device)
+        """ratio_max, -ratio_min."""
         self.prob_sums: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
-        self.sums = {"unreported": 0.0, "disagree": 0.0, "slots": 0.0}
 
-    def add(self, mb: RolloutBatch, fwd: RowForward, tok: TokenStats, *, pg_loss: float, unreported: float) -> None:
-        self.pg_loss += pg_loss
-        self.sums["unreported"] += unreported
+    def add(self, mb: RolloutBatch, fwd: RowForward, tok: torch.Tensor, *, pg_loss: torch.Tensor,
+            unreported: torch.Tensor) -> None:
+        n = len(TokenStats.SUM_FIELDS)
+        disagree = torch.zeros(2, dtype=torch.float64, device=self.vec.device)
+        if mb.routed_experts is not None:
+            slots = loss_relevant_inputs(mb.loss_mask) & mb.routed_mask
+            disagree = disagreement_counts(fwd.own, mb.routed_experts, slots)
+        self.vec += torch.cat([tok[:n], pg_loss.double().reshape(1), unreported.double().reshape(1), disagree])
+        self.ext = torch.maximum(self.ext, torch.stack([tok[n], -tok[n + 1]]))
         ps, c = fwd.prob_sums.detach().double(), fwd.counts.double()
         self.prob_sums = ps if self.prob_sums is None else self.prob_sums + ps
         self.counts = c if self.counts is None else self.counts + c
-        if mb.routed_experts is not None:
-            slots = loss_relevant_inputs(mb.loss_mask) & mb.routed_mask
-            d, n = routing_disagreement(fwd.own, mb.routed_experts, slots)
-            self.sums["disagree"] += d
-            self.sums["slots"] += n
-        self.tok = tok if self.tok is None else _merge(self.tok, tok)
 
-    def extra(self, routed: bool) -> dict[str, float]:
-        return dict(self.sums) if routed else {"unreported": self.sums["unreported"]}
-
-
-def _merge(a: TokenStats, b: TokenStats) -> TokenStats:
-    sums = {f: getattr(a, f) + getattr(b, f) for f in TokenStats.SUM_FIELDS}
-    return TokenStats(**sums, ratio_max=max(a.ratio_max, b.ratio_max), ratio_min=min(a.ratio_min, b.ratio_min))
+    def sums(self, aux_loss: torch.Tensor, *, routed: bool) -> dict[str, torch.Tensor]:
+        """Name -> 0-d tensor of this rank's sums (disagreement only when the batch reports routing)."""
+        names = TokenStats.SUM_FIELDS + ("pg_loss", "unreported", "disagree", "slots")
+        out = dict(zip(names, self.vec.unbind()))
+        if not routed:
+            del out["disagree"], out["slots"]
+        out["aux_loss"] = aux_loss.double().reshape(())
+        return out
 
 
 def train_step(model: FsdpTrainerModel, optimizer: torch.optim.Optimizer, shard: RolloutBatch,
@@ -254,13 +258,16 @@ def train_step(model: FsdpTrainerModel, optimizer: torch.optim.Optimizer, shard:
     return stats
 
 
-def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_loss: float, aux_coef: float,
-                 grad_norm: float, extra: dict[str, float]) -> dict[str, float]:
-    """All-reduce per-rank sums / extremes over ``batch`` and turn them into global means."""
-    names = TokenStats.SUM_FIELDS + ("pg_loss", "aux_loss") + tuple(sorted(extra))
-    sums = [getattr(tok, f) for f in TokenStats.SUM_FIELDS] + [pg_loss, aux_loss] + [extra[k] for k in sorted(extra)]
-    g = dict(zip(names, dims.all_reduce(torch.tensor(sums, dtype=torch.float64, device=dims.device)).tolist()))
-    ext = dims.all_reduce(torch.tensor([tok.ratio_max, -tok.ratio_min], dtype=torch.float64, device=dims.device), op="max")
+def reduce_stats(dims: ParallelDims, sums: dict[str, torch.Tensor], extremes: torch.Tensor, *, aux_coef: float,
+                 grad_norm: float) -> dict[str, float]:
+    """All-reduce per-rank sums (name -> 0-d tensor) and extremes (``[ratio_max, -ratio_min]``) over
+    ``batch`` and turn them into global means: the step's statistics reach the host here, in ONE copy."""
+    names = sorted(sums)
+    summed = dims.all_reduce(torch.stack([sums[k] for k in names]))
+    ext = dims.all_reduce(extremes.clone(), op="max")
+    values = torch.cat([summed, ext]).tolist()
+    g = dict(zip(names, values[:len(names)]))
+    ext = values[len(names):]
     n = g["num_tokens"]
     per_token = (lambda x: x / n) if n else (lambda x: float("nan"))
     stats = {
@@ -271,8 +278,8 @@ def reduce_stats(dims: ParallelDims, tok: TokenStats, *, pg_loss: float, aux_los
         "entropy": per_token(g["entropy_sum"]),
         "mismatch_kl": per_token(g["k3_sum"]),
         "ratio_mean": per_token(g["ratio_sum"]),
-        "ratio_max": float(ext[0]),
-        "ratio_min": -float(ext[1]),
+        "ratio_max": ext[0],
+        "ratio_min": -ext[1],
         "ratio_masked_frac": per_token(g["num_masked"]),
         "ratio_capped_frac": per_token(g["num_capped"]),
         "num_loss_tokens": int(n),
@@ -304,6 +311,12 @@ def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[t
     context is open. Under replay the own choice is one more no-grad ``route`` without forcing,
     also when an activation-checkpointing recompute runs it, so the recompute replays exactly
     the forward's ops (selective checkpointing matches them one by one).
+
+    Each router keeps its LAST result on the wrapper (``last``), and the list is filled when the
+    context closes: the wrapper's code then does the same thing in the forward and in a
+    checkpoint's recompute, so under trainer.compile both run the same compiled graph (a
+    Python-list sink open in one and closed in the other made two graphs that save different
+    tensors, which the checkpoint refuses).
     """
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
     routers = [next((m for m in layer.modules() if callable(getattr(m, "route", None))), None)
@@ -313,17 +326,18 @@ def capture_routing(model, valid: torch.Tensor | None = None) -> Iterator[list[t
     for r in routers:
         if not isinstance(r.__dict__.get("route"), _CapturingRoute):
             r.route = _CapturingRoute(type(r).route.__get__(r))
-        r.route.sink, r.route.weights = captured, weights
+        r.route.last, r.route.weights = None, weights
     try:
         yield captured
-    finally:
-        for r in routers:  # weights stay: an activation-checkpointing recompute must run the same ops
-            r.route.sink = None
+    finally:  # weights stay: an activation-checkpointing recompute must run the same ops
+        captured.extend(r.route.last for r in routers if r.route.last is not None)
+        for r in routers:
+            r.route.last = None
 
 
 class _CapturingRoute:
     def __init__(self, route):
-        self.route, self.sink, self.weights = route, None, None
+        self.route, self.last, self.weights = route, None, None
 
     def __call__(self, x, *args, **kwargs):
         idx, weights, probs = self.route(x, *args, **kwargs)
@@ -336,8 +350,7 @@ class _CapturingRoute:
         kept = probs
         if self.weights is not None and self.weights.shape[0] == probs.shape[0]:
             kept = (probs.float() * self.weights).sum(0)  # also in a recompute (sink closed): same saved tensors
-        if self.sink is not None:
-            self.sink.append((kept, own.detach()))
+        self.last = (kept, own.detach())
         return idx, weights, probs
 
 

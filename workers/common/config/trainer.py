@@ -12,6 +12,8 @@ MASTER_DTYPES = ("float32", "bfloat16")
 """``trainer.master_dtype`` choices (workers/trainer/precision.py explains them)."""
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 """``trainer.activation_checkpointing`` choices."""
+COMPILE = ("none", "layers", "auto")
+"""``trainer.compile`` choices (workers/trainer/compile.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,6 +100,11 @@ class TrainerConfig:
     """``none`` | ``full`` | ``selective``: recompute each decoder layer's activations in the backward
     instead of keeping them (``full``: all of them, ~1/3 more compute; ``selective``: keep the matmul and
     attention outputs, recompute the elementwise rest; workers/trainer/micro.py)."""
+    compile: str = "auto"
+    """``none`` | ``layers`` | ``auto``: torch.compile (inductor) of each decoder layer's forward, inside
+    activation checkpointing and FSDP's per-layer hooks (workers/trainer/compile.py): fewer, fused kernels
+    where the step is launch-bound. ``auto`` (default): ``layers`` on CUDA, ``none`` on the CPU (where
+    compiling costs more than it saves for tiny models)."""
     aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss."""
     ratio_cap: float = 2.0
@@ -141,7 +148,8 @@ class TrainerConfig:
         # Checked here so a typo fails in the launcher (which builds this dataclass), not on a rank.
         for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
                              ("replay_unreported", ("recompute", "mask")),
-                             ("master_dtype", MASTER_DTYPES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
+                             ("master_dtype", MASTER_DTYPES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
+                             ("compile", COMPILE)):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
         if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
@@ -169,7 +177,7 @@ limits(ParallelConfig, tp=gt(0), pp=gt(0), ep=gt(0), cp=between(1, 1024), dp=gt(
 limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=ge(0),
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
        master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),
-       activation_checkpointing=one_of(*ACTIVATION_CHECKPOINTING),
+       activation_checkpointing=one_of(*ACTIVATION_CHECKPOINTING), compile=one_of(*COMPILE),
        aux_loss_coef=ge(0), ratio_cap=ge(1), ratio_mask_low=between(0, 1, lo_open=True), ratio_mask_high=ge(1),
        replay_unreported=one_of("recompute", "mask"), ratio_level=one_of("token", "sequence", "geometric"),
        batch_timeout_s=gt(0), num_threads=gt(0), simulated_step_delay_s=ge(0), checkpoint_every_steps=ge(0),

@@ -96,7 +96,7 @@ class MoeBlock(nn.Module):
         """sum_k weights[:, k] * expert_{idx[:, k]}(flat): grouped GEMM on the fast path, else the loop.
         Under the trainer's expert-parallel plan an :class:`ExpertParallel` object set as
         ``expert_parallel`` (workers/trainer/expert_parallel.py) runs it instead (all-to-all dispatch)."""
-        ep = self.__dict__.get("expert_parallel")
+        ep = getattr(self, "expert_parallel", None)  # set in __dict__ by the mesh plan; getattr: dynamo traces it
         if ep is not None:
             return ep(flat, idx, weights)
         if kernels.fast(flat) and self._grouped_ok(flat):

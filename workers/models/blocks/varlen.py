@@ -81,6 +81,7 @@ class Documents:
         same = (qs[:, :, None] == seg[:, None, :]) & (qs >= 0)[:, :, None]
         return (same & (keys[None, None, :] <= q[None, :, None])) | (keys[None, None, :] == q[None, :, None])
 
+    @torch.compiler.disable  # the runs differ every packed batch: not traced (see attend_docs)
     def map_runs(self, fn: Callable[[int, int, int, bool], torch.Tensor], time_dim: int = 1) -> torch.Tensor:
         """``fn(row, start, end, is_doc)`` -> that run's output (batch 1 on dim 0, time on
         ``time_dim``), concatenated back to the whole batch."""
@@ -88,6 +89,10 @@ class Documents:
         return torch.cat(rows, dim=0)
 
 
+# Not traced by torch.compile (trainer.compile, workers/trainer/compile.py): the document runs are Python
+# lists that differ every packed batch, and dynamo would guard on them and recompile per batch. A graph
+# break around per-document attention instead (its kernels are one varlen flash call on CUDA anyway).
+@torch.compiler.disable
 def attend_docs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: Optional[float] = None,
                 doc_masks: Optional[dict] = None) -> torch.Tensor:
     """Causal attention inside each document of ``q/k/v`` [B, H, T, D] (k and v with q's heads;
