@@ -219,10 +219,18 @@ def _checkpointed(forward, context, *args, **kwargs):
     # recompute then runs exactly the forward's ops (layer 0 computes the rotary tables again; a DSA
     # layer reads the indexer mask of the layer before it, not the last one) -- and under
     # trainer.compile the same compiled graph, which saves the same tensors.
+    # What this layer's forward adds to its copy of the memo (a DSA 'full' layer's indexer mask) goes
+    # back into the shared one afterwards, so the next layer's forward reads it.
+    originals = args
     args = tuple(_snapshot(a) if dataclasses.is_dataclass(a) and not isinstance(a, type) else a for a in args)
     if context is not None:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        out = checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+    else:
+        out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    for original, snap in zip(originals, args):
+        if snap is not original and isinstance(getattr(snap, "memo", None), dict):
+            original.memo.update(snap.memo)
+    return out
 
 
 def _snapshot(ctx):
