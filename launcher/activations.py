@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.models.facts import DSA_CHUNK_PAIRS
+from workers.models.spec import DSA_CHUNK_PAIRS
 from workers.models.spec import architecture
 
 FIT_FRACTION = 0.9

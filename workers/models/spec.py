@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from workers.common.config.ranges import check_fields
 from workers.common.registry import PluginSpec
-from workers.models.facts import Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
+from workers.models.facts import DSA_CHUNK_PAIRS, Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
 
 
 FSDP_PLAN = "workers.trainer.fsdp:parallelize"
