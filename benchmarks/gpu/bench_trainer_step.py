@@ -41,7 +41,7 @@ from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_inf
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.local_ranks import free_port
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.grad_clip import local_shard
+from workers.weights.stream import local_part
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
@@ -127,7 +127,7 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
     model, optimizer = trainer_model(cfg, dims, init=args.init, cpu_init=cpu_init, backend=args.compile_backend)
     build_s = time.perf_counter() - t0
     batch = with_model_logprobs(model, base.to(device), replay=replay, seed=args.seed + 1)
-    watched = local_shard(next(model.model.layers[0].parameters())).detach().clone()
+    watched = local_part(next(model.model.layers[0].parameters())).detach().clone()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     last: dict = {}
@@ -142,7 +142,7 @@ def bench_real(args: argparse.Namespace, dims: ParallelDims, base: RolloutBatch,
     first_s = time.perf_counter() - t_first
     t = time_it(step, device, warmup=max(0, args.warmup - 1), iters=args.iters)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    changed = float((local_shard(next(model.model.layers[0].parameters())).detach() != watched).float().mean())
+    changed = float((local_part(next(model.model.layers[0].parameters())).detach() != watched).float().mean())
     opt_t = time_it(optimizer.step, device, warmup=1, iters=max(2, args.iters // 2))
     tokens = base.input_ids.numel()
     tps = tokens / t["median_s"]

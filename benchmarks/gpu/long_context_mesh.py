@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.gpu.bench_trainer_step import synthetic_batch
+from benchmarks.gpu.long_context_step import step_arguments
 from benchmarks.gpu.common import GPU_MOE, TINY_MOE, device_info, init_on_device, write_result
-from tests.netutil import free_port
 from workers.common.config import RunConfig, TrainerConfig
+from workers.common.local_ranks import run_ranks
 from workers.trainer.batch import shard_rows
 from workers.trainer.loop import build_optimizer, parallelize
 from workers.trainer.micro import apply_activation_checkpointing
@@ -105,8 +105,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, layout: tu
 
 def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], tmp: Path) -> dict:
     out = str(tmp / ("_".join(map(str, layout)) + ".pt"))
-    mp.start_processes(_rank, args=(args.world, free_port(), args, layout, out), nprocs=args.world, join=True,
-                       start_method="spawn")
+    run_ranks(_rank, args.world, (args, layout, out), what=f"layout cp,tp,ep={layout}", timeout_s=3600.0,
+              start_method="spawn")
     return torch.load(out)
 
 
@@ -115,16 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--world", type=int, default=torch.cuda.device_count() or 4)
     ap.add_argument("--layouts", nargs="+", default=["1,1,1", "4,1,1", "4,2,1", "4,1,2", "2,2,2"],
                     help="cp,tp,ep per layout (each divides --world)")
-    ap.add_argument("--seq-len", type=int, default=131072)
-    ap.add_argument("--ac", default="full", choices=("none", "full", "selective"))
-    ap.add_argument("--chunk", type=int, default=TrainerConfig().logprob_chunk_tokens, help="trainer.logprob_chunk_tokens")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="TINY_MOE: a CPU (gloo) check of the script")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu/", help="directory for the JSON")
-    args = ap.parse_args(argv)
+    args = step_arguments(ap, tiny_help="TINY_MOE: a CPU (gloo) check of the script").parse_args(argv)
     for text in args.layouts:
         cp, tp, ep = map(int, text.split(","))
         if args.world % (cp * tp * ep):

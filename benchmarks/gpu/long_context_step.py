@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> dict:
             "last_step_stats": {k: stats.get(k) for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "num_loss_tokens")}}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(ap: argparse.ArgumentParser, *, tiny_help: str) -> argparse.ArgumentParser:
+    """The options of one long-context training step (this script's and long_context_mesh.py's)."""
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--ac", default="full", choices=("none", "full", "selective"))
     ap.add_argument("--chunk", type=int, default=TrainerConfig().logprob_chunk_tokens, help="trainer.logprob_chunk_tokens")
@@ -92,9 +92,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="TINY_MOE (a CPU check of the script, seconds at --seq-len 2048)")
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu/", help="directory for the JSON")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return step_arguments(ap, tiny_help="TINY_MOE (a CPU check of the script, seconds at --seq-len 2048)").parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ code path (bfloat16 grouped GEMMs, kernels.FAST_PATH_ON_CPU) a MoE block reads n
 """
 from __future__ import annotations
 
-import dataclasses
+
+import functools
 
 import pytest
 import torch
@@ -20,11 +21,8 @@ from tests.integration import test_parity_mesh as mesh
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches
 from tests.netutil import gloo_dims
-from workers.common.registry import MODELS
-from workers.models.blocks import kernels
 from workers.trainer import ep_capacity, expert_parallel
 from workers.trainer.batch import shard_rows
-from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step
 
 SELECTIVE = {"micro_batch_tokens": 16, "activation_checkpointing": "selective"}
@@ -68,12 +66,9 @@ def test_capacity_rounds_up_to_eight_and_splits_tokens_over_tp():
     assert ep_capacity.capacity(1, factor=0.01, top_k=1, ep=8, tp=1) == 8
 
 
-def _no_sync_worker(rank, world, port, tp, ep, model_name, out, factor):
-    """bfloat16 on the fast path; inside every MoE block, a host read (tolist, item, bool, int, float) raises."""
-    torch.set_num_threads(1)
-    kernels.FAST_PATH_ON_CPU = True  # this forked process only
-    dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
-    cfg = dataclasses.replace(moe.tcfg(), dtype="bfloat16")
+def _guard_host_reads(factor: float) -> None:
+    """In this rank: inside every MoE block, a host read (tolist, item, bool, int, float) raises
+    (with the fixed-capacity dispatch; factor 0 is the exact dispatch, which reads split sizes)."""
     inside = []
     call = expert_parallel.ExpertParallel.__call__
 
@@ -96,16 +91,11 @@ def _no_sync_worker(rank, world, port, tp, ep, model_name, out, factor):
     if factor:
         for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
             setattr(torch.Tensor, name, refuse(name))
-    try:
-        full = moe.build_model(moe.CONFIGS[model_name], moe.SEED)
-        model = MODELS.get(full.config.family).shard(full, dims, precision=Precision.of(cfg))
-        ep_capacity.configure(model, factor)
-        stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
-                                                dims.num_batch_shards), cfg, dims)
-        if rank == 0:
-            torch.save({"stats": stats}, out)
-    finally:
-        dist.destroy_process_group()
+
+
+def _no_sync_worker(rank, world, port, tp, ep, model_name, out, factor):
+    """bfloat16 on the fast path (test_parity_mesh._fast_worker) under :func:`_guard_host_reads`."""
+    mesh._fast_worker(rank, world, port, tp, ep, model_name, out, factor, functools.partial(_guard_host_reads, factor))
 
 
 def test_fast_path_blocks_read_nothing_on_the_host(tmp_path):

@@ -121,16 +121,22 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, 
     assert_step_matches(torch.load(out), ref)
 
 
-def _fast_worker(rank, world, port, tp, ep, model_name, out):
+def _fast_worker(rank, world, port, tp, ep, model_name, out, capacity_factor=None, before=None):
     """bfloat16 compute over float32 masters on the GPU code path (kernels.FAST_PATH_ON_CPU): grouped
-    GEMMs over the local experts, the all-to-all exchange with device-side counts."""
+    GEMMs over the local experts, the all-to-all exchange with device-side counts. ``capacity_factor``:
+    ep_capacity.configure's (None: the model's default); ``before()``: runs in the rank first (a
+    test's instrumentation)."""
     torch.set_num_threads(1)
     kernels.FAST_PATH_ON_CPU = True  # this forked process only
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep)
     cfg = dataclasses.replace(moe.tcfg(), dtype="bfloat16")
+    if before is not None:
+        before()
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         model = MODELS.get(full.config.family).shard(full, dims, precision=Precision.of(cfg))
+        if capacity_factor is not None:
+            ep_capacity.configure(model, capacity_factor)
         stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
                                                 dims.num_batch_shards), cfg, dims)
         if rank == 0:

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from workers.trainer.grad_clip import clip_sharded_grads_, local_shard
+from workers.trainer.grad_clip import clip_sharded_grads_
+from workers.weights.stream import local_part
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
@@ -175,13 +176,13 @@ def sharded_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
     total = 0
     for p in module.parameters():
-        total += local_shard(p).numel() * local_shard(p).element_size()
+        total += local_part(p).numel() * local_part(p).element_size()
         if p.grad is not None:
-            total += local_shard(p.grad).numel() * local_shard(p.grad).element_size()
+            total += local_part(p.grad).numel() * local_part(p.grad).element_size()
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    total += local_shard(v).numel() * local_shard(v).element_size()
+                    total += local_part(v).numel() * local_part(v).element_size()
     return total
 

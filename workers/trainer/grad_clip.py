@@ -20,12 +20,8 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``t`` (a DTensor's local tensor, or ``t`` itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from workers.weights.stream import local_part
 
 
 @torch.no_grad()
@@ -42,10 +38,10 @@ def clip_sharded_grads_(params: Sequence[torch.nn.Parameter], max_norm: float, *
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0
-    device = local_shard(with_grad[0].grad).device
+    device = local_part(with_grad[0].grad).device
     by_kind: dict[tuple[torch.dtype, float], list[torch.Tensor]] = defaultdict(list)
     for p in with_grad:
-        by_kind[(p.grad.dtype, float(weight(p)))].append(local_shard(p.grad))
+        by_kind[(p.grad.dtype, float(weight(p)))].append(local_part(p.grad))
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for (_, w), grads in by_kind.items():
         norms = torch._foreach_norm(grads, 2.0)

@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 from torch.optim.adam import adam
 
-from workers.trainer.grad_clip import local_shard
+from workers.weights.stream import local_part
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
@@ -46,14 +46,14 @@ class ShardLocalAdamW(torch.optim.AdamW):
                     continue
                 state = self.state[p]
                 if not state:  # AdamW's own initial state (a device step tensor when fused, as AdamW makes it)
-                    device = local_shard(p).device if fused else torch.device("cpu")
+                    device = local_part(p).device if fused else torch.device("cpu")
                     state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(local_shard(p))
-                grads.append(local_shard(p.grad))
-                exp_avgs.append(local_shard(state["exp_avg"]))
-                exp_avg_sqs.append(local_shard(state["exp_avg_sq"]))
+                params.append(local_part(p))
+                grads.append(local_part(p.grad))
+                exp_avgs.append(local_part(state["exp_avg"]))
+                exp_avg_sqs.append(local_part(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue
