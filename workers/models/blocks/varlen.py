@@ -168,6 +168,3 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, 
     return out.view(b, t, h, width)[..., :dv].transpose(1, 2)
 
 
-def doc_causal(n: int, device) -> torch.Tensor:
-    """bool [n, n] lower triangle: what a query of one document may see before sparsity."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
