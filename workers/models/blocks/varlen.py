@@ -166,5 +166,3 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, 
     m = docs.max_len
     out = _varlen_fn()(*flat, cu, cu, m, m, scale=scale, **_VARLEN_CAUSAL)
     return out.view(b, t, h, width)[..., :dv].transpose(1, 2)
-
-
