@@ -90,11 +90,9 @@ class StaticEngine(InferenceEngine):
         super().submit(req, on_done)
 
     def _weights_changed_locked(self) -> None:
-        """Captured graphs read the MoE expert stacks and the version tensor in place."""
+        """Captured graphs read the version tensor in place (weights, expert stacks included, are
+        updated in place by the loaders: the graphs see them)."""
         self.state.version.fill_(int(self.weight_version))
-        for m in self.model.modules():
-            if isinstance(m, (MoeBlock, LatentMoE)):
-                m.restack_in_place()
 
     # ---- engine thread -----------------------------------------------------------------
     def _step_locked(self) -> None:

@@ -140,13 +140,16 @@ class CausalLM(nn.Module):
         return self
 
     def seeded_tensors(self, seed: int):
-        """``(name, float32 tensor)`` of every parameter (sorted names, one generator: :meth:`init_tensor`)
+        """``(name, float32 tensor)`` of every parameter under its checkpoint name (sorted names, one
+        generator: :meth:`init_tensor`; a stacked expert tensor is drawn expert by expert)
         and persistent buffer (:meth:`init_buffer`), ONE AT A TIME and from shapes only, so a model built
         on the meta device and sharded (workers/trainer/mesh_plan.py ``materialize``) gets the very
         values ``init_weights`` gives the full model without any rank holding all of them. The names
         and full shapes are read NOW (before a sharding plan changes them); the values when iterated."""
-        params = sorted((n, tuple(p.shape)) for n, p in self.named_parameters())
-        buffers = [(n, tuple(b.shape)) for n, b in self.state_dict(keep_vars=True).items() if n not in dict(params)]
+        state = self.state_dict(keep_vars=True)  # checkpoint names: each routed expert on its own
+        buffer_names = {n for n, _ in self.named_buffers()}
+        params = sorted((n, tuple(t.shape)) for n, t in state.items() if n not in buffer_names)
+        buffers = [(n, tuple(t.shape)) for n, t in state.items() if n in buffer_names]
 
         def stream():
             gen = torch.Generator().manual_seed(seed)

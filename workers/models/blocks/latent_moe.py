@@ -7,7 +7,8 @@ there (their ``up_proj`` is ``[I, latent]``) and projects the weighted sum back 
 (``fc2_latent_proj``). Without a latent size the experts work on the hidden width directly.
 Order and names follow transformers' NemotronHMoE (checkpoint names
 ``mixer.gate.weight``, ``mixer.experts.E.up_proj.weight``, ``mixer.shared_experts.down_proj.weight``,
-``mixer.fc1_latent_proj.weight`` ...), so a checkpoint loads as is.
+``mixer.fc1_latent_proj.weight`` ...), so a checkpoint loads as is; the routed experts are stacked
+parameters (workers/models/blocks/experts.py, non-gated) whose state dict has those per-expert names.
 
 Router Replay: ``forced`` experts replace the router's choice; gate weights still come from this
 model's scores (workers/models/blocks/router_sigmoid.py). The balance statistics are tiny_moe's
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.blocks import kernels
+from workers.models.blocks.experts import StackedExperts
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.blocks.moe_softmax import MoeBlock
 
@@ -41,12 +43,9 @@ class ReluSquaredMLP(nn.Module):
 
 class LatentMoE(nn.Module):
     # tiny_moe's routed-layer machinery, reading num_experts, top_k and experts: the balance loss and
-    # load, the capture-safe dense expert sum, and the grouped-GEMM path over this layer's own stacks.
+    # load, the capture-safe dense expert sum, and the grouped-GEMM path over the stacked experts.
     balance = MoeBlock.balance
-    _experts_dense = MoeBlock._experts_dense
-    EXPERT_STACKS = (("up_proj",), ("down_proj",))
-    _grouped_ok, _experts_grouped = MoeBlock._grouped_ok, MoeBlock._experts_grouped
-    _stacked_weights, restack_in_place = MoeBlock._stacked_weights, MoeBlock.restack_in_place
+    _experts_dense, _experts_grouped = MoeBlock._experts_dense, MoeBlock._experts_grouped
 
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
                  shared_intermediate_size: int, latent_size: int = 0, n_group: int = 1, topk_group: int = 1,
@@ -57,7 +56,7 @@ class LatentMoE(nn.Module):
         self.gate = SigmoidTopkRouter(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, n_group=n_group,
                                       topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                                       routed_scaling_factor=routed_scaling_factor)
-        self.experts = nn.ModuleList(ReluSquaredMLP(width, expert_intermediate_size) for _ in range(num_experts))
+        self.experts = StackedExperts(num_experts, width, expert_intermediate_size, gated=False)
         self.shared_experts = ReluSquaredMLP(hidden_size, shared_intermediate_size)
         if latent_size:
             self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=False)
@@ -86,18 +85,12 @@ class LatentMoE(nn.Module):
         ep = getattr(self, "expert_parallel", None)  # set in __dict__ by the mesh plan; getattr: dynamo traces it
         return ep(flat, idx, weights) if ep is not None else self._experts(flat, idx, weights)
 
-    def _grouped_mlp(self, xs: torch.Tensor, offs: torch.Tensor, stacks: tuple) -> torch.Tensor:
-        """Squared-ReLU experts on the expert-grouped rows ``xs`` [N*k, width]: two grouped GEMMs."""
-        w_up, w_down = stacks
-        h = F.relu(F.grouped_mm(xs, w_up.transpose(1, 2), offs=offs)).square()
-        return F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)
-
     def _experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference loop: each expert on its tokens, weighted, summed in float32 (as the reference).
         bf16 on the fast path: sorted by expert, two grouped GEMMs, no host sync (MoeBlock's). Else
         under CUDA-graph capture (the static engine's decode graphs, float32) the loop's
         data-dependent shapes cannot be recorded: every expert runs on every token (E x the FLOPs)."""
-        if kernels.fast(flat) and self._grouped_ok(flat):
+        if kernels.fast(flat) and self.experts.grouped_ok(flat):
             return self._experts_grouped(flat, idx, weights)
         if flat.is_cuda and torch.cuda.is_current_stream_capturing():
             return self._experts_dense(flat, idx, weights)
@@ -106,6 +99,6 @@ class LatentMoE(nn.Module):
             rows, slot = (idx == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = self.experts[e](flat.index_select(0, rows))
+            y = self.experts.expert(e, flat.index_select(0, rows))
             out.index_add_(0, rows, (y * weights[rows, slot, None]).float())
         return out.to(flat.dtype)

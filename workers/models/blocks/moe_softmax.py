@@ -5,8 +5,9 @@ Routing: ``probs = softmax(x W_gate^T)`` in float32, the top_k experts by probab
 weights are those experts' probabilities, renormalised to sum 1 when ``norm_topk_prob`` (tiny_moe,
 Qwen3-30B-A3B) or used raw when it is off (transformers' Qwen3MoeConfig default). Gate weights
 always come from this model's router, also when Router Replay forces the experts (``forced``),
-so router gradients flow. Expert parameters keep HF Qwen3-MoE checkpoint names
-(``mlp.gate.weight``, ``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block
+so router gradients flow. The experts are stacked parameters (workers/models/blocks/experts.py)
+whose ``state_dict()`` keeps HF Qwen3-MoE checkpoint names (``mlp.gate.weight``,
+``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block
 (workers/trainer/expert_parallel.py) subclasses MoeBlock and reuses ``route`` and ``balance``.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.blocks import kernels
-from workers.models.blocks.mlp import Expert
+from workers.models.blocks.experts import StackedExperts
 
 
 class _GatherSlots(torch.autograd.Function):
@@ -54,17 +55,12 @@ class _UnpermuteSum(torch.autograd.Function):
 class MoeBlock(nn.Module):
     """Softmax top-k router + experts. Gate weights always come from this model's router."""
 
-    EXPERT_STACKS = (("gate_proj", "up_proj"), ("down_proj",))
-    """The grouped-GEMM weight stacks: per stack, the expert projections concatenated along the
-    output dim ([E, 2I, H] gate|up, [E, H, I] down). Other expert shapes (Nemotron-H's squared-ReLU
-    LatentMoE) reuse the grouped path with their own stacks and :meth:`_grouped_mlp`."""
-
     def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, expert_intermediate_size: int,
                  norm_topk_prob: bool = True):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden_size, expert_intermediate_size) for _ in range(num_experts))
+        self.experts = StackedExperts(num_experts, hidden_size, expert_intermediate_size)
 
     def route(self, x: torch.Tensor, forced: Optional[torch.Tensor], forced_mask: Optional[torch.Tensor] = None):
         """Returns (indices [N,k], weights [N,k], probs [N,E]) for flat tokens x [N,H].
@@ -99,7 +95,7 @@ class MoeBlock(nn.Module):
         ep = getattr(self, "expert_parallel", None)  # set in __dict__ by the mesh plan; getattr: dynamo traces it
         if ep is not None:
             return ep(flat, idx, weights)
-        if kernels.fast(flat) and self._grouped_ok(flat):
+        if kernels.fast(flat) and self.experts.grouped_ok(flat):
             return self._experts_grouped(flat, idx, weights)
         if flat.is_cuda and torch.cuda.is_current_stream_capturing():  # the static engine's CUDA graphs
             return self._experts_dense(flat, idx, weights)
@@ -130,7 +126,7 @@ class MoeBlock(nn.Module):
             rows, slot = (idx == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = self.experts[e](flat.index_select(0, rows))
+            y = self.experts.expert(e, flat.index_select(0, rows))
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
         return out
 
@@ -142,84 +138,26 @@ class MoeBlock(nn.Module):
         gate = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=flat.device)
         gate.scatter_add_(1, idx, weights)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        for e, expert in enumerate(self.experts):
-            out = out + (expert(flat) * gate[:, e:e + 1]).float()
+        for e in range(self.num_experts):
+            out = out + (self.experts.expert(e, flat) * gate[:, e:e + 1]).float()
         return out.to(flat.dtype)
 
-    def _grouped_ok(self, flat: torch.Tensor) -> bool:
-        """Grouped GEMM needs bf16 operands, plain bias-free nn.Linear experts (not swapped modules)
-        and widths in multiples of 8 (its strides must be multiples of 16 bytes)."""
-        e0 = self.experts[0]
-        return (hasattr(F, "grouped_mm") and flat.dtype == torch.bfloat16
-                and all(type(getattr(e0, n)) is nn.Linear and getattr(e0, n).weight.dtype == torch.bfloat16
-                        and getattr(e0, n).bias is None and not any(d % 8 for d in getattr(e0, n).weight.shape)
-                        for group in self.EXPERT_STACKS for n in group))
-
-    def _grouped_mlp(self, xs: torch.Tensor, offs: torch.Tensor, stacks: tuple) -> torch.Tensor:
-        """SwiGLU of the expert-grouped rows ``xs`` [N*k, H]: two grouped GEMMs."""
-        w_gate_up, w_down = stacks
-        gate_up = F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [N*k, 2I]
-        g, u = gate_up.chunk(2, dim=-1)
-        return F.grouped_mm(F.silu(g) * u, w_down.transpose(1, 2), offs=offs)  # [N*k, H]
-
     def _experts_grouped(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sort token slots by expert, two grouped GEMMs over all experts, no host sync.
+        """Sort token slots by expert, two grouped GEMMs over all experts (the stacked parameters,
+        workers/models/blocks/experts.py), no host sync.
 
         Same function as the loop up to summation order: each token's k expert outputs are
-        summed in one reduction (fp32 accumulate) instead of k bf16 index_adds. The expert
-        weights are stacked per call ([E, 2I, H] and [E, H, I]); their gradients flow back to
-        the per-expert parameters, whose names stay the HF Qwen3-MoE ones.
+        summed in one reduction (fp32 accumulate) instead of k bf16 index_adds.
         """
-        n, h = flat.shape
         k = self.top_k
         expert_ids = idx.reshape(-1)  # [N*k], slot s belongs to token s // k
         order = expert_ids.argsort(stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, expert_ids, torch.ones_like(expert_ids))  # bincount would sync to size its output
-        offs = counts.cumsum(0).to(torch.int32)
         tok_of = order // k
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         xs = _GatherSlots.apply(flat, tok_of, inv, k)  # [N*k, H] grouped by expert
-        y = self._grouped_mlp(xs, offs, self._stacked_weights())
+        y = self.experts(xs, counts)
         y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
         return _UnpermuteSum.apply(y, tok_of, inv, k)
-
-    def _stacked_weights(self) -> tuple[torch.Tensor, ...]:
-        """One [E, out, in] tensor per :attr:`EXPERT_STACKS` entry. Without autograd (inference) the stack is kept
-        until a weight changes (in-place copies bump ``_version``), so decode steps do not
-        re-copy every expert; with autograd it is rebuilt so gradients reach the parameters.
-        Update weights with ``param.copy_`` (as the engine does), not through ``param.data``,
-        whose writes bypass the version counter."""
-        # Straight through _modules/_parameters: nn.Module.__getattr__ costs ~2 us a lookup, x 192 a layer.
-        names = [n for group in self.EXPERT_STACKS for n in group]
-        ws = [e._modules[n]._parameters["weight"] for e in self.experts._modules.values() for n in names]
-        cacheable = not (torch.is_grad_enabled() and any(w.requires_grad for w in ws))
-        key = tuple((w.data_ptr(), w._version) for w in ws) if cacheable else None
-        cached = self.__dict__.get("_stack_cache")
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
-        per, at, stacked = len(names), 0, []
-        for group in self.EXPERT_STACKS:  # expert e's weights are ws[e*per : (e+1)*per], in names' order
-            parts = [ws[e + at:e + at + len(group)] for e in range(0, len(ws), per)]
-            stacked.append(torch.stack([p[0] if len(p) == 1 else torch.cat(p) for p in parts]))
-            at += len(group)
-        stacked = tuple(stacked)
-        self.__dict__["_stack_cache"] = (key, stacked) if key is not None else None
-        return stacked
-
-    @torch.no_grad()
-    def restack_in_place(self) -> None:
-        """Refresh the cached expert stacks inside the tensors they already occupy. A captured CUDA
-        graph (workers/inference/embedded/cuda_graphs.py) reads those addresses, so after a weight
-        update the stacks must be overwritten, not replaced."""
-        cached = self.__dict__.get("_stack_cache")
-        if cached is None:
-            return
-        self.__dict__["_stack_cache"] = None
-        fresh = self._stacked_weights()
-        with torch.inference_mode():  # the engine made the stacks inside inference mode: inference tensors
-            for old, new in zip(cached[1], fresh):
-                old.copy_(new)
-        key = self.__dict__["_stack_cache"][0] if self.__dict__.get("_stack_cache") else None
-        self.__dict__["_stack_cache"] = (key, cached[1]) if key is not None else None
