@@ -20,7 +20,7 @@ from torch import nn
 from tests.integration import test_parity_parallel as moe
 from tests.netutil import free_port, gloo_dims
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
-from workers.models.blocks.mlp import Expert
+from workers.models.blocks.experts import StackedExperts
 from workers.models.tiny_moe.model import build_model
 from workers.models.blocks.moe_softmax import MoeBlock
 from workers.trainer.batch import shard_rows
@@ -40,8 +40,7 @@ class SigmoidMoe(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.gate = SigmoidTopkRouter(hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.top_k,
                                       n_group=2, topk_group=2)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.expert_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
 
     def forward(self, x, forced, valid, forced_mask=None):
         b, t, h = x.shape

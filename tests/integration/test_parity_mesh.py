@@ -15,6 +15,8 @@ layers.
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 import pytest
@@ -297,9 +299,10 @@ def _fused_worker(rank, world, port, tp, ep, out):
                 opt.step()
                 opt.zero_grad()
             if isinstance(opt, ShardLocalAdamW):  # AdamW's state layout: DCP's optimizer state dict reads it
-                from torch.distributed.checkpoint.state_dict import get_state_dict
-                _, optim_sd = get_state_dict(model, opt)
+                from workers.trainer.dcp_state import per_expert_state
+                _, optim_sd = per_expert_state(model, opt)
                 assert {"step", "exp_avg", "exp_avg_sq"} <= set(next(iter(optim_sd["state"].values())))
+                assert any(re.search(r"\.experts\.\d+\.down_proj\.weight$", n) for n in optim_sd["state"])  # per expert
             states.append(model.full_state_dict())
         if rank == 0:
             torch.save(states, out)

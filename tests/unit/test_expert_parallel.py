@@ -1,7 +1,8 @@
-"""The mesh plan's local experts (workers/trainer/expert_parallel.py): the GPU path (one grouped GEMM
-per projection over the local experts, device-side offsets) computes what the per-expert loop
-computes, forward and backward, for SwiGLU and squared-ReLU experts, with an expert that got no
-rows; parameter names stay the HF ones keyed by global expert id. Run on CPU in bfloat16
+"""The stacked experts (workers/models/blocks/experts.py) as the mesh plan runs them on an EP rank:
+the GPU path (one grouped GEMM per projection over the local experts, device-side offsets) computes
+what the per-expert loop computes, forward and backward, for SwiGLU and squared-ReLU experts, with an
+expert that got no rows; a narrowed module names its experts by global id in its state dict, and a
+per-expert state dict round-trips through load_state_dict. Run on CPU in bfloat16
 (torch.nn.functional.grouped_mm runs there too), through kernels.FAST_PATH_ON_CPU."""
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import pytest
 import torch
 
 from workers.models.blocks import kernels
-from workers.models.blocks.latent_moe import ReluSquaredMLP
-from workers.models.blocks.mlp import Expert
-from workers.trainer.expert_parallel import LocalExperts
+from workers.models.blocks.experts import StackedExperts, checkpoint_grads
 
 
-@pytest.mark.parametrize("make", [lambda: Expert(32, 16), lambda: ReluSquaredMLP(32, 16)], ids=["swiglu", "relu2"])
-def test_grouped_local_experts_match_the_loop(make, monkeypatch):
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "relu2"])
+def test_grouped_local_experts_match_the_loop(gated, monkeypatch):
     torch.manual_seed(0)
-    experts = LocalExperts({str(i): make() for i in (4, 5, 6)}).to(torch.bfloat16)
-    assert [n for n, _ in experts.named_parameters()][0].startswith("4."), "global expert ids"
+    experts = StackedExperts(8, 32, 16, gated=gated)
+    experts.narrow_(4, 3)  # EP rank 1 of 2 with E/ep = 4... three of them: experts 4, 5, 6
+    experts = experts.to(torch.bfloat16)
+    names = list(experts.state_dict())
+    assert names[0].startswith("4.") and names[-1].startswith("6.") and len(names) == 3 * (3 if gated else 2)
     rows = torch.randn(10, 32, dtype=torch.bfloat16, requires_grad=True)
     counts = torch.tensor([3, 0, 7])  # expert 5 got nothing
 
@@ -36,4 +38,24 @@ def test_grouped_local_experts_match_the_loop(make, monkeypatch):
     assert torch.allclose(dx_fast.float(), dx_loop.float(), atol=1e-2)
     for a, b in zip(dw_fast, dw_loop):
         assert torch.allclose(a.float(), b.float(), atol=1e-2)
-    assert all(float(p.grad.abs().sum()) == 0 for p in experts["5"].parameters()), "no rows: zero gradient"
+    grads = checkpoint_grads(experts)
+    assert all(float(g.abs().sum()) == 0 for n, g in grads.items() if n.startswith("5.")), "no rows: zero gradient"
+    assert all(float(g.abs().sum()) > 0 for n, g in grads.items() if n.startswith("4."))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "relu2"])
+def test_per_expert_state_dict_is_views_and_round_trips(gated):
+    torch.manual_seed(0)
+    a, b = StackedExperts(3, 8, 4, gated=gated), StackedExperts(3, 8, 4, gated=gated)
+    state = a.state_dict()
+    want = {f"{e}.{n}" for e in range(3) for n in a.per_expert_names()}
+    assert set(state) == want
+    assert state["1.down_proj.weight"].shape == (8, 4)
+    state["1.down_proj.weight"].fill_(3.0)  # a view: writes reach the stack (the engine's loader relies on it)
+    assert float(a.down_proj.detach()[1].min()) == 3.0
+    b.load_state_dict(state, strict=True)
+    for name in a.stacks():
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    del state["2.up_proj.weight"]
+    with pytest.raises(RuntimeError, match="2.down_proj.weight|up_proj"):
+        b.load_state_dict(state, strict=True)

@@ -9,7 +9,8 @@ stored by their HF per-expert names, each held by the ranks of its EP group
 (``trainer.num_ranks`` and the layout may change between submissions of one run directory).
 
 What (one directory ``step_N``): ``dcp/`` (DCP's files + ``.metadata``: model and AdamW state,
-fully qualified by parameter name, through ``get_state_dict``), ``rng_R.pt`` per saving rank
+fully qualified by parameter name, through ``get_state_dict``; routed-expert stacks split into
+per-expert views by :func:`per_expert_state`), ``rng_R.pt`` per saving rank
 (torch, numpy, python RNG states), then ``COMPLETE`` {step, world_size, format: "dcp"}: the
 step is the data position (batch N is ``rollouts/step_N``, re-sharded over the new ranks).
 
@@ -40,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from workers.common.protocol import COMPLETE
+from workers.models.blocks.experts import checkpoint_named, stacked_state_names
 
 FORMAT = "dcp"
 DCP_DIR = "dcp"
@@ -57,7 +59,7 @@ def save(tmp: Path, final: Path, step: int, model, optimizer, *, rank: int, worl
     tmp.mkdir(parents=True, exist_ok=True)
     _atomic_torch_save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                        tmp / f"rng_{rank}.pt")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = per_expert_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
     if rank == 0:
         (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world_size, "format": FORMAT,
@@ -69,15 +71,50 @@ def save(tmp: Path, final: Path, step: int, model, optimizer, *, rank: int, worl
 
 def load(path: Path, model, optimizer, *, rank: int) -> None:
     """Restore model, AdamW state and RNG from ``path`` into this rank's shards (any saving world size)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # this layout's shards: DCP fills them in place
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with stacked_state_names():
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # this layout's shards, parameter names
+    # DCP fills the per-expert views in place, i.e. the stacks of model_sd / optim_sd.
+    dcp.load(dict(zip(("model", "optim"), _split_experts(model, model_sd, optim_sd))), checkpoint_id=str(path / DCP_DIR))
+    with stacked_state_names():
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     own = path / f"rng_{rank}.pt"
     rng = torch.load(own if own.exists() else path / "rng_0.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+
+
+def per_expert_state(model, optimizer) -> tuple[dict, dict]:
+    """torch's ``get_state_dict`` (model and optimizer state by parameter name, this rank's shards)
+    with every routed-expert stack (workers/models/blocks/experts.py) split into per-expert views
+    under checkpoint names (``...experts.7.gate_proj.weight``, global ids): the names DCP stores, so
+    experts reshard between any ep / dp layouts and the files are those of per-expert models too."""
+    with stacked_state_names():  # torch maps state-dict keys through named_parameters
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    return _split_experts(model, model_sd, optim_sd)
+
+
+def _split_experts(model, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """Per-expert VIEWS of ``model_sd`` / ``optim_sd`` (nothing copied: a DCP load into them fills the stacks)."""
+    model_out = checkpoint_named(model, model_sd)
+    renamed = {}  # stack name -> its per-expert names
+    for name in model_sd:
+        if name not in model_out:
+            renamed[name] = []
+    if not renamed:
+        return model_out, optim_sd
+    state = dict(optim_sd.get("state", {}))
+    for stack in renamed:
+        moments = state.pop(stack, None)
+        per_key = {k: checkpoint_named(model, {stack: v}) for k, v in (moments or {}).items()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0}
+        for n in checkpoint_named(model, {stack: model_sd[stack]}):
+            renamed[stack].append(n)
+            if moments is not None:  # scalar entries (AdamW's step) are shared by the stack's experts
+                state[n] = {k: (per_key[k][n] if k in per_key else v) for k, v in moments.items()}
+    groups = [{**g, "params": [m for p in g["params"] for m in renamed.get(p, [p])]}
+              for g in optim_sd.get("param_groups", [])]
+    return model_out, {**optim_sd, "state": state, "param_groups": groups}
 
 
 def agree(*flags: bool) -> list[bool]:

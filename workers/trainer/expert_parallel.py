@@ -2,8 +2,9 @@
 tokens moved by all-to-all, the local experts run as one grouped GEMM.
 
 Layout (workers/trainer/mesh_plan.py): EP rank r owns experts ``[r * E/ep, (r+1) * E/ep)`` of every
-MoE block, in a :class:`LocalExperts` keyed by the GLOBAL expert id, so parameter names stay the
-HF ones (``mlp.experts.5.up_proj.weight`` exists on the ranks of EP rank 1 when E/ep = 4). The ep
+MoE block: the block's :class:`~workers.models.blocks.experts.StackedExperts` narrowed to those
+rows, whose state dict names them by GLOBAL expert id (``mlp.experts.5.up_proj.weight`` exists on
+the ranks of EP rank 1 when E/ep = 4). The ep
 ranks of one EP group hold different rows of the batch; the tp ranks of a TP group hold the SAME
 rows (attention is tensor parallel). Inside a MoE block (:class:`ExpertParallel`, which the
 block calls from ``routed_experts`` instead of its own expert loop):
@@ -42,71 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from workers.models.blocks import kernels
+from workers.models.blocks.experts import StackedExperts
 from workers.trainer.ep_capacity import fixed_exchange, inverse
-
-
-class LocalExperts(nn.Module):
-    """This EP rank's experts, keyed by global expert id (HF names). ``forward(rows, counts)``
-    runs expert ``i``-th-local on the ``counts[i]`` consecutive rows of ``rows`` (the unit
-    ``fully_shard`` hooks: its forward gathers the expert shards). A plain Module with the experts
-    as children named by id, not an ``nn.ModuleDict``: torch 2.11's ``fully_shard`` refuses any
-    container class, forward or not."""
-
-    def __init__(self, experts: dict[str, nn.Module]):
-        super().__init__()
-        for name, expert in experts.items():
-            self.add_module(name, expert)
-        first = next(iter(experts.values()))
-        self.gated = hasattr(first, "gate_proj")  # SwiGLU experts; else squared-ReLU (Nemotron-H)
-
-    def __getitem__(self, key: str) -> nn.Module:
-        return self._modules[key]
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self):
-        return iter(self._modules)
-
-    def keys(self):
-        return self._modules.keys()
-
-    def values(self):
-        return self._modules.values()
-
-    def items(self):
-        return self._modules.items()
-
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
-        """``padded``: rows past ``counts.sum()`` are fixed-capacity padding (workers/trainer/ep_capacity.py);
-        their output rows are zero."""
-        if kernels.fast(rows) and hasattr(F, "grouped_mm") and rows.dtype == torch.bfloat16:
-            out = self._grouped(rows, counts)
-            if padded:  # grouped_mm leaves rows past the last offset unwritten
-                real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
-                out = torch.where(real[:, None], out, out.new_zeros(()))
-            return out
-        sizes = counts.tolist()  # the CPU loop (tests) needs the sizes on the host anyway
-        if padded:
-            sizes.append(rows.shape[0] - sum(sizes))
-        segs = rows.split(sizes)
-        outs = [expert(seg) for expert, seg in zip(self.values(), segs)]
-        if padded:
-            outs.append(torch.zeros_like(segs[-1]))
-        return torch.cat(outs) if outs else rows
-
-    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync
-        experts = list(self.values())
-
-        def stack(name):  # [E_local, in, out] for rows @ W^T
-            return torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
-        if self.gated:
-            h = F.silu(F.grouped_mm(rows, stack("gate_proj"), offs=offs)) * F.grouped_mm(rows, stack("up_proj"), offs=offs)
-        else:
-            h = F.relu(F.grouped_mm(rows, stack("up_proj"), offs=offs)).square()
-        return F.grouped_mm(h, stack("down_proj"), offs=offs)
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -145,7 +83,7 @@ class ExpertParallel:
     """What a MoE block's ``routed_experts(flat, idx, weights)`` runs under the mesh plan (module
     docstring). Not an nn.Module: the block keeps it in ``__dict__`` (no parameters of its own)."""
 
-    def __init__(self, experts: LocalExperts, *, num_experts: int, top_k: int, ep_group: Optional[dist.ProcessGroup],
+    def __init__(self, experts: StackedExperts, *, num_experts: int, top_k: int, ep_group: Optional[dist.ProcessGroup],
                  ep: int, tp_group: Optional[dist.ProcessGroup], tp: int, tp_rank: int):
         self.experts, self.num_experts, self.top_k = experts, num_experts, top_k
         self.ep_group, self.ep, self.num_local = ep_group, ep, num_experts // ep
@@ -197,14 +135,14 @@ class ExpertParallel:
         return all_to_all_single_autograd(back, in_splits, out_splits, self.ep_group)
 
 
-def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int, tp_rank: int) -> LocalExperts:
+def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int,
+                  tp_rank: int) -> StackedExperts:
     """Keep this EP rank's experts of ``block`` (a MoE block with ``experts``, ``num_experts``,
     ``top_k`` and ``routed_experts``) and route its expert compute through :class:`ExpertParallel`."""
     e = block.num_experts
     if e % ep:
         raise ValueError(f"trainer.parallel.ep({ep}) must divide model.num_experts({e})")
-    local = range(ep_rank * e // ep, (ep_rank + 1) * e // ep)
-    block.experts = LocalExperts({str(i): block.experts[i] for i in local})
+    block.experts.narrow_(ep_rank * e // ep, e // ep)
     block.__dict__["expert_parallel"] = ExpertParallel(block.experts, num_experts=e, top_k=block.top_k,
                                                        ep_group=ep_group if ep > 1 else None, ep=ep,
                                                        tp_group=tp_group, tp=tp, tp_rank=tp_rank)

@@ -3,8 +3,9 @@
 Used for every run with tp = ep = 1 (ModelSpec.trainer_plan picks the plan), whatever the
 family: ``fully_shard`` each decoder layer of ``model.model.layers`` (every layer has its own
 ``forward(x, ctx)``, which FSDP2 needs to hook), then the root (embeddings, final norm, lm_head).
-Each parameter becomes a DTensor sharded on dim 0 over the ``dp_shard`` mesh: a rank holds
-1/world of the parameters, of their gradients and of the AdamW state.
+Each parameter becomes a DTensor sharded on dim 0 over the ``dp_shard`` mesh (routed-expert stacks
+on their input dim: workers/models/blocks/experts.py): a rank holds 1/world of the parameters, of
+their gradients and of the AdamW state.
 
 Per layer, in the forward: all-gather the layer's shards (cast to the compute dtype by
 ``MixedPrecisionPolicy``), run it, free the gathered copy; in the backward: all-gather again,
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from workers.models.blocks.experts import shard_placement
 from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.weights.stream import local_part
 from workers.trainer.parallel import ParallelDims
@@ -118,7 +120,8 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     layers = list(full.model.layers)
     for i, layer in enumerate(layers):
         # The last layer's gathered weights are needed again at once by the backward: keep them.
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_between(mesh, i, len(layers)))
+        fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=shard_placement(layer),
+                    reshard_after_forward=reshard_between(mesh, i, len(layers)))
     fully_shard(full, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for module in [*layers, full]:
         module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser

@@ -32,8 +32,9 @@ Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors
              embeddings stay replicated (the head is the embedding).
 Then ``fully_shard`` of each MoE block's experts over ``edp``, of every layer over ``batch`` and
 of the root. Gradients are summed (divide factor 1): the loss carries the global normaliser.
-Parameter names stay the HF ones (experts by global id), so DCP checkpoints
-(workers/trainer/dcp_state.py) reshard between this plan and the FSDP plan at any layout.
+Expert stacks are sharded on their input dim (experts.SHARD_DIM), so each expert's checkpoint-named
+view (by global id) is a slice of the local shard: DCP checkpoints (workers/trainer/dcp_state.py)
+store experts per expert and reshard between this plan and the FSDP plan at any layout.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from workers.trainer.expert_parallel import LocalExperts, shard_experts
+from workers.models.blocks.experts import StackedExperts, shard_placement, stacked_state_names
+from workers.trainer.expert_parallel import shard_experts
 from workers.trainer.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
 from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.trainer.parallel import ParallelDims
@@ -160,17 +162,20 @@ class MeshTrainerModel(FsdpTrainerModel):
 
     def full_state_dict(self, *, to_rank: Optional[int] = 0,
                         dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
-        """The full HF state dict (COLLECTIVE): DTensors gathered one at a time, each MoE block's
-        experts gathered over edp then ep (all_gather of the stacked local experts)."""
-        return self._gather_all(self.state_dict().items(), self.full_state_names, to_rank, dtype)
+        """The full HF state dict (COLLECTIVE): DTensors gathered one at a time, each expert stack
+        gathered over edp then ep (all_gather of the local experts), then split per expert."""
+        with stacked_state_names():
+            state = self.state_dict()
+        return self._gather_all(state.items(), self.full_state_names, to_rank, dtype, per_expert=True)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
+        """The full gradients under parameter names (expert stacks whole, as the unsharded model's)."""
         grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
-        return self._gather_all(grads, self.full_param_names, to_rank, None)
+        return self._gather_all(grads, self.full_param_names, to_rank, None, per_expert=False)
 
     @torch.no_grad()
     def _gather_all(self, tensors: Iterable[tuple[str, torch.Tensor]], names: list[str], to_rank: Optional[int],
-                    dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
+                    dtype: Optional[torch.dtype], *, per_expert: bool) -> Optional[dict[str, torch.Tensor]]:
         tensors = dict(tensors)
         local = self.expert_modules()
         prefixes = tuple(prefix + "." for prefix, _ in local)
@@ -178,23 +183,24 @@ class MeshTrainerModel(FsdpTrainerModel):
         out = self._gather_full(dense, None, dtype)
         ep_group = self.mesh.get_group("ep") if self.dims.ep > 1 else None
         for prefix, experts in local:  # same order on every rank
-            ids = list(experts.keys())
-            for suffix, _ in experts[ids[0]].named_parameters():
-                local = [tensors[f"{prefix}.{i}.{suffix}"] for i in ids]
-                stack = torch.stack([t.full_tensor() if isinstance(t, DTensor) else t.detach() for t in local])
+            stacks = {}
+            for s in experts.stacks():
+                t = tensors[f"{prefix}.{s}"]
+                stack = t.full_tensor() if isinstance(t, DTensor) else t.detach()
                 if ep_group is not None:
                     parts = [torch.empty_like(stack) for _ in range(self.dims.ep)]
                     dist.all_gather(parts, stack.contiguous(), group=ep_group)
                     stack = torch.cat(parts)
-                for e in range(stack.shape[0]):
-                    t = stack[e].clone()
-                    out[f"{prefix}.{e}.{suffix}"] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                stacks[s] = stack.to(dtype) if dtype is not None and stack.is_floating_point() else stack
+            items = experts.split(stacks, first=0) if per_expert else stacks.items()
+            out.update((f"{prefix}.{n}", t) for n, t in items)
         if to_rank is not None and self.dims.rank != to_rank:
             return None
         return {n: out[n] for n in names}
 
-    def expert_modules(self) -> list[tuple[str, LocalExperts]]:
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, LocalExperts)]
+    def expert_modules(self) -> list[tuple[str, StackedExperts]]:
+        """(name, module) of every MoE block's (local) expert stacks."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, StackedExperts)]
 
 
 def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Precision] = None) -> nn.Module:
@@ -218,9 +224,10 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
             experts = shard_experts(block, ep_group=mesh.get_group("ep") if dims.ep > 1 else None, ep=dims.ep,
                                     ep_rank=dims.ep_rank, tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
                                     tp=dims.tp, tp_rank=dims.tp_rank)
-            fully_shard(experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=reshard_between(edp_mesh, i, len(layers)))
+            fully_shard(experts, mesh=edp_mesh, mp_policy=policy, shard_placement_fn=shard_placement(experts),
+                        reshard_after_forward=reshard_between(edp_mesh, i, len(layers)))
             units.append(experts)
-        fully_shard(layer, mesh=batch_mesh, mp_policy=policy,
+        fully_shard(layer, mesh=batch_mesh, mp_policy=policy, shard_placement_fn=shard_placement(layer),
                     reshard_after_forward=reshard_between(batch_mesh, i, len(layers)))
         units.append(layer)
     fully_shard(full, mesh=batch_mesh, mp_policy=policy, reshard_after_forward=False)

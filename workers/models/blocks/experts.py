@@ -22,7 +22,7 @@ is a local view of this rank's shard (DTensor slicing of unsharded dims; no comm
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +86,14 @@ class StackedExperts(nn.Module):
         return (("gate_proj.weight", "up_proj.weight", "down_proj.weight") if self.gated
                 else ("up_proj.weight", "down_proj.weight"))
 
-    def split(self, stacks: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def split(self, stacks: dict[str, torch.Tensor], first: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(<global id>.<name>, view)`` of every expert in ``stacks`` {stack name: tensor shaped like
-        it} (parameters, their gradients, optimizer moments; DTensors sharded on :data:`SHARD_DIM`)."""
+        it} (parameters, their gradients, optimizer moments; DTensors sharded on :data:`SHARD_DIM`;
+        or all experts gathered, with ``first`` 0)."""
         inter = self.intermediate_size
-        for e in range(self.num_local):
-            g = self.first + e
+        first = self.first if first is None else first
+        for e in range(len(stacks["down_proj"])):
+            g = first + e
             if self.gated:
                 gu = stacks["gate_up_proj"][e]
                 yield f"{g}.gate_proj.weight", gu[:inter]
@@ -99,6 +101,17 @@ class StackedExperts(nn.Module):
             else:
                 yield f"{g}.up_proj.weight", stacks["up_proj"][e]
             yield f"{g}.down_proj.weight", stacks["down_proj"][e]
+
+    def split_stack(self, stack: str, t: torch.Tensor, first: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`split` of one stack (an optimizer moment, a gradient)."""
+        inter = self.intermediate_size
+        first = self.first if first is None else first
+        for e in range(len(t)):
+            if stack == "gate_up_proj":
+                yield f"{first + e}.gate_proj.weight", t[e][:inter]
+                yield f"{first + e}.up_proj.weight", t[e][inter:]
+            else:
+                yield f"{first + e}.{stack}.weight", t[e]
 
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
@@ -165,7 +178,7 @@ def _stack_loaded(module: StackedExperts, state: dict, prefix: str, local_metada
     """load_state_dict pre-hook: per-expert tensors (checkpoint names) stacked into the module's names.
     Left alone when any expert tensor is missing: the load then reports the stack as missing and
     the per-expert keys as unexpected, by name."""
-    names = [prefix + n for n, _ in module.split({s: _Rows() for s in module.stacks()})]
+    names = [prefix + n for n, _ in module.split({s: _Rows(module.num_local) for s in module.stacks()})]
     if not all(n in state for n in names):
         return
     per = len(module.per_expert_names())
@@ -181,6 +194,12 @@ def _stack_loaded(module: StackedExperts, state: dict, prefix: str, local_metada
 class _Rows:
     """Stands in for a stack when only :meth:`StackedExperts.split`'s names are wanted."""
 
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
     def __getitem__(self, _):
         return self
 
@@ -193,11 +212,9 @@ def checkpoint_named(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
         if not isinstance(mod, StackedExperts):
             continue
         pre = prefix + "." if prefix else ""
-        stacks = {s: out.pop(pre + s) for s in mod.stacks() if pre + s in out}
-        if len(stacks) == len(mod.stacks()):
-            out.update((pre + n, v) for n, v in mod.split(stacks))
-        else:
-            out.update((pre + s, t) for s, t in stacks.items())
+        for s in mod.stacks():
+            if pre + s in out:
+                out.update((pre + n, v) for n, v in mod.split_stack(s, out.pop(pre + s)))
     return out
 
 
