@@ -3,7 +3,7 @@
   fsdp+foreach  the FSDP2 plan with the default (foreach) AdamW: the 2026-12-03 baseline;
   fsdp+fused    the same with the fused AdamW the trainer now builds on CUDA (loop.build_optimizer);
   mesh+fused    the mesh plan (workers/trainer/mesh_plan.py) at world 1: each MoE block's experts
-                run through expert_parallel.LocalExperts (one grouped GEMM per projection), the
+                run through the stacked experts (workers/models/blocks/experts.py) (one grouped GEMM per projection), the
                 path tp/ep runs take on GPUs; its loss must equal the FSDP plan's (same math);
   fsdp+fused+compile, mesh+fused+compile
                 the same with trainer.compile=layers (workers/trainer/compile.py: each decoder layer

@@ -56,10 +56,32 @@ def to_fp8(model) -> nn.Module:
         att = layer.self_attn
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(att, n, Fp8Linear(getattr(att, n)))
-        for e in layer.mlp.experts:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                setattr(e, n, Fp8Linear(getattr(e, n)))
+        layer.mlp.experts = Fp8Experts(layer.mlp.experts)
     return model
+
+
+class Fp8Experts(nn.Module):
+    """A MoE block's stacked SwiGLU experts with every projection an :class:`Fp8Linear` (the block's
+    per-expert loop calls ``expert``; no grouped GEMM: ``grouped_ok`` is False)."""
+
+    def __init__(self, stacked):
+        super().__init__()
+        inter = stacked.intermediate_size
+
+        def fp8(w):
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            lin.weight.data.copy_(w)
+            return Fp8Linear(lin)
+        gu, down = stacked.gate_up_proj.detach(), stacked.down_proj.detach()
+        self.gate = nn.ModuleList(fp8(gu[e, :inter]) for e in range(len(gu)))
+        self.up = nn.ModuleList(fp8(gu[e, inter:]) for e in range(len(gu)))
+        self.down = nn.ModuleList(fp8(down[e]) for e in range(len(down)))
+
+    def grouped_ok(self, rows) -> bool:
+        return False
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.down[e](F.silu(self.gate[e](x)) * self.up[e](x))
 
 
 def fp8_check(device) -> float:

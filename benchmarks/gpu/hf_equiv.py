@@ -6,8 +6,9 @@ biases, untied lm_head) with two differences, both removed here:
 - Qwen3-MoE has per-head RMSNorms on queries and keys (``q_norm``, ``k_norm``); tiny_moe has
   none, so they are replaced by ``nn.Identity`` (an RMSNorm with weight 1 is not an identity);
 - transformers 5 stores each layer's experts fused, ``experts.gate_up_proj [E, 2I, H]`` (gate
-  rows first) and ``experts.down_proj [E, H, I]``; tiny_moe keeps one module per expert
-  (``experts.N.gate_proj.weight``), so the weights are stacked on the way over.
+  rows first) and ``experts.down_proj [E, H, I]``, as tiny_moe does in memory; tiny_moe's state
+  dict has the checkpoint's per-expert names (``experts.N.gate_proj.weight``), so the weights are
+  stacked on the way over.
 Everything else maps by name. ``check_equivalence`` measures the logits' relative error.
 """
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
     dims = gloo_dims(0, 1, free_port())
     try:
         full = build_model(CFG, 7)
-        before = {n: p.detach().clone() for n, p in full.named_parameters()}
+        before = {n: p.detach().clone() for n, p in full.state_dict().items()}  # checkpoint names, as published
         model = (parallelize(full, dims, precision=precision) if plan_name == "fsdp"
                  else mesh_plan.parallelize(full, dims, precision=precision))
         seen = []
