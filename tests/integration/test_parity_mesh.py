@@ -40,6 +40,7 @@ from workers.trainer.mesh_plan import materialize, parallelize
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step, capture_routing, train_step
+from workers.models.blocks.experts import checkpoint_named
 
 SEED = moe.SEED
 
@@ -59,7 +60,8 @@ def reference(model_name: str) -> dict:
                         ratio_mask_low=cfg.ratio_mask_low, ratio_mask_high=cfg.ratio_mask_high)
     loss = pg + cfg.aux_loss_coef * load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), mcfg.top_k)
     loss.backward()
-    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    grads = checkpoint_named(model, {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                                     for n, p in model.named_parameters()})  # HF names, as full_grad_dict
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     assert norm > cfg.grad_clip, "grad_clip below the norm: clipping is exercised"
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()

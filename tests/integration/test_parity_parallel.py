@@ -37,6 +37,7 @@ from tests.integration.step_parity import assert_step_matches, step_and_save, we
 from tests.netutil import gloo_dims, run_ranks
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.step import capture_gate_logits
+from workers.models.blocks.experts import checkpoint_named
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,
                     expert_intermediate_size=32, max_position_embeddings=32)
@@ -105,7 +106,8 @@ def reference(batch: RolloutBatch, cfg: TrainerConfig, model_name: str = "tiny_m
     aux = load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), mcfg.top_k)
     loss = pg + cfg.aux_loss_coef * aux
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = checkpoint_named(model, {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                                     for n, p in model.named_parameters()})  # HF names, as full_grad_dict
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas)).step()
     return {"loss": loss.item(), "grad_norm": norm, "grads": grads, "weights": model.state_dict()}

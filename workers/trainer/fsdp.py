@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from workers.models.blocks.experts import shard_placement
+from workers.models.blocks.experts import checkpoint_named, shard_placement
 from workers.trainer.grad_clip import clip_sharded_grads_
 from workers.weights.stream import local_part
 from workers.trainer.parallel import ParallelDims
@@ -77,9 +77,11 @@ class FsdpTrainerModel:
         return self._gather_full(self.state_dict().items(), to_rank, dtype)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
-        """Like :meth:`full_state_dict` for the parameters' gradients (zeros where one has none)."""
+        """Like :meth:`full_state_dict` for the parameters' gradients (zeros where one has none), under
+        the checkpoint names (expert stacks split per expert)."""
         grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
-        return self._gather_full(grads, to_rank, None)
+        full = self._gather_full(grads, to_rank, None)
+        return None if full is None else checkpoint_named(self, full)
 
     @torch.no_grad()
     def _gather_full(self, tensors: Iterable[tuple[str, torch.Tensor]], to_rank: Optional[int],

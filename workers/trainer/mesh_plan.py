@@ -50,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from workers.models.blocks.experts import StackedExperts, shard_placement, stacked_state_names
+from workers.models.blocks.experts import StackedExperts, checkpoint_named, shard_placement, stacked_state_names
 from workers.trainer.expert_parallel import shard_experts
 from workers.trainer.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
 from workers.trainer.grad_clip import clip_sharded_grads_
@@ -166,16 +166,16 @@ class MeshTrainerModel(FsdpTrainerModel):
         gathered over edp then ep (all_gather of the local experts), then split per expert."""
         with stacked_state_names():
             state = self.state_dict()
-        return self._gather_all(state.items(), self.full_state_names, to_rank, dtype, per_expert=True)
+        return self._gather_all(state.items(), self.full_state_names, to_rank, dtype)
 
     def full_grad_dict(self, *, to_rank: Optional[int] = 0) -> Optional[dict[str, torch.Tensor]]:
-        """The full gradients under parameter names (expert stacks whole, as the unsharded model's)."""
+        """The full gradients under checkpoint names (as :meth:`full_state_dict`'s, buffers aside)."""
         grads = ((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named_parameters())
-        return self._gather_all(grads, self.full_param_names, to_rank, None, per_expert=False)
+        return self._gather_all(grads, self.full_param_names, to_rank, None)
 
     @torch.no_grad()
     def _gather_all(self, tensors: Iterable[tuple[str, torch.Tensor]], names: list[str], to_rank: Optional[int],
-                    dtype: Optional[torch.dtype], *, per_expert: bool) -> Optional[dict[str, torch.Tensor]]:
+                    dtype: Optional[torch.dtype]) -> Optional[dict[str, torch.Tensor]]:
         tensors = dict(tensors)
         local = self.expert_modules()
         prefixes = tuple(prefix + "." for prefix, _ in local)
@@ -192,8 +192,7 @@ class MeshTrainerModel(FsdpTrainerModel):
                     dist.all_gather(parts, stack.contiguous(), group=ep_group)
                     stack = torch.cat(parts)
                 stacks[s] = stack.to(dtype) if dtype is not None and stack.is_floating_point() else stack
-            items = experts.split(stacks, first=0) if per_expert else stacks.items()
-            out.update((f"{prefix}.{n}", t) for n, t in items)
+            out.update((f"{prefix}.{n}", t) for n, t in experts.split(stacks, first=0))
         if to_rank is not None and self.dims.rank != to_rank:
             return None
         return {n: out[n] for n in names}
@@ -209,7 +208,7 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     master = next(full.parameters()).dtype
     precision = precision or Precision(master=master, compute=master)
     assert precision.master == master, (precision, master)
-    param_names = [n for n, _ in full.named_parameters()]
+    param_names = list(checkpoint_named(full, dict(full.named_parameters())))  # checkpoint names
     state_names = list(full.state_dict().keys())
     if dims.ep > 1 and not any(_is_moe(m) for m in full.modules()):
         raise ValueError(f"trainer.parallel.ep({dims.ep}) > 1 needs a MoE model; this one has no routed layers")

@@ -204,17 +204,23 @@ class _Rows:
         return self
 
 
-def checkpoint_named(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def checkpoint_named(model: nn.Module, tensors: dict[str, torch.Tensor], *, first: Optional[int] = None
+                     ) -> dict[str, torch.Tensor]:
     """``tensors`` {parameter name: tensor shaped like it} (gradients, optimizer moments) renamed to
-    checkpoint names: each expert stack split into per-expert views (global ids), others unchanged."""
-    out = dict(tensors)
+    checkpoint names, in order: each expert stack split into per-expert views (global ids; ``first``
+    0 for stacks gathered over every EP rank), other entries unchanged."""
+    stacks = {}
     for prefix, mod in model.named_modules():
-        if not isinstance(mod, StackedExperts):
+        if isinstance(mod, StackedExperts):
+            pre = prefix + "." if prefix else ""
+            stacks.update({pre + s: (pre, mod, s) for s in mod.stacks()})
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name not in stacks:
+            out[name] = t
             continue
-        pre = prefix + "." if prefix else ""
-        for s in mod.stacks():
-            if pre + s in out:
-                out.update((pre + n, v) for n, v in mod.split_stack(s, out.pop(pre + s)))
+        pre, mod, stack = stacks[name]
+        out.update((pre + n, v) for n, v in mod.split_stack(stack, t, first))
     return out
 
 
