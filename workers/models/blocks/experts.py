@@ -89,18 +89,13 @@ class StackedExperts(nn.Module):
     def split(self, stacks: dict[str, torch.Tensor], first: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(<global id>.<name>, view)`` of every expert in ``stacks`` {stack name: tensor shaped like
         it} (parameters, their gradients, optimizer moments; DTensors sharded on :data:`SHARD_DIM`;
-        or all experts gathered, with ``first`` 0)."""
-        inter = self.intermediate_size
-        first = self.first if first is None else first
-        for e in range(len(stacks["down_proj"])):
-            g = first + e
-            if self.gated:
-                gu = stacks["gate_up_proj"][e]
-                yield f"{g}.gate_proj.weight", gu[:inter]
-                yield f"{g}.up_proj.weight", gu[inter:]
-            else:
-                yield f"{g}.up_proj.weight", stacks["up_proj"][e]
-            yield f"{g}.down_proj.weight", stacks["down_proj"][e]
+        or all experts gathered, with ``first`` 0), expert by expert in :meth:`per_expert_names` order."""
+        per = [list(self.split_stack(s, stacks[s], first)) for s in self.stacks()]
+        n = len(stacks["down_proj"])
+        for e in range(n):
+            for views in per:
+                k = len(views) // n
+                yield from views[e * k:(e + 1) * k]
 
     def split_stack(self, stack: str, t: torch.Tensor, first: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """:meth:`split` of one stack (an optimizer moment, a gradient)."""
