@@ -12,7 +12,9 @@ AdamW step) of both models on the same batch in the compute dtype, interleaved s
 same machine state; reported as tokens/s and the ratio ours / transformers (> 1: ours faster).
 On a GPU (or with ``--compile on``) a third model is timed: ours with every decoder layer
 torch.compile-d as ``trainer.compile=layers`` does (workers/trainer/compile.py), with its own ratio
-(``ratio_ours_compiled_over_hf``); transformers' model stays eager. CPU smoke of that column:
+(``ratio_ours_compiled_over_hf``), and transformers' model with its decoder layers compiled the
+same way (static shapes; ``ratio_ours_compiled_over_hf_compiled``; a compile failure is reported
+in ``hf_compile_error``). CPU smoke of those columns:
 ``--families qwen3_moe --compile on --compile-backend aot_eager --iters 1 --out /tmp/mp.json``.
 """
 from __future__ import annotations
@@ -156,6 +158,22 @@ def compiled_copy(ours: torch.nn.Module, backend: str) -> torch.nn.Module:
     return twin
 
 
+def hf_compiled_copy(hf: torch.nn.Module, backend: str, ids: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.nn.Module | None, str | None]:
+    """A copy of transformers' model with every decoder layer ``torch.compile``-d (static shapes: the
+    benchmark's one batch shape, which favours it), tried on one step first: (model, None), or
+    (None, the error) when compiling fails, so the eager columns still come out."""
+    twin = copy.deepcopy(hf)
+    for layer in twin.model.layers:
+        layer.compile(backend=backend)
+    try:
+        train_step(twin.to(dtype).train(), ids, torch.optim.AdamW(twin.parameters(), lr=0.0), ours=False)
+    except Exception as e:  # noqa: BLE001 (any compile failure is reported, not raised)
+        return None, f"{type(e).__name__}: {e}".splitlines()[0]
+    twin.zero_grad(set_to_none=True)
+    return twin, None
+
+
 def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
         compile_backend: str | None = None) -> dict:
     """``compile_backend`` (None: no compiled column): also time ours with compiled layers."""
@@ -171,8 +189,12 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
         small = ids[:, : min(seq, 64)]
         logits_err, grad_err = grad_errors(hf, ours, small) if size != "1b" else (float("nan"), float("nan"))
         models = {"ours": ours, "hf": hf}
+        hf_compile_error = None
         if compile_backend:
             models["ours_compiled"] = compiled_copy(ours, compile_backend)
+            models["hf_compiled"], hf_compile_error = hf_compiled_copy(hf, compile_backend, ids, dtype)
+            if models["hf_compiled"] is None:
+                del models["hf_compiled"]
         secs = time_steps(models, ids, dtype, iters)
         ours_s, hf_s = secs["ours"], secs["hf"]
         tokens = batch * seq
@@ -185,6 +207,14 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
                        ratio_ours_compiled_over_hf=hf_s / secs["ours_compiled"])
             line = (f"  compiled {row['ours_compiled_tokens_per_s']:9.0f} tok/s  "
                     f"ratio {row['ratio_ours_compiled_over_hf']:.2f}")
+        if "hf_compiled" in secs:
+            row.update(hf_compiled_tokens_per_s=tokens / secs["hf_compiled"],
+                       ratio_ours_compiled_over_hf_compiled=secs["hf_compiled"] / secs["ours_compiled"])
+            line += (f"  transformers compiled {row['hf_compiled_tokens_per_s']:9.0f} tok/s  "
+                     f"ratio {row['ratio_ours_compiled_over_hf_compiled']:.2f}")
+        elif hf_compile_error:
+            row["hf_compile_error"] = hf_compile_error
+            line += f"  transformers compiled: failed ({hf_compile_error[:80]})"
         rows.append(row)
         print(f"{family:12s} params {row['params']:>13,d}  logits err {logits_err:.1e}  grad err {grad_err:.1e}  "
               f"step ours {tokens / ours_s:9.0f} tok/s  transformers {tokens / hf_s:9.0f} tok/s  "
