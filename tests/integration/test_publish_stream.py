@@ -25,9 +25,11 @@ from tests.held_stream import Held
 from tests.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import initial_model, step0_model
+from workers.trainer import weight_stream
 from workers.trainer.weight_stream import ModelWeights
 from workers.weights.base import DistPeers
 from workers.weights.filesystem.publisher import FilesystemPublisher
+from workers.weights.stream import full_tensor
 
 TINY = ["model=tiny_moe", "model.hidden_size=64", "model.num_layers=3", "model.expert_intermediate_size=32",
         "model.num_experts=16", "trainer.num_ranks=2", "trainer.dtype=bfloat16"]
@@ -101,9 +103,17 @@ def _mesh_rank(rank: int, world: int, port: int, cfg, tp: int, ep: int) -> None:
         assert stream.names == list(full), "the stream keeps full_state_dict's names and order"
         remote = [n for n in stream.names if ".experts." in n and n not in model.state_dict()]
         assert bool(remote) == (ep > 1), "ep = 2: half the experts live on the other EP rank"
-        for (name, t), m in zip(stream.items(), stream.metas):
-            assert torch.equal(t, full[name]) and t.dtype == full[name].dtype, name
-            assert (m.dtype, m.shape, m.nbytes) == ("bfloat16", tuple(t.shape), t.numel() * 2), name
+        gathers = []
+        weight_stream.full_tensor = lambda t: gathers.append(1) or full_tensor(t)
+        try:
+            for (name, t), m in zip(stream.items(), stream.metas):
+                assert torch.equal(t, full[name]) and t.dtype == full[name].dtype, name
+                assert (m.dtype, m.shape, m.nbytes) == ("bfloat16", tuple(t.shape), t.numel() * 2), name
+        finally:
+            weight_stream.full_tensor = full_tensor
+        stacks = {(pre, s) for _, pre, s, _ in stream.in_stack.values()}
+        dense = [n for n in stream.names if n not in stream.in_stack and n not in stream.remote]
+        assert stacks and len(gathers) == len(dense) + len(stacks), "each expert stack is gathered once"
         sub = [n for n in reversed(stream.names) if ".experts." in n][:5]  # any order, as broadcast buckets ask
         assert all(torch.equal(t, full[n]) for n, t in stream.items(sub))
     finally:

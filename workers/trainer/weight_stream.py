@@ -11,7 +11,9 @@ Per tensor, under each plan (every rank asks for the same names in the same orde
                     its EP rank r (experts ``[r * E/ep, (r+1) * E/ep)``, expert_parallel.py): the
                     ranks of r's expert-data-parallel group gather it (``full_tensor`` over edp),
                     then each ep group broadcasts it from its member on EP rank r.
-Then floating tensors are cast to the published (compute) dtype. Names and shapes come from the
+Routed experts are stacked parameters (workers/models/blocks/experts.py): a block's stacks are
+gathered once each (one all-gather per projection, not one per expert tensor) and its experts
+served as views of them. Then floating tensors are cast to the published (compute) dtype. Names and shapes come from the
 model without communication (an absent expert takes the shape of a local sibling: every routed
 expert of a block has the same shapes), so publishers lay out files and buckets up front.
 """
@@ -23,7 +25,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from workers.models.blocks.experts import StackedExperts
 from workers.weights.stream import DictStream, cast, full_tensor, meta_of
 
 
@@ -53,6 +57,33 @@ class ModelWeights(DictStream):
             self.metas.append(meta_of(hf, t.shape, t.dtype, dtype))  # DTensor.shape is the full shape
         self.experts = {n for n in self.state if self.remote and ".experts." in n and any(
             n.startswith(p + ".") for p, _ in model.expert_modules())}
+        self.in_stack = self._stack_slots(model)
+        self._stack: Optional[tuple[str, dict[str, list[torch.Tensor]]]] = None  # the last block's stacks
+
+    @staticmethod
+    def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int]]:
+        """{per-expert name this rank holds: (module, its prefix, stack name, index in split_stack)}:
+        a sharded stack is gathered ONCE (one all-gather per projection and layer, not one per
+        expert tensor: 3E times fewer collectives) and its experts served as views of it."""
+        out = {}
+        for prefix, mod in model.named_modules():
+            if isinstance(mod, StackedExperts) and isinstance(mod.down_proj, DTensor):
+                pre = prefix + "." if prefix else ""
+                for s in mod.stacks():
+                    out.update((pre + n, (mod, pre, s, k)) for k, n in enumerate(mod.stack_names(s)))
+        return out
+
+    def _from_stack(self, name: str) -> torch.Tensor:
+        """Expert ``name`` as a view of its full stack, gathered over the stack's mesh on a miss. The
+        stacks of the block asked last are kept (checkpoint order interleaves a block's stacks
+        expert by expert); every rank of that mesh asks the same names in order, so misses pair up."""
+        mod, pre, stack, k = self.in_stack[name]
+        if self._stack is None or self._stack[0] != pre:
+            self._stack = (pre, {})  # drop the previous block's stacks before gathering the next
+        views = self._stack[1]
+        if stack not in views:
+            views[stack] = [v for _, v in mod.split_stack(stack, full_tensor(getattr(mod, stack).detach()))]
+        return views[stack][k]
 
     @staticmethod
     def _remote_experts(model: nn.Module, names: list[str]) -> dict[str, RemoteExpert]:
@@ -79,14 +110,15 @@ class ModelWeights(DictStream):
 
     def _gather(self, name: str) -> torch.Tensor:
         if name not in self.remote and name not in self.experts:
-            return full_tensor(self.state[name].detach())
+            return self._from_stack(name) if name in self.in_stack else full_tensor(self.state[name].detach())
         # a routed expert under ep > 1: gathered on its EP rank, broadcast over every ep group
         dims = self.model.dims
         if name in self.remote:
             owner, sib = self.remote[name].ep_rank, self.state[self.remote[name].sibling]
             full = torch.empty(tuple(sib.shape), dtype=sib.dtype, device=dims.device)
         else:
-            owner, full = dims.ep_rank, full_tensor(self.state[name].detach()).contiguous()
+            owner = dims.ep_rank
+            full = (self._from_stack(name) if name in self.in_stack else full_tensor(self.state[name].detach())).contiguous()
         dist.broadcast(full, group=self.model.mesh.get_group("ep"), group_src=owner)
         return full
 

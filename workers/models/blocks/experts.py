@@ -108,6 +108,10 @@ class StackedExperts(nn.Module):
             else:
                 yield f"{first + e}.{stack}.weight", t[e]
 
+    def stack_names(self, stack: str) -> list[str]:
+        """The per-expert names :meth:`split_stack` gives for ``stack``, in order (no tensor needed)."""
+        return [n for n, _ in self.split_stack(stack, _Rows(self.num_local))]
+
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
         """Keep experts ``[first, first + count)`` only (expert parallelism), still named by global id."""
