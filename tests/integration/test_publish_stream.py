@@ -111,9 +111,9 @@ def _mesh_rank(rank: int, world: int, port: int, cfg, tp: int, ep: int) -> None:
                 assert (m.dtype, m.shape, m.nbytes) == ("bfloat16", tuple(t.shape), t.numel() * 2), name
         finally:
             weight_stream.full_tensor = full_tensor
-        stacks = {(pre, s) for _, pre, s, _ in stream.in_stack.values()}
-        dense = [n for n in stream.names if n not in stream.in_stack and n not in stream.remote]
-        assert stacks and len(gathers) == len(dense) + len(stacks), "each expert stack is gathered once"
+        mine = {(pre, s) for _, pre, s, owner, _ in stream.slots.values() if owner == dims.ep_rank}
+        dense = [n for n in stream.names if n not in stream.slots]
+        assert mine and len(gathers) == len(dense) + len(mine), "each expert stack is gathered once"
         sub = [n for n in reversed(stream.names) if ".experts." in n][:5]  # any order, as broadcast buckets ask
         assert all(torch.equal(t, full[n]) for n, t in stream.items(sub))
     finally:

@@ -7,15 +7,16 @@ tensor at a time, when the publisher reaches it, and the publisher drops it once
 Per tensor, under each plan (every rank asks for the same names in the same order):
   plain module      the tensor itself (nothing to gather);
   FSDP plan         ``DTensor.full_tensor()``: one all-gather over the data-parallel ranks;
-  mesh plan         dense / TP DTensors the same (over their mesh); a routed expert lives only on
-                    its EP rank r (experts ``[r * E/ep, (r+1) * E/ep)``, expert_parallel.py): the
-                    ranks of r's expert-data-parallel group gather it (``full_tensor`` over edp),
-                    then each ep group broadcasts it from its member on EP rank r.
-Routed experts are stacked parameters (workers/models/blocks/experts.py): a block's stacks are
-gathered once each (one all-gather per projection, not one per expert tensor) and its experts
-served as views of them. Then floating tensors are cast to the published (compute) dtype. Names and shapes come from the
-model without communication (an absent expert takes the shape of a local sibling: every routed
-expert of a block has the same shapes), so publishers lay out files and buckets up front.
+  mesh plan         dense / TP DTensors the same (over their mesh).
+Routed experts are stacked parameters (workers/models/blocks/experts.py), and a sharded block's
+experts are served as views of its FULL stacks, fetched once per projection (not once per expert
+tensor: 3E times fewer collectives): gathered with ``full_tensor`` over the stack's mesh; under
+ep > 1 the experts of EP rank r (``[r * E/ep, (r+1) * E/ep)``, expert_parallel.py) are gathered by
+r's expert-data-parallel group, then each ep group broadcasts the stack from its member on EP rank
+r. Only the stacks of one (block, EP rank) are held at a time (the checkpoint order walks a block's
+experts by id). Then floating tensors are cast to the published (compute) dtype. Names and shapes
+come from the model without communication (an absent expert takes the shape of a local sibling:
+every routed expert of a block has the same shapes), so publishers lay out files and buckets up front.
 """
 from __future__ import annotations
 
@@ -29,13 +30,6 @@ from torch.distributed.tensor import DTensor
 
 from workers.models.blocks.experts import StackedExperts
 from workers.weights.stream import DictStream, cast, full_tensor, meta_of
-
-
-class RemoteExpert:
-    """Where a routed expert tensor this rank does not hold lives: its EP rank and a local sibling."""
-
-    def __init__(self, ep_rank: int, sibling: str):
-        self.ep_rank, self.sibling = ep_rank, sibling
 
 
 class ModelWeights(DictStream):
@@ -53,45 +47,53 @@ class ModelWeights(DictStream):
         self.ours = to_hf({n: n for n in names}) if to_hf is not None else {n: n for n in names}  # HF -> ours
         self.metas = []
         for hf, n in self.ours.items():
-            t = self.state[self.remote[n].sibling if n in self.remote else n]
+            t = self.state[self.remote.get(n, n)]
             self.metas.append(meta_of(hf, t.shape, t.dtype, dtype))  # DTensor.shape is the full shape
-        self.experts = {n for n in self.state if self.remote and ".experts." in n and any(
-            n.startswith(p + ".") for p, _ in model.expert_modules())}
-        self.in_stack = self._stack_slots(model)
-        self._stack: Optional[tuple[str, dict[str, list[torch.Tensor]]]] = None  # the last block's stacks
+        self.slots = self._stack_slots(model)
+        self._held: Optional[tuple[tuple[str, int], dict[str, list[torch.Tensor]]]] = None  # (block, EP rank) stacks
 
     @staticmethod
-    def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int]]:
-        """{per-expert name this rank holds: (module, its prefix, stack name, index in split_stack)}:
-        a sharded stack is gathered ONCE (one all-gather per projection and layer, not one per
-        expert tensor: 3E times fewer collectives) and its experts served as views of it."""
+    def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int, int]]:
+        """{per-expert name: (module, its prefix, stack name, owning EP rank, index in split_stack)} of
+        every sharded block's experts, those of other EP ranks included."""
+        dims = getattr(model, "dims", None)
+        ep = dims.ep if dims is not None else 1
         out = {}
         for prefix, mod in model.named_modules():
             if isinstance(mod, StackedExperts) and isinstance(mod.down_proj, DTensor):
                 pre = prefix + "." if prefix else ""
-                for s in mod.stacks():
-                    out.update((pre + n, (mod, pre, s, k)) for k, n in enumerate(mod.stack_names(s)))
+                per = mod.num_local
+                for r in range(ep):
+                    for s in mod.stacks():
+                        out.update((pre + n, (mod, pre, s, r, k)) for k, n in enumerate(mod.stack_names(s, r * per)))
         return out
 
     def _from_stack(self, name: str) -> torch.Tensor:
-        """Expert ``name`` as a view of its full stack, gathered over the stack's mesh on a miss. The
-        stacks of the block asked last are kept (checkpoint order interleaves a block's stacks
-        expert by expert); every rank of that mesh asks the same names in order, so misses pair up."""
-        mod, pre, stack, k = self.in_stack[name]
-        if self._stack is None or self._stack[0] != pre:
-            self._stack = (pre, {})  # drop the previous block's stacks before gathering the next
-        views = self._stack[1]
+        """Expert ``name`` as a view of its full stack, fetched on a miss (module docstring). Every rank
+        asks the same names in the same order, so the gathers and broadcasts pair up."""
+        mod, pre, stack, owner, k = self.slots[name]
+        if self._held is None or self._held[0] != (pre, owner):
+            self._held = ((pre, owner), {})  # drop the previous stacks before fetching the next
+        views = self._held[1]
         if stack not in views:
-            views[stack] = [v for _, v in mod.split_stack(stack, full_tensor(getattr(mod, stack).detach()))]
+            param = getattr(mod, stack)
+            dims = getattr(self.model, "dims", None)
+            if dims is None or dims.ep == 1:
+                full = full_tensor(param.detach())
+            else:
+                full = (full_tensor(param.detach()).contiguous() if owner == dims.ep_rank
+                        else torch.empty(tuple(param.shape), dtype=param.dtype, device=dims.device))
+                dist.broadcast(full, group=self.model.mesh.get_group("ep"), group_src=owner)
+            views[stack] = [v for _, v in mod.split_stack(stack, full, owner * mod.num_local)]
         return views[stack][k]
 
     @staticmethod
-    def _remote_experts(model: nn.Module, names: list[str]) -> dict[str, RemoteExpert]:
-        """Routed-expert names held by another EP rank (mesh plan with ep > 1), else empty."""
+    def _remote_experts(model: nn.Module, names: list[str]) -> dict[str, str]:
+        """{routed-expert name held by another EP rank (mesh plan, ep > 1): a local sibling of the same shape}."""
         dims = getattr(model, "dims", None)
         if dims is None or dims.ep == 1 or not hasattr(model, "expert_modules"):
             return {}
-        out: dict[str, RemoteExpert] = {}
+        out: dict[str, str] = {}
         for prefix, local in model.expert_modules():
             ids = list(range(local.first, local.first + local.num_local))
             per_rank = len(ids)
@@ -100,7 +102,7 @@ class ModelWeights(DictStream):
             for n in names:
                 m = pattern.match(n)
                 if m and int(m.group(1)) not in ids:
-                    out[n] = RemoteExpert(int(m.group(1)) // per_rank, f"{prefix}.{ids[0]}.{m.group(2)}")
+                    out[n] = f"{prefix}.{ids[0]}.{m.group(2)}"
         return out
 
     @torch.no_grad()
@@ -109,18 +111,7 @@ class ModelWeights(DictStream):
             yield hf, cast(self._gather(self.ours[hf]), self.dtype)
 
     def _gather(self, name: str) -> torch.Tensor:
-        if name not in self.remote and name not in self.experts:
-            return self._from_stack(name) if name in self.in_stack else full_tensor(self.state[name].detach())
-        # a routed expert under ep > 1: gathered on its EP rank, broadcast over every ep group
-        dims = self.model.dims
-        if name in self.remote:
-            owner, sib = self.remote[name].ep_rank, self.state[self.remote[name].sibling]
-            full = torch.empty(tuple(sib.shape), dtype=sib.dtype, device=dims.device)
-        else:
-            owner = dims.ep_rank
-            full = (self._from_stack(name) if name in self.in_stack else full_tensor(self.state[name].detach())).contiguous()
-        dist.broadcast(full, group=self.model.mesh.get_group("ep"), group_src=owner)
-        return full
+        return self._from_stack(name) if name in self.slots else full_tensor(self.state[name].detach())
 
     def local_nonfinite(self) -> list[str]:
         """Checked on this rank's shards (names are HF names)."""

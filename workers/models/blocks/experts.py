@@ -108,9 +108,9 @@ class StackedExperts(nn.Module):
             else:
                 yield f"{first + e}.{stack}.weight", t[e]
 
-    def stack_names(self, stack: str) -> list[str]:
+    def stack_names(self, stack: str, first: Optional[int] = None) -> list[str]:
         """The per-expert names :meth:`split_stack` gives for ``stack``, in order (no tensor needed)."""
-        return [n for n, _ in self.split_stack(stack, _Rows(self.num_local))]
+        return [n for n, _ in self.split_stack(stack, _Rows(self.num_local), first)]
 
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
