@@ -59,3 +59,7 @@ def test_per_expert_state_dict_is_views_and_round_trips(gated):
     del state["2.up_proj.weight"]
     with pytest.raises(RuntimeError, match="2.down_proj.weight|up_proj"):
         b.load_state_dict(state, strict=True)
+    state = a.state_dict()
+    state["0.down_proj.weight"] = torch.zeros(8, 5)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0\.down_proj\.weight.*\(8, 5\).*\(8, 4\)"):
+        b.load_state_dict(state, strict=True)

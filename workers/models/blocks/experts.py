@@ -176,12 +176,20 @@ def _stack_loaded(module: StackedExperts, state: dict, prefix: str, local_metada
                   errors) -> None:
     """load_state_dict pre-hook: per-expert tensors (checkpoint names) stacked into the module's names.
     Left alone when any expert tensor is missing: the load then reports the stack as missing and
-    the per-expert keys as unexpected, by name."""
-    names = [prefix + n for n, _ in module.split({s: _Rows(module.num_local) for s in module.stacks()})]
-    if not all(n in state for n in names):
+    the per-expert keys as unexpected, by name. A mis-shaped one is reported as torch reports a
+    size mismatch, by its checkpoint name."""
+    want = {prefix + n: tuple(v.shape) for n, v in module.split({s: getattr(module, s) for s in module.stacks()})}
+    if not all(n in state for n in want):
+        return
+    bad = [f"size mismatch for {n}: copying a param with shape {tuple(state[n].shape)} from checkpoint, the shape "
+           f"in current model is {shape}." for n, shape in want.items() if tuple(state[n].shape) != shape]
+    if bad:
+        errors.extend(bad)
+        for n in want:
+            state.pop(n)
         return
     per = len(module.per_expert_names())
-    parts = [state.pop(n) for n in names]
+    parts = [state.pop(n) for n in want]
     if module.gated:
         state[prefix + "gate_up_proj"] = torch.stack([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), per)])
         state[prefix + "down_proj"] = torch.stack(parts[2::per])
