@@ -63,3 +63,22 @@ def test_per_expert_state_dict_is_views_and_round_trips(gated):
     state["0.down_proj.weight"] = torch.zeros(8, 5)
     with pytest.raises(RuntimeError, match=r"size mismatch for 0\.down_proj\.weight.*\(8, 5\).*\(8, 4\)"):
         b.load_state_dict(state, strict=True)
+
+
+def test_weight_stream_names_serves_and_flags_single_experts():
+    """The publish stream of a model with stacked experts: checkpoint names in state-dict order, each
+    expert served as its slice of the stack, and a NaN in one expert flagged under that expert's name."""
+    from tests.integration.test_parity_parallel import CONFIGS, build_model
+    from workers.trainer.weight_stream import ModelWeights
+
+    model = build_model(CONFIGS["qwen3_moe"], 0)
+    stream = ModelWeights(model)
+    state = model.state_dict()
+    assert stream.names == list(state)
+    assert all(torch.equal(t, state[n]) for n, t in stream.items())
+    assert [m.shape for m in stream.metas] == [tuple(t.shape) for t in state.values()]
+    assert stream.local_nonfinite() == []
+    bad = [n for n in state if ".experts.1.up_proj" in n][-1]
+    with torch.no_grad():
+        state[bad][0, 0] = float("nan")  # a view: the stack itself
+    assert stream.local_nonfinite() == [bad]

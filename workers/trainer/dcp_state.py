@@ -97,22 +97,17 @@ def per_expert_state(model, optimizer) -> tuple[dict, dict]:
 def _split_experts(model, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
     """Per-expert VIEWS of ``model_sd`` / ``optim_sd`` (nothing copied: a DCP load into them fills the stacks)."""
     model_out = checkpoint_named(model, model_sd)
-    renamed = {}  # stack name -> its per-expert names
-    for name in model_sd:
-        if name not in model_out:
-            renamed[name] = []
-    if not renamed:
+    stacks = [n for n in model_sd if n not in model_out]
+    if not stacks:
         return model_out, optim_sd
+    names = {s: list(checkpoint_named(model, {s: model_sd[s]})) for s in stacks}
     state = dict(optim_sd.get("state", {}))
-    for stack in renamed:
-        moments = state.pop(stack, None)
-        per_key = {k: checkpoint_named(model, {stack: v}) for k, v in (moments or {}).items()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0}
-        for n in checkpoint_named(model, {stack: model_sd[stack]}):
-            renamed[stack].append(n)
-            if moments is not None:  # scalar entries (AdamW's step) are shared by the stack's experts
-                state[n] = {k: (per_key[k][n] if k in per_key else v) for k, v in moments.items()}
-    groups = [{**g, "params": [m for p in g["params"] for m in renamed.get(p, [p])]}
+    moved = {s: state.pop(s) for s in stacks if s in state}
+    tensors = {k for m in moved.values() for k, v in m.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    split = {k: checkpoint_named(model, {s: m[k] for s, m in moved.items()}) for k in tensors}
+    for s, moments in moved.items():  # scalar entries (AdamW's step) are shared by the stack's experts
+        state.update((n, {k: split[k][n] if k in tensors else v for k, v in moments.items()}) for n in names[s])
+    groups = [{**g, "params": [m for p in g["params"] for m in names.get(p, [p])]}
               for g in optim_sd.get("param_groups", [])]
     return model_out, {**optim_sd, "state": state, "param_groups": groups}
 

@@ -20,16 +20,15 @@ every routed expert of a block has the same shapes), so publishers lay out files
 """
 from __future__ import annotations
 
-import re
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from workers.models.blocks.experts import StackedExperts
-from workers.weights.stream import DictStream, cast, full_tensor, meta_of
+from workers.models.blocks.experts import StackedExperts, checkpoint_named, checkpoint_order, stacked_state_names
+from workers.weights.checksums import nonfinite_names
+from workers.weights.stream import DictStream, cast, full_tensor, local_part, meta_of
 
 
 class ModelWeights(DictStream):
@@ -41,26 +40,31 @@ class ModelWeights(DictStream):
     def __init__(self, model: nn.Module, *, dtype: Optional[torch.dtype] = None,
                  to_hf: Optional[Callable[[dict], dict]] = None):
         self.model, self.dtype = model, dtype
-        self.state = model.state_dict()  # references to this rank's shards: nothing is copied
-        names = list(getattr(model, "full_state_names", None) or self.state)
-        self.remote = self._remote_experts(model, names)
+        with stacked_state_names():  # references to this rank's shards, expert stacks whole: nothing copied
+            self.state = model.state_dict()
+        self.slots = self._stack_slots(model)
+        names = list(getattr(model, "full_state_names", None) or checkpoint_order(model, self.state))
         self.ours = to_hf({n: n for n in names}) if to_hf is not None else {n: n for n in names}  # HF -> ours
         self.metas = []
         for hf, n in self.ours.items():
-            t = self.state[self.remote.get(n, n)]
-            self.metas.append(meta_of(hf, t.shape, t.dtype, dtype))  # DTensor.shape is the full shape
-        self.slots = self._stack_slots(model)
+            if n in self.slots:  # an expert (maybe another EP rank's): shaped like its stack's rows
+                mod, _, stack, _, _ = self.slots[n]
+                param = getattr(mod, stack)
+                self.metas.append(meta_of(hf, mod.expert_shape(stack), param.dtype, dtype))
+            else:
+                t = self.state[n]
+                self.metas.append(meta_of(hf, t.shape, t.dtype, dtype))  # DTensor.shape is the full shape
         self._held: Optional[tuple[tuple[str, int], dict[str, list[torch.Tensor]]]] = None  # (block, EP rank) stacks
 
     @staticmethod
     def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int, int]]:
         """{per-expert name: (module, its prefix, stack name, owning EP rank, index in split_stack)} of
-        every sharded block's experts, those of other EP ranks included."""
+        every block's experts, those of other EP ranks included (names only: nothing is sliced)."""
         dims = getattr(model, "dims", None)
         ep = dims.ep if dims is not None else 1
         out = {}
         for prefix, mod in model.named_modules():
-            if isinstance(mod, StackedExperts) and isinstance(mod.down_proj, DTensor):
+            if isinstance(mod, StackedExperts):
                 pre = prefix + "." if prefix else ""
                 per = mod.num_local
                 for r in range(ep):
@@ -87,24 +91,6 @@ class ModelWeights(DictStream):
             views[stack] = [v for _, v in mod.split_stack(stack, full, owner * mod.num_local)]
         return views[stack][k]
 
-    @staticmethod
-    def _remote_experts(model: nn.Module, names: list[str]) -> dict[str, str]:
-        """{routed-expert name held by another EP rank (mesh plan, ep > 1): a local sibling of the same shape}."""
-        dims = getattr(model, "dims", None)
-        if dims is None or dims.ep == 1 or not hasattr(model, "expert_modules"):
-            return {}
-        out: dict[str, str] = {}
-        for prefix, local in model.expert_modules():
-            ids = list(range(local.first, local.first + local.num_local))
-            per_rank = len(ids)
-            assert local.first == dims.ep_rank * per_rank, (prefix, local.first)
-            pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.(.+)$")
-            for n in names:
-                m = pattern.match(n)
-                if m and int(m.group(1)) not in ids:
-                    out[n] = f"{prefix}.{ids[0]}.{m.group(2)}"
-        return out
-
     @torch.no_grad()
     def items(self, names: Optional[Sequence[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
         for hf in self.names if names is None else names:
@@ -114,6 +100,14 @@ class ModelWeights(DictStream):
         return self._from_stack(name) if name in self.slots else full_tensor(self.state[name].detach())
 
     def local_nonfinite(self) -> list[str]:
-        """Checked on this rank's shards (names are HF names)."""
+        """Checked on this rank's shards, one check per expert stack (names are HF names; a bad stack
+        is resolved to its bad experts)."""
+        bad = set(super().local_nonfinite())
+        experts = {n for n, (_, pre, s, owner, _) in self.slots.items() if pre + s in bad}
+        if experts:
+            bad -= {pre + s for _, pre, s, _, _ in self.slots.values()}
+            views = checkpoint_named(self.model, {pre + s: local_part(getattr(mod, s).detach())
+                                                  for mod, pre, s, _, _ in self.slots.values() if pre + s in self.state})
+            bad |= set(nonfinite_names((n, v) for n, v in views.items() if n in experts))
         hf = {n: h for h, n in self.ours.items()}
-        return sorted(hf[n] for n in super().local_nonfinite())
+        return sorted(hf[n] for n in bad)

@@ -112,6 +112,11 @@ class StackedExperts(nn.Module):
         """The per-expert names :meth:`split_stack` gives for ``stack``, in order (no tensor needed)."""
         return [n for n, _ in self.split_stack(stack, _Rows(self.num_local), first)]
 
+    def expert_shape(self, stack: str) -> tuple[int, ...]:
+        """Full shape of one expert's tensor cut from ``stack`` (a gate or up half of ``gate_up_proj``)."""
+        shape = tuple(getattr(self, stack).shape[1:])  # a DTensor's shape is the full one
+        return (shape[0] // 2, *shape[1:]) if stack == "gate_up_proj" else shape
+
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
         """Keep experts ``[first, first + count)`` only (expert parallelism), still named by global id."""
@@ -228,6 +233,25 @@ def checkpoint_named(model: nn.Module, tensors: dict[str, torch.Tensor], *, firs
             continue
         pre, mod, stack = stacks[name]
         out.update((pre + n, v) for n, v in mod.split_stack(stack, t, first))
+    return out
+
+
+def checkpoint_order(model: nn.Module, state: dict) -> list[str]:
+    """The names ``state_dict()`` gives, from ``state`` taken under :func:`stacked_state_names`: each
+    module's stacks replaced, where the first of them stood, by its per-expert names (nothing sliced)."""
+    owner = {}
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, StackedExperts):
+            pre = prefix + "." if prefix else ""
+            owner.update({pre + s: (pre, mod) for s in mod.stacks()})
+    out, done = [], set()
+    for name in state:
+        if name not in owner:
+            out.append(name)
+        elif owner[name][0] not in done:
+            pre, mod = owner[name]
+            done.add(pre)
+            out.extend(pre + n for n, _ in mod.split({s: _Rows(mod.num_local) for s in mod.stacks()}))
     return out
 
 
