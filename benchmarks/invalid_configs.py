@@ -1,4 +1,4 @@
-"""Count how the launcher treats the invalid-config table of tests/unit/test_invalid_configs.py.
+"""Count how the launcher treats the invalid-config table of tests/unit/launcher/test_invalid_configs.py.
 
     PYTHONPATH=. python benchmarks/invalid_configs.py [--show]
 
@@ -24,7 +24,7 @@ from launcher.config_store import reject_unknown_keys
 from launcher.plan import build_plan
 from workers.common.config import conform_sections
 
-TABLE = Path(__file__).resolve().parents[1] / "tests/unit/test_invalid_configs.py"
+TABLE = Path(__file__).resolve().parents[1] / "tests/unit/launcher/test_invalid_configs.py"
 
 
 def outcome(override: str, key: str) -> tuple[str, str]:

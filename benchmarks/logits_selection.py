@@ -9,7 +9,8 @@ workers/trainer/step.py) computes them only at the positions that predict a loss
 
 Both variants run side by side in one process, alternating, on SmolLM2-135M's shape (random
 init: no checkpoint needed), forward + log-probs + backward, float32; the table shows the
-median seconds and the ratio. Writes benchmarks/results/logits_selection.json.
+median seconds and the ratio. Writes benchmarks/out/logits_selection.json.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,8 +26,9 @@ from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.loss import loss_relevant_inputs, token_logprobs
 from workers.trainer.step import scatter_logprobs
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from benchmarks.record import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 
 
 def step_full(model, ids, loss_mask) -> float:

@@ -18,8 +18,9 @@ is what torch's CPU allocator really takes (tracemalloc does not see it); large 
 (MALLOC_MMAP_THRESHOLD_) so freed activations leave the RSS.
 
 Context parallelism: ``python -m benchmarks.long_context_cp`` (cp > 1 splits the row over ranks and
-attends with a whole-sequence mask, not per document; ``--cp`` here takes 1 only). Writes benchmarks/results/long_context.json
+attends with a whole-sequence mask, not per document; ``--cp`` here takes 1 only). Writes benchmarks/out/long_context.json
 ``{"runs": [{"seq_len": T, "cp": C, "peak_bytes_per_rank": P}], "setup": {...}}``.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -37,15 +38,16 @@ import torch.multiprocessing as mp
 from benchmarks.gpu.bench_trainer_step import synthetic_batch
 from benchmarks.gpu.common import TINY_MOE
 from benchmarks.trainer_memory import _rss, _trim
-from tests.netutil import free_port, gloo_dims
+from benchmarks.local_ranks import free_port, gloo_dims, rank_entry
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 from workers.trainer.step import train_step
+from benchmarks.record import results_dir, scratch_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 WARM_UP_TOKENS = 512
 
 
@@ -90,8 +92,8 @@ def measure(seq_len: int, cp: int, args: argparse.Namespace, tmp: Path, timeout_
         raise SystemExit(f"--cp {cp}: context parallelism has its own benchmark, python -m benchmarks.long_context_cp")
     out = tmp / f"T{seq_len}_cp{cp}.json"
     for attempt in range(2):  # a second try only for a port another process took between pick and bind
-        ctx = mp.start_processes(_worker, args=(cp, free_port(), seq_len, args, str(out)), nprocs=cp, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(rank_entry, args=(_worker, cp, free_port(), seq_len, args, str(out)), nprocs=cp,
+                                 join=False, start_method="spawn")  # rank_entry: no abort at exit
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=1.0):
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks at start
-    tmp = RESULTS / ".long_context.tmp"
+    tmp = scratch_dir(".long_context.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     runs = []
     print(f"{'seq_len':>8} {'cp':>3} {'peak MiB/rank':>14} {'x first':>8} {'step s':>8}", flush=True)

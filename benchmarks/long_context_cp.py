@@ -19,7 +19,8 @@ before the step, minus ``VmRSS`` at that moment (model, FSDP state, gloo and aut
 already resident after a warm-up step at 256 tokens), max over the cp ranks. Large tensors are
 mmap'd (``MALLOC_MMAP_THRESHOLD_``), so freed activations leave the resident set. The all-to-all
 send/receive buffers are the rank's own memory and are counted.
-Writes benchmarks/results/long_context_cp.json: ``{"runs": [{"seq_len", "cp", "peak_bytes_per_rank"}]}``.
+Writes benchmarks/out/long_context_cp.json: ``{"runs": [{"seq_len", "cp", "peak_bytes_per_rank"}]}``.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.trainer_memory import _rss, _trim, make_batch
-from workers.common.local_ranks import gloo_dims, run_ranks
+from benchmarks.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.blocks import kernels
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.fsdp import parallelize
 from workers.trainer.step import backward_step
+from benchmarks.record import results_dir, scratch_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 WARM_UP_LEN = 256
 
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = TinyMoeConfig(vocab_size=256, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_experts=8,
                         top_k=2, expert_intermediate_size=2 * args.hidden, max_position_embeddings=max(args.seq_lens))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks at start
-    tmp = RESULTS / ".long_context_cp.tmp"
+    tmp = scratch_dir(".long_context_cp.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     runs = [run_point(cfg, t, cp, tmp) for t in args.seq_lens for cp in args.cps]
     for f in tmp.iterdir():

@@ -19,8 +19,9 @@ activations leave the RSS (as benchmarks/long_context.py); CUDA, ``max_memory_al
 the allocated memory before the step. The dense path is skipped above ``--dense-max`` (its
 quadratic scores do not fit this machine); the table then says so.
 
-Writes benchmarks/results/long_context_dsa.json (CUDA: benchmarks/results/gpu/long_context_dsa.json)
+Writes benchmarks/out/long_context_dsa.json (CUDA: benchmarks/out/gpu/long_context_dsa.json)
 ``{"runs": [{"seq_len": T, "path": "dense" | "chunked", "peak_bytes": P, "step_s": s}], "setup": {...}}``.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from benchmarks.trainer_memory import _rss, _trim
 from workers.common.registry import MODELS
 from workers.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from workers.trainer.micro import apply_activation_checkpointing
+from benchmarks.record import results_dir, scratch_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 WARM_UP_TOKENS = 512
 TINY_GLM = GlmMoeDsaConfig(
     name="bench_glm_moe_dsa_tiny", vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_experts=8, top_k=2,
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = args.out or (RESULTS / "gpu" / "long_context_dsa.json" if args.device == "cuda"
                             else RESULTS / "long_context_dsa.json")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned workers at start
-    tmp = RESULTS / ".long_context_dsa.tmp"
+    tmp = scratch_dir(".long_context_dsa.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     runs = []
     print(f"{'seq_len':>8} {'dense MiB':>10} {'chunked MiB':>12} {'dense/chunked':>14} {'dense s':>8} {'chunked s':>10}",

@@ -1,6 +1,6 @@
 """Every model family against transformers, side by side in one run: errors and training-step speed.
 
-    python -m benchmarks.model_parity                 # CPU, tiny configs (writes benchmarks/results/model_parity.json)
+    python -m benchmarks.model_parity                 # CPU, tiny configs (writes benchmarks/out/model_parity.json)
     python -m benchmarks.model_parity --device cuda --size 1b --families qwen3_moe,deepseek_v3 \
         --out benchmarks/results/gpu/model_parity_h200.json   # the ~1B comparison on a GPU
 
@@ -16,6 +16,7 @@ torch.compile-d as ``trainer.compile=layers`` does (workers/trainer/compile.py),
 same way (static shapes; ``ratio_ours_compiled_over_hf_compiled``; a compile failure is reported
 in ``hf_compile_error``). CPU smoke of those columns:
 ``--families qwen3_moe --compile on --compile-backend aot_eager --iters 1 --out /tmp/mp.json``.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from workers.common.registry import MODELS
+from benchmarks.record import results_dir
 
 MOE_1B = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, vocab_size=32000)
 """~1.5B-parameter MoE shapes for the GPU comparison (the tiny_moe gpu_moe_1b5 preset's scale)."""
@@ -72,6 +74,52 @@ def gpu_configs() -> dict[str, tuple[str, dict]]:
                                             v_head_dim=64, first_k_dense_replace=1, max_position_embeddings=8192,
                                             num_nextn_predict_layers=0)),
     }
+
+
+def real_configs() -> dict[str, tuple[str, dict]]:
+    """The shapes real MoE models use (``"shape": "real"`` rows): 128 experts, top-8, a 152k (Qwen3) and
+    a 164k (Kimi-K2) vocabulary, Qwen3-30B-A3B's and DeepSeek-V3's per-layer widths at hidden 2048,
+    and few layers (the head, the dispatch and one layer of each kind are what the rows compare)."""
+    return {
+        "qwen3_moe": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=2, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, max_position_embeddings=8192)),
+        "deepseek_v3": ("deepseek_v3", dict(vocab_size=163840, hidden_size=2048, intermediate_size=6144,
+                                            moe_intermediate_size=768, num_hidden_layers=3, num_attention_heads=16,
+                                            num_key_value_heads=16, n_shared_experts=1, n_routed_experts=128,
+                                            num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                            kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                            qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
+                                            max_position_embeddings=8192, num_nextn_predict_layers=0)),
+    }
+
+
+def train_flops_per_token(model: torch.nn.Module, kw: dict, seq: int) -> float:
+    """Model FLOPs per trained token (forward + backward): ``6 x`` the parameters a token multiplies by
+    (routed experts counted ``top_k / E``, the embedding lookup not at all, the head in full) plus the
+    causal attention scores and values, ``6 x L x heads x (d_qk + d_v) x seq / 2``."""
+    from workers.models.blocks.experts import StackedExperts
+
+    active = 0.0
+    expert_params = {id(p) for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()}
+    top_k = kw.get("num_experts_per_tok", 1)
+    num_experts = kw.get("num_experts") or kw.get("n_routed_experts") or 1
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and model.lm_head is not None:
+            continue
+        active += p.numel() * (top_k / num_experts if id(p) in expert_params else 1.0)
+    heads = kw["num_attention_heads"]
+    if "kv_lora_rank" in kw:
+        d_qk, d_v = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"], kw["v_head_dim"]
+    else:
+        d_qk = d_v = kw.get("head_dim") or kw["hidden_size"] // heads
+    attn = 6.0 * kw["num_hidden_layers"] * heads * (d_qk + d_v) * seq / 2
+    return 6.0 * active + attn
+
+
+H200_BF16_PEAK = 989e12
+"""Dense bf16 peak of one H200 (the MFU denominator, as benchmarks/gpu/common.py)."""
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,16 +170,38 @@ def grad_errors(hf, ours, ids: torch.Tensor) -> tuple[float, float]:
     return rel_err(out_ours, out_hf), worst
 
 
-def train_step(model, ids: torch.Tensor, opt, *, ours: bool) -> None:
-    logits = model(ids).logits if ours else model(input_ids=ids).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+HEAD_CHUNK = 4096
+"""Positions per chunk of our fused log-prob head (trainer.logprob_chunk_tokens' default)."""
+
+
+def _full_vocab_scorer(logits: torch.Tensor, targets: torch.Tensor):
+    from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+
+    return vocab_parallel_target_logprobs(logits, targets, 1.0, vocab_start=0, group=None)
+
+
+def train_step(model, ids: torch.Tensor, opt, *, ours: bool, fused_head: bool = False) -> None:
+    """Token-mean cross-entropy, forward + backward + AdamW. ``fused_head`` (ours): the trainer's
+    scoring path instead of logits, the fused log-prob head (workers/models/blocks/fused_logprobs.py):
+    the same loss, no [tokens, vocab] tensor."""
+    if ours and fused_head:
+        from workers.models.blocks.logprobs import Scoring
+
+        need = torch.ones_like(ids, dtype=torch.bool)
+        need[:, -1] = False
+        score = Scoring(targets=ids[:, 1:].reshape(-1), scorer=_full_vocab_scorer, chunk_tokens=HEAD_CHUNK,
+                        fused_temperature=1.0)
+        loss = -model(ids, logits_mask=need, score=score).logp.mean()
+    else:
+        logits = model(ids).logits if ours else model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
 def time_steps(models: dict[str, torch.nn.Module], ids: torch.Tensor, dtype: torch.dtype,
-               iters: int) -> dict[str, float]:
+               iters: int, fused_head: bool = False) -> dict[str, float]:
     """Seconds per training step (median) of each model, interleaved: ours, transformers, ours compiled,
     ours, ... (names starting with ``ours`` are ours). The 2 warm-up rounds include compiling."""
     models = {name: m.to(dtype).train() for name, m in models.items()}
@@ -142,7 +212,7 @@ def time_steps(models: dict[str, torch.nn.Module], ids: torch.Tensor, dtype: tor
         for name, model in models.items():
             sync()
             t0 = time.perf_counter()
-            train_step(model, ids, opts[name], ours=name.startswith("ours"))
+            train_step(model, ids, opts[name], ours=name.startswith("ours"), fused_head=fused_head)
             sync()
             if i >= 2:  # warm-up: allocator, kernels, optimizer state, torch.compile
                 times[name].append(time.perf_counter() - t0)
@@ -175,9 +245,10 @@ def hf_compiled_copy(hf: torch.nn.Module, backend: str, ids: torch.Tensor,
 
 
 def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
-        compile_backend: str | None = None) -> dict:
-    """``compile_backend`` (None: no compiled column): also time ours with compiled layers."""
-    configs = gpu_configs() if size == "1b" else tiny_configs()
+        compile_backend: str | None = None, fused_head: bool = False) -> dict:
+    """``compile_backend`` (None: no compiled column): also time ours with compiled layers.
+    ``fused_head``: ours scores with the fused log-prob head (the trainer's path) instead of logits."""
+    configs = {"1b": gpu_configs, "real": real_configs}.get(size, tiny_configs)()
     rows = []
     for family in families:
         model_type, kw = configs[family]
@@ -187,7 +258,7 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, kw["vocab_size"], (batch, seq), generator=gen).to(device)
         small = ids[:, : min(seq, 64)]
-        logits_err, grad_err = grad_errors(hf, ours, small) if size != "1b" else (float("nan"), float("nan"))
+        logits_err, grad_err = grad_errors(hf, ours, small) if size == "tiny" else (float("nan"), float("nan"))
         models = {"ours": ours, "hf": hf}
         hf_compile_error = None
         if compile_backend:
@@ -195,20 +266,27 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
             models["hf_compiled"], hf_compile_error = hf_compiled_copy(hf, compile_backend, ids, dtype)
             if models["hf_compiled"] is None:
                 del models["hf_compiled"]
-        secs = time_steps(models, ids, dtype, iters)
+        secs = time_steps(models, ids, dtype, iters, fused_head=fused_head)
         ours_s, hf_s = secs["ours"], secs["hf"]
         tokens = batch * seq
-        row = {"family": family, "params": sum(p.numel() for p in ours.parameters()), "tokens_per_step": tokens,
+        flops = train_flops_per_token(ours, kw, seq) * tokens
+        row = {"family": family, "shape": size, "ours_head": "fused" if fused_head else "logits",
+               "vocab_size": kw["vocab_size"], "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"),
+               "top_k": kw.get("num_experts_per_tok"), "train_flops_per_step": flops,
+               "mfu_ours": flops / ours_s / H200_BF16_PEAK, "mfu_hf": flops / hf_s / H200_BF16_PEAK,
+               "params": sum(p.numel() for p in ours.parameters()), "tokens_per_step": tokens,
                "logits_rel_err": logits_err, "grad_rel_err_max": grad_err, "ours_tokens_per_s": tokens / ours_s,
                "hf_tokens_per_s": tokens / hf_s, "ratio_ours_over_hf": hf_s / ours_s}
         line = ""
         if "ours_compiled" in secs:
             row.update(ours_compiled_tokens_per_s=tokens / secs["ours_compiled"], compile_backend=compile_backend,
-                       ratio_ours_compiled_over_hf=hf_s / secs["ours_compiled"])
+                       ratio_ours_compiled_over_hf=hf_s / secs["ours_compiled"],
+                       mfu_ours_compiled=flops / secs["ours_compiled"] / H200_BF16_PEAK)
             line = (f"  compiled {row['ours_compiled_tokens_per_s']:9.0f} tok/s  "
                     f"ratio {row['ratio_ours_compiled_over_hf']:.2f}")
         if "hf_compiled" in secs:
             row.update(hf_compiled_tokens_per_s=tokens / secs["hf_compiled"],
+                       mfu_hf_compiled=flops / secs["hf_compiled"] / H200_BF16_PEAK,
                        ratio_ours_compiled_over_hf_compiled=secs["hf_compiled"] / secs["ours_compiled"])
             line += (f"  transformers compiled {row['hf_compiled_tokens_per_s']:9.0f} tok/s  "
                      f"ratio {row['ratio_ours_compiled_over_hf_compiled']:.2f}")
@@ -224,26 +302,50 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
             "batch": batch, "seq_len": seq, "size": size, "rows": rows}
 
 
+def _shrink_real() -> None:
+    """``--toy``: the real-shape rows' code path at CPU widths (the GPU command's smoke test)."""
+    full = real_configs()
+    cut = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+               num_experts=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, kv_lora_rank=16,
+               q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, head_dim=16)
+    small = {f: (t, {k: cut.get(k, v) for k, v in kw.items()}) for f, (t, kw) in full.items()}
+    for _, kw in small.values():
+        kw["num_key_value_heads"] = min(kw["num_key_value_heads"], kw["num_attention_heads"])
+    globals()["real_configs"] = lambda: small
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(tiny_configs()))
-    ap.add_argument("--size", choices=("tiny", "1b"), default="tiny")
+    ap.add_argument("--size", choices=("tiny", "1b", "real"), default="tiny",
+                    help="real: 128 experts top-8, 152k / 164k vocabularies (qwen3_moe, deepseek_v3)")
+    ap.add_argument("--ours-head", choices=("auto", "fused", "logits"), default="auto",
+                    help="ours' loss from the fused log-prob head (the trainer's path) or from logits; auto: fused "
+                         "at --size real")
+    ap.add_argument("--toy", action="store_true", help="with --size real: same keys, widths cut for a CPU smoke run")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/model_parity.json")
+    ap.add_argument("--out", default=str(results_dir() / "model_parity.json"))
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="also time ours with compiled layers (trainer.compile=layers); auto: on a CUDA device")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: CPU smoke)")
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     compiled = a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda"))
-    result = run(a.families.split(","), size=a.size, device=a.device, dtype=getattr(torch, a.dtype), batch=a.batch,
-                 seq=a.seq, iters=a.iters, compile_backend=a.compile_backend if compiled else None)
+    fused = a.ours_head == "fused" or (a.ours_head == "auto" and a.size == "real")
+    if a.toy:
+        _shrink_real()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    rows = []
+    for family in a.families.split(","):  # written after each family: a time limit keeps the finished rows
+        result = run([family], size=a.size, device=a.device, dtype=getattr(torch, a.dtype), batch=a.batch,
+                     seq=a.seq, iters=a.iters, compile_backend=a.compile_backend if compiled else None,
+                     fused_head=fused)
+        rows += result["rows"]
+        Path(a.out).write_text(json.dumps({**result, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0
 

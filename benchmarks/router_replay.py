@@ -17,8 +17,9 @@ Method, every piece the production one:
 4. ``kl`` = mean k3 over completion tokens, the trainer's ``mismatch_kl`` (loss.policy_loss);
    ``routing_disagreement`` = (token, layer) slots whose expert set differs between trainer
    (no replay) and inference; ``kl_reduction = kl_no_replay / kl_replay``.
-Writes benchmarks/results/router_replay.json; ``summary.kl_reduction`` is tiny_moe, seeded
+Writes benchmarks/out/router_replay.json; ``summary.kl_reduction`` is tiny_moe, seeded
 init, fp32 trainer. The target is >= 10; the result is reported whatever it is.
+``--record`` writes into the tracked benchmarks/results/ instead (benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ from workers.trainer.loss import loss_relevant_inputs, policy_loss, routing_disa
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.fsdp import FsdpTrainerModel, unsharded
 from workers.trainer.step import forward_rows
+from benchmarks.record import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results" / "router_replay.json"
+RESULTS = results_dir() / "router_replay.json"
 MODELS = {  # hydra_conf/model/tiny_moe.yaml, and 2x the depth and width with 4x the experts (top-4): 27M params, 8x
     "tiny_moe": TinyMoeConfig(vocab_size=16, hidden_size=128, num_layers=4, num_heads=4, num_experts=8, top_k=2,
                               expert_intermediate_size=256, max_position_embeddings=64),

@@ -24,14 +24,15 @@ import time
 from pathlib import Path
 
 import torch
+from benchmarks.record import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = results_dir()
 EVAL_ENV_SEED = 10_007  # the run's prompt stream uses env.seed=0: these tasks are held out
 
 
 def compose(overrides: list[str]):
-    """The experiment's config, composed as the CLI does (benchmarks/simulate.py's way); the
+    """The experiment's config, composed as the CLI does (tools/simulator/cli.py's way); the
     pretrained checkpoint pinned and converted as the launcher would."""
     from hydra import compose as hydra_compose, initialize_config_module
     from omegaconf import OmegaConf

@@ -33,15 +33,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workers.common.local_ranks import gloo_dims, run_ranks
+from benchmarks.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.fsdp import parallelize, sharded_bytes
 from workers.trainer.precision import Precision, update_fraction
 from workers.trainer.step import train_step
+from benchmarks.record import results_dir, scratch_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 
 
 def _rss(field: str) -> int:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     # A fixed mmap threshold: large tensors are mmap'd and unmapped on free, so the resident peak is
     # what the tensors need, not what glibc's heap kept after per-layer buffers came and went.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks at start
-    tmp = RESULTS / ".trainer_memory.tmp"
+    tmp = scratch_dir(".trainer_memory.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     runs = [run_world(w, cfg, args, tmp) for w in args.worlds]
     for f in tmp.iterdir():

@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.fakes.fake_sglang_weights import receive_like_sglang
-from workers.common.local_ranks import free_port
+from benchmarks.local_ranks import exit_rank
+from benchmarks.sglang_receive import receive_like_sglang
+from workers.common.ports import free_port
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
 from workers.weights.broadcast.publisher import BucketSender, join_as_sender
 from workers.weights.broadcast.receiver import BroadcastReceiver
@@ -56,8 +57,9 @@ from workers.weights.checksums import state_hashes, tensor_hash
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.stream import DictStream
 from workers.weights.filesystem.receiver import DiskReader
+from benchmarks.record import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 SIZES_MB = (100, 1024)
 RAW_CHUNK = 64 << 20  # the raw baseline's syscall size (dd bs=64M); ours is shards.CHUNK (4 MiB)
 SGLANG_FORMAT = "flattened_bucket"
@@ -150,6 +152,16 @@ def bench_fs(state, where: Path, reps: int, threads: int) -> dict:
             "load_s": load_s, "bit_exact": exact}
 
 
+def _bcast_main(rank: int, world: int, port: int, target: int, reps: int, bucket_mb: int, lone_mb, out,
+                sglang_port: int) -> None:
+    """A broadcast rank's process: the rank, its result flushed through the queue, then exit_rank
+    (no interpreter teardown: workers/common/rank_exit.py says why)."""
+    _bcast_rank(rank, world, port, target, reps, bucket_mb, lone_mb, out, sglang_port)
+    out.close()
+    out.join_thread()
+    exit_rank(0)
+
+
 def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket_mb: int, lone_mb, out,
                 sglang_port: int) -> None:
     torch.set_num_threads(1)
@@ -205,7 +217,7 @@ def _bcast_rank(rank: int, world: int, port: int, target: int, reps: int, bucket
 def bench_broadcast(target: int, reps: int, bucket_mb: int, lone_mb=None, receivers: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     out, port, sglang_port, world = ctx.Queue(), free_port(), free_port(), 1 + receivers
-    procs = [ctx.Process(target=_bcast_rank, args=(r, world, port, target, reps, bucket_mb, lone_mb, out, sglang_port))
+    procs = [ctx.Process(target=_bcast_main, args=(r, world, port, target, reps, bucket_mb, lone_mb, out, sglang_port))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -10,6 +10,8 @@
     slurmrl status [RUN_DIR|JOB_ID]           # state of a submitted run (default runs/latest)
     slurmrl status --all [RUNS_ROOT]          # every run: state, step, last reward, pending reason
     slurmrl cancel [RUN_DIR|JOB_ID]
+    slurmrl plot RUN [RUN...]                 # reward/eval/timing curves (PNG)
+    slurmrl name=NAME ...                     # the run directory runs/NAME, job slurmrl-NAME
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from launcher import sweep
 from launcher.config_store import register, reject_unknown_keys
 from launcher.launch import launch
 from launcher.model_path import explicit_model_keys, resolve_model_path
+from launcher.override_keys import refuse_unknown_keys
 from launcher.plan import PlanError
 from launcher.resume import resume_config
 from launcher.run_dir import RunDirError
@@ -82,9 +85,10 @@ HELP = """usage: slurmrl [OVERRIDES...]          compose the config (Hydra), pla
        slurmrl -m KEY=A,B [OVERRIDES...]  a sweep: one job per point (launcher.dry_run=true renders only)
 
 commands:
-  status [RUN_DIR|JOB_ID]       state and progress of one run (default runs/latest)
+  status [RUN_DIR|JOB_ID]       state and progress of one run (default runs/latest; local and dry runs too)
   status --all [RUNS_ROOT]      every run under the runs root: state, step, last reward, pending reason
   cancel [RUN_DIR|JOB_ID]       scancel a submitted run
+  plot RUN [RUN...] [--out F]   reward, eval and timing curves of runs as one PNG (matplotlib)
   resume                        slurmrl launcher.resume=RUN_DIR [OVERRIDES]: continue a stopped run
   preflight                     slurmrl-preflight (GPU, NCCL, filesystem and port checks; --help)
   submit preflight|export|eval [--nodes N --cluster NAME ...] -- ARGS
@@ -95,6 +99,7 @@ common overrides:
   experiment=NAME               hydra_conf/experiment/ (tiny_local, glm5_swe_28xh200, ...)
   cluster=local|local_slurm|h200_ib    model=NAME  env=NAME  inference=NAME  weights=NAME
   launcher.dry_run=true         write configs and the sbatch script, print them, start nothing
+  name=NAME                     the run directory runs/NAME, the Slurm job slurmrl-NAME, the W&B run NAME
 
 slurmrl --cfg job prints the composed config; slurmrl --hydra-help lists Hydra's own flags.
 """
@@ -108,6 +113,10 @@ def main() -> None:
         from launcher.runs_list import list_command
 
         sys.exit(list_command(sys.argv[3] if len(sys.argv) == 4 else None))
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        from launcher.plot import main as plot_main
+
+        sys.exit(plot_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "submit":
         from launcher.standalone import main as submit_main
 
@@ -117,6 +126,7 @@ def main() -> None:
 
         sys.exit(command_line(sys.argv[1], sys.argv[2:]))
     refuse_null_groups(sys.argv[1:])
+    sys.argv[1:] = refuse_unknown_keys(sys.argv[1:])  # our message, not Hydra's "+key" advice
     try:
         hydra_app()
     except SystemExit as e:  # Hydra refused the command line (a key the schema lacks, a wrong type): exit 2 as

@@ -23,7 +23,10 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   int64; the router probabilities are reduced to [E] sums as each router runs), packing indices and the loss's per-token tensors (:data:`TRAINER_BYTES_PER_TOKEN` plus
   the routing terms), the embedding output and the final hidden states with their gradients;
 * the head: ``trainer.logprob_chunk_tokens`` x vocabulary float32 logits, about
-  :data:`HEAD_COPIES` alive at once (logits, scaled copy, exp, gradient), vocabulary / tp each;
+  :data:`HEAD_COPIES` alive at once (logits, scaled copy, exp, gradient), vocabulary / tp each,
+  under ``trainer.logprob_head=checkpoint`` (and at tp > 1); the fused head (the default) holds
+  :data:`FUSED_HEAD_BYTES` per logit plus the compute-dtype GEMM output when that is not float32
+  (its CUDA kernels need only the latter: an over-estimate there);
   it is alive when no layer is being recomputed, so the peak is what stays plus the larger of the
   two.
 
@@ -33,7 +36,7 @@ the longest sample: ``env.max_episode_tokens`` when the env has one, else
 the longest sample's length, divided by ``trainer.parallel.cp`` (context parallel: each rank holds 1/cp of the sequence,
 under the FSDP plan or with tp/ep in the mesh plan). Attention/MLP widths divide by tp; under cp attention
 holds all T positions for 1/(tp*cp) of the heads, the same bytes as T/cp positions of 1/tp of them. A hybrid family's Mamba-2 layers are counted
-as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/test_activation_estimate.py holds
+as its attention layers (an over-estimate: a Mamba layer keeps no per-head attention output). tests/unit/launcher/test_activation_estimate.py holds
 the estimate to within 25% of the measured peak of a real trainer step on CPU.
 Pure arithmetic; no torch (the launcher imports it on the login node).
 """
@@ -59,6 +62,9 @@ DSA_SCORE_COPIES = 4
 """float32 [heads, chunk, topk] tensors alive at once in a sparse-attention chunk (scores, masked,
 probabilities, and a gradient in the backward)."""
 HEAD_COPIES = 4
+FUSED_HEAD_BYTES = 8
+"""Bytes per logit of the fused head's torch path (workers/models/blocks/fused_logprobs.py): two
+float32 blocks (logits / T and their exp, or in the backward the softmax and its gradient)."""
 """float32 [chunk, V] tensors alive at once while a log-prob chunk is scored or recomputed."""
 
 
@@ -112,7 +118,8 @@ def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
 
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
-                      logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1) -> ActivationEstimate:
+                      logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1,
+                      logprob_head: str = "fused") -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer and sparse attention (:func:`dsa_bytes`)."""
@@ -136,7 +143,8 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     trainer = int(n * (TRAINER_BYTES_PER_TOKEN + routed_layers * a.top_k * 8 * 4
                        + 4 * a.hidden_size * c + 4 * a.mha_head_dim * c))
     chunk = min(n, logprob_chunk) if logprob_chunk > 0 else n
-    head = int(HEAD_COPIES * chunk * -(-a.vocab_size // tp) * 4)
+    per_logit = (FUSED_HEAD_BYTES + (c if c != 4 else 0)) if logprob_head == "fused" and tp == 1 else HEAD_COPIES * 4
+    head = int(per_logit * chunk * -(-a.vocab_size // tp))
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
@@ -232,7 +240,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
                                  routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
-                                 ep=t.parallel.ep)
+                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused"))
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

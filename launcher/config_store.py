@@ -20,6 +20,7 @@ from importlib import resources
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.override_keys import did_you_mean
 from workers.common.config import RunConfig
 from workers.common.plugins import load_plugins
 from workers.common.registry import SECTIONS
@@ -54,6 +55,8 @@ def reject_unknown_keys(cfg: DictConfig, schema: type = RunConfig, prefix: str =
         full = f"{prefix}{key}"
         if key not in fields:
             hint = " (an env class of your own: env=target env._target_=my_pkg.envs:MyEnv)" if full == "env._target_" else ""
+            guess = did_you_mean(str(key), sorted(fields))
+            hint += f"; did you mean {prefix}{guess}?" if guess else ""
             raise KeyError(f"{full} is not a config key{hint}; valid keys under {prefix.rstrip('.') or 'the root'}: "
                            f"{sorted(fields)}")
         sub = hints[key]

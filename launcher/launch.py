@@ -16,13 +16,18 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from launcher import weights_dir
 from launcher.estimate import human
+from launcher.gpus import detect_gpus, gpu_hint
+from launcher.host_checks import check_bind_host, check_dir_usable
 from launcher.model_path import check_model_path, check_tensors
 from launcher.plan import JobPlan, build_plan, plan_errors
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
+from launcher.teacher import check_teacher
 from launcher.render import render_script, sbatch_command
 from launcher.resume import ensure_stopped, rewrite_run_dir
 from launcher.run_dir import choose_run_dir, create_run_dir
+from launcher.run_status import next_commands
 from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import ENVS
@@ -38,6 +43,8 @@ class Prepared:
     root: Path
     script: Optional[str]
     """The sbatch script (Slurm backend), else None."""
+    weights_note: str = ""
+    """Local backend: why published steps stay in the run directory although /dev/shm was the default."""
 
     @property
     def script_path(self) -> Path:
@@ -53,19 +60,26 @@ def check_host(cfg: RunConfig) -> None:
 
 
 def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
-    plan = build_plan(cfg)  # every user mistake raises here, before anything is written
+    gpus = detect_gpus(cfg) if cfg.cluster.backend == "local" else None  # this machine's (NVML)
+    plan = build_plan(cfg, gpus=gpus)  # every user mistake raises here, before anything is written
+    check_dir_usable("cluster.runs_root", Path(cfg.cluster.runs_root))  # before choose_run_dir looks inside
+    cfg, weights_note = weights_dir.resolve(cfg, has_gpus=bool(plan.gpu_placement), num_params=plan.num_params)
     if plan.backend == "local":
+        check_bind_host("inference.host", cfg.inference.host)  # the local servers bind to it
         check_host(cfg)  # what only this machine can say (the roles run here)
     check_model_path(cfg)  # model.path: config.json, shards, tokenizer (torch-free)
+    check_teacher(cfg)  # algorithm.teacher.path: a checkpoint with the student's tokenizer
     cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
     root = root or choose_run_dir(cfg)
+    check_dir_usable("launcher.resume" if cfg.launcher.resume else "launcher.run_dir" if cfg.launcher.run_dir
+                     else "cluster.runs_root", root)
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))
     script = None
     if plan.backend == "slurm":
         python = cfg.cluster.python or sys.executable
         script = render_script(plan, run_dir=str(root), python=python, workdir=os.getcwd(),
                                script_path=str(root / "slurm" / "job.sbatch"))
-    return Prepared(cfg=cfg, plan=plan, root=root, script=script)
+    return Prepared(cfg=cfg, plan=plan, root=root, script=script, weights_note=weights_note)
 
 
 def role_header(plan: JobPlan, role: str) -> str:
@@ -76,7 +90,15 @@ def role_header(plan: JobPlan, role: str) -> str:
 
 
 def write(prep: Prepared) -> RunPaths:
-    paths = rewrite_run_dir(prep.cfg) if prep.cfg.launcher.resume else create_run_dir(prep.cfg)
+    linked = prep.plan.backend == "local" and not prep.cfg.launcher.dry_run
+    if prep.cfg.launcher.resume:
+        if linked:  # before RunPaths.ensure: a link left dangling by a reboot gets its directory back
+            weights_dir.link(prep.cfg, RunPaths(prep.root))
+        paths = rewrite_run_dir(prep.cfg)
+    else:
+        paths = create_run_dir(prep.cfg)
+        if linked:
+            weights_dir.link(prep.cfg, paths)
     resolved = paths.run_config.read_text()
     for r in prep.plan.roles:
         (paths.config_dir / f"{r.role}.yaml").write_text(role_header(prep.plan, r.role) + resolved)
@@ -95,6 +117,17 @@ def announce(prep: Prepared) -> None:
           f"{plan.samples_per_step} samples/step; run dir {prep.root}", flush=True)
     if plan.backend == "slurm":
         for line in plan.summary():
+            print(f"[slurmrl]   {line}", flush=True)
+        return
+    for line in plan.summary():  # local runs: the RL recipe's settings and the plan's warnings
+        if line.startswith(("algorithm ", "WARNING ")):
+            print(f"[slurmrl]   {line}", flush=True)
+    if plan.local_gpus is not None:
+        hint = gpu_hint(prep.cfg, plan.local_gpus)
+        if hint:
+            print(f"[slurmrl] {hint}", flush=True)
+        lines = [ln for ln in plan.summary() if ln.startswith("GPU")] + [weights_dir.line(prep.cfg, prep.root)]
+        for line in lines + ([f"weights: {prep.weights_note}"] if prep.weights_note else []):
             print(f"[slurmrl]   {line}", flush=True)
 
 
@@ -128,9 +161,14 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
         from launcher.local_backend import LocalBackend
 
         backend = LocalBackend(prep.cfg, prep.plan, paths)
-        code = backend.run()
+        try:
+            code = backend.run()
+        finally:
+            weights_dir.settle(paths)  # tmpfs steps back into the run directory, memory given back
         print(f"[slurmrl] {'finished' if code == 0 else 'stopped'}: {backend.progress_summary}", flush=True)
         print(f"[slurmrl] run directory: {paths.root}", flush=True)
+        for line in next_commands(paths.root, finished=code == 0):
+            print(f"[slurmrl]   {line}", flush=True)
         return code
     job_id = submit_prepared(prep)
     if not (cfg.launcher.follow if follow is None else follow):

@@ -1,6 +1,6 @@
 """Login-node side of ``model.path``: the model section comes from the checkpoint's config.json.
 
-How it composes with Hydra's ``model=`` group (README, "Starting from a Hugging Face checkpoint"):
+How it composes with Hydra's ``model=`` group (docs/design.md, "Hugging Face checkpoints in and out"):
 ``slurmrl model.path=DIR`` composes as usual (the default preset, tiny_moe), then
 :func:`resolve_model_path` REPLACES the model section by the schema of the family that
 config.json's ``architectures`` names, filled from config.json (the spec's ``from_hf_config``).
@@ -27,6 +27,7 @@ from typing import Iterable
 from launcher.resources import PlanError
 from workers.common.config import RunConfig
 from workers.common.config.run import to_yaml
+from workers.common.registry import ENVS
 from workers.models.hf_dir import CheckpointError, check_directory, model_fields
 
 OVERRIDE = re.compile(r"^\+{0,2}(model(?:\.[\w]+)?)=")
@@ -56,20 +57,46 @@ def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
     except CheckpointError as e:
         raise PlanError(str(e)) from None
     names = {f.name for f in dataclasses.fields(spec.config)}
-    kept = {}
+    kept, problems = {}, []
     for key in sorted(explicit - {"path"}):
         value = getattr(m, key)
         if key not in names:
-            raise PlanError(f"model.{key} is not a field of family {spec.name} ({directory}/config.json is "
-                            f"{spec.hf_architectures[0]}); its fields: {sorted(names)}")
-        if key == "family" and value != spec.name:
-            raise PlanError(f"model.family={value} contradicts {directory}/config.json (family {spec.name})")
-        if key in fields and value != fields[key]:
-            raise PlanError(f"model.{key}={value!r} contradicts {directory}/config.json, which says {fields[key]!r}; "
-                            f"drop the override (model.path takes the architecture from config.json)")
-        kept[key] = value
+            problems.append(f"model.{key} is not a field of family {spec.name} ({directory}/config.json is "
+                            f"{spec.hf_architectures[0]})")
+        elif key == "family" and value != spec.name:
+            problems.append(f"model.family={value} contradicts {directory}/config.json (family {spec.name})")
+        elif key in fields and value != fields[key]:
+            problems.append(f"model.{key}={value!r} contradicts {directory}/config.json, which says {fields[key]!r}")
+        else:
+            kept[key] = value
     values = {"name": directory.name, **fields, **kept, "family": spec.name, "path": str(directory)}
-    return dataclasses.replace(cfg, model=spec.config(**values))
+    resolved = dataclasses.replace(cfg, model=spec.config(**values))
+    if problems:
+        message = checkpoint_overrides_message(directory, problems, sorted(fields), sorted(names - set(fields)))
+        raise PlanError(message + env_problems(resolved))
+    return resolved
+
+
+def env_problems(cfg: RunConfig) -> str:
+    """The env's plan check against the checkpoint as config.json describes it, so a refused override
+    and what the env needs of the model (vocabulary, context) are reported together, not one per try."""
+    try:
+        ENVS.get(cfg.env.name).check(cfg)
+    except ValueError as e:
+        return f"\nand with config.json's values, env={cfg.env.name}: {e}"
+    return ""
+
+
+def checkpoint_overrides_message(directory: Path, problems: list[str], from_config: list[str],
+                                 settable: list[str]) -> str:
+    """Every refused model.* override at once, with which keys a checkpoint takes from its config.json
+    (drop those overrides; to change one, rebuild the checkpoint) and which ones apply to it."""
+    head = problems[0] if len(problems) == 1 else f"{len(problems)} model.* overrides do not apply to {directory}:\n" + \
+        "\n".join(f"  - {p}" for p in problems)
+    settable = [k for k in settable if k not in ("family", "path", "pretrained", "pretrained_dir")]
+    return (f"{head}\nmodel.path takes the architecture from config.json ({', '.join(from_config)}): drop those "
+            f"overrides (to change one, rebuild the checkpoint). Overrides that apply to a checkpoint: "
+            f"{', '.join(f'model.{k}' for k in settable)}")
 
 
 def check_model_path(cfg: RunConfig) -> None:

@@ -19,15 +19,17 @@ import contextlib
 import dataclasses
 import importlib.util
 import re
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from launcher.activations import FIT_FRACTION, longest_sample, trainer_fit
 from launcher.estimate import (MemoryEstimate, ParamCount, count_params, human, server_memory, states_formula,
                                trainer_memory)
+from launcher.gpus import LocalGPUs, ProcessGPUs, check_preset, place_local, placement_lines
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
 from workers.common.config import RunConfig, conform_sections
+from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
 from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
@@ -66,6 +68,13 @@ class JobPlan:
     """``<model.name> (family <model.family>[, from <model.path>])``: what the summary names."""
     weight_update: str = ""
     """The weight transport's cost per update, where it is known (:func:`weight_update_line`)."""
+    algorithm: str = ""
+    """The RL recipe and its effective settings, one line (workers/common/config/algorithm.py ``describe``)."""
+    local_gpus: Optional[LocalGPUs] = None
+    """Local backend: the GPUs of this machine the run may use (launcher/gpus.py detect_gpus)."""
+    gpu_placement: tuple[ProcessGPUs, ...] = ()
+    """Local backend: each process's CUDA_VISIBLE_DEVICES (trainer ranks, then servers; "" = none);
+    () without GPUs (nothing is set: every role on the CPU)."""
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
@@ -92,6 +101,7 @@ class JobPlan:
         if split:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
+        lines += [f"algorithm {self.algorithm}"] if self.algorithm else []
         lines += [f"WARNING {w}" for w in self.trainer_dims.warnings]
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
             lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
@@ -99,6 +109,8 @@ class JobPlan:
         lines += [f"memory {m.what}: {m.detail}" for m in self.memory]
         lines += [f"weights: {self.weight_update}"] if self.weight_update else []
         lines += [f"{self.inference_backend} {s.role}: {', '.join(s.features)}" for s in self.backend_steps]
+        if self.local_gpus is not None:
+            lines += placement_lines(self.gpu_placement, self.local_gpus)
         return lines
 
 
@@ -160,7 +172,8 @@ def check_env(cfg: RunConfig) -> None:
         spec.check(cfg)
     if cfg.orchestrator.eval_every_steps > 0 and not spec.eval_split:
         raise PlanError(f"orchestrator.eval_every_steps({cfg.orchestrator.eval_every_steps}) > 0 but env={spec.name} has "
-                        f"no eval split; use env=dataset with env.eval_path or env.eval_fraction")
+                        f"no eval split: give its env class eval_tasks(n) and register it with eval_split=True "
+                        f"(every built-in env has one)")
 
 
 def check_loop(cfg: RunConfig) -> int:
@@ -211,7 +224,13 @@ def check_group_flags(cfg: RunConfig, components) -> None:
 
 def check_cluster(cfg: RunConfig, num_servers: int) -> None:
     c = cfg.cluster
-    if c.container.runtime != "none":
+    if c.container.runtime == "none":
+        unused = [k for k in ("image", "mounts", "workdir") if getattr(c.container, k)]
+        if unused:  # silently dropped otherwise: the steps would run on the host's Python
+            raise PlanError(f"cluster.container.{unused[0]} is set but cluster.container.runtime=none runs every "
+                            f"step on the host; set cluster.container.runtime=pyxis or apptainer (or drop "
+                            f"cluster.container.{unused[0]})")
+    else:
         if c.backend != "slurm":
             raise PlanError(f"cluster.container.runtime={c.container.runtime} runs Slurm steps in a container; "
                             f"cluster.backend={c.backend} starts local processes (set runtime=none)")
@@ -301,9 +320,6 @@ def check_backend(cfg: RunConfig):
     """The spec of ``inference.backend``: known, given its own schema, and placeable on this cluster."""
     with plan_errors():
         backend = BACKENDS.get(cfg.inference.backend)
-    if backend.uses_gpus and cfg.cluster.backend == "local":
-        cpu = [n for n in BACKENDS.names() if not BACKENDS.get(n).uses_gpus]
-        raise PlanError(f"inference.backend={backend.name!r} needs GPUs; cluster=local runs only {cpu}")
     if not isinstance(cfg.inference, backend.config):
         raise PlanError(f"inference.backend={backend.name!r} reads the {backend.config.__name__} schema but the "
                         f"inference section is a {type(cfg.inference).__name__}: choose it with "
@@ -326,13 +342,18 @@ def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
     return spec.update_line(cfg, params.total) if spec.update_line is not None else ""
 
 
-def build_plan(cfg: RunConfig) -> JobPlan:
+def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
+    """``gpus``: the local backend's GPUs (launcher/gpus.py detect_gpus, which the launcher calls);
+    None: ``cluster.num_gpus_per_node`` of them (0: none), so the plan stays a function of its inputs."""
     check_sections(cfg)
     check_ranges(cfg)
     check_tracking(cfg)
+    check_preset(cfg)  # experiment=one_gpu_node needs model.path
     check_model(cfg)
     check_env(cfg)
     samples = check_loop(cfg)
+    with plan_errors():  # the recipe's cross-section rules; warnings for a user's checkpoint
+        algorithm_warnings = check_algorithm(cfg)
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
@@ -341,6 +362,11 @@ def build_plan(cfg: RunConfig) -> JobPlan:
         backend.plan_check(cfg)
     trainer, dims = plan_trainer(cfg, check_fit=slurm)
     control = plan_control(cfg, backend, check_fit=slurm)
+    if not slurm:
+        n = cfg.cluster.num_gpus_per_node
+        if gpus is None:
+            gpus = LocalGPUs(tuple(str(i) for i in range(n)), f"cluster.num_gpus_per_node={n}")
+        placement = place_local(cfg, backend, servers, control, gpus)
     roles, components = assign_groups(cfg, trainer, servers, control)  # trainer starts first: it publishes step 0
     check_cluster(cfg, sum(r.num_replicas for r in servers))
     check_group_flags(cfg, components)
@@ -352,7 +378,7 @@ def build_plan(cfg: RunConfig) -> JobPlan:
     params = count_params(cfg.model)
     memory, memory_warnings = estimate_memory(cfg, params, roles,
                                               rows_per_rank=-(-samples // (dims.dp * dims.ep)))
-    dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings)
+    dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings + tuple(algorithm_warnings))
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
                    slurm=SlurmJobPlan.from_config(cfg), memory=memory,
@@ -360,5 +386,7 @@ def build_plan(cfg: RunConfig) -> JobPlan:
                    backend_steps=backend.plan_steps(cfg) if backend.plan_steps else (),
                    model=f"{cfg.model.name} (family {cfg.model.family}"
                          + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")",
-                   weight_update=weight_update_line(cfg, params))
+                   weight_update=weight_update_line(cfg, params),
+                   local_gpus=None if slurm else gpus, gpu_placement=() if slurm else placement,
+                   algorithm=describe_algorithm(cfg))
 

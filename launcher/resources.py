@@ -3,7 +3,7 @@
 Split out of plan.py so each file stays readable; everything here is pure and raises
 PlanError naming the config key with the numbers involved ("tp(2) * pp(1) * ep(4) * dp(2)
 = 16 != trainer ranks(8)"). Fit checks against the node size run only for Slurm: the local
-backend runs every role as a process on this machine and ignores placement.
+backend runs every role as a process on this machine (its GPUs: launcher/gpus.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Optional
 
 from launcher.activations import longest_sample
 from workers.common.config import RunConfig, ServerLayout
-from workers.common.config.trainer import check_precision
+from workers.common.config.trainer import check_precision, experts_per_rank
 from workers.common.registry import BACKENDS, MODELS
 
 
@@ -140,7 +140,7 @@ class SlurmJobPlan:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
         c = cfg.cluster
-        return cls(job_name=cfg.launcher.job_name or f"slurmrl-{cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
+        return cls(job_name=cfg.launcher.job_name or f"slurmrl-{cfg.name or cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
                    signal_grace_s=c.signal_grace_s, requeue=c.requeue, max_requeues=c.max_requeues,
                    sbatch_flags=tuple(sorted(c.sbatch_flags.items())), setup=tuple(c.setup),
                    env=tuple(sorted(c.env.items())), node_address=c.node_address, port_min=c.port_min,
@@ -185,8 +185,10 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
     except ValueError as e:
         raise PlanError(str(e)) from None
     m = cfg.model
-    if m.num_experts % par.ep:
-        raise PlanError(f"trainer.parallel.ep({par.ep}) must divide model.num_experts({m.num_experts})")
+    try:
+        experts_per_rank(m.num_experts, par.ep)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     if m.num_heads % par.tp:
         raise PlanError(f"trainer.parallel.tp({par.tp}) must divide model.num_heads({m.num_heads})")
     check_context_parallel(cfg)
@@ -296,7 +298,9 @@ def plan_servers(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
         if num % rpn:
             raise PlanError(f"{count_key}({num}) must be a multiple of {key}.num_replicas_per_node({rpn})")
         gpn = gpn_cluster if backend.uses_gpus else 0
-        if backend.uses_gpus:
+        if backend.uses_gpus and cfg.cluster.backend == "local":
+            gpn = lay.tp  # one node: the servers get GPUs of this machine (launcher/gpus.py places them)
+        elif backend.uses_gpus:
             if not gpn_cluster:
                 raise PlanError(f"inference.backend={i.backend} needs GPUs: cluster.num_gpus_per_node must be > 0")
             if gpn_cluster % rpn:
@@ -310,8 +314,10 @@ def plan_servers(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
                             f"ep({lay.ep}), dp_attention({lay.dp_attention}) and num_nodes_per_replica({npr}) must all be 1")
         if lay.tp % lay.ep:
             raise PlanError(f"{key}.ep({lay.ep}) must divide {key}.tp({lay.tp})")
-        if cfg.model.num_experts % lay.ep:
-            raise PlanError(f"{key}.ep({lay.ep}) must divide model.num_experts({cfg.model.num_experts})")
+        try:
+            experts_per_rank(cfg.model.num_experts, lay.ep, f"{key}.ep")
+        except ValueError as e:
+            raise PlanError(str(e)) from None
         if lay.tp % lay.dp_attention:
             raise PlanError(f"{key}.dp_attention({lay.dp_attention}) must divide {key}.tp({lay.tp})")
         if check_fit:

@@ -1,5 +1,9 @@
 """Create a run directory: resolved config, per-run admin token, ``runs/latest`` symlink.
 
+The directory is ``<cluster.runs_root>/<name>`` with ``name=`` (``-2``, ``-3`` ... when taken), else
+``<experiment>-<date>-<time>``. A dry run gets a ``DRY_RUN`` marker and leaves ``runs/latest``
+where it was (it names the last run that was started).
+
 Nothing is written before the plan succeeded, and an existing run directory is never
 overwritten (an explicit ``launcher.run_dir`` that already holds a run is refused).
 """
@@ -13,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launcher.run_status import mark_dry_run
 from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 
@@ -25,7 +30,7 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     if cfg.launcher.run_dir:
         return Path(cfg.launcher.run_dir).expanduser().resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(cfg.cluster.runs_root).expanduser().resolve() / f"{cfg.experiment}-{stamp}"
+    base = Path(cfg.cluster.runs_root).expanduser().resolve() / (cfg.name or f"{cfg.experiment}-{stamp}")
     path, n = base, 1
     while path.exists():
         n += 1
@@ -44,7 +49,10 @@ def create_run_dir(cfg: RunConfig) -> RunPaths:
     fd = os.open(paths.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(secrets.token_hex(24))
-    update_latest_link(Path(cfg.cluster.runs_root).expanduser().resolve(), root)
+    if cfg.launcher.dry_run:  # runs/latest keeps naming the last real run (slurmrl-eval runs/latest/...)
+        mark_dry_run(root)
+    else:
+        update_latest_link(Path(cfg.cluster.runs_root).expanduser().resolve(), root)
     return paths
 
 

@@ -9,13 +9,12 @@ directory alone (trainer steps logged, the last step's mean reward, whether the 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
 from typing import Optional
 
 from submitit.slurm.slurm import SlurmInfoWatcher
 
+from launcher.run_status import finite, local_state, records, trained
 from launcher.submit import job_id_file, run
 from workers.common.protocol import RunPaths
 
@@ -32,16 +31,8 @@ class RunRow:
 
 def last_metrics(paths: RunPaths) -> tuple[int, Optional[float]]:
     """(trainer steps logged, reward_mean of the last one)."""
-    if not paths.metrics.exists():
-        return 0, None
-    records = []
-    for line in paths.metrics.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    reward = records[-1].get("reward_mean") if records else None
-    return len(records), (float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None)
+    recs = trained(records(paths))
+    return len(recs), (finite(recs[-1].get("reward_mean")) if recs else None)
 
 
 class HetjobWatcher(SlurmInfoWatcher):
@@ -102,11 +93,10 @@ def collect(runs_root: Path) -> list[RunRow]:
     for d in dirs:
         paths = RunPaths(d)
         steps, reward = last_metrics(paths)
-        done = paths.trainer_done.exists()
         if d in ids:
             state, reason = states[ids[d]]
         else:
-            state, reason = ("FINISHED" if done else "LOCAL" if steps else "NOT STARTED"), ""
+            state, reason = local_state(d, steps), ""
         rows.append(RunRow(name=str(d.relative_to(runs_root)), job_id=ids.get(d), state=state, steps=steps,
                            last_reward=reward, reason=reason))
     return rows

@@ -4,7 +4,7 @@ Also following a submitted job (per-step progress lines from run_dir/metrics.jso
 local backend prints them, plus one line per job-state change; Ctrl-C stops following, never
 the job) and the ``slurmrl status|cancel [RUN_DIR|JOB_ID]`` commands.
 
-pyslurm does not match Slurm 22.05 (DESIGN.md section 8), and the commands are what an admin
+pyslurm does not match Slurm 22.05 (docs/design.md, "Platform facts"), and the commands are what an admin
 would type anyway. Job ids: ``sbatch --parsable`` prints the leader id L (or ``L;cluster``);
 het components are the jobs L, L+1, ... that ``scontrol show job L`` lists one record each
 (HetJobOffset 0, 1, ...) and sacct shows as ``L+K``. scontrol works without accounting but
@@ -205,6 +205,10 @@ def follow(job_id: str, paths: RunPaths, num_steps: int, *, poll_s: float = POLL
     progress.poll()
     state = overall_state(comps)
     print(f"[slurmrl] job {job_id} ended {state}: {progress.summary()}", flush=True)
+    from launcher.run_status import next_commands
+
+    for line in next_commands(paths.root, finished=state == "COMPLETED"):
+        print(f"[slurmrl]   {line}", flush=True)
     if state != "COMPLETED":
         log = batch_log(paths.root, job_id)
         print(f"[slurmrl] last lines of {log}:\n{tail(log, 30)}", flush=True)
@@ -221,6 +225,13 @@ def resolve(target: Optional[str]) -> tuple[str, Optional[Path]]:
 
 
 def status_command(target: Optional[str]) -> int:
+    if not (target and target.isdigit()):  # a local or dry run: its directory says everything
+        root = Path(target or "runs/latest").expanduser().resolve()
+        if (root / "config" / "run.yaml").exists() and not job_id_file(root).exists():
+            from launcher.run_status import describe_local
+
+            print("\n".join(describe_local(root)))
+            return 0
     job_id, run_dir = resolve(target)
     comps = components(job_id)
     print(f"job {job_id}: {overall_state(comps)} ({describe(comps)})")
@@ -238,7 +249,8 @@ def cancel_command(target: Optional[str]) -> int:
     return 0
 
 
-USAGE = ("usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/latest)\n"
+USAGE = ("usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/latest; status reads a local or dry "
+         "run from its directory)\n"
          "       slurmrl status --all [RUNS_ROOT]           (every run: state, step, last reward, pending reason)")
 
 

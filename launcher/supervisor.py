@@ -19,6 +19,10 @@ Rules (every wait has a deadline):
   new step on the same het group's nodes -- after ``backoff_s * 2**k`` (capped at
   ``backoff_max_s``), at most ``max_respawns`` times per step (cluster.server_respawns);
   each respawn is appended to ``run_dir/restarts.jsonl`` like the local backend's restarts.
+  A step exiting ``EXIT_FATAL`` (workers/common/exits.py: divergence, a config error) is never
+  respawned: the job stops with its reason. A server step with a worker the orchestrator marked
+  dead beyond ``launcher.hung_worker_kill_s`` while the step still runs (hung) is killed
+  (``scancel --signal=KILL`` on the step) and so respawned (launcher/hung.py).
   The orchestrator re-admits the new server (workers/orchestrator/faults.py). Any other
   failure, or one past the respawn budget, stops every step and exits 1.
 - Stopping: ``scancel --signal=TERM`` per component with live steps (the leader's id once
@@ -42,6 +46,11 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from launcher.hung import hung_workers
+from workers.common.exits import EXIT_FATAL
+
+USER_ERROR_EXIT = EXIT_FATAL  # workers.common.protocol.USER_ERROR_EXIT: the same sysexits EX_CONFIG (78)
+
 POLL_S = 1.0
 STEP_KEYWORD = "slurmrl_step"
 
@@ -60,6 +69,7 @@ class Step:
     respawn: bool
     argv: list[str]
     proc: Optional[subprocess.Popen] = None
+    started: float = 0.0  # wall time of the running srun's start (launcher/hung.py compares it)
     respawns: int = 0
     restart_at: Optional[float] = None  # monotonic time of a scheduled respawn
     done: bool = False
@@ -121,6 +131,7 @@ class Supervisor:
         self.signal: Optional[int] = None
 
     def start(self, step: Step) -> None:
+        step.started = time.time()
         step.proc = subprocess.Popen(step.argv, stdin=subprocess.DEVNULL)
         step.restart_at = None
         log(f"started {step.name} (het group {step.het_group}, srun pid {step.proc.pid})")
@@ -139,6 +150,10 @@ class Supervisor:
             return None
         log(f"{step.name} exited with status {rc}")
         self.tail(step.name)
+        if rc in (EXIT_FATAL, USER_ERROR_EXIT):
+            log(f"{step.name}: a deterministic failure (a diverged run, a config error or the user's reward): "
+                f"not restarted")
+            return f"{step.name} exited with status {rc}"
         if not (step.respawn and step.respawns < self.max_respawns):
             return f"{step.name} exited with status {rc}"
         wait = backoff(step.respawns, self.backoff_s, self.backoff_max_s)
@@ -151,6 +166,34 @@ class Supervisor:
                                  "het_group": step.het_group, "backoff_s": wait, "backend": "slurm"}) + "\n")
         return None
 
+    def kill_hung(self) -> None:
+        """A server step one of whose workers the orchestrator marked dead over its kill bound ago
+        while the step still runs (launcher/hung.py: hung, not exited) is killed; its exit then
+        respawns it like any failed server step."""
+        for step in self.steps:
+            if step.respawn and step.live:
+                hung = hung_workers(self.run_dir, step.started)
+                if hung:
+                    w, dead_s = next(iter(hung.items()))
+                    log(f"{step.name}: worker {w} was marked dead {dead_s:.0f}s ago but its step still runs (hung): "
+                        f"killing the step")
+                    self.kill_step(step)
+
+    def kill_step(self, step: Step) -> None:
+        """SIGKILL every task of ``step``: ``scancel --signal=KILL`` on its Slurm step (found by name in
+        its het component), else the srun process itself."""
+        job = self.env.get(f"SLURM_JOB_ID_HET_GROUP_{step.het_group}", self.env.get("SLURM_JOB_ID", ""))
+        try:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
+                                 timeout=30, check=True).stdout if job else ""
+            ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [step.name]]
+            if ids:
+                subprocess.run(["scancel", "--signal=KILL", ids[-1]], capture_output=True, timeout=30, check=True)
+                return
+        except (OSError, subprocess.SubprocessError) as e:
+            log(f"cannot scancel {step.name}'s step ({e}); killing its srun")
+        step.proc.kill()
+
     def run(self) -> int:
         """Start every step, watch them; the job's exit status (module docstring)."""
         for step in self.steps:
@@ -158,6 +201,7 @@ class Supervisor:
         while True:
             if self.signal is not None:
                 return self.on_signal()
+            self.kill_hung()
             failure = None
             for step in self.steps:
                 if step.restart_at is not None and time.monotonic() >= step.restart_at:

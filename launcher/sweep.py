@@ -31,6 +31,8 @@ from launcher.launch import Prepared, announce, launch, prepare, submit_prepared
 from launcher.plan import PlanError
 from launcher.pretrained import ensure_converted
 from launcher.run_dir import choose_run_dir
+from launcher.run_status import last_eval, local_state, records, trained
+from workers.common.protocol import RunPaths
 from workers.common.config import RunConfig
 
 
@@ -78,6 +80,8 @@ def run_all(points: Optional[list[Point]] = None) -> int:
     dry = points[0].prepared.cfg.launcher.dry_run
     if points[0].prepared.plan.backend == "local":
         codes = [launch(p.prepared.cfg) for p in points]  # one at a time: they share this machine's cores
+        if not dry:
+            results(points)
         return max(codes)
     if dry:  # every point rendered and written, nothing submitted
         for p in points:
@@ -100,7 +104,9 @@ def run_all(points: Optional[list[Point]] = None) -> int:
     record(jobs)
     if not points[0].prepared.cfg.launcher.follow:
         return 0
-    return wait_all(jobs)
+    code = wait_all(jobs)
+    results(points)
+    return code
 
 
 def varying(point: Point, points: list[Point]) -> list[str]:
@@ -123,7 +129,7 @@ def named(point: Point, points: list[Point]) -> Point:
     if cfg.launcher.job_name or cfg.cluster.backend == "local":
         return point
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher,
-                                                                job_name=job_name(cfg.experiment, varying(point, points))))
+                                                                job_name=job_name(cfg.name or cfg.experiment, varying(point, points))))
     return dataclasses.replace(point, prepared=prepare(cfg, root=point.prepared.root))
 
 
@@ -138,6 +144,38 @@ def record(jobs: list[tuple[Point, Optional[str]]]) -> None:
                 "run_dir": str(p.prepared.root), "script": str(p.prepared.script_path)} for p, j in jobs]
     path.write_text(json.dumps({"dry_run": jobs[0][1] is None, "points": entries}, indent=1) + "\n")
     print(f"[slurmrl] sweep manifest: {path}", flush=True)
+
+
+def results(points: list[Point]) -> str:
+    """The sweep's table: one row per point (its swept values, state, steps, final reward = mean of
+    the last 5 steps, last eval with the step it evaluated), printed and written beside sweep.json
+    as ``sweep_results.txt`` and ``sweep_results.json``."""
+    rows = []
+    for p in points:
+        root = p.prepared.root
+        recs = records(RunPaths(root))
+        ev = last_eval(recs)
+        recs = trained(recs)
+        rewards = [r["reward_mean"] for r in recs if isinstance(r.get("reward_mean"), (int, float))]
+        rows.append({"point": p.num, "swept": " ".join(varying(p, points)) or "-",
+                     "state": local_state(root, len(recs)),
+                     "steps": len(recs), "final_reward": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else None,
+                     "eval": ev[0] if ev else None, "eval_weights_step": ev[1] if ev else None, "run_dir": str(root)})
+    head = ("#", "SWEPT", "STATE", "STEPS", "FINAL REWARD", "EVAL", "RUN")
+    body = [(str(r["point"]), r["swept"], r["state"], str(r["steps"]),
+             "-" if r["final_reward"] is None else f"{r['final_reward']:.3f}",
+             "-" if r["eval"] is None else f"{r['eval']:.3f} @{r['eval_weights_step']}", r["run_dir"]) for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body])
+    print(f"[slurmrl] sweep results (final reward: mean of the last 5 steps; eval @ the weights' step):\n{text}",
+          flush=True)
+    sweep_dir = points[0].sweep_dir
+    if sweep_dir:
+        Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+        (Path(sweep_dir) / "sweep_results.txt").write_text(text + "\n")
+        (Path(sweep_dir) / "sweep_results.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"[slurmrl] sweep results: {Path(sweep_dir) / 'sweep_results.txt'}", flush=True)
+    return text
 
 
 def wait_all(jobs: list[tuple[Point, str]], *, poll_s: float = 2.0) -> int:

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 import benchmarks.gpu.bench_trainer_step as b
 from benchmarks.gpu.common import device_info, write_result
+from workers.common.rank_exit import rank_entry
 from workers.trainer import ep_capacity
 from workers.trainer.batch import shard_rows
 from workers.trainer.loop import build_optimizer, initial_model, parallelize
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=max(2, torch.cuda.device_count()), help="GPUs = ep")
     ap.add_argument("--factors", default="0,2,1.25", help="comma list of ep_capacity_factor values")
-    ap.add_argument("--out-dir", default="benchmarks/results/gpu/")
+    ap.add_argument("--out-dir", default="benchmarks/out/gpu/")
     args, rest = ap.parse_known_args(argv)
     bench = b.parse_args(rest + ["--skip-direct"])
     bench.factors = [float(f) for f in args.factors.split(",")]
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         port = s.getsockname()[1]
     tmp = Path(args.out_dir) / ".ep_dispatch_rank0.json"
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(args.world, port, bench, str(tmp)), nprocs=args.world,
+    mp.start_processes(rank_entry, args=(_rank, args.world, port, bench, str(tmp)), nprocs=args.world,
                        start_method="spawn" if torch.cuda.is_available() else "fork")
     rows = json.loads(tmp.read_text())
     tmp.unlink()

@@ -5,7 +5,7 @@ Both decode ``num_prompts`` prompts (lengths spread over [P/2, P], so both pad) 
 token), in bf16 on one GPU, side by side in one run: 64 prompts and 256 prompts x 512 new tokens.
 Output tokens/s = prompts x new tokens / wall time from submission to the last token (prefill
 included). The engine is the one ``inference.static_cache=auto`` picks on a GPU: the static engine
-(fixed KV slots, decode steps as CUDA graphs: workers/inference/embedded/decode_loop.py), started
+(fixed KV slots, decode steps as CUDA graphs: workers/inference/embedded/static_engine.py), started
 and warmed up (graphs captured) before the clock starts; the dynamic engine (the CPU default) is
 measured too at the first prompt count, for the before/after. The HF twin is Qwen3MoeForCausalLM
 (benchmarks/gpu/hf_equiv.py: q/k norms replaced by identity, experts fused); its logits are
@@ -25,7 +25,7 @@ from torch.nn.attention import sdpa_kernel
 
 import workers.models.blocks.kernels as tm
 from benchmarks.gpu.common import free_cuda, init_on_device, presets, sync
-from workers.inference.embedded.decode_loop import StaticEngine
+from workers.inference.embedded.static_engine import StaticEngine
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 
 
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     from benchmarks.gpu.common import device_info, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/gpu/latest", help="directory for inference.json")
+    ap.add_argument("--out", default="benchmarks/out/gpu/latest", help="directory for inference.json")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU in seconds)")
     ap.add_argument("--prompt-counts", default="64,256", help="comma list of batch sizes")
     ap.add_argument("--new-tokens", type=int, default=512)

@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny MoE on the CPU (smoke test)")
     ap.add_argument("--dir", default="/dev/shm/slurmrl_publish_bench", help="scratch weights root (deleted)")
-    ap.add_argument("--out", default="benchmarks/results/gpu/", help="directory for publish_stream.json")
+    ap.add_argument("--out", default="benchmarks/out/gpu/", help="directory for publish_stream.json")
     args = ap.parse_args()
     dims = b.world_of_one()
     cfg = b.run_config(argparse.Namespace(tiny=args.tiny, dtype="bfloat16", micro_batch_tokens=0, lr=1e-5),

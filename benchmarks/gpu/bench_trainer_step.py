@@ -39,7 +39,7 @@ from benchmarks.gpu import bench_trainer
 from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_info, free_cuda, init_on_device,
                                    param_counts, time_it, train_flops_per_token, write_result)
 from workers.common.config import RunConfig, TrainerConfig
-from workers.common.local_ranks import free_port
+from workers.common.ports import free_port
 from workers.trainer.batch import RolloutBatch
 from workers.weights.stream import local_part
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
@@ -245,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None, help="timed steps, median reported (default 10; tiny 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-direct", action="store_true", help="skip bench_trainer.py's direct-model row")
-    ap.add_argument("--out", default="benchmarks/results/gpu/", help="directory for trainer_step.json")
+    ap.add_argument("--out", default="benchmarks/out/gpu/", help="directory for trainer_step.json")
     args = ap.parse_args(argv)
     if args.extra_compile is None:
         args.extra_compile = "layers" if torch.cuda.is_available() else ""

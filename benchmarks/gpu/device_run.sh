@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: every GPU benchmark, the GPU tests, then the preflight's
 # standalone mode. Run from the repo root with $OUT set (the device tool sets it); Hydra and
-# OmegaConf travel as pure-Python packages in .gpusite/ (see README "GPU results").
+# OmegaConf travel as pure-Python packages in .gpusite/ (see benchmarks/results/README.md, "GPU").
 #   bash benchmarks/gpu/device_run.sh [run_all args...]
 set -u
-OUT=${OUT:-benchmarks/results/gpu/latest}
+OUT=${OUT:-benchmarks/out/gpu/latest}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.gpusite" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"

@@ -36,7 +36,7 @@ from benchmarks.gpu.bench_trainer_step import synthetic_batch
 from benchmarks.gpu.long_context_step import step_arguments
 from benchmarks.gpu.common import GPU_MOE, TINY_MOE, device_info, init_on_device, write_result
 from workers.common.config import RunConfig, TrainerConfig
-from workers.common.local_ranks import run_ranks
+from benchmarks.local_ranks import run_ranks
 from workers.trainer.batch import shard_rows
 from workers.trainer.loop import build_optimizer, parallelize
 from workers.trainer.micro import apply_activation_checkpointing

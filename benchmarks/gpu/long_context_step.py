@@ -12,7 +12,7 @@ document; no [T, T] mask), log-probs scored ``trainer.logprob_chunk_tokens`` pos
 Inference log-probs are zeros with the ratio mask opened wide (the memory and time of a step do
 not depend on them).
 
-Writes ``DIR/long_context.json`` (``--out``, else $OUT, else benchmarks/results/gpu/) in the CPU
+Writes ``DIR/long_context.json`` (``--out``, else $OUT, else benchmarks/out/gpu/; record with split_results or a copy into benchmarks/results/gpu/) in the CPU
 benchmark's row format, ``{"runs": [{"seq_len": T, "cp": 1, "peak_bytes_per_rank": P}], ...}``, plus
 tokens/s, step times and the device. Imports no Hydra (the dataclasses are the config).
 """
@@ -93,7 +93,7 @@ def step_arguments(ap: argparse.ArgumentParser, *, tiny_help: str) -> argparse.A
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help=tiny_help)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu/", help="directory for the JSON")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/out/gpu/", help="directory for the JSON")
     return ap
 
 

@@ -3,7 +3,7 @@ table of two fp32-master steps (kernels by CUDA time, ops by CPU time).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu/profile_trainer_step.py [bench_trainer_step args, e.g. --tiny]
 
-Result of 2026-12-03 on the H200: benchmarks/results/gpu/raw/trainer_step_profile_2026-12-03.log.
+Result of 2026-12-03 on the H200: benchmarks/results/gpu/raw/trainer_step_profile_2026-12-03_before_fixes.log.
 """
 import collections
 import dataclasses

@@ -131,7 +131,7 @@ def summary_rows(results: dict) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/gpu/latest", help="directory for gpu_results.json")
+    ap.add_argument("--out", default="benchmarks/out/gpu/latest", help="directory for gpu_results.json")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU in seconds)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections out of {SECTIONS}")
     ap.add_argument("--scratch", default=".gpu_bench_scratch", help="scratch dir on the disk under test")

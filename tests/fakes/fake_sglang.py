@@ -1,10 +1,10 @@
 """A fake SGLang 0.5.23 HTTP server: the real wire format, a trivial "model".
 
-Why a fake: SGLang cannot serve on this CPU (DESIGN.md section 8), yet the orchestrator's
+Why a fake: SGLang cannot serve on this CPU (docs/design.md, "Platform facts"), yet the orchestrator's
 client must work unchanged against it. This server speaks SGLang's native routes with the
 request/response shapes recorded from sglang 0.5.23 (srt/entrypoints/http_server.py and
 srt/managers/io_struct.py; :data:`REQUEST_FIELDS` is checked against that source by
-tests/unit/test_fake_sglang_schema.py whenever sglang is installed), including where
+tests/unit/inference/test_fake_sglang_schema.py whenever sglang is installed), including where
 SGLang differs from our embedded engine:
 
 - ``/generate`` rejects fields GenerateReqInput does not have (SGLang raises on them);
@@ -73,6 +73,9 @@ REQUEST_FIELDS = {
     "BeginWeightUpdateReqInput": {"rid", "http_worker_ipc", "selector"},
     "EndWeightUpdateReqInput": {"rid", "http_worker_ipc"},
     "GetWeightsByNameReqInput": {"rid", "http_worker_ipc", "name", "truncate_size"},
+    "UpdateWeightsFromTensorReqInput": {"rid", "http_worker_ipc", "serialized_named_tensors", "load_format",
+                                        "flush_cache", "abort_all_requests", "weight_version", "selector",
+                                        "torch_empty_cache"},
 }
 """Field names of SGLang 0.5.23's request structs (io_struct.py; BaseReq adds rid, http_worker_ipc)."""
 ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
@@ -82,7 +85,8 @@ ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "U
                 "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
                 "/update_weight_version": "UpdateWeightVersionReqInput",
                 "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
-                "/get_weights_by_name": "GetWeightsByNameReqInput"}
+                "/get_weights_by_name": "GetWeightsByNameReqInput",
+                "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 

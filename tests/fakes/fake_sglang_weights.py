@@ -3,7 +3,7 @@
 The HTTP side is tests/fakes/fake_sglang.FakeSGLang (same routes, same request schemas); the
 weight routes fan out to one process per TP rank, as SGLang's TokenizerManager fans a control
 request out to its schedulers and answers with the merged result. Each rank process mirrors
-the pinned receive path (sglang 0.5.23; tests/unit/test_sglang_weight_protocol.py checks that
+the pinned receive path (sglang 0.5.23; tests/unit/inference/test_sglang_weight_protocol.py checks that
 the source still reads this way):
 
 - join: ``WeightUpdater.init_weights_update_group``
@@ -36,41 +36,44 @@ from typing import Optional
 
 from aiohttp import web
 
+from benchmarks.sglang_receive import receive_like_sglang  # noqa: F401  (tests import it from the fake)
 from tests.fakes.fake_sglang import FakeSGLang, FakeSGLangConfig, serve_fake
 
 
-def receive_like_sglang(pg, names, dtypes, shapes, load_format=None) -> list:
-    """One /update_weights_from_distributed call's receive, as WeightUpdater.receive_weights_from_distributed
-    does it: per tensor (async broadcasts from rank 0 in the order of names, then wait), or one uint8
-    flattened bucket (FlattenedTensorBucket.empty's layout). Returns [(name, tensor)]."""
+def model_of(state: dict):
+    """The rank's tensors as an nn.Module whose named_parameters() are the HF names (sharing storage),
+    which is what a custom weight loader gets from SGLang: the model."""
     import torch
-    import torch.distributed as dist
 
-    if load_format == "flattened_bucket":
-        sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes)]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        dist.broadcast(flat, src=0, group=pg)
-        got, at = [], 0
-        for n, d, s, size in zip(names, dtypes, shapes, sizes):
-            got.append((n, flat[at: at + size].view(getattr(torch, d)).reshape(s)))
-            at += size
-        return got
-    got = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
-    for h in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in got]:
-        h.wait()
-    return got
+    root = torch.nn.Module()
+    for name, t in state.items():
+        mod = root
+        *path, leaf = name.split(".")
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
 
 
-def _rank_main(conn, tp_rank: int, state: dict) -> None:
-    """One TP rank: obey commands from the server process until ``stop``."""
+def _rank_main(conn, tp_rank: int, state: dict, experts: Optional[list] = None) -> None:
+    """One TP rank: obey commands from the server process until ``stop``. ``experts``: this rank holds only
+    these routed experts, in SGLang's FusedMoE layout (tests/fakes/fake_sglang_moe.py); None: everything."""
 
     from workers.weights.broadcast.sglang_wire import open_update_group
 
     # Each rank owns its memory: tensors handed to a spawned process arrive in shared memory
     # (torch's pickler), which would make every rank of a server one buffer.
-    state = {n: t.clone() for n, t in state.items()}
+    model = None
+    if experts is not None:
+        from tests.fakes.fake_sglang_moe import moe_rank
+
+        state, model = moe_rank(state, experts)
+    else:
+        state = {n: t.clone() for n, t in state.items()}
     groups: dict = {}
-    corrupt_next: list[str] = []  # fault injection: names to spoil after the next load (tests)
+    corrupt_next: list[str] = []  # fault injection: names to spoil after the next load, any kind (tests)
     while True:
         cmd, args = conn.recv()
         try:
@@ -94,6 +97,17 @@ def _rank_main(conn, tp_rank: int, state: dict) -> None:
                         corrupt_next.remove(n)
                         state[n].add_(1)
                 out = (True, "Succeeded to update parameter online.")
+            elif cmd == "tensor":  # update_weights_from_tensor with a --custom-weight-loader load_format
+                import base64
+                import importlib
+                import pickle
+
+                if args["load_format"] not in args["custom_weight_loader"]:
+                    raise NotImplementedError(f"Unknown load_format={args['load_format']}")
+                named = pickle.loads(base64.b64decode(args["serialized_named_tensors"][tp_rank]))  # its own entry
+                module, _, fn = args["load_format"].rpartition(".")
+                getattr(importlib.import_module(module), fn)(model if model is not None else model_of(state), named)
+                out = (True, "Success")
             elif cmd == "get":
                 t = state.get(args["name"])
                 out = (t is not None, None if t is None else t.float().numpy().tolist()[:args["truncate_size"]])
@@ -102,7 +116,11 @@ def _rank_main(conn, tp_rank: int, state: dict) -> None:
 
                 for f in sorted(Path(args["model_path"]).glob("*.safetensors")):
                     for n, t in load_file(f).items():
-                        state[n].copy_(t)
+                        if n in state or experts is None:  # an EP rank loads only its own experts
+                            state[n].copy_(t)
+                        if n in corrupt_next:
+                            corrupt_next.remove(n)
+                            state[n].add_(1)
                 out = (True, "Succeeded to update model weights.")
             elif cmd == "state":
                 out = (True, {n: t.clone() for n, t in state.items()})
@@ -119,9 +137,9 @@ def _rank_main(conn, tp_rank: int, state: dict) -> None:
 class RankProcess:
     """The server's handle on one TP rank (a spawned process and its pipe)."""
 
-    def __init__(self, ctx, tp_rank: int, state: dict):
+    def __init__(self, ctx, tp_rank: int, state: dict, experts: Optional[list] = None):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_rank_main, args=(child, tp_rank, state), daemon=True)
+        self.proc = ctx.Process(target=_rank_main, args=(child, tp_rank, state, experts), daemon=True)
         self.proc.start()
         self.lock = threading.Lock()
 
@@ -136,20 +154,27 @@ class RankProcess:
 @dataclasses.dataclass
 class FakeWeightsConfig(FakeSGLangConfig):
     tp_size: int = 2
+    custom_weight_loader: list = dataclasses.field(default_factory=list)
+    """--custom-weight-loader: import paths /update_weights_from_tensor may name as its load_format."""
     state: dict = dataclasses.field(default_factory=dict)
     """The served weights at start ({name: tensor}, inference dtype); every rank gets a copy."""
+    ep_experts: list = dataclasses.field(default_factory=list)
+    """Expert parallelism: per TP rank, the routed experts it holds (SGLang's FusedMoE layout); empty: every
+    rank holds every tensor."""
 
 
 class FakeSGLangWeights(FakeSGLang):
     def __init__(self, cfg: FakeWeightsConfig):
         super().__init__(cfg)
         ctx = mp.get_context("spawn")
-        self.ranks = [RankProcess(ctx, r, cfg.state) for r in range(cfg.tp_size)]
+        self.ranks = [RankProcess(ctx, r, cfg.state, cfg.ep_experts[r] if cfg.ep_experts else None)
+                      for r in range(cfg.tp_size)]
         self.session = False
         r = self.app.router
         r.add_post("/begin_weight_update", self.begin)
         r.add_post("/end_weight_update", self.end)
         r.add_route("*", "/get_weights_by_name", self.get_weights)
+        r.add_post("/update_weights_from_tensor", self.update_tensor)
 
     async def fan_out(self, cmd: str, args: Optional[dict] = None) -> tuple[bool, object]:
         """Every rank at once (a group call blocks until all members are in); merged like FanOutCommunicator."""
@@ -182,6 +207,18 @@ class FakeSGLangWeights(FakeSGLang):
             return self._answer(False, "update_weights_from_distributed must run between begin_weight_update() "
                                        "and end_weight_update()")
         ok, msg = await self.fan_out("receive", body)
+        if ok and body.get("weight_version") is not None:
+            self.cfg.weight_version = str(body["weight_version"])
+        return self._answer(ok, msg)
+
+    async def update_tensor(self, request: web.Request) -> web.Response:
+        """SchedulerWeightUpdater.update_weights_from_tensor: inside a session; every rank takes its own entry
+        and runs the custom loader load_format names; the version is recorded on success."""
+        body = await self._body(request)
+        if not self.session:
+            return self._answer(False, "update_weights_from_tensor must run between begin_weight_update() and "
+                                       "end_weight_update()")
+        ok, msg = await self.fan_out("tensor", dict(body, custom_weight_loader=self.cfg.custom_weight_loader))
         if ok and body.get("weight_version") is not None:
             self.cfg.weight_version = str(body["weight_version"])
         return self._answer(ok, msg)

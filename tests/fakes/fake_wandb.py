@@ -1,4 +1,5 @@
-"""fake_wandb: a stand-in for the ``wandb`` module (not installed in CI) recording what the tracker asks.
+"""fake_wandb: a stand-in for the ``wandb`` module for the failure paths the real package (the ``tracking``
+extra; tests/unit/trainer/test_tracking_wandb.py) cannot be made to produce here, recording what the tracker asks.
 
 It implements the part of wandb's API that workers/trainer/tracking.py calls — ``wandb.init(project=,
 entity=, name=, id=, resume=, mode=, dir=, config=)`` returning a run with ``log(dict, step=)`` and

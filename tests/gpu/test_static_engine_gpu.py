@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.gpu.common import TINY_MOE, init_on_device
-from workers.inference.embedded.decode_loop import StaticEngine
+from workers.inference.embedded.static_engine import StaticEngine
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see benchmarks/results/gpu)")

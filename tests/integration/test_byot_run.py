@@ -46,7 +46,12 @@ def test_own_dataset_and_reward_module_train_with_eval_rows(tmp_path):
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     recs = metrics(run_dir)
+    final = [r for r in recs if r.get("final_eval")]  # the final weights' eval (orchestrator/final_eval.py)
+    recs = [r for r in recs if not r.get("final_eval")]
     assert [r["step"] for r in recs] == [1, 2, 3]
+    assert len(final) >= 1 and final[-1]["eval/weights_step"] == 3 and final[-1]["step"] == 3, final
+    assert "step   3/3 eval | reward" in proc.stdout and "(weights of step 3, reported at step 3)" in proc.stdout
+    assert all("eval/weights_step" in r for r in recs if "eval/reward" in r)
     assert "step   1/3 | reward" in proc.stdout and "step   3/3 | reward" in proc.stdout
     for r in recs:
         assert {"reward/correct", "reward/short", "reward_failures", "data/drawn", "data/epoch"} <= set(r), sorted(r)
@@ -128,10 +133,10 @@ def test_own_task_reward_rises_with_eval_rows(tmp_path):
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     recs = metrics(run_dir)
-    rewards = [r["reward_mean"] for r in recs]
+    rewards = [r["reward_mean"] for r in recs if not r.get("final_eval")]
     assert len(rewards) == 30
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.3, [round(x, 3) for x in rewards]
-    evals = [(r["eval/policy_version"], r["eval/reward"]) for r in recs if "eval/reward" in r]
-    assert len(evals) >= 2 and evals[0][0] == 0 and evals[-1][0] >= 10, evals
+    evals = [(r["eval/weights_step"], r["eval/reward"]) for r in recs if "eval/reward" in r]
+    assert len(evals) >= 2 and evals[0][0] == 0 and evals[-1][0] == 30, evals  # the last: the final weights
     assert evals[-1][1] > evals[0][1], evals
-    assert "| eval " in proc.stdout  # the progress line shows eval rows
+    assert " eval | reward " in proc.stdout and "step  30/30 eval | reward" in proc.stdout  # eval lines

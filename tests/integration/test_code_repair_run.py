@@ -43,7 +43,7 @@ def test_episode_routing_rows_match_the_engine_on_the_full_history(tmp_path, mon
     from workers.orchestrator.episodes import run_episode
     from workers.weights.filesystem.publisher import publish_step
     from tests.conftest import EchoEnv
-    from tests.integration import conftest as tis
+    from tests.helpers import servers as tis  # start_server reads its model from there
 
     monkeypatch.setattr(tis, "SERVER_MODEL", {**tis.SERVER_MODEL, "vocab_size": 264})  # byte-level chat tokens
     proc, url, paths = start_server(tmp_path)

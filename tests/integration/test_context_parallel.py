@@ -172,8 +172,8 @@ def _step_worker(rank: int, world: int, port: int, family: str, cp: int, cfg, ou
         dist.destroy_process_group()
 
 
-def step_reference(family: str) -> dict:
-    cfg = moe.tcfg()
+def step_reference(family: str, cfg=None) -> dict:
+    cfg = cfg or moe.tcfg()
     r = moe.reference(moe.make_batch(model=family), cfg, family)
     scale = min(1.0, cfg.grad_clip / (r["grad_norm"] + 1e-6))
     return {**r, "clipped": {n: g * scale for n, g in r["grads"].items()}}
@@ -181,7 +181,9 @@ def step_reference(family: str) -> dict:
 
 # (family, world, cp, trainer overrides): tiny_moe has 2 heads (cp 2), qwen3_moe 4 (cp 4: kv heads repeated)
 STEPS = [("tiny_moe", 2, 2, {}), ("tiny_moe", 4, 2, {"micro_batch_tokens": 16, "activation_checkpointing": "full"}),
-         ("tiny_moe", 2, 2, {"pack_sequences": True}), ("qwen3_moe", 4, 4, {"activation_checkpointing": "selective"})]
+         ("tiny_moe", 2, 2, {"pack_sequences": True}), ("qwen3_moe", 4, 4, {"activation_checkpointing": "selective"}),
+         # per-row loss aggregation: every cp rank holds the same rows (the row count is not summed cp times)
+         ("tiny_moe", 4, 2, {"loss_agg": "seq_mean_token_mean", "clip_low": 0.2, "clip_high": 0.2})]
 
 
 @pytest.mark.parametrize("family,world,cp,over", STEPS, ids=[f"{f}-w{w}-cp{c}-{'-'.join(o) or 'plain'}"
@@ -191,7 +193,7 @@ def test_trainer_step_with_cp_equals_one_rank(tmp_path, family, world, cp, over)
     cfg = dataclasses.replace(moe.tcfg(), **over)
     out = str(tmp_path / "step.pt")
     run_ranks(_step_worker, world, (family, cp, cfg, out), what=f"trainer step {family} cp{cp}")
-    got, ref = torch.load(out), step_reference(family)
+    got, ref = torch.load(out), step_reference(family, cfg)
     assert_step_matches(got, ref, weights=None, grad_names=False)  # loss, grad norm, clipped grads
     assert list(got["weights"]) == list(ref["weights"])
     for name, w in ref["weights"].items():

@@ -22,6 +22,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from tests.helpers import engine_fault
 from workers.common.inference_client import InferenceClient, InferenceError
 from workers.inference.embedded import guards
 from workers.inference.embedded.engine import InferenceEngine, model_from_config
@@ -225,11 +226,12 @@ def test_malformed_step_directories_are_400_and_a_fifo_never_blocks(tmp_path):
     assert not bad, bad
 
 
-def test_engine_crash_fails_every_request_promptly_and_reports_unhealthy():
+def test_engine_crash_fails_every_request_promptly_and_reports_unhealthy(monkeypatch):
+    engine_fault.arm(1, monkeypatch)  # a device fault once weights v1 are live
+
     async def run(session, base, engine, app):
         head = engine.model.state_dict()["lm_head.weight"]
-        huge = {"lm_head.weight": torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 1e38}
-        engine.apply_weights(huge, 1, source="test: finite weights whose logits overflow")
+        engine.apply_weights({"lm_head.weight": head * 1.5}, 1, source="test: weights that meet a device fault")
         t0 = time.monotonic()
         calls = [session.post(base + "/generate", json=gen_body(50, temperature=1.0)) for _ in range(5)]
         answers = []

@@ -1,7 +1,7 @@
 """One client test suite, two servers: the embedded engine and a fake SGLang 0.5.23.
 
 Why: the orchestrator drives SGLang on GPU clusters and the embedded engine locally with
-the same InferenceClient (DESIGN.md section 3). Every test in the shared suite runs
+the same InferenceClient (docs/design.md, "Protocols"). Every test in the shared suite runs
 against both (``backend`` fixture), so a field the engine answers but SGLang does not (or
 the reverse) breaks here, not on a cluster. The fake (tests/fakes/fake_sglang.py) answers
 with SGLang's recorded request/response schema; the tests at the end cover what only

@@ -30,7 +30,9 @@ def test_family_trains_through_the_whole_loop_under_fsdp(tmp_path, preset):
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert recs[0]["mismatch_kl"] < 1e-3, recs[0]["mismatch_kl"]  # engine and trainer: the same function
-    assert all(r["grad_norm"] > 0 for r in recs)
+    assert any(r["grad_norm"] > 0 for r in recs), recs  # it trains...
+    # ...and a step whose rewards are all equal changes nothing (no balance loss by default, issue 32)
+    assert all(r["grad_norm"] == 0 for r in recs if r["reward_std"] == 0), recs
     last = run_dir / "weights" / "step_000003"
     index = json.loads((last / "index.json").read_text())["weight_map"]
     assert router in index and other in index, sorted(index)[:8]

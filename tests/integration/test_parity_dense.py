@@ -18,6 +18,7 @@ from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import policy_loss, token_logprobs
 from workers.common.registry import MODELS
+from workers.trainer import plans
 from workers.trainer.step import backward_step
 
 CFG = LlamaConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -57,7 +58,7 @@ def _worker(rank: int, world: int, port: int, tp: int, out: str) -> None:
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp)
     try:
-        model = MODELS.get(CFG.family).shard(build_model(CFG, SEED), dims)  # the trainer's plan for tp
+        model = plans.shard(MODELS.get(CFG.family), build_model(CFG, SEED), dims)  # the trainer's plan for tp
         stats = backward_step(model, shard_rows(make_batch(), dims.batch_rank, dims.num_batch_shards), TCFG, dims)
         grads = model.full_grad_dict()
         torch.optim.AdamW(model.parameters(), lr=TCFG.lr, betas=tuple(TCFG.betas)).step()

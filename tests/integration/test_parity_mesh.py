@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches, step_and_save
 from tests.netutil import gloo_dims, run_ranks
+from workers.trainer.plans import shard
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
@@ -138,7 +139,7 @@ def _fast_worker(rank, world, port, tp, ep, model_name, out, capacity_factor=Non
         before()
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
-        model = MODELS.get(full.config.family).shard(full, dims, precision=Precision.of(cfg))
+        model = shard(MODELS.get(full.config.family), full, dims, precision=Precision.of(cfg))
         if capacity_factor is not None:
             ep_capacity.configure(model, capacity_factor)
         stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,

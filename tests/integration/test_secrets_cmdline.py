@@ -6,7 +6,7 @@
    1.13.0 router: smg must get the key (it sends ``Authorization: Bearer`` to its worker, an
    HTTP stub here: SGLang itself needs GPUs) while its own cmdline and its children's do not
    hold it. (The SGLang side of the wrapper is parsed by SGLang's own parser in
-   tests/unit/test_sglang_parser.py.)
+   tests/unit/inference/test_sglang_parser.py.)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README's own-environment example (docs/examples/own_env: a module and a YAML in a config dir
+"""The own-environment example (docs/examples/own_env: a module and a YAML in a config dir
 of the user's, outside the project's packages) trains the tiny model through the CLI: the env class
 is named only by ``_target_`` in that YAML (hydra.searchpath), every role imports it from
 PYTHONPATH, steps are 1-based, and each step's sample completions land in the orchestrator log,

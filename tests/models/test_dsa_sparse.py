@@ -13,7 +13,7 @@ import torch
 
 from tests.models.test_parity_deepseek_v3 import hf_model, ours_from
 from tests.models.test_parity_glm_moe_dsa import GLM, VARIANTS
-from tests.unit.test_packing_families import _Shapes
+from tests.unit.models.test_packing_families import _Shapes
 from workers.trainer.packing import plan_packing
 
 torch.set_num_threads(1)
@@ -100,9 +100,13 @@ def test_the_sparse_path_never_materialises_a_t_by_t_tensor(glm, packed, monkeyp
     """Forward + backward of one 97-token row with chunks of 8, as the trainer runs it (a packed row, or
     the GPU's mask-free causal path for a plain row): no op output has two dims of 97. The dense
     reference does build [T, T] tensors (the probe sees them)."""
-    from workers.models.blocks import kernels
+    from workers.models.blocks import dsa_kernels, dsa_sparse, kernels
 
     t = 97
+    # chunks are sized by memory budgets (dsa_kernels.py): shrunk so a 97-token row takes several chunks
+    # of 8 queries, as a 131k-token one does at the real budgets
+    monkeypatch.setattr(dsa_kernels, "SCORE_PAIRS", 8 * t)
+    monkeypatch.setattr(dsa_sparse, "ATTENTION_BYTES", 1)
     ids = torch.randint(1, 96, (1, t), generator=torch.Generator().manual_seed(0))
     kw = dict(position_ids=torch.arange(t)[None])
     if packed:

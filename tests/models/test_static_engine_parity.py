@@ -1,4 +1,4 @@
-"""The static engine (fixed KV slots, chunked prefill: workers/inference/embedded/decode_loop.py)
+"""The static engine (fixed KV slots, chunked prefill: workers/inference/embedded/static_engine.py)
 generates exactly transformers' greedy tokens and the dynamic engine's, per family.
 
 Covers the two cache layouts the static cache holds: GQA keys/values (llama with tied
@@ -20,7 +20,7 @@ import torch
 from tests.models.parity import assert_engine_greedy_matches_hf, hf_reference, load_into
 from tests.models.test_parity_deepseek_v3 import BASE as DSV3, YARN, hf_model, ours_from
 from workers.common.registry import MODELS
-from workers.inference.embedded.decode_loop import StaticEngine, create_engine
+from workers.inference.embedded.static_engine import StaticEngine, create_engine
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.inference.embedded.static_cache import unsupported_reason
 

@@ -38,8 +38,10 @@ def test_usr1_requeues_the_whole_hetjob(slurm_cluster, tmp_path):
             ["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout)
         assert restarts
         # A requeued job waits cred_expire+1 s (11 s here) before it may start again. Forcing
-        # StartTime=now races with that: slurmctld then kills it ("Job credential revoked").
-        wait_until("the second run of the batch script", 300, lambda: f"job {job_id} (restart 1)" in log.read_text())
+        # StartTime=now races with that: slurmctld then kills it ("Job credential revoked"). Once eligible,
+        # only a backfill pass starts it (conftest.wake_backfill).
+        wait_until("the second run of the batch script", 300, lambda: f"job {job_id} (restart 1)" in log.read_text(),
+                   wake_every_s=2)
         text = log.read_text()
         first = text[: text.index(f"job {job_id} (restart 1)")]
         assert "USR1: time limit or preemption in 30 s" in first and "exited with status" in first

@@ -38,7 +38,8 @@ def test_requeue_resumes_from_checkpoint(slurm_cluster, tmp_path):
     try:
         wait_until("3 trained steps", 240, lambda: len(_steps(run_dir)) >= 3)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
-        wait_until("the second run of the batch script", 300, lambda: f"job {job_id} (restart 1)" in log.read_text())
+        wait_until("the second run of the batch script", 300, lambda: f"job {job_id} (restart 1)" in log.read_text(),
+                   wake_every_s=2)  # conftest.wake_backfill says why
         resumes = run_dir / "checkpoints" / "resumes.jsonl"
         wait_until("the trainer to resume", 180, lambda: resumes.exists() and resumes.read_text().strip())
         resume = json.loads(resumes.read_text().splitlines()[0])

@@ -46,7 +46,7 @@ def test_preflight_across_two_nodes(slurm_cluster, tmp_path):
 
 
 def test_export_a_delta_step_and_a_failing_one(slurm_cluster, tmp_path):
-    from tests.unit.test_weights_hf_layout import cfg_of, publish
+    from tests.unit.weights.test_weights_hf_layout import cfg_of, publish
     from tests.models.hf_dirs import llama_dir
     from workers.models.tiny_moe.model import init
 

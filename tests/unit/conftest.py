@@ -1,61 +1,6 @@
-"""Helpers shared by unit tests: rendering sbatch scripts (golden files) and the dry-run CLI."""
+"""Shared by unit tests: rendering sbatch scripts for golden files (tests/helpers/rendering.py) and
+the dry-run CLI (tests/helpers/cli.py), re-exported for ``from tests.unit.conftest import ...``."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from launcher.plan import build_plan
-from launcher.render import render_script
-from tests.conftest import REPO, compose
-
-
-# ---- from test_render_golden.py ------------------------------------------------------------
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-
-
-PATHS = dict(run_dir="/RUN_DIR", python="/VENV/bin/python", workdir="/WORKDIR", script_path="/RUN_DIR/slurm/job.sbatch")
-
-
-def render(overrides: list[str], **changes) -> str:
-    cfg = compose(overrides)
-    for key, value in changes.items():
-        setattr(cfg.cluster, key, value)
-    return render_script(build_plan(cfg), **PATHS)
-
-
-def sbatch_blocks(text: str) -> list[list[str]]:
-    blocks: list[list[str]] = [[]]
-    for line in text.splitlines():
-        if line == "#SBATCH hetjob":
-            blocks.append([])
-        elif line.startswith("#SBATCH "):
-            blocks[-1].append(line[len("#SBATCH "):])
-    return blocks
-
-
-def srun_steps(text: str) -> list[list[str]]:
-    """The flags of every srun step (one flag per continued line)."""
-    steps, cur = [], None
-    for line in text.splitlines():
-        s = line.strip()
-        if s == "srun \\":
-            cur = []
-        elif cur is not None and s.startswith("--"):
-            cur.append(s.rstrip(" \\"))
-        elif cur is not None:
-            steps.append(cur)
-            cur = None
-    return steps
-
-
-
-
-# ---- from test_render_dry_run.py ------------------------------------------------------------
-def slurmrl(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SLURMRL_RUNS_ROOT": str(tmp_path / "runs"), "PATH": str(Path(sys.executable).parent)}
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
+from tests.helpers.cli import slurmrl  # noqa: F401
+from tests.helpers.rendering import GOLDEN, PATHS, render, sbatch_blocks, srun_steps  # noqa: F401

@@ -1,6 +1,10 @@
 """Objects named by import path in a config (``env.reward_fn=my_pkg.rewards:score``,
 ``env._target_=my_pkg.envs:MyEnv``), imported the same way everywhere, with errors that name the key.
 
+The one place that imports by path: user objects named in a config (:func:`import_object`, errors
+that name the key) and the project's own lazy references, ``"package.module:name"`` strings that
+keep role code (torch) out of the torch-free specs the launcher reads (:func:`resolve`, :func:`lazy`).
+
 Both spellings work: ``module.path:attr`` (the attribute may be dotted: ``mod:Outer.inner``) and
 Hydra's ``module.path.attr`` (split at the last dot). The module is imported in this process:
 on the login node at plan time, which is the user's own code running with the user's rights (as
@@ -10,7 +14,7 @@ ValueError naming ``key``, the path and the module's file, before anything is su
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 
 def split_target(target: str, *, key: str, example: str) -> tuple[str, str]:
@@ -23,6 +27,24 @@ def split_target(target: str, *, key: str, example: str) -> tuple[str, str]:
         return module, attr
     raise ValueError(f"{key}={target!r}: write an import path such as {example!r} (module on PYTHONPATH, "
                      f"then ':' or '.', then the name)")
+
+
+def resolve(ref: str) -> Any:
+    """The object a ``"package.module:attribute"`` reference of the project names (imports the module)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def lazy(target: str) -> Callable[..., Any]:
+    """``"package.module:name"`` -> a function that imports the module on its first call and
+    calls ``name`` with the same arguments (keeps role code out of a spec's imports)."""
+    module, _, name = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"lazy[{target}]"
+    return call
 
 
 def import_object(target: str, *, key: str, example: str = "my_package.module:name") -> Any:

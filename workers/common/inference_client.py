@@ -12,7 +12,7 @@ Routed experts arrive as base64 of int32 [positions, layers, top_k]; they are de
 a worker thread (``asyncio.to_thread``) so the event loop never decodes, and kept as a
 compact uint8/uint16 array from there on.
 
-Weight update protocol, driven by the orchestrator per worker (see DESIGN.md 2):
+Weight update protocol, driven by the orchestrator per worker (docs/design.md, "Roles and data flow"):
   pause_generation("in_place") -> update_weights_from_disk(step_dir, v) -> continue_generation().
 In-flight requests survive; their tokens report the version that produced each of them.
 """
@@ -243,13 +243,17 @@ class InferenceClient:
         await self._call("POST", "/flush_cache", {})
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all_requests: bool = False,
-                                       timeout_s: Optional[float] = None) -> dict:
+                                       timeout_s: Optional[float] = None, allow_rollback: bool = False) -> dict:
         """Load a published ``weights/step_N`` dir as version ``weight_version``.
 
-        Raises InferenceError when the server refuses it (it then keeps its old weights).
+        Raises InferenceError when the server refuses it (it then keeps its old weights); the
+        embedded engine refuses a version older than its own with 409 unless ``allow_rollback``
+        (our extension field, sent only when set: SGLang refuses unknown fields).
         """
         body = {"model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
                 "weight_version": str(weight_version), "flush_cache": False}
+        if allow_rollback:
+            body["allow_rollback"] = True
         out = await self._call("POST", "/update_weights_from_disk", body, timeout_s=timeout_s)
         if not isinstance(out, dict) or not out.get("success"):
             raise InferenceError(self.base_url + "/update_weights_from_disk", 200, json.dumps(out))
@@ -281,6 +285,15 @@ class InferenceClient:
                 "load_format": load_format,
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         return await self._admin("/update_weights_from_distributed", body, timeout_s)
+
+    async def update_weights_from_tensor(self, *, serialized_named_tensors: Sequence[str], load_format: Optional[str],
+                                         weight_version: Optional[int], flush_cache: bool = True,
+                                         timeout_s: Optional[float] = None) -> dict:
+        """SGLang's /update_weights_from_tensor: one base64 pickled [(name, tensor)] entry per TP rank, applied by
+        the loader ``load_format`` names (a --custom-weight-loader import path); raises if refused."""
+        body = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+                "weight_version": None if weight_version is None else str(weight_version), "flush_cache": flush_cache}
+        return await self._admin("/update_weights_from_tensor", body, timeout_s)
 
     async def begin_weight_update(self, timeout_s: Optional[float] = None) -> dict:
         """Open SGLang's weight-update session (0.5.23 refuses /update_weights_from_distributed outside one)."""

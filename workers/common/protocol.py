@@ -16,6 +16,7 @@ Who writes what (every wait has a deadline that names the peer):
 - orchestrator  -> ``orchestrator_state.json`` (progress), ``DONE`` when it finished,
   ``orchestrator_ledger.jsonl`` (every group's launch/resubmit/batch/drop: ledger.py).
 - trainer ranks -> ``checkpoints/step_N/`` (model, optimizer, RNG per rank) + ``COMPLETE`` last.
+- orchestrator  -> ``inference_health.json`` (dead workers; the supervisors kill hung ones).
 
 Batch tensors (row = one sample, right-padded to T; token t is predicted from tokens < t):
   input_ids int64[B,T], attention_mask uint8[B,T], loss_mask uint8[B,T] (completion tokens),
@@ -23,13 +24,15 @@ Batch tensors (row = one sample, right-padded to T; token t is predicted from to
   rewards float32[B], token_versions int32[B,T] (policy version that sampled each token,
   -1 on prompt/pad), routed_experts uint8|uint16[B,T,L,k] (optional; row t = experts used
   when token t was the *input*; rows the engine did not report are 0 and flagged 0 in
-  routed_mask uint8[B,T]).
+  routed_mask uint8[B,T]), ref_logprobs float32[B,T] (optional: the step-0 policy's log-probs of
+  the loss tokens, for trainer.kl_coef; workers/orchestrator/scoring.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -41,11 +44,15 @@ READY = "READY"
 METRICS_FILE = "metrics.jsonl"
 ADMIN_TOKEN_FILE = "admin_token"
 ORCH_DONE = "DONE"
+USER_ERROR_EXIT = 78  # sysexits EX_CONFIG; a role stopped on the user's error (every reward failing): restarting cannot help
 TRAINER_DONE = "TRAINER_DONE"
 """Written by the trainer after its last step (json: time, num_steps)."""
 LEDGER_FILE = "orchestrator_ledger.jsonl"  # rollout ledger (workers/orchestrator/ledger.py)
 CHECKPOINTS_DIR = "checkpoints"  # trainer checkpoints step_N/ + COMPLETE (workers/trainer/checkpoint.py)
 COMPLETE = "COMPLETE"
+INFERENCE_HEALTH = "inference_health.json"
+"""Orchestrator -> supervisors: the inference workers marked dead, since when, and the kill bound
+(workers/orchestrator/faults.py WorkerPool.write_health; launcher/hung.py reads it)."""
 
 
 class PeerTimeout(TimeoutError):
@@ -106,13 +113,22 @@ class RunPaths:
         return self
 
 
+def is_marked(step_dir: Path, marker: str = STABLE) -> bool:
+    """``step_dir/marker`` is a regular file (not followed through a symlink): a directory, FIFO or
+    link named STABLE was not written by a publisher and vouches for nothing."""
+    try:
+        return stat.S_ISREG(os.lstat(Path(step_dir) / marker).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def latest_stable_step(weights_root: Path) -> Optional[int]:
-    """Highest N with ``step_N/STABLE`` present, or None."""
+    """Highest N with ``step_N/STABLE`` present (a regular file), or None."""
     best = None
     if not weights_root.is_dir():
         return None
     for d in weights_root.iterdir():
-        if d.name.startswith("step_") and (d / STABLE).exists():
+        if d.name.startswith("step_") and d.name[5:].isdigit() and is_marked(d):
             n = int(d.name[5:])
             best = n if best is None or n > best else best
     return best

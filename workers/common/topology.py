@@ -3,7 +3,8 @@
 Every role calls :func:`current_topology` once and passes the result around. Two sources:
 
 - local backend: the launcher exports ``SLURMRL_*`` variables for each child it spawns
-  (role, rank, worker URLs, trainer master address) plus torchrun-style RANK/WORLD_SIZE.
+  (role, rank, worker URLs, trainer master address; with SGLang the router URL and the weight
+  group's address, ports laid out as in a Slurm job) plus torchrun-style RANK/WORLD_SIZE.
 - Slurm (``SLURMRL_LAYOUT`` set inside a Slurm job): the sbatch script exports the static
   layout of the job (written by the plan, no bash arithmetic) and this module combines it
   with what Slurm knows at run time:
@@ -205,24 +206,30 @@ def current_topology(env: Optional[Mapping[str, str]] = None) -> Topology:
     else:
         rank, world = int(env.get("RANK", env.get("SLURMRL_RANK", "0"))), int(env.get("WORLD_SIZE", "1"))
     urls = tuple(u for u in env.get("SLURMRL_INFERENCE_URLS", "").split(",") if u)
-    port = None
+    port, dist_init = None, None
+    bind_host = env.get("SLURMRL_BIND_HOST", "127.0.0.1")
     if role == "inference":
         if not urls:
             raise RuntimeError("SLURMRL_INFERENCE_URLS is empty: an inference worker needs its own URL")
         if rank >= len(urls):
             raise RuntimeError(f"inference rank {rank} has no URL: SLURMRL_INFERENCE_URLS lists {len(urls)} workers")
         port = int(urls[rank].rsplit(":", 1)[1])
+        dist_init = f"{bind_host}:{port + 1}"  # the HTTP port's neighbour, as server_ports lays them out
     return Topology(
         role=role,
         rank=rank,
         world_size=world,
         run_dir=_need(env, "SLURMRL_RUN_DIR"),
         inference_urls=urls,
-        bind_host=env.get("SLURMRL_BIND_HOST", "127.0.0.1"),
+        bind_host=bind_host,
         bind_port=port,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(env.get("MASTER_PORT", "29500")),
         slurm_job_id=env.get("SLURM_JOB_ID"),
+        router_url=env.get("SLURMRL_ROUTER_URL") or None,
+        weights_group_addr=env.get("SLURMRL_WEIGHTS_GROUP_ADDR") or None,
+        replica=rank if role == "inference" else 0,
+        dist_init_addr=dist_init,
     )
 
 

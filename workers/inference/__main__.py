@@ -8,11 +8,17 @@ replaces this process.
 import sys
 
 from workers.common.config import load_run_config
+from workers.common.exits import fatal_on_config_error
 from workers.common.protocol import RunPaths
 from workers.common.registry import BACKENDS
 from workers.common.topology import current_topology
 
-if __name__ == "__main__":
+
+def main() -> int:
     topology = current_topology()
     cfg = load_run_config(str(RunPaths(topology.run_dir).run_config))
-    sys.exit(BACKENDS.get(cfg.inference.backend).serve(cfg, topology))
+    return BACKENDS.get(cfg.inference.backend).serve(cfg, topology)
+
+
+if __name__ == "__main__":
+    sys.exit(fatal_on_config_error(main))

@@ -12,8 +12,8 @@ A backend is one package, ``workers/inference/<name>/``, whose ``spec`` module r
 - what the orchestrator must know beyond the wire protocol (``reports_routing_shape``,
   ``make_router``).
 
-Why so little for the orchestrator: every backend speaks SGLang's native HTTP API (DESIGN.md
-section 3), so readiness (``/health_generate``), admin calls (pause, weight updates, continue)
+Why so little for the orchestrator: every backend speaks SGLang's native HTTP API (docs/design.md,
+"Protocols"), so readiness (``/health_generate``), admin calls (pause, weight updates, continue)
 and generation go through one client, workers/common/inference_client.py, for all of them.
 
 Everything here and in each backend's ``spec`` and ``config`` modules is torch-free (the
@@ -49,7 +49,7 @@ class BackendStep:
     env: tuple[tuple[str, str], ...]
     """Exported to this step's tasks only (e.g. NVSHMEM for DeepEP)."""
     features: tuple[str, ...]
-    """Short names of the features this role turns on (plan summary, README table)."""
+    """Short names of the features this role turns on (plan summary, the Slurm guide's table)."""
 
 
 class RoutedGeneration(Protocol):

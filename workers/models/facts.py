@@ -1,7 +1,7 @@
 """Plan facts of a model family: parameter counts and KV-cache bytes, from one architecture view.
 
 Why one view: the planner (launcher/estimate.py), the memory estimates and the simulator
-(benchmarks/sim) count the same things for every family. Each family maps its own config onto
+(tools/simulator) count the same things for every family. Each family maps its own config onto
 :class:`Architecture` (``ModelSpec.arch``), a flat, family-agnostic description in which a
 feature the family lacks is 0 (a dense model has ``num_experts=0``; MHA has no MLA ranks), and
 the counts below are written once. A family whose blocks these formulas do not describe (say a

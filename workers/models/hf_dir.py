@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint directory (``model.path``), read torch-free: what the launcher checks.
 
-A directory in HF layout is the unit of model input and output (DESIGN.md section 7)::
+A directory in HF layout is the unit of model input and output (docs/design.md, "Models and the trainer")::
 
     config.json                      architectures, model_type and the architecture fields
     model.safetensors                one file, or
@@ -8,7 +8,7 @@ A directory in HF layout is the unit of model input and output (DESIGN.md sectio
     model-00001-of-00003.safetensors ...the shards it names
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   optional
 
-Why torch-free: the launcher (which never imports torch, tests/unit/test_import_graph.py) reads
+Why torch-free: the launcher (which never imports torch, tests/unit/repo/test_import_graph.py) reads
 config.json to choose the family and fill ``model.*``, and refuses a bad directory before anything
 starts, naming the file and the key. The tensors themselves (names, shapes, FP8 scales) are read
 by workers/models/hf_checkpoint.py, which needs torch; safetensors headers are plain JSON, so the

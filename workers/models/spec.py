@@ -18,11 +18,10 @@ The interface (every callable takes the family's own config dataclass, ``model_c
   ``model_cfg.init_seed``, or a converted pretrained checkpoint), on CPU.
 - ``to_hf(state) / from_hf(state)``: this family's parameter names <-> Hugging Face names
   (published weights and checkpoints use HF names). Identity where the modules use HF names.
-- ``parallelize``: ``"module:callable"``, the TP/EP sharding plan ``(full_model, dims, *, precision)
-  -> sharded model`` used when tp or ep > 1: by default the mesh plan of any CausalLM built from
-  the shared blocks (workers/trainer/mesh_plan.py: FSDP2 + DTensor TP + EP on one DeviceMesh);
-  runs with tp = ep = 1 use the FSDP2 plan (workers/trainer/fsdp.py). :meth:`ModelSpec.trainer_plan`
-  decides; :func:`resolve` loads it.
+- ``parallelize``: the name of the trainer's TP/EP sharding plan used when tp or ep > 1, from
+  the trainer's own table (workers/trainer/plans.py): by default ``"mesh"``, the plan of any
+  CausalLM built from the shared blocks (FSDP2 + DTensor TP + EP on one DeviceMesh); runs with
+  tp = ep = 1 use ``"fsdp"``. :meth:`ModelSpec.trainer_plan` decides; the trainer loads it.
 - ``hf_architectures`` / ``to_hf_config`` / ``from_hf_config``: the family's config.json (HF names
   and values <-> this family's ``model.*`` fields), for checkpoints in (``model.path``) and out.
 - ``router_hook``: the forward keyword through which Router Replay forces experts (int64
@@ -32,7 +31,6 @@ The interface (every callable takes the family's own config dataclass, ``model_c
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Optional
 
 from workers.common.config.ranges import check_fields
@@ -40,22 +38,17 @@ from workers.common.registry import PluginSpec
 from workers.models.facts import DSA_CHUNK_PAIRS, Architecture, ParamCount, architecture  # noqa: F401  (the launcher's entry)
 
 
-FSDP_PLAN = "workers.trainer.fsdp:parallelize"
-"""The generic plan of any ``CausalLM`` (FSDP2 over data parallel): what tp = ep = 1 runs use."""
+FSDP_PLAN = "fsdp"
+"""Name (in the trainer's plan table, workers/trainer/plans.py) of the generic plan of any
+``CausalLM`` (FSDP2 over data parallel): what tp = ep = 1 runs use."""
 
-MESH_PLAN = "workers.trainer.mesh_plan:parallelize"
-"""FSDP2 + DTensor tensor parallel + expert parallel on one DeviceMesh, for any ``CausalLM`` of the
-shared blocks: what tp or ep > 1 runs use unless a family names its own plan."""
+MESH_PLAN = "mesh"
+"""Name of FSDP2 + DTensor tensor parallel + expert parallel on one DeviceMesh, for any ``CausalLM``
+of the shared blocks: what tp or ep > 1 runs use unless a family names another plan."""
 
 
 def identity(state: dict) -> dict:
     return state
-
-
-def resolve(ref: str) -> Any:
-    """The object a ``"package.module:attribute"`` reference names (imports the module)."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,9 +68,9 @@ class ModelSpec(PluginSpec):
     (DeepSeek-style multi-token-prediction layers ``model.layers.{num_layers}...``, whose names
     depend on the config): skipped by the loader and the launcher's tensor check alike."""
     parallelize: str = MESH_PLAN
-    """``"module:callable"`` of the tensor/expert-parallel plan, ``(full_model, dims, *, precision) ->
-    sharded model``, used when trainer.parallel.tp or ep > 1; empty: the family trains only with
-    tp = ep = 1, under the generic FSDP plan (:meth:`trainer_plan`)."""
+    """Name of the tensor/expert-parallel plan in the trainer's table (workers/trainer/plans.py), used
+    when trainer.parallel.tp or ep > 1; empty: the family trains only with tp = ep = 1, under the
+    generic FSDP plan (:meth:`trainer_plan`)."""
     router_hook: Optional[str] = None
     """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
     hf_architectures: tuple[str, ...] = ()
@@ -107,10 +100,6 @@ class ModelSpec(PluginSpec):
             return self.from_hf
         skip = self.not_built
         return lambda state: self.from_hf({k: v for k, v in state.items() if not skip(model_cfg, k)})
-
-    def shard(self, full, dims, *, precision=None):
-        """This rank's shard of ``full`` under :meth:`trainer_plan` for ``dims`` (what every trainer rank runs)."""
-        return resolve(self.trainer_plan(dims.tp, dims.ep))(full, dims, precision=precision)
 
     @property
     def buildable(self) -> bool:

@@ -1,5 +1,6 @@
 """``python -m workers.orchestrator``: load the run config, run the rollout loop."""
 from workers.common.config import load_run_config
+from workers.common.exits import fatal_on_config_error
 from workers.common.protocol import RunPaths
 from workers.common.topology import current_topology
 from workers.orchestrator.loop import run_orchestrator
@@ -11,4 +12,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    fatal_on_config_error(main)

@@ -30,6 +30,8 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
     per_token = all(s.token_advantages is not None for s in samples)
     advantages = np.zeros((b, seq_len), dtype=np.float32) if per_token else np.array(
         [s.advantage for s in samples], dtype=np.float32)
+    have_ref = all(s.ref_logprobs is not None for s in samples)
+    ref = np.zeros((b, seq_len), dtype=np.float32)
     have_routing = all(s.routed_experts is not None for s in samples)
     routed_dtype = np.uint8
     if have_routing:
@@ -46,6 +48,8 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
         versions[i, p:p + c] = s.token_versions
         if per_token:
             advantages[i, p:p + c] = s.token_advantages
+        if have_ref:
+            ref[i, p:p + c] = s.ref_logprobs
         if have_routing:
             n = min(s.routed_experts.shape[0], p + c)
             routed[i, :n] = s.routed_experts[:n]
@@ -59,6 +63,8 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
         "rewards": np.array([s.reward for s in samples], dtype=np.float32),
         "token_versions": versions,
     }
+    if have_ref:  # the step-0 policy's log-probs: the trainer's KL penalty (trainer.kl_coef)
+        arrays["ref_logprobs"] = ref
     if have_routing:
         arrays["routed_experts"] = routed
         arrays["routed_mask"] = routed_mask

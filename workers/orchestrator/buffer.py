@@ -1,12 +1,12 @@
 """Rollout buffer with bounded staleness and group-relative advantages.
 
 A *group* is ``num_samples_per_prompt`` samples of one prompt; its advantages are the
-rewards minus the group mean (GRPO-style, no std division: with 0/1-ish partial credit a
-std division blows up near-uniform groups). A group's policy version is the OLDEST
+rewards minus the group mean, divided as ``orchestrator.advantage_norm`` says, after DAPO's
+overlong shaping and with DAPO's dynamic sampling if asked (advantages.py). A group's policy version is the OLDEST
 version of any token it holds (tokens of one sample may span a weight update), so the
 staleness bound is checked conservatively.
 
-Staleness rule (DESIGN.md 2): trainer steps are 1-based (README "Step numbers"), and step
+Staleness rule (docs/design.md, "Step numbers"): trainer steps are 1-based, and step
 ``s`` trains the weights of step ``s - 1`` (``weights/step_0`` is the initial policy), so a
 batch for step ``s`` may only contain samples with ``staleness(s, policy_version) = s - 1 -
 policy_version <= max_off_policy_steps`` (0: on-policy); older groups are dropped and counted.
@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from workers.orchestrator.advantages import batch_scale, group_scale, overlong_penalty, zero_variance
+
 
 @dataclasses.dataclass
 class Sample:
@@ -38,6 +40,8 @@ class Sample:
     token_advantages: Optional[np.ndarray] = None  # per completion token (mode token_rtg)
     completion_mask: Optional[list[int]] = None  # multi-turn: 1 = model token (trained), 0 = env token; None = all 1
     env_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # multi-turn: turns, env_s, finish, ...
+    ref_logprobs: Optional[np.ndarray] = None  # per completion token, under the step-0 policy (trainer.kl_coef)
+    teacher_logprobs: Optional[np.ndarray] = None  # per completion token, under the teacher (on-policy distillation)
 
     @property
     def policy_version(self) -> int:
@@ -63,35 +67,70 @@ class RolloutGroup:
     worker: int = -1
     started_version: int = 0
     env_metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_model_tokens: int = 0
+    """Most model tokens a sample may generate (the env's limits; overlong shaping's L; 0: unknown, no shaping)."""
 
     @property
     def policy_version(self) -> int:
         return min(s.policy_version for s in self.samples)
 
-    def assign_advantages(self, mode: str = "sequence") -> None:
-        """Group-relative advantages. ``token_rtg``: per-position reward-to-go minus the
-        group's mean reward-to-go at that position (samples that ended count 0 there)."""
+    def shaped_rewards(self, shaping: Optional["Shaping"] = None) -> np.ndarray:
+        """Each sample's reward plus its overlong penalty (advantages.overlong_penalty; 0 without shaping)."""
         rewards = np.array([s.reward for s in self.samples], dtype=np.float64)
+        if shaping is None or self.max_model_tokens <= 0:
+            return rewards
+        return rewards + [shaping.penalty(sum(s.loss_flags()), self.max_model_tokens) for s in self.samples]
+
+    def assign_advantages(self, mode: str = "sequence", norm: str = "none",
+                          shaping: Optional["Shaping"] = None) -> None:
+        """Group-relative advantages of the shaped rewards, times the ``norm`` scale (advantages.py).
+        ``token_rtg``: per-position reward-to-go minus the group's mean reward-to-go at that position
+        (samples that ended count 0 there; an overlong penalty lands on the last token)."""
+        rewards = self.shaped_rewards(shaping)
+        scale = group_scale(rewards, norm)
         for s, a in zip(self.samples, rewards - rewards.mean()):
-            s.advantage = float(a)
+            s.advantage = float(a * scale)
         if mode != "token_rtg" or any(s.token_rewards is None for s in self.samples):
             return
         width = max(len(s.completion_ids) for s in self.samples)
         rtg = np.zeros((len(self.samples), width))
         for i, s in enumerate(self.samples):
-            r = np.asarray(s.token_rewards, dtype=np.float64)
+            r = np.asarray(s.token_rewards, dtype=np.float64).copy()
+            if len(r):
+                r[-1] += rewards[i] - s.reward
             rtg[i, : len(r)] = np.cumsum(r[::-1])[::-1]
         baseline = rtg.mean(axis=0)
         for i, s in enumerate(self.samples):
             n = len(s.completion_ids)
-            s.token_advantages = (rtg[i, :n] - baseline[:n]).astype(np.float32)
+            s.token_advantages = ((rtg[i, :n] - baseline[:n]) * scale).astype(np.float32)
+
+    def assign_distillation(self, reward_weight: float) -> None:
+        """On-policy distillation: each token's advantage is the teacher's log-prob minus the one it was
+        sampled with (the negative per-token reverse KL), plus ``reward_weight`` x the task advantage."""
+        for s in self.samples:
+            task = s.token_advantages if s.token_advantages is not None else s.advantage
+            gap = np.asarray(s.teacher_logprobs, np.float64) - np.asarray(s.completion_logprobs, np.float64)
+            s.token_advantages = (gap + reward_weight * np.asarray(task, np.float64)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shaping:
+    """DAPO's soft overlong punishment (orchestrator.overlong_buffer_frac / overlong_penalty)."""
+
+    buffer_frac: float
+    penalty_max: float
+
+    def penalty(self, num_tokens: int, max_tokens: int) -> float:
+        buffer = max(1, round(self.buffer_frac * max_tokens)) if self.buffer_frac > 0 else 0
+        return overlong_penalty(num_tokens, max_tokens, buffer, self.penalty_max)
 
 
 class RolloutBuffer:
     """FIFO of completed groups; ``take`` builds one step's worth, dropping stale groups."""
 
     def __init__(self, *, max_off_policy_steps: int, groups_per_step: int, advantage: str = "sequence",
-                 long_episode_policy: str = "drop"):
+                 long_episode_policy: str = "drop", advantage_norm: str = "none", shaping: Optional[Shaping] = None,
+                 dynamic_sampling: bool = False, max_draws: int = 4, distill_reward_weight: Optional[float] = None):
         if max_off_policy_steps < 0:
             raise ValueError(f"orchestrator.max_off_policy_steps must be >= 0, got {max_off_policy_steps}")
         if long_episode_policy not in LONG_EPISODE_POLICIES:
@@ -106,13 +145,47 @@ class RolloutBuffer:
         self.advantage = advantage
         self.groups: deque[RolloutGroup] = deque()
         self.dropped_samples_total = 0
+        self.advantage_norm, self.shaping = advantage_norm, shaping
+        self.dynamic_sampling, self.max_draws = dynamic_sampling, max_draws
+        self.drawn_for_batch = 0  # groups added since the last batch was taken (dynamic sampling's budget)
+        self.zero_var_dropped_total = 0
+        self.zero_var_kept_total = 0
+        self.distill_weight = distill_reward_weight  # None: no teacher
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def add(self, group: RolloutGroup) -> None:
-        group.assign_advantages(self.advantage)
+    def add(self, group: RolloutGroup) -> bool:
+        """Put a finished group in the buffer; False when dynamic sampling drops it (its rewards are all
+        equal and the batch's draw budget, max_draws x groups_per_step, is not yet spent)."""
+        self.drawn_for_batch += 1
+        if self.dynamic_sampling and zero_variance(group.shaped_rewards(self.shaping)):
+            if self.drawn_for_batch <= self.max_draws * self.groups_per_step:
+                self.zero_var_dropped_total += 1
+                return False
+            self.zero_var_kept_total += 1
+        group.assign_advantages(self.advantage, self.advantage_norm, self.shaping)
+        if self.distill_weight is not None:
+            group.assign_distillation(self.distill_weight)
         self.groups.append(group)
+        return True
+
+    def sampling_metrics(self, groups: list[RolloutGroup]) -> dict[str, Any]:
+        """A batch's recipe counters: dynamic sampling's drops (and zero-variance groups kept once
+        its draw budget was spent), the mean overlong penalty; only the knobs in use."""
+        out: dict[str, Any] = {}
+        if self.dynamic_sampling:
+            out["groups_dropped_zero_var_total"] = self.zero_var_dropped_total
+            out["groups_kept_zero_var_total"] = self.zero_var_kept_total
+        if self.distill_weight is not None:  # mean over the sampled tokens of log pi_student - log pi_teacher
+            gaps = [(np.asarray(s.completion_logprobs) - s.teacher_logprobs)[np.asarray(s.loss_flags(), bool)]
+                    for g in groups for s in g.samples]
+            out["teacher_reverse_kl"] = float(np.concatenate(gaps).mean()) if gaps else 0.0
+        if self.shaping is not None:
+            shaped = np.concatenate([g.shaped_rewards(self.shaping) - [s.reward for s in g.samples] for g in groups])
+            out["overlong_penalty_mean"] = float(shaped.mean())
+            out["overlong_frac"] = float((shaped < 0).mean())
+        return out
 
     def version_of(self, g: RolloutGroup) -> int:
         """The version the staleness rule checks: oldest token (drop) or oldest newest-turn."""
@@ -144,6 +217,13 @@ class RolloutBuffer:
         if len(self.groups) < self.groups_per_step:
             return None
         groups = [self.groups.popleft() for _ in range(self.groups_per_step)]
+        self.drawn_for_batch = len(self.groups)  # the groups left over count toward the next batch
+        if self.advantage_norm == "batch_std":
+            scale = batch_scale([s.advantage for g in groups for s in g.samples])
+            for s in (s for g in groups for s in g.samples):
+                s.advantage *= scale
+                if s.token_advantages is not None:
+                    s.token_advantages = (s.token_advantages * scale).astype(np.float32)
         if self.policy != "drop":
             for g in groups:
                 self.apply_long_episode_policy(g, step)

@@ -15,7 +15,7 @@ One episode (``run_episode``)::
     reward = sum of step rewards (+ final_reward() when a limit ended it)
     token_rewards = each turn's step.token_rewards (0 on env tokens), when every step gave them
 
-Invariants the trainer relies on (tests/unit/test_envs_episodes.py checks each):
+Invariants the trainer relies on (tests/unit/orchestrator/test_envs_episodes.py checks each):
   * every generate call's input is the previous call's input + its output + the new
     observation, token for token (nothing is re-tokenized), and the sample's tokens are
     the last call's input + output; an observation after the last turn is not kept;

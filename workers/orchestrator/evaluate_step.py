@@ -13,8 +13,10 @@ What it does, with the same pieces a run uses (the protocol between them unchang
      then kill after a deadline) and removes the scratch directory.
 
 The step is served by the embedded engine whatever ``inference.backend`` the run used, so this
-evaluates what the embedded engine can hold (CPU, one GPU); an env without an eval split (only
-env=dataset with env.eval_path / env.eval_fraction has one) is refused before anything starts.
+evaluates what the embedded engine can hold (CPU, one GPU). Every built-in env has an eval split
+(generated envs: a fixed-seed set, envs/base.py GeneratedEvalSplit; env=dataset: env.eval_path or
+env.eval_fraction); an env without one, or a reward module not on PYTHONPATH, is refused with one
+``slurmrl-eval: error:`` line before anything starts.
 """
 from __future__ import annotations
 
@@ -36,9 +38,9 @@ from omegaconf import OmegaConf
 
 from workers.common.config import load_run_config, structure_section, to_yaml
 from workers.common.inference_client import InferenceClient, wait_until_ready
-from workers.common.local_ranks import free_port
+from workers.common.ports import free_port
 from workers.common.logs import get_logger
-from workers.common.protocol import RunPaths
+from workers.common.protocol import RunPaths, is_marked
 from workers.common.registry import ENVS
 from workers.orchestrator.envs import make_env
 from workers.orchestrator.evaluation import Evaluator
@@ -55,7 +57,7 @@ def locate(step_dir: Path) -> tuple[Path, int]:
     step_dir = step_dir.resolve()
     if not step_dir.is_dir() or not step_dir.name.startswith("step_") or not step_dir.name[5:].isdigit():
         raise EvalError(f"{step_dir} is not a published step directory (weights/step_N)")
-    if not (step_dir / "STABLE").exists():
+    if not is_marked(step_dir):
         raise EvalError(f"{step_dir} has no STABLE marker: the step was not completely published")
     run_dir = step_dir.parent.parent
     if not RunPaths(run_dir).run_config.exists():
@@ -102,11 +104,18 @@ async def evaluate(step_dir: Path, *, num_samples: Optional[int] = None, k: Opti
     run_dir, step = locate(step_dir)
     cfg = load_run_config(str(RunPaths(run_dir).run_config))
     if not ENVS.get(cfg.env.name).eval_split:
-        raise EvalError(f"env={cfg.env.name} has no eval split; slurmrl-eval needs env=dataset with env.eval_path "
-                        f"or env.eval_fraction")
+        raise EvalError(f"env={cfg.env.name} has no eval split: its env class needs eval_tasks(n) (every built-in "
+                        f"env has one; env=dataset needs env.eval_path or env.eval_fraction)")
     o = cfg.orchestrator
     log = get_logger("eval", 0)
-    env = make_env(cfg.env, seed=cfg.seed, model=cfg.model)
+    try:
+        env = make_env(cfg.env, seed=cfg.seed, model=cfg.model)
+    except ValueError as e:  # the run's data or reward module cannot be loaded from here
+        hint = (" (the reward module is imported from PYTHONPATH: set it as the run had it, e.g. "
+                "PYTHONPATH=/path/to/your/module/dir slurmrl-eval ...)" if "import" in str(e) else "")
+        raise EvalError(f"the run's env={cfg.env.name} cannot be made here: {e}{hint}") from None
+    if cfg.env.name == "dataset" and not env.eval_tasks(1):
+        raise EvalError("the run's env=dataset has no eval split: it set neither env.eval_path nor env.eval_fraction")
     evaluator = Evaluator(env, every=1, num_samples=num_samples or o.eval_num_samples, log=log, k=k or o.eval_k,
                           temperature=o.temperature, success_reward=o.eval_success_reward)
     paths = scratch_run(run_dir, step_dir, cfg)
@@ -145,6 +154,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except EvalError as e:
         print(f"slurmrl-eval: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the server or a request failed: one line (the server log's tail is logged above)
+        print(f"slurmrl-eval: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)
     if args.out is not None:

@@ -8,13 +8,15 @@ Evaluation (``orchestrator.eval_every_steps`` = k > 0, ``eval_num_samples`` = n)
             each, or ``eval_k`` sampled ones), through the same inference workers and episode
             runner as rollouts
     when a batch is written: a finished eval's metrics go into that batch's record
-        (eval/reward, eval/pass@1, eval/pass@<eval_k>, eval/num_samples, eval/policy_version,
+        (eval/reward, eval/pass@1, eval/pass@<eval_k>, eval/num_samples, eval/weights_step, eval/policy_version,
          eval/reward_failures, eval/aborted, eval/reward/<name> for named rewards)
 
 Why inside the batch record: metrics.jsonl and TensorBoard are the trainer's (one record per
 step), so eval rows land in the same files with the same step numbering, without a second
-writer. ``eval/policy_version`` says which weights were evaluated (the oldest version any of
-its tokens came from); the record's ``step`` says when it was reported. The eval task runs
+writer. ``eval/weights_step`` says which weights were evaluated (the version the eval started on:
+weights after that trainer step; ``eval/policy_version`` is the oldest version any of its tokens
+came from); the record's ``step`` says when it was reported. The console prints an eval on its own
+line labelled with ``eval/weights_step``, and TensorBoard logs ``eval/*`` at that step. The eval task runs
 beside rollouts (no stall); a worker that fails mid-eval loses that eval (logged), not the run.
 
 Sample logging (``orchestrator.log_samples_every_steps``): ``orchestrator.num_logged_samples`` samples
@@ -44,7 +46,12 @@ def reward_metrics(samples: list[Sample], prefix: str = "") -> dict[str, Any]:
     infos = [s.env_info or {} for s in samples]
     out: dict[str, Any] = {}
     if any("reward_failures" in i for i in infos):
-        out[prefix + "reward_failures"] = int(sum(i.get("reward_failures", 0) for i in infos))
+        failures = int(sum(i.get("reward_failures", 0) for i in infos))
+        calls = int(sum(i.get("reward_calls", 1) for i in infos))
+        out[prefix + "reward_failures"] = failures
+        out[prefix + "reward_timeouts"] = int(sum(i.get("reward_timeouts", 0) for i in infos))
+        out[prefix + "reward_calls"] = calls
+        out[prefix + "reward_failure_frac"] = failures / max(calls, 1)
     names = sorted({k for i in infos for k in i if k.startswith("reward/")})
     for name in names:
         out[prefix + name] = float(np.mean([i.get(name, 0.0) for i in infos]))
@@ -114,6 +121,7 @@ class Evaluator:
         out = {"eval/reward": float(np.mean([s.reward for s in answered])) if answered else float("nan"),
                "eval/num_samples": len(answered), "eval/aborted": len(samples) - len(answered),
                "eval/policy_version": min(versions) if versions else version,
+               "eval/weights_step": version,  # the step whose weights were evaluated (version v = after step v)
                **self.pass_at_k(samples), **reward_metrics(answered, prefix="eval/")}
         labels = [getattr(t, "label", None) for t in tasks for _ in range(self.k)]
         for label in sorted({lb for lb in labels if lb is not None}):  # env=mix: per entry too

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections import deque
 from typing import Any, Optional
@@ -25,18 +26,21 @@ import aiohttp
 from workers.common.config import RunConfig
 from workers.common.inference_client import InferenceClient, InferenceError, wait_until_ready
 from workers.common.logs import get_logger
-from workers.common.protocol import LEDGER_FILE, RunPaths, read_admin_token, write_json_atomic
+from workers.common.protocol import (INFERENCE_HEALTH, LEDGER_FILE, USER_ERROR_EXIT, RunPaths, read_admin_token,
+                                     write_json_atomic)
 from workers.common.registry import BACKENDS, TRANSPORTS
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
-from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, groups_to_launch
+from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, Shaping, groups_to_launch
 from workers.orchestrator.envs import make_env
 from workers.orchestrator.envs.latency import LatencyModel
 from workers.orchestrator.episodes import env_batch_metrics, run_episode_group
 from workers.orchestrator.evaluation import Evaluator, log_samples, reward_metrics
 from workers.orchestrator.faults import WorkerPool
+from workers.orchestrator.final_eval import evaluate_final_weights
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter
+from workers.orchestrator.scoring import Scorers
 from workers.preflight.heartbeat import Heartbeat
 
 
@@ -51,8 +55,14 @@ class Orchestrator:
         self.env = make_env(cfg.env, seed=cfg.seed, model=cfg.model)
         o = cfg.orchestrator
         self.group_size = o.num_samples_per_prompt
+        shaping = Shaping(o.overlong_buffer_frac, o.overlong_penalty) if o.overlong_buffer_frac else None
         self.buffer = RolloutBuffer(max_off_policy_steps=o.max_off_policy_steps, groups_per_step=o.num_prompts_per_step,
-                                    advantage=o.advantage, long_episode_policy=o.long_episode_policy)
+                                    advantage=o.advantage, long_episode_policy=o.long_episode_policy,
+                                    advantage_norm=o.advantage_norm, shaping=shaping,
+                                    dynamic_sampling=o.dynamic_sampling, max_draws=o.dynamic_sampling_max_draws,
+                                    distill_reward_weight=(cfg.algorithm.teacher.reward_weight
+                                                           if cfg.algorithm.teacher.path else None))
+        self.scorers = Scorers()  # the KL reference / distillation teacher (scoring.py), built in run()
         self.inflight: dict[asyncio.Task, int] = {}  # task -> worker index
         self.clients: list[InferenceClient] = []  # every server, directly: readiness and admin calls
         self.router: Optional[Any] = None  # a backend's router (spec.make_router; SGLang: smg): generation only
@@ -61,6 +71,7 @@ class Orchestrator:
         self.next_group_id = 0
         self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
+        self.failed_reward_steps = 0  # consecutive batches whose every reward call failed
         self.weights = TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log)
         self.started = time.monotonic()
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
@@ -114,9 +125,12 @@ class Orchestrator:
             if self.router is not None:  # after the servers: the router's own check needs them up
                 await wait_until_ready([self.router.health], self.cfg.inference.startup_timeout_s)
             self.log.info("%d inference workers ready; training %d steps", len(self.clients), self.cfg.trainer.num_steps)
+            self.scorers = await asyncio.to_thread(Scorers.for_run, self.cfg, self.paths.weights(0), self.paths.root)
             o = self.cfg.orchestrator
             self.pool = WorkerPool(self.clients, num_misses=o.num_health_misses, timeout_s=o.health_check_timeout_s,
-                                   log=self.log, on_event=self.ledger.note)
+                                   log=self.log, on_event=self.ledger.note,
+                                   health_file=self.paths.root / INFERENCE_HEALTH,
+                                   kill_after_s=self.cfg.launcher.hung_worker_kill_s)
             watcher = asyncio.create_task(self.watch_workers())
             beats = asyncio.create_task(self.watch_inference())
             try:
@@ -127,6 +141,9 @@ class Orchestrator:
                     await self.collect_finished(timeout_s=0.05)
                     self.write_ready_batches()
                 self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
+                for task in self.inflight:  # their groups are abandoned: free the workers for the final eval
+                    task.cancel()
+                await evaluate_final_weights(self)
             finally:
                 await self.evaluator.close()
                 beats.cancel()
@@ -271,7 +288,11 @@ class Orchestrator:
                 self.retry.append((gid, env_task, reason))
                 continue
             self.completions.append((time.monotonic(), sum(len(s.completion_ids) for s in group.samples)))
-            self.buffer.add(group)
+            group.max_model_tokens = max_model_tokens(self.env.resolve(env_task)[0].limits)
+            if self.scorers:  # reference / teacher log-probs of the sampled tokens, beside the event loop
+                await asyncio.to_thread(self.scorers.apply, group)
+            if not self.buffer.add(group):  # dynamic sampling dropped it (zero reward variance): draw another
+                self.ledger.drop([gid])
 
     def write_ready_batches(self) -> None:
         while self.next_step <= self.cfg.trainer.num_steps:
@@ -296,12 +317,13 @@ class Orchestrator:
                 "inference_workers_live": len(self.pool.live()),
                 "inference_worker_deaths_total": self.pool.deaths,
                 "groups_resubmitted_total": sum(self.ledger.resubmits.values()),
-                **env_batch_metrics(groups), **self.long_episode_counters(),
+                **env_batch_metrics(groups), **self.long_episode_counters(), **self.buffer.sampling_metrics(groups),
                 **reward_metrics([s for g in groups for s in g.samples]), **self.env.metrics(),
                 **self.evaluator.take_result(),
                 **{f"orchestrator_{k}": v for k, v in self.beat.sample().items()},
                 **self.inference_heartbeat(),
             }
+            self.check_reward_failures(extra)
             every = self.cfg.orchestrator.log_samples_every_steps
             if every and self.next_step % every == 0:  # text in the log; metrics.jsonl, TensorBoard and W&B
                 extra["samples"] = log_samples(self.log, self.env, self.next_step, groups,
@@ -316,6 +338,20 @@ class Orchestrator:
                                "env_state": self.env.state()})
             self.next_step += 1
 
+
+    def check_reward_failures(self, metrics: dict) -> None:
+        """RewardsFailing once every reward call of ``orchestrator.max_failed_reward_steps`` consecutive
+        batches failed: such a run trains on zeros only (every sample scores 0), so it stops, naming
+        the first failure, instead of finishing with rc 0 and reward 0.000 on every line."""
+        limit = self.cfg.orchestrator.max_failed_reward_steps
+        calls = metrics.get("reward_calls", 0)
+        all_failed = calls > 0 and metrics.get("reward_failures", 0) >= calls
+        self.failed_reward_steps = self.failed_reward_steps + 1 if all_failed else 0
+        if limit and self.failed_reward_steps >= limit:
+            first = getattr(self.env, "first_failure", None) or "(not recorded)"
+            raise RewardsFailing(f"every reward call failed for {self.failed_reward_steps} consecutive steps "
+                                 f"(orchestrator.max_failed_reward_steps={limit}; 0 never stops): the first failure: "
+                                 f"{first}")
 
     def long_episode_counters(self) -> dict:
         """Totals of orchestrator.long_episode_policy (absent under the default ``drop``)."""
@@ -343,5 +379,19 @@ class Orchestrator:
         return sum(n for _, n in self.completions) / max(span, 1e-3)
 
 
+def max_model_tokens(limits) -> int:
+    """The L of overlong shaping: the most model tokens an episode under ``limits`` may generate."""
+    return min(limits.max_new_tokens_per_turn * limits.max_turns, limits.max_episode_tokens)
+
+
+class RewardsFailing(RuntimeError):
+    """Every reward call failed for orchestrator.max_failed_reward_steps batches: the user's reward is broken."""
+
+
 def run_orchestrator(cfg: RunConfig, topo: Topology) -> None:
-    asyncio.run(Orchestrator(cfg, topo).run())
+    try:
+        asyncio.run(Orchestrator(cfg, topo).run())
+    except RewardsFailing as e:  # the user's error: one clear line, and an exit code that is not restarted
+        get_logger("orchestrator", 0).error("stopping the run: %s", e)
+        print(f"slurmrl: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)

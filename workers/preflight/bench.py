@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.common.rank_exit import rank_entry
 from workers.preflight.bandwidth import COLLECTIVES, CollectiveResult, Measurement, SizeRow, busbw
 
 ELEMENT = 4  # float32, nccl-tests' default type
@@ -153,7 +154,7 @@ def run_node(*, node_rank: int, num_nodes: int, nprocs: int, store: str, out: st
     """Spawn this node's ``nprocs`` ranks and wait for them (raises if one fails)."""
     spec = dict(collectives=collectives, sizes=sizes, iters=iters, warmup=warmup, device=device, timeout_s=timeout_s)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(node_rank, nprocs, num_nodes, store, out, spec), nprocs=nprocs,
+    mp.start_processes(rank_entry, args=(_worker, node_rank, nprocs, num_nodes, store, out, spec), nprocs=nprocs,
                        start_method="spawn", join=True)
 
 

@@ -5,7 +5,7 @@ same report can be re-judged (and the fake NVML of tests/fakes/fake_nvml.py can 
 Every NVML query is guarded: a query the GPU does not support (retired pages on Hopper,
 NVLink on PCIe cards) records None, and any other NVML error is kept in the GPU's ``errors``
 list, so one odd GPU never hides the others. ``nvmlInit()`` raises NVMLError_LibraryNotFound
-on a machine without the NVIDIA driver (DESIGN.md section 8): that is a report
+on a machine without the NVIDIA driver (docs/design.md, "Platform facts"): that is a report
 (``nvml_error``), not a crash, because CPU nodes of the job run the same code.
 """
 from __future__ import annotations

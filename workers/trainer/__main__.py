@@ -6,6 +6,7 @@ import os
 import sys
 
 from workers.common.config import load_run_config
+from workers.common.exits import fatal_on_config_error
 from workers.common.protocol import RunPaths
 from workers.common.topology import current_topology
 from workers.trainer.loop import train
@@ -30,7 +31,7 @@ def exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     try:
-        code = main()
+        code = fatal_on_config_error(main)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

@@ -45,6 +45,7 @@ _REQUIRED = {
 _OPTIONAL = {
     "routed_experts": ((np.uint8, np.uint16), 4),
     "routed_mask": ((np.uint8, np.bool_), 2),
+    "ref_logprobs": ((np.float32,), 2),
 }
 
 
@@ -66,6 +67,8 @@ class RolloutBatch:
     routed_experts: Optional[torch.Tensor]  # int64 [B, T, L, k] or None
     routed_mask: Optional[torch.Tensor]  # bool [B, T] or None
     meta: dict
+    ref_logprobs: Optional[torch.Tensor] = None  # float32 [B, T]: the reference policy's (KL, distillation)
+    token_weight: Optional[torch.Tensor] = None  # float32 [B, T]: loss aggregation (objective.py), set by the step
 
     @property
     def num_rows(self) -> int:
@@ -177,6 +180,7 @@ def _to_torch(arrays: dict[str, np.ndarray], meta: dict) -> RolloutBatch:
         routed_experts=t("routed_experts", torch.int64) if routed else None,
         routed_mask=t("routed_mask", torch.bool) if routed else None,
         meta=meta,
+        ref_logprobs=t("ref_logprobs", torch.float32) if "ref_logprobs" in arrays else None,
     )
 
 

@@ -29,7 +29,9 @@ remain for models without DTensor parameters (one process, nothing sharded).
 
 Resume (``load``): newest complete checkpoint (per-rank files: of the same world size); rank 0 cuts
 ``metrics.jsonl`` back to the records before the resume step (so the curve continues with
-no duplicate steps) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}.
+no duplicate steps) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}. A
+trainer restarted before any checkpoint (an earlier one published or recorded a step) resumes
+from step 0 the same way: its metrics are cut to nothing and the redo is counted.
 Rollout batches the resumed trainer needs again are kept: ``prune_bound``.
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, step_name
+from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, WEIGHTS_DIR, step_name
 from workers.trainer import dcp_state
 from workers.trainer.batch import KEEP_ROLLOUTS
 
@@ -201,6 +203,24 @@ class Checkpointer:
     def load(self, model, optimizer) -> int:
         """Restore the newest complete checkpoint; returns the step to start at (0: none)."""
         skipped = [d.name for d in self.root.glob(".step_*.tmp")]
+        step = self._load_newest(model, optimizer, skipped)
+        if step is not None:
+            self.resume_step = self.done_step = step
+            if self.rank == 0:
+                self._record_resume(step, skipped)
+            return step
+        if self.rank == 0 and self._restarted():  # no checkpoint, but an earlier trainer ran: it starts over
+            self._record_resume(0, skipped)
+        return 0
+
+    def restore(self, model, optimizer) -> Optional[int]:
+        """Put the newest complete checkpoint back into ``model`` and ``optimizer`` in the middle of
+        a run (the loop's step counter goes on: no metrics rewind, no resume entry); its step, or
+        None when there is none. COLLECTIVE for DCP checkpoints, like ``load``."""
+        return self._load_newest(model, optimizer, [])
+
+    def _load_newest(self, model, optimizer, skipped: list) -> Optional[int]:
+        """Load the newest loadable complete checkpoint; its step (None: none). Appends what it skipped."""
         for step in reversed(complete_checkpoints(self.root, self.world_size)):
             if dcp_state.reshardable(model) != dcp_state.is_complete(self.root / step_name(step), self._meta(step)):
                 skipped.append(step_name(step))  # the other plan's format (tp/ep changed): not loadable here
@@ -220,15 +240,24 @@ class Checkpointer:
                 torch.set_rng_state(state["rng"]["torch"])
                 np.random.set_state(state["rng"]["numpy"])
                 random.setstate(state["rng"]["python"])
-            self.resume_step = self.done_step = step
-            if self.rank == 0:
-                lost = self._rewind_metrics(step)
-                with open(self.root / RESUMES_FILE, "a") as fh:
-                    fh.write(json.dumps({"time": time.time(), "step": step, "steps_lost": lost,
-                                         "skipped": skipped}) + "\n")
-                self.log.info(f"resumed from checkpoint step {step} ({lost} steps to redo; skipped {skipped or 'none'})")
             return step
-        return 0
+        return None
+
+    def _restarted(self) -> bool:
+        """An earlier trainer of this run got as far as publishing or recording a step (a first start
+        finds neither: rank 0 publishes weights/step_0 after ``load``)."""
+        weights = self.run_dir / WEIGHTS_DIR
+        return (self.run_dir / METRICS_FILE).exists() or (weights.is_dir() and any(
+            d.name.startswith("step_") for d in weights.iterdir()))
+
+    def _record_resume(self, step: int, skipped: list) -> None:
+        """Rank 0: cut the metrics of the steps to redo and append ``resumes.jsonl`` (every resume,
+        from step 0 too, so each redone step is counted: benchmarks/chaos.py's steps_lost)."""
+        lost = self._rewind_metrics(step)
+        with open(self.root / RESUMES_FILE, "a") as fh:
+            fh.write(json.dumps({"time": time.time(), "step": step, "steps_lost": lost, "skipped": skipped}) + "\n")
+        where = f"checkpoint step {step}" if step else "step 0 (no checkpoint yet)"
+        self.log.info(f"resumed from {where} ({lost} steps to redo; skipped {skipped or 'none'})")
 
     def _meta(self, step: int) -> dict:
         return json.loads((self.root / step_name(step) / COMPLETE).read_text())

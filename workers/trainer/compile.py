@@ -13,7 +13,7 @@ compiles whatever ``layer.forward`` is, so the checkpoint is traced as a higher-
 recompute is part of the compiled backward. (The other order, a compiled forward inside an eager
 checkpoint, lets the recompute pick another compiled variant than the forward did -- one with
 other saved tensors -- and the checkpoint raises; seen with micro-batches of several shapes.)
-The H200 profile of 2026-12-03 (README "GPU") showed ~8.2k kernel launches a step for a 1.5B MoE
+The H200 profile of 2026-12-03 (benchmarks/results/README.md, "GPU") showed ~8.2k kernel launches a step for a 1.5B MoE
 at 16k tokens: inductor fuses the elementwise tails (norms, rotary, SwiGLU, routing softmax and
 top-k) into far fewer kernels.
 
@@ -22,6 +22,9 @@ the CPU inductor would spend minutes compiling C++ for tiny models; tests compil
 ``aot_eager`` backend instead, which traces the same graphs without generating code). Graph
 breaks left on purpose: the expert-parallel all-to-all's host-side split sizes
 (workers/trainer/expert_parallel.py) and the CPU reference expert loop (``nonzero`` per expert).
+Packed rows do not break the graph: their document boundaries reach attention as tensors
+(workers/models/blocks/varlen.py; tests/unit/models/test_packed_compile.py), except the per-document
+paths of sparse attention (DSA) and Mamba.
 """
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from workers.common.config.trainer import experts_per_rank
 from workers.models.blocks.experts import StackedExperts
 from workers.trainer.ep_capacity import fixed_exchange, inverse
 
@@ -140,8 +141,7 @@ def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group
     """Keep this EP rank's experts of ``block`` (a MoE block with ``experts``, ``num_experts``,
     ``top_k`` and ``routed_experts``) and route its expert compute through :class:`ExpertParallel`."""
     e = block.num_experts
-    if e % ep:
-        raise ValueError(f"trainer.parallel.ep({ep}) must divide model.num_experts({e})")
+    experts_per_rank(e, ep)  # ValueError naming trainer.parallel.ep
     block.experts.narrow_(ep_rank * e // ep, e // ep)
     block.__dict__["expert_parallel"] = ExpertParallel(block.experts, num_experts=e, top_k=block.top_k,
                                                        ep_group=ep_group if ep > 1 else None, ep=ep,

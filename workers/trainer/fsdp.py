@@ -46,10 +46,11 @@ class FsdpTrainerModel:
     precision: Precision
 
     def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
-                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """log p and entropy of ``targets [N]`` under full-vocabulary ``logits [N, V]`` (FSDP keeps
         the whole vocabulary on every rank: no vocabulary-parallel reduction)."""
-        return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=0, group=None)
+        return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=0, group=None,
+                                              entropy_grad=entropy_grad)
 
     def compute(self):
         """The forward's context: nothing (MixedPrecisionPolicy casts the gathered parameters)."""

@@ -1,7 +1,7 @@
 """Global gradient-norm clipping over sharded gradients, with a constant number of kernels.
 
 Why not a loop per parameter: the H200 profile of the real trainer step (1.5B MoE, ~900
-parameters, benchmarks/results/gpu/raw/trainer_step_profile_2026-12-03.log) spent ~880 ``pow``
+parameters, benchmarks/results/gpu/raw/trainer_step_profile_2026-12-03_before_fixes.log) spent ~880 ``pow``
 + ~960 ``sum`` + ~1650 ``mul_`` launches and a float64 copy of every gradient per step on the
 old per-parameter loop, part of what made the step host-bound. Here each dtype group of LOCAL
 shards goes through one ``torch._foreach_norm`` (a multi-tensor kernel), the per-parameter norms

@@ -1,6 +1,6 @@
 """The trainer's loop: one process per rank, started as ``python -m workers.trainer``.
 
-Steps are 1-based (README "Step numbers"): weights/step_0 is the initial policy, and step N
+Steps are 1-based (docs/design.md, "Step numbers"): weights/step_0 is the initial policy, and step N
 (1..trainer.num_steps) trains batch rollouts/step_N from the weights of step N-1 and yields
 weights version N; checkpoints/step_N holds the state after step N. Per step N:
   wait rollouts/step_N/READY (orchestrator) -> load, take row shard ``batch_rank`` of
@@ -40,20 +40,22 @@ from typing import Optional
 
 import torch
 
-from workers.common.config import RunConfig
+from workers.common.config import ConfigError, RunConfig
+from workers.common.exits import EXIT_FATAL
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.topology import Topology
 from workers.models.spec import FSDP_PLAN, MESH_PLAN
 from workers.preflight.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
+from workers.trainer.divergence import DivergenceGuard
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
 from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
 from workers.trainer.tracking import make_tracker
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
-from workers.trainer import ep_capacity
+from workers.trainer import ep_capacity, plans
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
@@ -79,7 +81,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     publisher: Optional[WeightPublisher] = None
     try:
         if tcfg.num_ranks != topology.world_size:
-            raise ValueError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
+            raise ConfigError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
                              f"in this process's environment: the launcher started the wrong number of ranks")
         tp, ep, cp = parallel_degrees(cfg)
         dims = ParallelDims.init(topology, timeout_s=tcfg.batch_timeout_s + 60.0, tp=tp, ep=ep, cp=cp)
@@ -88,6 +90,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         ckpt = Checkpointer(paths.root, rank=dims.rank, world_size=dims.world_size, log=log,
                             every=tcfg.checkpoint_every_steps, keep=tcfg.num_checkpoints_kept)
         start = ckpt.load(model, optimizer)  # steps done: 0 unless a checkpoint exists (restart, Slurm requeue)
+        guard = DivergenceGuard(skip=cfg.weights.skip_nonfinite, max_skips=cfg.weights.max_nonfinite_skips, ckpt=ckpt,
+                                group=dims.group, device=dims.device, log=log)
+        guard.ensure_restore_point(start, model, optimizer)  # skip_nonfinite: a finite state to go back to
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
         publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
                                                                     world_size=dims.world_size, device=dims.device)
@@ -115,6 +120,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             if dims.is_rank0:
                 prune_rollouts(paths, ckpt.prune_bound(step))  # keep what a resume would redo
             stats = train_step(model, optimizer, shard, tcfg, dims)
+            guard.check(step, model, optimizer, stats)  # skip_nonfinite: NaN/inf -> restore (never published)
             if tcfg.router_replay and stats.get("routing_disagreement", 0.0) > MISALIGNED_DISAGREEMENT and not warned:
                 warned = True
                 log.warning(f"step {step}: routing_disagreement {stats['routing_disagreement']:.2f} under Router Replay: "
@@ -137,9 +143,12 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     except TrainerStopped:
         log.warning("SIGTERM: stopping now")
         return EXIT_SIGTERM
-    except NonFiniteWeights as e:  # every rank raises it together (the publisher's gather)
+    except NonFiniteWeights as e:  # every rank raises it together (the publisher's gather, the guard's all-reduce)
         log.error(f"stopping: {e}")
-        return 1
+        return EXIT_FATAL  # deterministic: a restart would diverge again (workers/common/exits.py)
+    except ConfigError as e:
+        log.error(f"stopping: {e}")
+        return EXIT_FATAL
     except Exception as e:
         if _STOPPING:  # SIGTERM came while in a collective that a peer's exit broke first
             log.warning(f"SIGTERM: stopping now ({type(e).__name__} on the way out)")
@@ -195,6 +204,9 @@ def publish_weights(publisher: WeightPublisher, version: int, weights: ModelWeig
     (deadline weights.broadcast_timeout_s), the transfer ``weight_sync_s``. The protocols
     and who waits for whom: workers/weights/<transport>/__init__.py.
     """
+    device = next((p.device for p in weights.model.parameters()), None) if hasattr(weights, "model") else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's queued GPU work is training time, not publishing time
     return publisher.publish(version, weights).metrics()
 
 
@@ -250,7 +262,7 @@ def initial_model(cfg: RunConfig):
 
 
 def trainer_plan(cfg: RunConfig) -> str:
-    """``module:callable`` of the sharding plan (FSDP2 when tp = ep = 1, else the family's own)."""
+    """Name of the sharding plan in workers/trainer/plans.py (``fsdp`` when tp = ep = 1, else the family's)."""
     par = cfg.trainer.parallel
     return MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
 
@@ -258,7 +270,7 @@ def trainer_plan(cfg: RunConfig) -> str:
 def parallelize(cfg: RunConfig, full, dims: ParallelDims):
     """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision and
     expert-parallel dispatch (trainer.parallel.ep_capacity_factor: workers/trainer/ep_capacity.py)."""
-    model = MODELS.get(cfg.model.family).shard(full, dims, precision=Precision.of(cfg.trainer))
+    model = plans.shard(MODELS.get(cfg.model.family), full, dims, precision=Precision.of(cfg.trainer))
     ep_capacity.configure(model, cfg.trainer.parallel.ep_capacity_factor)
     return model
 

@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from workers.trainer.objective import clipped, kl_estimate
+
 #: exp() of a log-ratio beyond this overflows float32 statistics; ratios that far out are
 #: masked anyway (ratio_mask_high is ~5), the clamp only keeps k3/ratio sums finite.
 MAX_ABS_LOG_RATIO = 20.0
@@ -55,15 +57,20 @@ class TokenStats:
     k3_sum: float
     """Sum of k3 = r - log r - 1 (an unbiased, non-negative KL(inference || trainer) estimate)."""
     entropy_sum: float
+    num_clipped: float
+    """Kept tokens without gradient because PPO's clipped branch was taken (trainer.clip_low/high)."""
+    ref_kl_sum: float
+    """Sum of the trainer.kl_estimator KL(trainer || reference) over kept tokens (0 without reference)."""
     ratio_max: float
     ratio_min: float
 
-    SUM_FIELDS = ("num_tokens", "num_masked", "num_capped", "ratio_sum", "k3_sum", "entropy_sum")
+    SUM_FIELDS = ("num_tokens", "num_masked", "num_capped", "ratio_sum", "k3_sum", "entropy_sum", "num_clipped",
+                  "ref_kl_sum")
     FIELDS = SUM_FIELDS + ("ratio_max", "ratio_min")
 
     @classmethod
     def from_vector(cls, vec: torch.Tensor) -> "TokenStats":
-        """From :func:`token_stat_vector`'s ``[8]`` tensor (one host sync)."""
+        """From :func:`token_stat_vector`'s ``[10]`` tensor (one host sync)."""
         return cls(**dict(zip(cls.FIELDS, vec.tolist())))
 
 
@@ -85,6 +92,13 @@ def policy_loss_terms(
     ratio_mask_high: float,
     entropy: torch.Tensor | None = None,
     ratio_level: str = "token",
+    token_weight: torch.Tensor | None = None,
+    clip_low: float = 0.0,
+    clip_high: float = 0.0,
+    entropy_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy gradient with truncated importance sampling and ratio masking; returns the loss and
     the :class:`TokenStats` sums as a device tensor (:func:`token_stat_vector`: no host sync).
@@ -96,15 +110,23 @@ def policy_loss_terms(
 
         pg_loss = -sum_kept(w * A * logp_train) / num_loss_tokens
 
-    ``num_loss_tokens`` is the GLOBAL count of loss tokens *before* ratio masking, so masking
-    a token removes its contribution without re-weighting the others, and every DP rank
-    divides by the same number. ``advantages`` is per row ``[B]`` or per token ``[B, T]``.
+    ``num_loss_tokens`` is the GLOBAL normaliser (workers/trainer/objective.py ``aggregation``:
+    the loss tokens *before* ratio masking under ``token_mean``, so masking a token removes its
+    contribution without re-weighting the others, and every DP rank divides by the same number;
+    the rows under the sequence modes, with ``token_weight`` 1/row-length for ``seq_mean_token_mean``).
+    ``advantages`` is per row ``[B]`` or per token ``[B, T]``.
 
-    ``ratio_level`` picks the r that the cap and the mask see (row = one sequence):
+    ``ratio_level`` picks the r that the cap, the mask and the clip see (row = one sequence):
     ``token`` each token's own; ``sequence`` prod_t r_t over the row's loss tokens (the exact
     IS ratio of the sequence: unbiased, but its variance grows with length); ``geometric``
-    exp(mean_t log r_t) (length-normalised). At the two row levels a row is kept or masked,
+    exp(mean_t log r_t) (length-normalised, GSPO). At the two row levels a row is kept or masked,
     and capped, as a whole. Statistics (ratio_*, k3) stay per token.
+
+    ``clip_low`` / ``clip_high`` (0: off) drop the gradient of kept tokens where PPO's clipped
+    branch is taken (objective.clipped). ``entropy_coef`` > 0 subtracts the aggregated entropy
+    (``entropy`` must then carry a gradient); ``kl_coef`` > 0 with ``ref_logprobs`` adds the
+    aggregated ``kl_estimator`` KL to the reference. Both over the kept tokens, aggregated like
+    the policy term; the returned loss is their sum.
     """
     mask = loss_mask.bool()
     log_ratio = (logp_train.detach() - logp_inference).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
@@ -113,16 +135,31 @@ def policy_loss_terms(
     level = _level_ratio(log_ratio, mask, ratio_level)
     keep = mask & (level >= ratio_mask_low) & (level <= ratio_mask_high)
     weight = level.clamp(max=ratio_cap)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    per_token = weight * adv.to(logp_train.dtype) * logp_train
-    pg_loss = -torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / max(float(num_loss_tokens), 1.0)
-
-    return pg_loss, token_stat_vector(log_ratio, ratio, mask, keep, level, ratio_cap, entropy)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp_train.dtype)
+    clip = keep & clipped(level, adv.expand_as(level), clip_low, clip_high)
+    per_token = weight * adv * logp_train
+    if token_weight is not None:
+        per_token = per_token * token_weight
+    zero = torch.zeros_like(per_token)
+    norm = max(float(num_loss_tokens), 1.0)
+    pg_loss = -torch.where(keep & ~clip, per_token, zero).sum() / norm
+    scale = token_weight if token_weight is not None else 1.0
+    if entropy_coef > 0:
+        assert entropy is not None and entropy.requires_grad, "an entropy bonus needs the entropy with its gradient"
+        pg_loss = pg_loss - entropy_coef * torch.where(keep, entropy * scale, zero).sum() / norm
+    ref_kl = None
+    if ref_logprobs is not None:
+        ref_kl = kl_estimate(logp_train, ref_logprobs, kl_estimator)
+        if kl_coef > 0:
+            pg_loss = pg_loss + kl_coef * torch.where(keep, ref_kl * scale, zero).sum() / norm
+    return pg_loss, token_stat_vector(log_ratio, ratio, mask, keep, level, ratio_cap, entropy, clip=clip,
+                                      ref_kl=ref_kl)
 
 
 def token_stat_vector(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor,
-                      level: torch.Tensor, ratio_cap: float, entropy: torch.Tensor | None) -> torch.Tensor:
-    """:class:`TokenStats` as one float64 ``[8]`` tensor on the device (``TokenStats.FIELDS`` order), with no
+                      level: torch.Tensor, ratio_cap: float, entropy: torch.Tensor | None, *,
+                      clip: torch.Tensor | None = None, ref_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`TokenStats` as one float64 ``[10]`` tensor on the device (``TokenStats.FIELDS`` order), with no
     host sync: the trainer step adds the micro-batches' vectors and reads them once per step."""
     # float64: for near-identical policies k3 ~ d^2/2 ~ 1e-14 cancels to exactly 0 in float32.
     lr64 = log_ratio.double()
@@ -132,7 +169,9 @@ def token_stat_vector(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.
     return torch.stack([
         mask.sum().double(), (mask & ~keep).sum().double(), (keep & (level > ratio_cap)).sum().double(),
         torch.where(mask, r64, zero).sum(), torch.where(mask, k3, zero).sum(),
-        torch.where(mask, entropy.double(), zero).sum() if entropy is not None else zero,
+        torch.where(mask, entropy.detach().double(), zero).sum() if entropy is not None else zero,
+        clip.sum().double() if clip is not None else zero,
+        torch.where(keep, ref_kl.detach().double(), zero).sum() if ref_kl is not None else zero,
         torch.where(mask, r64, float("-inf")).amax() if mask.numel() else zero - float("inf"),
         torch.where(mask, r64, float("inf")).amin() if mask.numel() else zero + float("inf"),
     ])

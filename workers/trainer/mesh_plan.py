@@ -135,14 +135,14 @@ class MeshTrainerModel(FsdpTrainerModel):
     full_state_names: list[str]
 
     def target_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
-                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """log p / entropy from this TP rank's vocabulary slice ``[N, ceil(V/tp)]`` (the last rank's
         may be shorter): three ``[N]`` all-reduces over tp, no full logits."""
         if not self.vocab_sharded:
-            return super().target_logprobs(logits, targets, temperature)
+            return super().target_logprobs(logits, targets, temperature, entropy_grad)
         start = self.dims.tp_rank * -(-self.config.vocab_size // self.dims.tp)
         return vocab_parallel_target_logprobs(logits, targets, temperature, vocab_start=start,
-                                              group=self.mesh.get_group("tp"))
+                                              group=self.mesh.get_group("tp"), entropy_grad=entropy_grad)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm with each element counted once: a rank's local shard of a parameter is

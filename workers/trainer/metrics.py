@@ -2,18 +2,25 @@
 
 One record per optimizer step goes to ``run_dir/metrics.jsonl`` (appended, flushed per
 line, so ``tail -f`` and a crashed run both show every finished step) and, for every
-numeric field, to TensorBoard scalars under ``run_dir/tb`` (tag ``trainer/<key>``,
-global step = trainer step, 1-based). Non-finite floats are written as ``null``: JSON has no NaN.
+numeric field, to TensorBoard scalars under ``run_dir/tb`` (grouped tags: ``reward/``, ``loss/``,
+``timing/``, ``mismatch/``, ``weights/``, ``eval/`` ..., workers/trainer/tb_tags.py; global step =
+trainer step, 1-based; an eval's at the step whose weights it evaluated). Non-finite floats are written as ``null``: JSON has no NaN.
 
 Keys of a record (see ``loop.step_record`` for how each is computed):
   step, time, policy_version, loss, pg_loss, aux_loss, grad_norm, entropy, mismatch_kl,
-  ratio_mean, ratio_max, ratio_min, ratio_masked_frac, ratio_capped_frac,
+  ratio_mean, ratio_max, ratio_min, ratio_masked_frac, ratio_capped_frac, clip_frac (PPO-clipped tokens),
+  ref_kl (KL to the reference policy, only with one: workers/trainer/objective.py),
   routing_disagreement (only when the batch has routed_experts), expert_load_max and
   expert_load_max_l{i} / expert_load_min_l{i} per MoE layer (E x the busiest / idlest
   expert's share of routed slots: 1.0 is balance; router_replay.expert_load_metrics),
   replay_unreported_tokens (only with trainer.replay_unreported=mask), num_rows,
   num_loss_tokens, tokens_per_s, step_time_s, idle_s, trainer_idle_frac,
-  weight_sync_s, weight_sync_gbps, weight_bytes, lr,
+  weight_sync_s, weight_sync_gbps, weight_bytes, lr, and with ``weights.delta``: weight_changed_frac,
+  weight_dense_bytes, weight_anchor, weight_blocked_s (what training waited for) and, of the last
+  background publish that finished, weight_published_version / _bytes / _dense_bytes / _changed_frac
+  and weight_publish_total_s (workers/weights/filesystem/patch_publisher.py),
+  nonfinite_skipped and, on such a step, restored_step (only with weights.skip_nonfinite:
+  workers/trainer/divergence.py),
   host_rss_gib (+ gpu_mem_used_gib, gpu_util_pct, gpu_temp_c ... where NVML is present:
   workers/preflight/heartbeat.py), the same as orchestrator_host_rss_gib ... for the orchestrator,
   reward_mean, max_staleness, samples_dropped_stale and every other key of the batch's
@@ -33,6 +40,7 @@ from typing import Any, Optional
 
 from workers.common import logs
 from workers.common.protocol import RunPaths
+from workers.trainer.tb_tags import tb_step, tb_tag
 
 
 def get_logger(rank: int) -> logging.Logger:
@@ -73,8 +81,9 @@ class MetricsWriter:
             for key, value in sorted(record.items()):
                 if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, Number):
                     continue
-                if math.isfinite(float(value)):
-                    self._tb.add_scalar(f"trainer/{key}", float(value), global_step=step, walltime=record.get("time"))
+                if math.isfinite(float(value)):  # grouped: reward/ loss/ timing/ mismatch/ weights/ eval/ ...
+                    self._tb.add_scalar(tb_tag(key), float(value), global_step=tb_step(key, record),
+                                        walltime=record.get("time"))
             if record.get("samples"):  # orchestrator.log_samples_every_steps: the batch's samples as text
                 self._tb.add_text("samples", samples_markdown(record["samples"]), global_step=step,
                                   walltime=record.get("time"))
@@ -116,7 +125,8 @@ def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> st
         logs.step_label(record["step"], num_steps),
         f"loss {f('loss', '.4f')}",
         f"reward {f('reward_mean', '.3f')}",
-        f"kl {f('mismatch_kl', '.2e')}",
+        *([f"fail {f('reward_failure_frac', '.0%')}"] if record.get("reward_failures") else []),
+        f"mismatch {f('mismatch_kl', '.2e')}",  # trainer vs inference logprobs, not a KL to a reference
         f"gnorm {f('grad_norm', '.3f')}",
         f"ent {f('entropy', '.3f')}",
     ]
@@ -129,4 +139,6 @@ def progress_line(record: dict[str, Any], num_steps: Optional[int] = None) -> st
         f"idle {f('trainer_idle_frac', '.0%')}",
         f"sync {f('weight_sync_s', '.3f')}s",
     ]
+    if "weight_changed_frac" in record:  # weights.delta: the share of published elements that changed
+        parts.append("anchor" if record.get("weight_anchor") else f"changed {f('weight_changed_frac', '.1%')}")
     return " | ".join(parts)

@@ -3,7 +3,7 @@
 Why: agentic samples range from a few hundred to 131k tokens. Right-padding a batch to
 its longest row wastes most of the compute; packing concatenates rows into one stream
 per micro-batch and tells attention where each sample starts, so the math per sample is
-exactly that of the unpacked row (tests/unit/test_packing.py and test_packing_families.py check
+exactly that of the unpacked row (tests/unit/trainer/test_packing.py and test_packing_families.py check
 it against the real models; tests/integration/test_parity_parallel.py checks a packed training
 step). The model turns ``segment_ids`` into per-sample attention and state resets without a
 [T, T] mask (workers/models/blocks/varlen.py), so a 131k-token row costs O(T) memory.

@@ -40,6 +40,7 @@ from workers.trainer.loss import (TokenStats, disagreement_counts, expert_counts
                                   loss_relevant_inputs, policy_loss_terms)
 from workers.trainer.ep_capacity import StepCapacity
 from workers.trainer.micro import split_micro_batches
+from workers.trainer.objective import aggregation
 from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
@@ -59,9 +60,11 @@ class RowForward:
 
 
 def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, pack: bool,
-                 logprob_chunk: int = 0) -> RowForward:
+                 logprob_chunk: int = 0, fused_head: bool = True, entropy_grad: bool = False) -> RowForward:
     """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens,
-    ``logprob_chunk`` positions at a time (``trainer.logprob_chunk_tokens``; 0: all at once)."""
+    ``logprob_chunk`` positions at a time (``trainer.logprob_chunk_tokens``; 0: all at once), with the
+    fused head when ``fused_head`` (``trainer.logprob_head=fused``); ``entropy_grad``: the entropy keeps
+    its gradient (an entropy bonus: the checkpointed head, whose entropy carries one)."""
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
@@ -82,7 +85,10 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
         inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
     at = predicted(need)  # the scored positions' targets, in the order of the (chunk's) logits_mask
     inputs = {**inputs, "score": Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
-                                         scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature))}
+                                         scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature,
+                                                                                        entropy_grad),
+                                         fused_temperature=batch.temperature if fused_head and not entropy_grad
+                                         else None)}
     with compute_context(model), capture_routing(model, valid=inputs["attention_mask"]) as routers:
         out = model(**inputs)
     logp, entropy = place(at, out.logp), place(at, out.entropy)
@@ -133,10 +139,14 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     mcfg = model.config
     replay = tcfg.router_replay and shard.routed_experts is not None
     model.train()
+    token_weight, norm = aggregation(shard.loss_mask, tcfg.loss_agg)  # on whole rows (workers/trainer/objective.py)
+    shard = dataclasses.replace(shard, token_weight=token_weight)
     micro = split_micro_batches(shard, tcfg.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims)
-    tokens = torch.stack([shard.loss_mask.sum(), shard.attention_mask.sum()]).to(torch.float64)  # no host sync
+    tokens = torch.stack([norm, shard.attention_mask.sum().to(torch.float64)])  # no host sync
     if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
-        micro, tokens = context_parallel.own_chunks(micro, dims)
+        micro, chunk_tokens = context_parallel.own_chunks(micro, dims)
+        # token_mean: each rank's own loss tokens; per-row modes: every cp rank holds the same rows
+        tokens = chunk_tokens if tcfg.loss_agg == "token_mean" else torch.stack([norm / dims.cp, chunk_tokens[1]])
     cap = StepCapacity.begin(model, [mb.input_ids for mb in micro], dims)  # None unless fixed-capacity EP
 
     def run() -> tuple[_Accumulator, torch.Tensor | None, float]:
@@ -172,9 +182,10 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
     for p in model.parameters():
         p.grad = None
     counts = None
-    chunk = tcfg.logprob_chunk_tokens
+    chunk, ent = tcfg.logprob_chunk_tokens, tcfg.entropy_coef > 0
     if len(micro) == 1:
-        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
+        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk,
+                           fused_head=tcfg.logprob_head == "fused", entropy_grad=ent)
         totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
         counts = totals[2:].view(fwd.counts.shape)
         fwds = [fwd]
@@ -186,7 +197,8 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
     num_loss_tokens, num_valid = totals[:2].tolist()  # the step's one sync before the backward
     acc = _Accumulator(dims.device)
     for i, mb in enumerate(micro):
-        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk)
+        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk,
+                                      fused_head=tcfg.logprob_head == "fused", entropy_grad=ent)
         fwds[i] = None  # drop the graph's owner as soon as it is used
         loss_mask = mb.loss_mask
         if replay and tcfg.replay_unreported == "mask":
@@ -194,7 +206,10 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
         pg_loss, tok = policy_loss_terms(fwd.logp, mb.inference_logprobs, mb.advantages, loss_mask,
                                          num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
                                          ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
-                                         entropy=fwd.entropy, ratio_level=tcfg.ratio_level)
+                                         entropy=fwd.entropy, ratio_level=tcfg.ratio_level,
+                                         token_weight=mb.token_weight, clip_low=tcfg.clip_low, clip_high=tcfg.clip_high,
+                                         entropy_coef=tcfg.entropy_coef, ref_logprobs=mb.ref_logprobs,
+                                         kl_coef=tcfg.kl_coef, kl_estimator=tcfg.kl_estimator)
         loss = pg_loss
         if counts is not None and tcfg.aux_loss_coef > 0:
             loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
@@ -282,8 +297,11 @@ def reduce_stats(dims: ParallelDims, sums: dict[str, torch.Tensor], extremes: to
         "ratio_min": -ext[1],
         "ratio_masked_frac": per_token(g["num_masked"]),
         "ratio_capped_frac": per_token(g["num_capped"]),
+        "clip_frac": per_token(g["num_clipped"]),
         "num_loss_tokens": int(n),
     }
+    if g["ref_kl_sum"]:
+        stats["ref_kl"] = per_token(g["ref_kl_sum"])
     if g["unreported"]:
         stats["replay_unreported_tokens"] = int(g["unreported"])
     if "slots" in g:

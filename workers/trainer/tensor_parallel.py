@@ -76,7 +76,8 @@ class HeadSharedNorm(RMSNorm):
 
 
 def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Tensor, temperature: float, *,
-                                   vocab_start: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+                                   vocab_start: int, group: Optional[dist.ProcessGroup],
+                                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy (no grad) for logits ``[..., V_local]`` and targets ``[...]``
     (any leading shape; the trainer passes the flat positions it selected: ``step.scatter_logprobs``).
     With ``group=None`` and ``vocab_start=0`` this is ``loss.token_logprobs`` on full logits.
@@ -84,6 +85,7 @@ def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Ten
     log p(y) = z_y - m - log sum_v exp(z_v - m) with m the global max (detached: any constant
     gives the same value and gradient); sum-exp and z_y are summed over the group with
     ``reduce_from`` so the gradient reaches each rank's slice. Full logits never exist.
+    ``entropy_grad``: the entropy keeps its gradient too (trainer.entropy_coef > 0: an entropy bonus).
     """
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     work = torch.promote_types(local_logits.dtype, torch.float32)
@@ -98,6 +100,8 @@ def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Ten
     z_y = z.gather(-1, target.clamp(0, z.shape[-1] - 1)[..., None]).squeeze(-1)
     z_y = reduce_from(torch.where(mine, z_y, torch.zeros_like(z_y)), group)
     logp = z_y - m - torch.log(sum_exp)
+    if entropy_grad:  # the same formula with its gradient (m is a constant: it cancels)
+        return logp, torch.log(sum_exp) + m - reduce_from((e * z).sum(-1), group) / sum_exp
     with torch.no_grad():  # entropy = log S + m - sum_v p_v z_v, a metric only
         pz = (e * z).sum(-1)
         if group is not None:

@@ -10,6 +10,8 @@ Offline by default (``tracking.wandb_mode=offline``): GPU clusters often have no
 files land in ``run_dir/wandb/`` and ``wandb sync`` uploads them later. The plan refuses
 ``tracking.wandb=true`` where wandb is not installed (launcher/plan.py ``check_tracking``).
 A tracker error never stops training: it is logged once and the tracker is switched off.
+Tested with the real package offline (tests/unit/trainer/test_tracking_wandb.py reads its run files back);
+the fake (tests/fakes/fake_wandb.py) only for the failure paths.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class WandbTracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            teardown = getattr(self.wandb, "teardown", None)
+            if teardown is not None:  # wandb-core writes the offline run file out here, not in finish():
+                teardown()            # a trainer stopped right after close() keeps every record
 
 
 def make_tracker(cfg: Any, paths: RunPaths, *, log: logging.Logger) -> Optional[WandbTracker]:

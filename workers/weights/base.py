@@ -131,6 +131,15 @@ class Received:
     seconds: float
     num_skipped: int = 0
     """Tensors not read because the worker already holds them (filesystem delta steps)."""
+    patches: list = dataclasses.field(default_factory=list)
+    """Sparse patches to apply in place after ``state`` is copied, in order: (parts, sum64s after,
+    where) as workers.weights.delta.apply.apply_chain takes them (``weights.delta``)."""
+    sums: Optional[dict[str, int]] = None
+    """The sum64 of every tensor: before ``patches`` when there are any, else after this update
+    (None: the transport does not keep them)."""
+    digest: Optional[str] = None
+    """The whole-model digest to report once applied, when the transport knows it (patch steps:
+    of the sum64s); None: the engine computes it."""
 
 
 class WeightReceiver:
@@ -147,8 +156,10 @@ class WeightReceiver:
     def _unused(self, route: str) -> WeightLoadError:
         return WeightLoadError(f"weights.transport={self.transport} does not use {route}")
 
-    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str]) -> Received:
-        """``/update_weights_from_disk``: read ``path``; ``known`` {name: hash} lists what the worker holds."""
+    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str],
+             sums: Optional[Mapping[str, int]] = None) -> Received:
+        """``/update_weights_from_disk``: read ``path``; ``known`` {name: hash} lists what the worker holds,
+        ``sums`` {name: sum64} too (what a patch step needs to find its base)."""
         raise self._unused("/update_weights_from_disk")
 
     def join(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

@@ -30,7 +30,52 @@ from typing import Any, Callable, Optional, Sequence
 
 
 class WeightUpdateError(RuntimeError):
-    """At least one worker refused or failed a weight update."""
+    """At least one worker refused or failed a weight update.
+
+    ``content``: every failing worker answered and refused the update itself (HTTP 400, or a
+    ``success: false`` answer: a checksum, NaN, a malformed step): trying the same version again
+    cannot succeed. False when some worker gave no answer or a server error (it may recover)."""
+
+    def __init__(self, message: str, *, content: bool = False):
+        super().__init__(message)
+        self.content = content
+
+
+class RetryPolicy:
+    """When a coordinator may try a failed version again (a retry storm otherwise: every loop
+    turn paused generation and re-read and re-hashed the whole step on every worker).
+
+    A version refused for its content is never tried again (a newer one is tried at once); after
+    any other failure the same version waits ``first_s``, then twice as long each time, up to
+    ``max_s``. A success, a newer version or another ``context`` (the live workers: one marked
+    dead no longer holds the update back) starts afresh."""
+
+    def __init__(self, *, first_s: float = 0.5, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.first_s, self.max_s, self.clock = first_s, max_s, clock
+        self.refused: set[int] = set()
+        self.version: Optional[int] = None  # the version the backoff below belongs to
+        self.context: Any = None
+        self.failures = 0
+        self.next_try = 0.0
+
+    def due(self, version: int, context: Any = None) -> bool:
+        if version in self.refused:
+            return False
+        return version != self.version or context != self.context or self.clock() >= self.next_try
+
+    def failed(self, version: int, *, content: bool, context: Any = None) -> float:
+        """Record a failed try; returns the seconds until ``version`` may be tried again (inf: never)."""
+        if content:
+            self.refused.add(version)
+            return float("inf")
+        self.failures = self.failures + 1 if (version, context) == (self.version, self.context) else 1
+        self.version, self.context = version, context
+        wait = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.next_try = self.clock() + wait
+        return wait
+
+    def succeeded(self, version: int) -> None:
+        self.version, self.failures, self.next_try = None, 0, 0.0
 
 
 @dataclasses.dataclass
@@ -39,30 +84,80 @@ class WeightSwap:
     """pause -> load -> continue, as the orchestrator waited for it."""
     digests: list[Optional[str]]
     """Per worker, the ``weights_digest`` it reported after applying (None: not reported)."""
+    left: list[Any] = dataclasses.field(default_factory=list)
+    """Workers marked dead while the swap waited on them: left behind (they load when they come back)."""
+
+
+class WorkerLeft(Exception):
+    """The worker was marked dead while a swap waited on it (``gone`` was set)."""
+
+
+async def _unless_gone(aw: Any, gone: Optional[asyncio.Event]) -> Any:
+    """Await ``aw`` unless ``gone`` is set first (then it is cancelled and WorkerLeft raised)."""
+    if gone is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    waiter = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise WorkerLeft()
 
 
 async def swap_weights(clients: Sequence[Any], version: int, load: Callable[[Any], Any],
-                       before: Optional[Callable[[], None]] = None) -> WeightSwap:
+                       before: Optional[Callable[[], None]] = None,
+                       gone: Optional[Callable[[Any], Optional[asyncio.Event]]] = None) -> WeightSwap:
     """pause(in_place) -> ``before()`` -> ``load(client)`` on every client at once -> continue.
 
     ``clients`` are workers.common.inference_client.InferenceClient; ``load`` returns the
     coroutine of the transport's admin call (its answer: ``{success, weights_digest?}``).
+    ``gone(client)``: an event set once that worker is marked dead (WorkerPool.gone); the swap
+    then stops waiting on it at once (a hung worker held every update for the client's whole
+    timeout) and lists it in ``WeightSwap.left``, not among the failures.
     """
     t0 = time.perf_counter()
-    paused = await asyncio.gather(*(c.pause_generation(mode="in_place") for c in clients), return_exceptions=True)
+    events = [gone(c) if gone is not None else None for c in clients]
+    paused = await asyncio.gather(*(_unless_gone(c.pause_generation(mode="in_place"), e)
+                                    for c, e in zip(clients, events)), return_exceptions=True)
+
+    async def load_one(c: Any, p: Any, e: Optional[asyncio.Event]) -> Any:
+        if isinstance(p, WorkerLeft):
+            raise p
+        return await _unless_gone(load(c), e)
+
+    results: list = [None] * len(clients)
     try:
         if before is not None:
             before()
-        results = await asyncio.gather(*(load(c) for c in clients), return_exceptions=True)
+        results = await asyncio.gather(*(load_one(c, p, e) for c, p, e in zip(clients, paused, events)),
+                                       return_exceptions=True)
     finally:  # a worker that paused must continue, whatever happened to the others
-        await asyncio.gather(*(c.continue_generation() for c, p in zip(clients, paused)
+        await asyncio.gather(*(_unless_gone(c.continue_generation(), e) for c, p, e in zip(clients, paused, events)
                                if not isinstance(p, BaseException)), return_exceptions=True)
-    failures = [f"{c.base_url}: {p if isinstance(p, BaseException) else r}" for c, p, r in zip(clients, paused, results)
-                if isinstance(p, BaseException) or isinstance(r, BaseException) or not r.get("success", False)]
-    if failures:
-        raise WeightUpdateError(f"weight update to version {version} failed on {len(failures)} worker(s): "
-                                + "; ".join(failures))
-    return WeightSwap(time.perf_counter() - t0, [r.get("weights_digest") for r in results])
+    left = [c for c, r in zip(clients, results) if isinstance(r, WorkerLeft)]
+    failed = [(c, p if isinstance(p, BaseException) else r) for c, p, r in zip(clients, paused, results)
+              if not isinstance(r, WorkerLeft) and (isinstance(p, BaseException) or isinstance(r, BaseException)
+                                                    or not r.get("success", False))]
+    if failed:
+        raise WeightUpdateError(f"weight update to version {version} failed on {len(failed)} worker(s): "
+                                + "; ".join(f"{c.base_url}: {why}" for c, why in failed),
+                                content=all(_refused_content(why) for _, why in failed))
+    return WeightSwap(time.perf_counter() - t0, [None if c in left else r.get("weights_digest")
+                                                 for c, r in zip(clients, results)], left)
+
+
+def _refused_content(why: Any) -> bool:
+    """The worker answered and refused the update itself (400, or ``success: false``)."""
+    if isinstance(why, BaseException):
+        return getattr(why, "status", None) == 400
+    return isinstance(why, dict)
 
 
 class WeightCoordinator(abc.ABC):
@@ -80,6 +175,7 @@ class WeightCoordinator(abc.ABC):
         self.update_s: Optional[float] = None
         self.verified = self.mismatched = 0  # updates checked end to end (weights.verify)
         self.fallbacks = 0  # updates that went through the filesystem after the transport's own path failed
+        self.retry = RetryPolicy()  # refused versions are not retried; other failures back off
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Once every worker is ready, before the first rollout (the broadcast group forms here)."""

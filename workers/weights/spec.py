@@ -18,23 +18,11 @@ torch-free, as the orchestrator is).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Optional
 
 from workers.common.config.ranges import check_fields
+from workers.common.import_path import lazy  # noqa: F401  (transports build their specs with it)
 from workers.common.registry import BACKENDS, TRANSPORTS, PluginSpec
-
-
-def lazy(target: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> a function that imports the module on its first call and
-    calls ``name`` with the same arguments (keeps role code out of the spec's imports)."""
-    module, _, name = target.partition(":")
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    call.__qualname__ = call.__name__ = f"lazy[{target}]"
-    return call
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

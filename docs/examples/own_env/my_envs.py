@@ -1,4 +1,4 @@
-"""An environment of your own, outside the project (README "Your own environment class").
+"""An environment of your own, outside the project (docs/guide/bring_your_own.md).
 
     PYTHONPATH=$PWD/docs/examples/own_env slurmrl "hydra.searchpath=[file://$PWD/docs/examples/own_env/conf]" \
         env=first_digit orchestrator.log_samples_every_steps=1

@@ -6,6 +6,7 @@ with :func:`load_run_config` (plain OmegaConf, no Hydra, no torch needed).
 Required values are ``MISSING``; counts are ``num_*``. The sections ``model``, ``weights``,
 ``env`` and ``inference`` take the schema of the entry they name (workers/common/registry.py).
 """
+from workers.common.config.algorithm import AlgorithmConfig, TeacherConfig
 from workers.common.config.cluster import ClusterConfig, PreflightConfig
 from workers.common.config.env import EnvConfig
 from workers.common.config.inference import InferenceConfig, ServerLayout
@@ -18,7 +19,7 @@ from workers.common.config.tracking import TrackingConfig
 from workers.common.config.trainer import ParallelConfig, TrainerConfig
 from workers.common.config.weights import WeightsConfig
 
-__all__ = ["ClusterConfig", "ConfigError", "EnvConfig", "InferenceConfig", "LauncherConfig", "ModelConfig",
+__all__ = ["AlgorithmConfig", "TeacherConfig", "ClusterConfig", "ConfigError", "EnvConfig", "InferenceConfig", "LauncherConfig", "ModelConfig",
            "OrchestratorConfig", "ParallelConfig", "PreflightConfig", "RoleResources", "RunConfig", "ServerLayout",
            "TrackingConfig", "TrainerConfig", "TrainerLayout", "WeightsConfig", "conform_sections", "load_run_config",
            "section_schema", "structure_section", "to_yaml"]

@@ -138,6 +138,11 @@ class ClusterConfig:
     nic_gb_s: float = 50.0
     """Network bandwidth per GPU in GB/s (InfiniBand NDR 400 Gb/s per GPU = 50), for the plan's
     weight-update estimate (workers/weights/broadcast/sglang_wire.update_cost; the simulator uses the same)."""
+    shared_fs_gb_s: float = 100.0
+    """Aggregate read bandwidth in GB/s of the shared filesystem holding the run directory (Lustre,
+    GPFS), for the plan's estimate of sparse patches pulled by every SGLang rank at once
+    (workers/weights/filesystem/pull_cost.py; the simulator's ``weights.fs_gb_s`` assumption is the same
+    default: a mid-size scratch filesystem)."""
     node_address: str = "{node}"
     """How a Slurm node name becomes an address peers connect to: ``{node}`` (DNS), a pattern such
     as ``{node}-ib``, or a fixed address (``127.0.0.1`` where every virtual node is this host)."""
@@ -194,7 +199,7 @@ limits(ContainerConfig, runtime=one_of("none", "pyxis", "apptainer"), image=TEXT
 limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition=TEXT, account=TEXT, qos=TEXT,
        num_gpus_per_node=ge(0), num_cpus_per_node=gt(0), mem_per_node_gb=ge(0), runs_root=NONEMPTY, template_dir=TEXT,
        time_limit=Pattern(r"(\d+-)?\d+(:\d{2}){0,2}", "a Slurm time: MM, HH:MM:SS or D-HH:MM:SS"), env=Each(TEXT),
-       cpu_partition=TEXT, gpu_memory_gb=ge(0), nic_gb_s=gt(0), node_address=NONEMPTY, port_min=between(1024, 65535),
+       cpu_partition=TEXT, gpu_memory_gb=ge(0), nic_gb_s=gt(0), shared_fs_gb_s=gt(0), node_address=NONEMPTY, port_min=between(1024, 65535),
        port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), server_respawns=between(0, 100),
        respawn_backoff_s=between(0, 3600), respawn_backoff_max_s=between(0, 3600), sbatch_flags=Each(TEXT),
        setup=Each(TEXT), python=TEXT, shared_root=TEXT)

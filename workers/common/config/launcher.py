@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from workers.common.config.ranges import TEXT, ConfigError, ge, gt, limits, one_of
+from workers.common.config.ranges import NONEMPTY, TEXT, ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -42,6 +42,10 @@ class LauncherConfig:
     """Local backend: times EACH process (inference worker, trainer rank, orchestrator) is
     restarted after a non-zero exit or a kill before the run stops; 0 is fail-fast. They resume
     from the trainer checkpoint / orchestrator ledger; a respawned worker loads the newest weights."""
+    hung_worker_kill_s: float = 60.0
+    """An inference worker the orchestrator marked dead while its process still runs (hung: SIGSTOP,
+    a wedged GPU, a deadlock) is killed after this many seconds (SIGKILL by PID; on Slurm its
+    step) and restarted like a crashed one; 0: never (``run_dir/inference_health.json``)."""
     resume: Optional[str] = None
     """Run directory of a stopped or killed run to continue from its last checkpoint and ledger,
     with its own config/run.yaml (launcher/resume.py: which overrides a resume accepts)."""
@@ -66,8 +70,14 @@ class LauncherConfig:
     """Slurm resources of the router task (sglang-router; absent with embedded inference)."""
     trainer: TrainerLayout = field(default_factory=TrainerLayout)
     """Nodes and parallel dimensions of the trainer ranks."""
+    local_weights_dir: str = "auto"
+    """Local backend: where published weight steps live (run_dir/weights links there; moved into the run
+    directory when the run ends): ``auto`` (/dev/shm/slurmrl when the roles have GPUs: one node, tmpfs),
+    ``run_dir`` (the run directory itself) or a directory (launcher/weights_dir.py)."""
 
 
 limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
 limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
-limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, control_placement=one_of("own_node", "trainer"), shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0))
+limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, control_placement=one_of("own_node", "trainer"),
+       shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0), local_weights_dir=NONEMPTY,
+       hung_worker_kill_s=ge(0))

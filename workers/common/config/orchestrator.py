@@ -26,6 +26,22 @@ class OrchestratorConfig:
     """``sequence``: reward minus group mean, same for every token (GRPO). ``token_rtg``:
     each token's reward-to-go minus the group mean at that position (needs an env with
     per-token rewards; sums to the same episode reward, far less credit-assignment noise)."""
+    advantage_norm: str = "none"
+    """What the group-centred advantages are divided by (workers/orchestrator/advantages.py): ``none``
+    (Dr. GRPO), ``group_std`` (the group's reward std: GRPO, DAPO) or ``batch_std`` (the std over the
+    batch's advantages). Equal rewards in a group give advantage 0 under every choice."""
+    overlong_buffer_frac: float = 0.0
+    """DAPO's soft overlong punishment: in the last this fraction of the tokens a sample may generate
+    (L: the env's max new tokens per turn x turns, at most its episode budget) the reward falls linearly
+    to ``-overlong_penalty``; 0 (default): off. DAPO: 0.2 (a 4096-token buffer of 20480)."""
+    overlong_penalty: float = 1.0
+    """Largest overlong punishment (a sample that hits the generation limit gets ``-this``)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage, no gradient) are
+    dropped and more prompts drawn until the batch is full (counted as ``groups_dropped_zero_var``)."""
+    dynamic_sampling_max_draws: int = 4
+    """With dynamic_sampling: after this many times ``num_prompts_per_step`` groups drawn for one batch,
+    zero-variance groups are kept (a task the policy always or never solves cannot stall the run)."""
     return_routed_experts: bool = True
     """Ask inference for the experts each token used (for Router Replay and metrics); a dense
     model (model.num_experts=0) has none, so nothing is asked whatever this says."""
@@ -64,6 +80,10 @@ class OrchestratorConfig:
     (a table); 0 = off. Evaluations log their first answer too."""
     num_logged_samples: int = 2
     """Samples per logged batch, spread over its rewards from the best to the worst (2: best and worst)."""
+    max_failed_reward_steps: int = 3
+    """Stop the run (orchestrator exit code 78, not restarted) when every reward call of this many
+    consecutive batches failed (raised, timed out or returned a non-number), naming the first
+    failure; 0 = never stop (failures still score 0 and are counted)."""
 
     def __post_init__(self) -> None:
         for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
@@ -73,7 +93,9 @@ class OrchestratorConfig:
 
 limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),
        num_samples_per_prompt=ge(2), temperature=gt(0), request_timeout_s=gt(0), weight_update_timeout_s=gt(0),
-       advantage=one_of("sequence", "token_rtg"), long_episode_policy=one_of("drop", "truncate", "keep"),
+       advantage=one_of("sequence", "token_rtg"), advantage_norm=one_of("none", "group_std", "batch_std"),
+       overlong_buffer_frac=between(0, 1, hi_open=True), overlong_penalty=between(0, 100), dynamic_sampling_max_draws=between(1, 1000), long_episode_policy=one_of("drop", "truncate", "keep"),
        num_spare_groups=ge(0), eval_every_steps=ge(0), eval_num_samples=gt(0), eval_k=gt(0),
        eval_success_reward=ANY_NUMBER, log_samples_every_steps=ge(0), num_logged_samples=between(1, 64),
+       max_failed_reward_steps=ge(0),
        health_check_interval_s=gt(0), health_check_timeout_s=gt(0), num_health_misses=gt(0))

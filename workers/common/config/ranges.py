@@ -5,7 +5,7 @@ field its choices, across a dozen schemas and every plugin's. A rule per field, 
 to the schema that owns it (``limits(TrainerConfig, lr=gt(0), ...)`` at the bottom of its file,
 a plugin in its own home), keeps that to one line a field; :func:`check_fields` walks a section
 (nested dataclasses, lists and dicts included) and raises :class:`ConfigError` naming the full
-key, the value and the valid range. ``tests/unit/test_config_ranges.py`` walks every registered
+key, the value and the valid range. ``tests/unit/common/test_config_ranges.py`` walks every registered
 schema and fails on a number or string without a rule, so a new field cannot skip this.
 
 Non-finite floats (inf, nan) are refused wherever a number is checked, with or without a rule:

@@ -15,11 +15,12 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from workers.common.config.algorithm import AlgorithmConfig
 from workers.common.config.cluster import ClusterConfig
 from workers.common.config.inference import InferenceConfig
 from workers.common.config.launcher import LauncherConfig
 from workers.common.config.orchestrator import OrchestratorConfig
-from workers.common.config.ranges import NONEMPTY, SEED, ConfigError, Each, Pattern, limits
+from workers.common.config.ranges import NONEMPTY, SEED, ConfigError, Each, Pattern, check_fields, limits
 from workers.common.config.tracking import TrackingConfig
 from workers.common.config.trainer import TrainerConfig
 from workers.common.plugins import load_plugins
@@ -34,6 +35,9 @@ def _default(section: str, name: str):
 class RunConfig:
     experiment: str = "tiny_local"
     """Name of the experiment bundle."""
+    name: str = ""
+    """This run's name: its directory ``<cluster.runs_root>/<name>`` (``<name>-2``, ... when taken), the
+    Slurm job name ``slurmrl-<name>`` and the W&B run name; "" = ``<experiment>-<date>-<time>``."""
     seed: int = 0
     """Global seed (sampling, data order)."""
     preflight: bool = False
@@ -50,6 +54,8 @@ class RunConfig:
     Hydra can merge any backend's schema (a subclass of it) onto it."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL recipe the run started from (``algorithm=``; its knobs are trainer.* / orchestrator.* keys)."""
     weights: Any = field(default_factory=_default("weights", "filesystem"))
     """Schema chosen by ``weights.transport`` (workers/weights)."""
     env: Any = MISSING
@@ -60,7 +66,9 @@ class RunConfig:
 
 
 MODULE = Pattern(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a module name (dotted, importable)")
-limits(RunConfig, experiment=NONEMPTY, seed=SEED, plugins=Each(MODULE))
+RUN_NAME = Pattern(r"([A-Za-z0-9][A-Za-z0-9._+-]{0,99})?", "\"\" or a directory name (letters, digits, . _ + -; "
+                   "at most 100 characters, not starting with . or -)")
+limits(RunConfig, experiment=NONEMPTY, name=RUN_NAME, seed=SEED, plugins=Each(MODULE))
 
 
 def section_schema(section: str, name: str) -> type:
@@ -119,7 +127,9 @@ def load_run_config(path: str) -> RunConfig:
         if section in raw:
             raw[section] = structure_section(section, raw[section])
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    cfg = OmegaConf.to_object(merged)
+    check_fields(cfg, "", skip=SECTIONS)  # the plan's range checks again: a run.yaml edited by hand (ConfigError)
+    return cfg  # type: ignore[return-value]
 
 
 def to_yaml(cfg: Any) -> str:

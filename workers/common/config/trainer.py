@@ -14,6 +14,12 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 """``trainer.activation_checkpointing`` choices."""
 COMPILE = ("none", "layers", "auto")
 """``trainer.compile`` choices (workers/trainer/compile.py)."""
+LOGPROB_HEADS = ("fused", "checkpoint")
+"""``trainer.logprob_head`` choices (workers/models/blocks/fused_logprobs.py, logprobs.py)."""
+LOSS_AGG = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+"""``trainer.loss_agg`` choices (workers/trainer/objective.py)."""
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""``trainer.kl_estimator`` choices (workers/trainer/objective.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,8 +111,33 @@ class TrainerConfig:
     activation checkpointing and FSDP's per-layer hooks (workers/trainer/compile.py): fewer, fused kernels
     where the step is launch-bound. ``auto`` (default): ``layers`` on CUDA, ``none`` on the CPU (where
     compiling costs more than it saves for tiny models)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the MoE load-balancing loss."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss; 0 (default): off. RL on a user's checkpoint must not move
+    the router when nothing is rewarded (a balance loss alone, through AdamW, drifts a pretrained MoE's
+    logits and its inference/trainer routing within a few steps), so balancing is opt-in (0.001-0.01 is the
+    usual range when pretraining-style balancing is wanted)."""
+    loss_agg: str = "token_mean"
+    """How per-token policy-gradient terms become the loss (workers/trainer/objective.py): ``token_mean``
+    (sum over every loss token of the step / their count: long answers weigh more; DAPO),
+    ``seq_mean_token_sum`` (each sequence's token sum, mean over sequences; Dr. GRPO without its
+    constant) or ``seq_mean_token_mean`` (each sequence's token mean, mean over sequences; GRPO as
+    published, GSPO). Normalisers are global over the trainer ranks. The entropy bonus is aggregated the same way."""
+    clip_low: float = 0.0
+    """PPO clip against the behaviour policy (the inference log-probs): a token whose ratio (at
+    ``ratio_level``) is below 1 - clip_low with a negative advantage gives no gradient. 0: no lower clip.
+    Usual: 0.2."""
+    clip_high: float = 0.0
+    """Upper PPO clip: a token whose ratio is above 1 + clip_high with a positive advantage gives no
+    gradient. 0: no upper clip. Usual: 0.2 (PPO/GRPO), 0.28 (DAPO clip-higher), 4e-4 with ratio_level=geometric (GSPO)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``loss -= entropy_coef * H`` (H aggregated like the policy term); 0 (default): off.
+    Usual: 0-0.01."""
+    kl_coef: float = 0.0
+    """Penalty ``kl_coef * KL(pi_train || pi_ref)`` to the step-0 policy, from the reference log-probs the
+    orchestrator puts in the batch (``ref_logprobs``); 0 (default): off. Usual: 0.001-0.1."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimate (Schulman's): ``k1`` = log r, ``k2`` = (log r)^2 / 2, ``k3`` = 1/r - 1 + log r
+    with r = pi_train / pi_ref on the sampled token (k3: non-negative, low variance)."""
     ratio_cap: float = 2.0
     """Truncated importance sampling: per-token ratio pi_train/pi_inference is capped here."""
     ratio_mask_low: float = 0.2
@@ -132,6 +163,11 @@ class TrainerConfig:
     """Positions whose lm_head logits and log-softmax are computed at once when scoring (forward and,
     recomputed, backward): peak logit memory is this x vocab, never sequence x vocab
     (workers/models/blocks/logprobs.py). 0: all positions at once (no recompute)."""
+    logprob_head: str = "fused"
+    """How the scored chunks are computed: ``fused`` (one autograd Function with a closed-form
+    backward: fewer passes over chunk x vocab and one such block alive at a time;
+    workers/models/blocks/fused_logprobs.py) or ``checkpoint`` (autograd through the log-softmax under
+    activation checkpointing). A vocabulary-parallel head (tp > 1) always takes ``checkpoint``."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
@@ -149,12 +185,22 @@ class TrainerConfig:
         for key, choices in (("ratio_level", ("token", "sequence", "geometric")),
                              ("replay_unreported", ("recompute", "mask")),
                              ("master_dtype", MASTER_DTYPES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
-                             ("compile", COMPILE)):
+                             ("compile", COMPILE), ("logprob_head", LOGPROB_HEADS), ("loss_agg", LOSS_AGG),
+                             ("kl_estimator", KL_ESTIMATORS)):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)!r} is not supported; choose one of {list(choices)}")
         if self.checkpoint_every_steps < 0 or self.num_checkpoints_kept < 1:
             raise ConfigError(f"trainer.checkpoint_every_steps({self.checkpoint_every_steps}) must be >= 0 and "
                              f"trainer.num_checkpoints_kept({self.num_checkpoints_kept}) >= 1")
+
+
+def experts_per_rank(num_experts: int, ep: int, key: str = "trainer.parallel.ep") -> int:
+    """Routed experts each of ``ep`` expert-parallel ranks holds: the one check that ``ep`` divides
+    ``model.num_experts``, for the trainer (plan time and every rank) and the inference layouts alike;
+    ValueError naming ``key`` otherwise."""
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"{key}({ep}) must divide model.num_experts({num_experts})")
+    return num_experts // ep
 
 
 def check_precision(dtype: str, master_dtype: str) -> Optional[str]:
@@ -178,7 +224,10 @@ limits(TrainerConfig, num_ranks=gt(0), num_steps=gt(0), lr=gt(0), weight_decay=g
        betas=Each(between(0, 1, hi_open=True), length=2), grad_clip=gt(0), dtype=one_of(*COMPUTE_DTYPES),
        master_dtype=one_of(*MASTER_DTYPES), micro_batch_tokens=ge(0), logprob_chunk_tokens=between(0, 1 << 20),
        activation_checkpointing=one_of(*ACTIVATION_CHECKPOINTING), compile=one_of(*COMPILE),
+       logprob_head=one_of(*LOGPROB_HEADS),
        aux_loss_coef=ge(0), ratio_cap=ge(1), ratio_mask_low=between(0, 1, lo_open=True), ratio_mask_high=ge(1),
        replay_unreported=one_of("recompute", "mask"), ratio_level=one_of("token", "sequence", "geometric"),
        batch_timeout_s=gt(0), num_threads=gt(0), simulated_step_delay_s=ge(0), checkpoint_every_steps=ge(0),
-       num_checkpoints_kept=gt(0))
+       num_checkpoints_kept=gt(0), loss_agg=one_of(*LOSS_AGG), clip_low=between(0, 1, hi_open=True),
+       clip_high=between(0, 10), entropy_coef=between(0, 1), kl_coef=between(0, 10),
+       kl_estimator=one_of(*KL_ESTIMATORS))

@@ -21,9 +21,14 @@ class WeightsConfig:
     still points at their files)."""
     skip_nonfinite: bool = False
     """A step whose weights hold NaN or inf is never published (found in the checksum pass). False:
-    the trainer stops with an error naming the tensor and the step. True: that step is skipped
-    with a warning and inference keeps the last finite step (a diverged run stays diverged: the
-    staleness limits then stop it)."""
+    the trainer stops with an error naming the tensor and the step (exit EXIT_FATAL: not restarted).
+    True: the trainer restores its newest checkpoint instead (saving one before step 1 when there
+    is none), warns, and publishes that finite state as the step's version; after
+    ``max_nonfinite_skips`` such steps it stops with the reason (workers/trainer/divergence.py).
+    The steps since that checkpoint are lost: keep trainer.checkpoint_every_steps small."""
+    max_nonfinite_skips: int = 3
+    """With ``skip_nonfinite``: non-finite steps skipped (each restoring the newest checkpoint) with
+    no clean checkpoint in between before the run counts as diverged and the trainer stops."""
     num_hash_threads: int = 2
     """Threads that checksum tensors while they are written, read or broadcast."""
     verify: bool = False
@@ -33,4 +38,4 @@ class WeightsConfig:
     weight_updates_mismatched). Only when trainer and inference dtypes match."""
 
 
-limits(WeightsConfig, transport=NONEMPTY, keep_last=ge(2), num_hash_threads=gt(0))
+limits(WeightsConfig, transport=NONEMPTY, keep_last=ge(2), num_hash_threads=gt(0), max_nonfinite_skips=ge(1))

@@ -15,7 +15,8 @@ class EmbeddedInferenceConfig(InferenceConfig):
     backend: str = "embedded"
     """``embedded``: this schema's backend."""
     device: str = "cpu"
-    """Torch device of the embedded engine: ``cpu``, ``cuda`` or ``cuda:N`` (one GPU may be shared with the trainer)."""
+    """Torch device of the embedded engine: ``cpu``, ``cuda`` or ``cuda:N`` (one GPU may be shared with the trainer).
+    Local runs give each engine on ``cuda`` a GPU of its own, seen as cuda:0 inside it (launcher/gpus.py)."""
     num_threads: int = 1
     """torch intra-op threads per worker (2 cores are shared by all roles locally)."""
     max_queued_requests: int = 256

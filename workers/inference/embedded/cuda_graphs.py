@@ -9,7 +9,7 @@ A graph is frozen to its shapes, so the engine pads the running batch up to a si
 :func:`graph_batch_sizes` (rows of free slots ride along inactive) and attends over a key window
 of :func:`key_buckets` positions (the smallest that covers every running sequence for the next
 block), and one graph is kept per (size, window, greedy-or-sampling) key. Every input and output
-lives in the engine's preallocated buffers (workers/inference/embedded/decode_loop.py), which is
+lives in the engine's preallocated buffers (workers/inference/embedded/static_engine.py), which is
 what makes replay correct. All graphs share one memory pool: their intermediates die inside each
 replay and replays never overlap.
 

@@ -35,6 +35,8 @@ from workers.inference.embedded.slot_state import nucleus
 from workers.common.registry import MODELS
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.decoder import CausalLM
+from workers.weights.base import WeightLoadError
+from workers.weights.delta.apply import apply_chain
 from workers.weights.filesystem.receiver import DiskReader
 
 log = logging.getLogger("slurmrl.inference")
@@ -63,6 +65,7 @@ class InferenceEngine:
         self._model_lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._disk, self.weight_hashes = DiskReader(), {}  # reused staging buffer; digests of what we hold
+        self.weight_sums: dict[str, int] = {}  # sum64 per tensor of what we hold (patch steps find their base by it)
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
         self._abort_rids: set[str] = set()  # marks applied at the next step (or by abort(wait=True))
@@ -164,24 +167,47 @@ class InferenceEngine:
         if abort_all:
             self.abort(None, wait=True)
         with self._update_lock:  # a second update must not read against a half-applied first
-            step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes)
-            n = self.apply_weights(step.state, weight_version, source=str(model_path), hashes=step.hashes)
+            step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes,
+                                   sums=self.weight_sums)
+            n = self.apply_weights(step.state, weight_version, source=str(model_path), hashes=step.hashes,
+                                   patches=step.patches, sums=step.sums)
         log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
                  weight_version, model_path, step.bytes / 1e6, step.seconds, step.num_skipped, n)
         return n
 
-    def apply_weights(self, state, weight_version: int, *, source: str, hashes=None) -> int:
+    def apply_weights(self, state, weight_version: int, *, source: str, hashes=None, patches=(), sums=None) -> int:
         """Copy verified tensors (any subset of the parameters) in between steps, cast to the
-        model's dtype; ``hashes``: every parameter's digest afterwards. Returns requests in flight."""
+        model's dtype, then apply sparse ``patches`` in place (all or nothing: a digest mismatch puts
+        every value back and raises WeightLoadError); ``hashes``: every parameter's digest afterwards,
+        ``sums``: every tensor's sum64 (before the patches). Returns requests in flight."""
         params = self.model.state_dict()
         with self._model_lock, torch.no_grad():
+            if patches:
+                try:
+                    sums = apply_chain(params, patches, sums or {})
+                except WeightLoadError:  # all put back; what we hold is not what our sums say: the next
+                    self.weight_sums = {}  # update goes through the anchor (patch_reader.py) instead
+                    raise
             for name, t in state.items():
                 params[name].copy_(t)
             self.weight_version = int(weight_version)
             self.model_path = source
             self.weight_hashes = dict(hashes or {})
+            self.weight_sums = dict(sums or {})
             self._weights_changed_locked()
             return self.num_running + self.num_pending
+
+    def patch_weights(self, patch, weight_version: int, *, source: str):
+        """Run ``patch(params)`` (an in-place, verified patch: workers/weights/broadcast/delta_wire.py)
+        in between steps; on success the engine serves ``weight_version``. The per-tensor hashes
+        are dropped (they no longer describe the weights). Returns what ``patch`` returns."""
+        with self._model_lock, torch.no_grad():
+            out = patch(self.model.state_dict())
+            self.weight_version = int(weight_version)
+            self.model_path = source
+            self.weight_hashes = {}
+            self._weights_changed_locked()
+            return out
 
     def set_weight_version(self, version: int) -> None:
         with self._model_lock:
@@ -190,7 +216,7 @@ class InferenceEngine:
 
     def _weights_changed_locked(self) -> None:
         """Hook for engines that keep copies of the weights or the version (the static engine's
-        CUDA graphs: workers/inference/embedded/decode_loop.py); nothing to do here."""
+        CUDA graphs: workers/inference/embedded/static_engine.py); nothing to do here."""
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything (callers get abort results) and stop the thread."""
@@ -304,6 +330,10 @@ class InferenceEngine:
             top_p = [s.req.top_p for s in seqs]
             if min(top_p) < 1.0:  # top_p 1 keeps the full distribution (and the seeded draws) untouched
                 probs = nucleus(probs, torch.tensor(top_p, dtype=torch.float32, device=self.device))
+            # weights that overflow (a diverged trainer) give inf/NaN rows: draw those uniformly, so the engine
+            # keeps serving and the non-finite logprob reaches the trainer, whose divergence check stops the run
+            broken = ~torch.isfinite(probs).all(-1, keepdim=True)
+            probs = torch.where(broken, torch.ones_like(probs), probs)
             drawn = torch.multinomial(probs, 1, generator=self._gen).squeeze(1)
             tok = torch.where(greedy, tok, drawn)
         lp = logp.gather(1, tok[:, None]).squeeze(1)

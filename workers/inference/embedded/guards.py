@@ -16,6 +16,8 @@ clients rather than speak SGLang's API, and each answers one finding of a hostil
   (aiohttp's own default is an hour); a body that does not arrive in time is a 408
   (parsing._json); :func:`listen` turns on TCP keep-alive probes so a peer gone without a
   FIN is noticed within ~90 s.
+- A malformed request is answered 400 by aiohttp, which logs it with a traceback quoting the
+  client's bytes: :class:`OneLineBadRequests` makes that one bounded line.
 - A stop must stop: :func:`exit_watchdog` ends the process when a worker thread (a read of
   a file that never ends) would otherwise keep it alive after the server shut down.
 """
@@ -30,6 +32,7 @@ import time
 from typing import Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -102,12 +105,43 @@ def admission_refusal(engine, num_new: int, max_queued: int) -> Optional[web.Res
         status=429, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+BAD_REQUEST_LOG_CHARS = 160
+"""Longest excerpt of a malformed request's parse error in the log (it quotes the client's bytes)."""
+
+
+class OneLineBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse with a full traceback whose message quotes up to
+    8 KB of the client's header bytes; rewrite such a record to one line: the peer, the error's
+    class and a bounded, printable excerpt (INFO for non-HTTP traffic, else WARNING)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            text = " ".join(str(exc.message or exc).split())
+            text = "".join(ch if ch.isprintable() else "?" for ch in text)
+            if len(text) > BAD_REQUEST_LOG_CHARS:
+                text = text[:BAD_REQUEST_LOG_CHARS] + f"... ({len(text)} chars)"
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args = "bad HTTP request from %s: %s: %s (answered 400)", (
+                peer, type(exc).__name__, text)
+            record.exc_info, record.exc_text = None, None
+            record.levelno = logging.INFO if isinstance(exc, BadHttpMethod) else logging.WARNING
+            record.levelname = logging.getLevelName(record.levelno)
+        return True
+
+
+HTTP_LOG = logging.getLogger("slurmrl.inference.http")
+"""The server connections' logger (aiohttp's ``aiohttp.server`` records, with :class:`OneLineBadRequests`)."""
+HTTP_LOG.addFilter(OneLineBadRequests())
+
+
 def runner_kwargs(idle_timeout_s: float) -> dict:
     """AppRunner settings, set explicitly (aiohttp's keep-alive default is an hour); after a
     refused or timed-out request whose body is unread, aiohttp drains it ("lingering") for
-    at most the same bound (its default is 10 s), then closes."""
+    at most the same bound (its default is 10 s), then closes. Connection errors go to
+    :data:`HTTP_LOG` (one line per malformed request)."""
     return {"keepalive_timeout": float(idle_timeout_s), "tcp_keepalive": True,
-            "lingering_time": min(float(idle_timeout_s), 5.0)}
+            "lingering_time": min(float(idle_timeout_s), 5.0), "logger": HTTP_LOG}
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -214,6 +214,10 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
     async def update_weight_version(request):
         body = await _json(request)
         version = _version(body, "new_version")
+        if version < engine.weight_version and not _bool(body.get("allow_rollback", False), "allow_rollback"):
+            return web.json_response({"success": False, "message": f"new_version {version} goes backwards (serving "
+                                      f"v{engine.weight_version}); send allow_rollback=true to relabel on purpose"},
+                                     status=409)
         if _bool(body.get("abort_all_requests", False), "abort_all_requests"):
             await asyncio.to_thread(engine.abort, None, wait=True)
         await asyncio.to_thread(engine.set_weight_version, version)

@@ -37,7 +37,12 @@ def sample_tokens(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
     logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temp)[:, None], dim=-1)
     tok = logp.argmax(-1)
     if noise is not None:
-        tok = torch.where(greedy, tok, (nucleus(logp.exp(), top_p) / noise).argmax(-1))
+        probs = logp.exp()
+        # weights that overflow (a diverged trainer) give inf/NaN rows: those are drawn uniformly, as in the
+        # dynamic engine, so the engine keeps serving and the non-finite logprob reaches the trainer's check
+        broken = ~torch.isfinite(probs).all(-1, keepdim=True)
+        probs = torch.where(broken, torch.ones_like(probs), nucleus(probs, top_p))
+        tok = torch.where(greedy, tok, (probs / noise).argmax(-1))
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
 
@@ -68,7 +73,6 @@ class SlotState:
         self.stop = torch.full((s, MAX_STOP_IDS), -1, dtype=torch.long, device=d)
         self.noise = torch.ones(s, vocab, dtype=torch.float32, device=d)
         self.version = torch.zeros(1, dtype=torch.int32, device=d)
-        self.bad = torch.zeros(1, dtype=torch.bool, device=d)  # a live row sampled from non-finite logits
         self.tokens = torch.zeros(s, n + 1, dtype=torch.long, device=d)
         self.logprobs = torch.zeros(s, n + 1, dtype=torch.float32, device=d)
         self.versions = torch.zeros(s, n + 1, dtype=torch.int32, device=d)
@@ -108,7 +112,6 @@ class SlotState:
         self.versions[rows, at] = self.version.expand(rows.shape[0])
         if routed is not None and self.routed is not None:
             self.routed[rows, torch.where(live, fed_pos, self.max_len)] = routed.to(self.routed.dtype)
-        self.bad |= (live & ~lp.isfinite()).any()
         ngen = self.ngen[rows] + live.long()
         self.ngen[rows] = ngen
         stopped = (tok[:, None] == self.stop[rows]).any(-1) | (ngen >= self.max_new[rows]) | (nxt + 1 >= self.max_len)

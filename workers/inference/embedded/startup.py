@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, wait_for
-from workers.inference.embedded.decode_loop import create_engine
+from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, wait_for
+from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
 from workers.weights.base import WeightLoadError
 
@@ -32,7 +32,7 @@ def stable_steps(weights_root: Path) -> list[tuple[int, Path]]:
     except OSError:
         return []
     steps = [(int(d.name[5:]), d) for d in entries if d.name.startswith("step_") and d.name[5:].isdigit()
-             and (d / STABLE).exists()]
+             and is_marked(d)]
     return sorted(steps, reverse=True)
 
 

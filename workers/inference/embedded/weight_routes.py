@@ -1,6 +1,7 @@
 """The embedded engine's weight-update routes, with SGLang's request and response fields.
 
-  /update_weights_from_disk        {model_path, weight_version, load_format, abort_all_requests, flush_cache}
+  /update_weights_from_disk        {model_path, weight_version, load_format, abort_all_requests, flush_cache,
+                                    allow_rollback (ours)}
   /init_weights_update_group       {master_address, master_port, rank_offset, world_size, group_name, backend}
   /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version, flush_cache,
                                     abort_all_requests, load_format}
@@ -8,7 +9,8 @@
 
 Each answers ``{success, message}`` (the disk route adds ``num_paused_requests``, as SGLang
 does): 200 when applied, 400 with the reason when refused, in which case the engine keeps
-the weights and version it had. Our extension: an applied update also answers
+the weights and version it had; 409 for a version older than the one served unless the
+request says ``allow_rollback: true`` (our extension; SGLang has no such check). Our extension: an applied update also answers
 ``weights_digest`` (checksums.state_digest of every parameter), so the orchestrator can
 check each update end to end against the trainer's digest.
 
@@ -21,12 +23,14 @@ one update at a time per worker (an asyncio lock), so a second update waits for 
 instead of interleaving with it.
 
 Wire format note: the broadcast transport's buckets are its own, not SGLang's per-tensor
-broadcast; ``load_format`` must be null or ``slurmrl_buckets``. The field names are SGLang's,
-so the orchestrator's client is the same for both engines.
+broadcast; ``load_format`` must be null or ``slurmrl_buckets``, or ``slurmrl_delta`` for a sparse patch
+applied in place (weights.delta: workers/weights/broadcast/delta_wire.py). The field names are
+SGLang's, so the orchestrator's client is the same for both engines.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -41,7 +45,7 @@ from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.shards import BY_NAME
 
 log = logging.getLogger("slurmrl.inference")
-LOAD_FORMATS = (None, "slurmrl_buckets")
+LOAD_FORMATS = (None, "slurmrl_buckets", "slurmrl_delta")
 
 
 def _str(body: dict, field: str) -> str:
@@ -53,6 +57,18 @@ def _str(body: dict, field: str) -> str:
 
 def _refused(message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": False, "message": message, **extra}, status=400)
+
+
+def _backwards(engine: InferenceEngine, version: int, body: dict) -> Optional[web.Response]:
+    """409 when ``version`` is older than what the engine serves and the caller did not ask for a
+    rollback (``allow_rollback: true``, our extension: the orchestrator sets it when it deliberately
+    brings a worker back to its own, older version); None to go on. Called under the update lock."""
+    rollback = _bool(body.get("allow_rollback", False), "allow_rollback")
+    if version >= engine.weight_version or rollback:
+        return None
+    return web.json_response({"success": False, "message": f"weight_version {version} goes backwards (serving "
+                              f"v{engine.weight_version}); send allow_rollback=true to roll back on purpose"},
+                             status=409)
 
 
 def _announced(body: dict) -> list[TensorMeta]:
@@ -73,6 +89,12 @@ def _announced(body: dict) -> list[TensorMeta]:
     return out
 
 
+def _accepts(fn, name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = None) -> list[tuple[str, Any]]:
     """(path, handler) pairs for make_app, served by ``weights.transport``'s receiver
     (no config: the default transport with its defaults)."""
@@ -80,16 +102,26 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
     lock = asyncio.Lock()
     device = next(engine.model.parameters()).device
     receiver = TRANSPORTS.get(weights.transport).receiver(weights, device=device)
+    # a plugin receiver written before patches existed takes no ``sums``: it still loads every step dense
+    takes_sums = _accepts(receiver.load, "sums")
     group: dict[str, Optional[str]] = {"name": None}  # the weight group joined (for the log and messages)
 
+    known_digest: list[Optional[str]] = [None]  # what the last update's transport vouched for (patch steps)
+
     def digest() -> str:  # our extension field: lets the orchestrator check every update end to end
+        if known_digest[0] is not None:  # patch steps: every touched tensor verified while applied (sum64)
+            return known_digest[0]
         return state_digest(state_hashes(engine.model.state_dict()))
 
     def load_and_apply(path: str, version: int, abort_all: bool) -> int:
         if abort_all:
             engine.abort(None, wait=True)
-        got: Received = receiver.load(path, expected=engine.model.state_dict(), known=engine.weight_hashes)
-        n = engine.apply_weights(got.state, version, source=path, hashes=got.hashes)
+        extra = {"sums": engine.weight_sums} if takes_sums else {}
+        got: Received = receiver.load(path, expected=engine.model.state_dict(), known=engine.weight_hashes,
+                                      **extra)
+        n = engine.apply_weights(got.state, version, source=path, hashes=got.hashes, patches=got.patches,
+                                 sums=got.sums)
+        known_digest[0] = got.digest
         log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
                  version, path, got.bytes / 1e6, got.seconds, got.num_skipped, n)
         return n
@@ -104,7 +136,12 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
             raise BadRequest("load_format: expected a string or null")
         abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
         _bool(body.get("flush_cache", True), "flush_cache")
+        _bool(body.get("allow_rollback", False), "allow_rollback")
         async with lock:
+            if (refusal := _backwards(engine, version, body)) is not None:
+                log.warning("refused weights %s: v%d goes backwards from v%d (no rollback asked)", path[:300],
+                            version, engine.weight_version)
+                return refusal
             try:
                 n = await asyncio.to_thread(load_and_apply, path, version, abort_all)
             except WeightLoadError as e:
@@ -140,10 +177,22 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
         if abort_all:
             engine.abort(None, wait=True)
         got: Received = receiver.receive(version, announced, group_name=name, expected=engine.model.state_dict())
-        n = engine.apply_weights(got.state, version, source=f"broadcast:{name}", hashes=got.hashes)
+        n = engine.apply_weights(got.state, version, source=f"broadcast:{name}", hashes=got.hashes,
+                                 patches=got.patches, sums=got.sums)
+        known_digest[0] = got.digest
         nbytes, seconds = got.bytes, got.seconds
         msg = (f"received v{version}: {nbytes / 1e6:.1f} MB in {seconds:.3f}s "
                f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), {n} requests in flight")
+        log.info("%s", msg)
+        return msg
+
+    def receive_patch(version: int, name: str, abort_all: bool) -> str:
+        if abort_all:
+            engine.abort(None, wait=True)
+        nbytes, changed, seconds = receiver.receive_patch(
+            version, group_name=name,
+            apply_under_lock=lambda fn: engine.patch_weights(fn, version, source=f"broadcast:{name}"))
+        msg = f"applied patch v{version}: {changed} elements changed, {nbytes / 1e6:.2f} MB in {seconds:.3f}s"
         log.info("%s", msg)
         return msg
 
@@ -158,7 +207,10 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
             raise BadRequest(f"load_format: {body.get('load_format')!r} is not one of {list(LOAD_FORMATS)}")
         async with lock:
             try:
-                msg = await asyncio.to_thread(receive_and_apply, version, announced, name, abort_all)
+                if body.get("load_format") == "slurmrl_delta":
+                    msg = await asyncio.to_thread(receive_patch, version, name, abort_all)
+                else:
+                    msg = await asyncio.to_thread(receive_and_apply, version, announced, name, abort_all)
             except (WeightLoadError, TimeoutError) as e:
                 log.warning("refused broadcast v%d: %s (still serving v%d)", version, e, engine.weight_version)
                 return _refused(str(e))

@@ -3,13 +3,13 @@
 Pure functions of the resolved config and a :class:`Placement` (where this task sits: its
 role, replica, node rank, addresses and ports, all derived from workers/common/topology.py
 by server.py). No torch and no sglang import: the launcher renders the
-same argv into the sbatch script's comments, and tests/unit/test_sglang_parser.py feeds
+same argv into the sbatch script's comments, and tests/unit/inference/test_sglang_parser.py feeds
 every generated argv to SGLang 0.5.23's own argument parser (ServerArgs.add_cli_args),
 so a flag name that does not exist in the pinned version fails CI.
 
 Flags are emitted in a fixed order, grouped by concern (model, placement, disaggregation,
 MoE, memory and cache, RL), each group only when its feature is on, so a reviewer can read
-off which SGLang features a preset turns on (README: "SGLang features per preset").
+off which SGLang features a preset turns on (docs/guide/slurm_cluster.md, "SGLang features per preset").
 """
 from __future__ import annotations
 
@@ -160,6 +160,18 @@ def rl_args(s: SGLangConfig, return_routed_experts: bool) -> list[str]:
     return out
 
 
+def weight_loader_args(cfg: RunConfig) -> list[str]:
+    """Sparse weight updates (weights.delta): the loader that applies a patch inside the server, named by
+    import path (SGLang's --custom-weight-loader; /update_weights_from_tensor calls it when its
+    load_format names it: workers/weights/broadcast/sglang_delta_loader.py). Over ``broadcast`` it receives
+    the patch on SGLang's group; over ``filesystem`` each rank pulls its share of the patch step from disk."""
+    if not getattr(cfg.weights, "delta", False) or cfg.weights.transport not in ("broadcast", "filesystem"):
+        return []
+    from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+
+    return flag("custom-weight-loader", DELTA_LOADER)
+
+
 def server_argv(cfg: RunConfig, p: Placement, *, python: str = "python") -> list[str]:
     """The full command line of one SGLang server task (argv, not shell-quoted), without the key."""
     inf, s = cfg.inference, cfg.inference.sglang
@@ -172,6 +184,7 @@ def server_argv(cfg: RunConfig, p: Placement, *, python: str = "python") -> list
     argv += moe_args(s, r, lay)
     argv += memory_args(s, r, inf)
     argv += rl_args(s, cfg.orchestrator.return_routed_experts)
+    argv += weight_loader_args(cfg)
     return argv + list(r.extra_args) + list(s.extra_args)
 
 
@@ -200,7 +213,7 @@ def server_env(cfg: RunConfig, role: str) -> dict[str, str]:
 
 
 def features(cfg: RunConfig, role: str) -> list[str]:
-    """Short names of the SGLang features a role turns on (README table, plan summary)."""
+    """Short names of the SGLang features a role turns on (the Slurm guide's table, plan summary)."""
     inf = cfg.inference
     lay, s = role_layout(inf, role), inf.sglang
     r = lay.sglang

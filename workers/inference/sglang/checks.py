@@ -5,7 +5,7 @@ only through this backend's spec (spec.py: ``check`` and ``plan_steps``).
 
 Each rule cites where SGLang 0.5.23 (or smg 1.13.0) decides it, so the message can say
 why. Pure: no sglang import (the launcher runs on login nodes without it); the flag names
-themselves are checked against SGLang's own parser in tests/unit/test_sglang_parser.py.
+themselves are checked against SGLang's own parser in tests/unit/inference/test_sglang_parser.py.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ MOE_RUNNER_BACKENDS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinf
 FP8_GEMM_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
                      "flashinfer_cutedsl", "cutlass", "triton", "aiter")
 """sglang/srt/arg_groups/choices.py QUANTIZATION_CHOICES, ATTENTION_BACKEND_CHOICES, MOE_RUNNER_BACKEND_CHOICES,
-FP8_GEMM_RUNNER_BACKEND_CHOICES (tests/unit/test_config_ranges.py compares them when sglang is installed)."""
+FP8_GEMM_RUNNER_BACKEND_CHOICES (tests/unit/common/test_config_ranges.py compares them when sglang is installed)."""
 SERVER_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ROUTER_LOG_LEVELS = ("debug", "info", "warn", "error")
 
@@ -177,7 +177,7 @@ def check_sglang(cfg: RunConfig) -> None:
 
 def sglang_steps(cfg: RunConfig) -> tuple[BackendStep, ...]:
     """One entry per server role plus the router, in het-group order (env: NVSHMEM for DeepEP,
-    CUDA graph / HiCache settings; features: the README table and the plan summary)."""
+    CUDA graph / HiCache settings; features: the Slurm guide's table and the plan summary)."""
     out = [BackendStep(role=role, argv=tuple(sglang_server.preview(cfg, role)), env=tuple(server_env(cfg, role).items()),
                       features=tuple(features(cfg, role))) for role, _, _ in server_roles(cfg)]
     pd = out[0].role == "prefill"

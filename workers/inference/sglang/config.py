@@ -5,7 +5,7 @@ a large MoE needs (prefill/decode disaggregation, wide expert parallelism with D
 FP8 with DeepGEMM, hierarchical KV cache, routed-expert return, CUDA graphs) as typed,
 documented fields, and keep ``extra_args`` as the escape hatch. Every field maps to a
 flag of the SGLang version pinned in setup.cfg's ``[sglang]`` extra (0.5.23); the mapping
-is workers/inference/sglang/args.py and tests/unit/test_sglang_parser.py parses the result
+is workers/inference/sglang/args.py and tests/unit/inference/test_sglang_parser.py parses the result
 with SGLang's own argument parser. The router is smg (the SGLang Model Gateway, formerly
 ``sglang-router``), pinned in the same extra.
 

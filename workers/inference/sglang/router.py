@@ -5,7 +5,7 @@ this backend's spec, which calls :func:`exec_router`).
 Why smg: it is the SGLang Model Gateway, the router SGLang documents for RL rollouts
 (docs/advanced_features/sglang_for_rl.md, "Load Balancing Router"); the package was
 ``sglang-router`` until 0.3.2 and continues as ``smg`` (pinned in setup.cfg [sglang]).
-Its CLI is checked in tests/unit/test_sglang_parser.py with smg's own parser
+Its CLI is checked in tests/unit/inference/test_sglang_parser.py with smg's own parser
 (smg.launch_router.parse_router_args, which also runs its cross-flag validation).
 
 Two modes, from the plan's roles:

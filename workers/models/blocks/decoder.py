@@ -255,13 +255,17 @@ class CausalLM(nn.Module):
             logits = self.head(h)
         else:
             assert logits_mask is not None, "score needs logits_mask (which positions predict its targets)"
-            logp, entropy = chunked_logprobs(h, score, self.head)
+            logp, entropy = chunked_logprobs(h, score, self.head, weight=self.head_weight())
         if not routed:  # dense: no routed layer, an empty routing record [B, T, 0, 0]
             return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
                                routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev),
                                logp=logp, entropy=entropy)
         return ModelOutput(logits=logits, aux_loss=aux_total / len(routed), routed_experts=torch.stack(routed, dim=2),
                            expert_load=torch.stack(loads), logp=logp, entropy=entropy)
+
+    def head_weight(self) -> torch.Tensor:
+        """The [V, H] matrix :meth:`head` multiplies by (the fused log-prob head reads it)."""
+        return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of hidden states: ``lm_head``, or the embedding matrix when tied."""

@@ -36,11 +36,11 @@ linear in T per rank), so :meth:`DsaIndexer.restrict` returns a ``dsa_cp.SparseK
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.models.blocks import dsa_cp
 from workers.models.blocks.decoder import ForwardContext
+from workers.models.blocks.dsa_kernels import causal_topk, reference_scores
 from workers.models.blocks.dsa_sparse import topk_rows, visible_rows
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.ulysses import gather_seq
@@ -112,10 +112,15 @@ class DsaIndexer(nn.Module):
             return topk_rows(lambda a, b: self._index(qq[:, a:b], kk, ww[:, a:b]), rows, qq.shape[1], kk.shape[1],
                              self.topk, chunk)
 
+        def causal(qq, kk, ww, first):  # few large chunks, Triton scores on CUDA (dsa_kernels.py)
+            return causal_topk(self._index, qq, kk, ww, scale=self.d ** -0.5, topk=self.topk, first=first,
+                               min_chunk=chunk)
+
         if ctx.docs is not None and cp is None:
-            chosen = {(r, a): pick(q[r:r + 1, a:b], k[r:r + 1, a:b], w[r:r + 1, a:b],
-                                   visible_rows(None, None, 1, b - a, 0, 0, dev))
+            chosen = {(r, a): causal(q[r:r + 1, a:b], k[r:r + 1, a:b], w[r:r + 1, a:b], 0)
                       for r, runs in enumerate(ctx.docs.runs) for a, b, doc in runs if doc}
+        elif cp is None and ctx.mask is None:
+            chosen = causal(q, k, w, k.shape[1] - t)
         elif cp is None:
             s = k.shape[1]
             chosen = pick(q, k, w, visible_rows(ctx.mask, ctx.docs, x.shape[0], s, s - t, 0, dev))
@@ -152,8 +157,7 @@ class DsaIndexer(nn.Module):
 
     def _index(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[B, T, S] index scores: ``sum_h w_h * relu(q_h . k / sqrt(d))``."""
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,S]
-        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+        return reference_scores(q, k, w, self.d ** -0.5)
 
     def _keep(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """[B, T, S] bool: ``allowed`` keys that are among each query's top ``topk`` index scores."""

@@ -100,12 +100,27 @@ def attend_latent(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor
     ``kv_b_proj``'s per-head expansion: a chunk costs ``C x K x (r + dr)`` plus ``H x C x K`` scores."""
     t = q_nope.shape[2]
     keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q_nope, q_rot, entry, w_kv))
+    chunk = attention_chunk(chunk, chosen.shape[-1], entry.shape[-1], q_nope.shape[1], entry.element_size())
     outs = []
     for a in range(0, t, chunk):
         b = min(a + chunk, t)
         args = (q_nope[:, :, a:b], q_rot[:, :, a:b], entry, w_kv, chosen[:, a:b], scale)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if keep else _chunk(*args))
     return torch.cat(outs, dim=2)
+
+
+ATTENTION_BYTES = 1 << 30
+"""Bytes one attention chunk may hold (gathered latents and float32 scores; the backward's
+recompute about as much again): sets how many queries a chunk takes."""
+
+
+def attention_chunk(min_chunk: int, k: int, width: int, heads: int, elt: int) -> int:
+    """Queries per chunk: as many as :data:`ATTENTION_BYTES` allows (``k`` gathered keys of ``width``
+    values of ``elt`` bytes each, and three float32 ``heads x k`` score tensors per query), at least
+    ``min_chunk`` (``model.dsa_chunk_tokens``). A constant budget: memory stays linear in T, and a
+    131k-token row takes a handful of chunks instead of 512 (``dsa_chunk_tokens`` 256)."""
+    per_query = max(1, k * (width * elt + heads * 4 * 3))
+    return max(min_chunk, ATTENTION_BYTES // per_query, 1)
 
 
 def attend_latent_docs(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor, w_kv: torch.Tensor,

@@ -7,7 +7,7 @@ and the entropy [N] (a metric). So the model's forward, when given a :class:`Sco
 activation checkpointing: the forward keeps only the [N] results (and the hidden states it already
 had), and the backward recomputes one chunk's logits at a time, so peak logit memory is
 ``chunk_tokens x V`` in both passes. Gradients are those of the unchunked computation (each
-position's log-prob depends on its own hidden state only); tests/unit/test_chunked_logprobs.py
+position's log-prob depends on its own hidden state only); tests/unit/models/test_chunked_logprobs.py
 checks values and gradients against the full path, including the vocabulary-parallel scorer.
 
 The scorer is the trainer plan's ``target_logprobs`` (workers/trainer/fsdp.py, or the TP plan's
@@ -18,10 +18,12 @@ repeats its collectives in the same order on every rank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from workers.models.blocks.fused_logprobs import fused_target_logprobs
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``(logits [n, V(local)], targets [n]) -> (log p [n] with grad, entropy [n] no grad)``."""
@@ -36,12 +38,19 @@ class Scoring:
     scorer: Scorer
     chunk_tokens: int = 0
     """Positions per chunk (``trainer.logprob_chunk_tokens``); 0: one chunk (the [N, V] logits at once)."""
+    fused_temperature: Optional[float] = None
+    """Set (``trainer.logprob_head=fused``): score with the fused head at this temperature
+    (workers/models/blocks/fused_logprobs.py) instead of ``scorer``, whenever the head's weight is a
+    plain tensor (not a vocabulary-parallel DTensor shard: those keep ``scorer``)."""
 
 
-def chunked_logprobs(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log p [N], entropy [N])`` of ``score.targets`` under ``head(h)`` for hidden states ``h`` [N, H]."""
+def chunked_logprobs(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tensor], torch.Tensor],
+                     weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p [N], entropy [N])`` of ``score.targets`` under ``head(h)`` for hidden states ``h`` [N, H]
+    (``weight``: the head's [V, H] matrix, for the fused path)."""
     n, chunk = h.shape[0], score.chunk_tokens
+    if score.fused_temperature is not None and fusable(weight):
+        return fused_target_logprobs(h, weight, score.targets, score.fused_temperature, chunk)
     if chunk <= 0 or n <= chunk:
         return score.scorer(head(h), score.targets)
     recompute = torch.is_grad_enabled() and h.requires_grad
@@ -52,6 +61,12 @@ def chunked_logprobs(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tens
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
+
+
+def fusable(weight: Optional[torch.Tensor]) -> bool:
+    """The fused head applies: a plain (not DTensor) [V, H] weight."""
+    return isinstance(weight, torch.Tensor) and type(weight) in (torch.Tensor, torch.nn.Parameter) \
+        and weight.dim() == 2
 
 
 def _score(h: torch.Tensor, targets: torch.Tensor, head: Callable, scorer: Scorer):

@@ -41,6 +41,11 @@ class Documents:
 
     segment_ids: torch.Tensor  # [B, T] int64, -1 on padding
     runs: list[list[tuple[int, int, bool]]]
+    cu: Optional[torch.Tensor] = None
+    """int32 [R + 1] on the ids' device: :meth:`cu_seqlens`, built once per forward (dim 0 dynamic)."""
+    max_len_like: Optional[torch.Tensor] = None
+    """A tiny host tensor of shape ``[max_len]``: the longest run as a SHAPE, so a compiled layer reads
+    it as a symbol (no guard on its value, no recompile per packing layout; dim 0 dynamic)."""
 
     @classmethod
     def from_segments(cls, segment_ids: torch.Tensor) -> "Documents":
@@ -56,7 +61,13 @@ class Documents:
             if len(seen) != len(set(seen)):
                 raise ValueError(f"segment_ids row {r}: a segment is split by another (documents must be contiguous)")
             runs.append(spans)
-        return cls(segment_ids=segment_ids, runs=runs)
+        docs = cls(segment_ids=segment_ids, runs=runs)
+        _varlen_fn()  # resolved here, eagerly: a compiled layer only reads the result
+        docs.cu = docs.cu_seqlens(segment_ids.device)
+        docs.max_len_like = torch.empty(max(docs.max_len, 1), dtype=torch.uint8)
+        for t in (docs.cu, docs.max_len_like):  # the counts differ every batch: symbols from the first trace
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return docs
 
     @property
     def max_len(self) -> int:
@@ -89,19 +100,42 @@ class Documents:
         return torch.cat(rows, dim=0)
 
 
-# Not traced by torch.compile (trainer.compile, workers/trainer/compile.py): the document runs are Python
-# lists that differ every packed batch, and dynamo would guard on them and recompile per batch. A graph
-# break around per-document attention instead (its kernels are one varlen flash call on CUDA anyway).
-@torch.compiler.disable
 def attend_docs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: Optional[float] = None,
                 doc_masks: Optional[dict] = None) -> torch.Tensor:
     """Causal attention inside each document of ``q/k/v`` [B, H, T, D] (k and v with q's heads;
     v's head dim may differ). ``doc_masks`` {(row, start): bool [1, 1, n, n]} replaces the causal
-    rule of those documents (sparse attention). Returns [B, H, T, Dv]."""
+    rule of those documents (sparse attention). Returns [B, H, T, Dv].
+
+    Inside a compiled layer (trainer.compile) the boundaries are tensors, so neither path below
+    breaks the graph nor guards on the packing layout: the varlen kernel reads ``docs.cu`` and the
+    longest run as a symbolic shape; on CPU a compiled layer builds the block-diagonal causal mask
+    from ``docs.segment_ids`` (O(T^2): small compiled runs and tests only; on CPU
+    ``trainer.compile=auto`` does not compile). Eager, on CUDA without the varlen kernel (float32),
+    or with ``doc_masks``: one SDPA per document (linear memory), outside the graph.
+    """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if doc_masks is None and varlen_ok(q, v):
         return _varlen(q, k, v, docs, scale)
+    if doc_masks is None and torch.compiler.is_compiling() and not q.is_cuda:
+        return causal_sdpa(q, k, v, scale, block_causal_mask(docs.segment_ids)[:, None])
+    return _per_document(q, k, v, docs, scale, doc_masks)
 
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, T] from ``segment_ids`` alone (no host sync): same segment and causal; a padding
+    position (segment -1) sees itself only. :meth:`Documents.causal_rows` over the whole rows."""
+    t = segment_ids.shape[1]
+    pos = torch.arange(t, device=segment_ids.device)
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids >= 0)[:, :, None]
+    return (same & (pos[None, None, :] <= pos[None, :, None])) | (pos[None, None, :] == pos[None, :, None])
+
+
+# Not traced by torch.compile: the document runs are Python lists that differ every packed batch, and
+# dynamo would guard on them and recompile per batch. The one path that still breaks the graph: eager
+# per-document attention (CPU reference) and sparse attention's per-document masks.
+@torch.compiler.disable
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
+                  doc_masks: Optional[dict]) -> torch.Tensor:
     def run(r: int, a: int, b: int, doc: bool) -> torch.Tensor:
         if not doc:
             return v[r:r + 1, :, a:b]  # padding attends to itself only
@@ -162,7 +196,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, 
     dv = v.shape[-1]
     width = max(dq, dv)
     flat = [F.pad(x, (0, width - x.shape[-1])).transpose(1, 2).reshape(b * t, h, width) for x in (q, k, v)]
-    cu = docs.cu_seqlens(q.device)
-    m = docs.max_len
+    cu = docs.cu if docs.cu is not None else docs.cu_seqlens(q.device)
+    m = docs.max_len_like.shape[0] if docs.max_len_like is not None else docs.max_len
     out = _varlen_fn()(*flat, cu, cu, m, m, scale=scale, **_VARLEN_CAUSAL)
     return out.view(b, t, h, width)[..., :dv].transpose(1, 2)

@@ -18,9 +18,9 @@ class GlmMoeDsaConfig(DeepseekV3Config):
     index_topk: int = 2048
     """Keys each query attends to, chosen by the indexer (``index_topk``)."""
     dsa_chunk_tokens: int = 256
-    """Queries the DSA indexer scores and sparse attention gathers at a time (workers/models/blocks/
-    dsa_sparse.py): memory linear in the sequence, O(chunk x index_topk x heads x head dims) per
-    layer at a time. 0: the dense reference path (a [T, S] score and keep mask per layer: quadratic,
+    """The FEWEST queries the DSA indexer scores and sparse attention gathers at a time (workers/models/
+    blocks/dsa_sparse.py): a chunk takes more when its constant byte budget allows (dsa_kernels.py
+    ``SCORE_PAIRS``, dsa_sparse.py ``ATTENTION_BYTES``), so memory stays linear in the sequence. 0: the dense reference path (a [T, S] score and keep mask per layer: quadratic,
     for checking only). Not a config.json key: how we run the model, not what it is."""
     indexer_pattern: str = ""
     """Per layer ``F`` (the layer runs its indexer) or ``S`` (it reuses the last F layer's choice of keys

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.ranges import gt, limits
-from workers.models.tiny_moe.config import DecoderConfig
+from workers.models.blocks.decoder_config import DecoderConfig
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -155,6 +155,29 @@ class Env:
         return self, task
 
 
+EVAL_TASK_IDS = 1_000_000_000
+"""Generated eval tasks are numbered from here: their ids never meet the training stream's."""
+
+
+class GeneratedEvalSplit:
+    """An eval split for envs that generate their tasks from ``self.rng`` (reverse_digits,
+    reverse_text, code_repair, swe): ``eval_tasks(n)`` draws n tasks from a separate generator seeded
+    by ``env.seed`` only, so every evaluation scores the same tasks whatever training has drawn, and
+    the training stream (``self.rng``, ``self.next_id``) is left exactly where it was. Unlike a
+    held-out file, a small task space (few digits) can repeat a training task: the split measures
+    the task, not memorisation."""
+
+    def eval_tasks(self, n: int) -> list:
+        import random
+
+        saved = self.rng, self.next_id
+        self.rng, self.next_id = random.Random(f"slurmrl-eval-{self.cfg.seed}"), EVAL_TASK_IDS
+        try:
+            return [self.sample_task() for _ in range(n)]
+        finally:
+            self.rng, self.next_id = saved
+
+
 class MultiTurnEnv(Env):
     """Base class of multi-turn envs: task stream, stop tokens, limits, env-step slots."""
 

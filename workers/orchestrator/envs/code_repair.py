@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from workers.common.config.ranges import NONEMPTY, TEXT, gt, limits, one_of
 from workers.common.registry import ENVS
-from workers.orchestrator.envs.base import MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
+from workers.orchestrator.envs.base import GeneratedEvalSplit, MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.code_tasks import Task, make_task
 from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxSetupError
@@ -118,7 +118,7 @@ def check(run_cfg: Any) -> None:
     check_sandbox(run_cfg)
 
 
-class CodeRepairEnv(MultiTurnEnv):
+class CodeRepairEnv(GeneratedEvalSplit, MultiTurnEnv):
     name = "code_repair"
 
     def __init__(self, cfg: CodeRepairConfig, *, seed: int):
@@ -312,6 +312,11 @@ def make_sandbox(cfg: CodeRepairConfig) -> Sandbox:
 def host_check(run_cfg) -> None:
     """On the launcher's machine (local runs): ``auto`` finds an isolating sandbox mode here, or the
     weak mode is allowed; the same refusal the env would raise when it starts, but before anything runs."""
+    python = run_cfg.env.sandbox_python
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"env.sandbox_python={python!r} is not an executable file here "
+                         f"({'missing' if not os.path.exists(python) else 'a directory' if os.path.isdir(python) else 'not executable'}); "
+                         f"set it to the interpreter that runs the tests in the sandbox")
     try:
         make_sandbox(run_cfg.env)
     except SandboxSetupError as e:
@@ -323,6 +328,6 @@ limits(CodeRepairConfig, max_observation_bytes=gt(0), num_functions=gt(0), num_t
        sandbox_memory_mb=gt(0), sandbox_file_size_kb=gt(0), sandbox_num_procs=gt(0), sandbox_timeout_s=gt(0),
        sandbox_tmp_mb=gt(0))
 ENVS.register(EnvSpec(name="code_repair", config=CodeRepairConfig, vocab_size=lambda cfg: VOCAB_SIZE, env_check=check,
-                      host_check=host_check,
+                      host_check=host_check, eval_split=True,
                       make=lambda cfg, *, seed, model=None: CodeRepairEnv(cfg, seed=seed),
                       summary="fix a tiny buggy Python project with tools; tests run in a sandbox"))

@@ -39,8 +39,8 @@ from workers.common.registry import ENVS
 from workers.orchestrator.envs import data
 from workers.orchestrator.envs.base import EpisodeLimits, Env, StepResult
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
-from workers.orchestrator.envs.spec import EnvSpec, check_latency, positive
-from workers.orchestrator.rewards import RewardRunner, load_reward
+from workers.orchestrator.envs.spec import EnvSpec, check_latency
+from workers.orchestrator.rewards import TIMED_OUT, RewardRunner, load_reward
 
 LOGGED_FAILURES, LOG_EVERY_FAILURE = 20, 100
 #: Tokens of the byte template around the user message's text: BOS USER <text> EOT ASSISTANT.
@@ -110,41 +110,98 @@ def load_splits(e: DatasetConfig) -> tuple[list[data.Record], list[data.Record]]
     return data.split(train, fraction=e.eval_fraction, seed=e.seed)
 
 
-def check(run_cfg: Any) -> None:
-    """Fields, tokenizer (or byte vocabulary), data, reward import, prompt lengths, epochs, eval split."""
+def uses_tokenizer(m: Any) -> bool:
+    """The model brings a tokenizer (``model.pretrained``, or tokenizer files in ``model.path``): env=dataset
+    uses it and its chat template; otherwise text is tokenised byte-level (envs/chat.py)."""
+    if getattr(m, "pretrained", ""):
+        return True
+    if getattr(m, "path", ""):
+        from workers.models.hf_dir import has_tokenizer
+
+        return has_tokenizer(m.path)
+    return False
+
+
+def vocabulary_problem(m: Any) -> Optional[str]:
+    """Why a model without a tokenizer cannot read byte-level text, with the fix that works for where
+    its vocabulary comes from (a checkpoint's config.json cannot be overridden: model_path.py)."""
+    if uses_tokenizer(m) or m.vocab_size >= VOCAB_SIZE:
+        return None
+    if getattr(m, "path", ""):
+        return (f"model.path={m.path} has no tokenizer files, so env=dataset tokenises text byte-level "
+                f"({VOCAB_SIZE} ids: envs/chat.py), but its config.json says vocab_size {m.vocab_size}; "
+                f"model.vocab_size cannot override a checkpoint. Fix: add tokenizer files (tokenizer.json with a "
+                f"chat template, what AutoTokenizer.save_pretrained writes) to {m.path}, or rebuild the "
+                f"checkpoint with vocab_size >= {VOCAB_SIZE}")
+    return (f"env=dataset tokenises text byte-level for a model without a tokenizer ({VOCAB_SIZE} ids: "
+            f"envs/chat.py), but model.vocab_size is {m.vocab_size}. Fix: model.vocab_size={VOCAB_SIZE}, or a "
+            f"model with a tokenizer (model=smollm2_135m, or model.path=DIR with tokenizer files)")
+
+
+def context_fix(m: Any) -> str:
+    """How to make room in the context: a checkpoint's max_position_embeddings is its config.json's."""
+    if getattr(m, "path", ""):
+        return (f"model.max_position_embeddings({m.max_position_embeddings}) comes from {m.path}/config.json "
+                f"and cannot be overridden: lower env.max_new_tokens or shorten the prompts")
+    return "raise model.max_position_embeddings or lower env.max_new_tokens"
+
+
+def problems(run_cfg: Any) -> list[str]:
+    """Every problem of model + env + data together (not one at a time), each with its fix."""
     e, m, o = run_cfg.env, run_cfg.model, run_cfg.orchestrator
-    check_fields(e, "env")
-    check_latency(e)
-    pretrained = bool(getattr(m, "pretrained", ""))
-    if not pretrained and m.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"env=dataset tokenises text byte-level for a model without a tokenizer ({VOCAB_SIZE} ids: "
-                         f"envs/chat.py), but model.vocab_size is {m.vocab_size}: set model.vocab_size={VOCAB_SIZE} or "
-                         f"use a pretrained model (model.pretrained)")
-    positive("env.max_new_tokens", e.max_new_tokens)
-    positive("env.reward_timeout_s", e.reward_timeout_s)
+    out: list[str] = []
+
+    def attempt(fn, *args) -> Any:
+        try:
+            return fn(*args)
+        except ValueError as err:
+            out.append(str(err))
+            return None
+
+    attempt(check_fields, e, "env")
+    attempt(check_latency, e)
+    vocab = vocabulary_problem(m)
+    if vocab:
+        out.append(vocab)
     if e.max_new_tokens >= m.max_position_embeddings:
-        raise ValueError(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
-                         f"({m.max_position_embeddings}): the prompt needs room too")
+        out.append(f"env.max_new_tokens({e.max_new_tokens}) must be < model.max_position_embeddings"
+                   f"({m.max_position_embeddings}): the prompt needs room too; {context_fix(m)}")
     if e.reward_fn in ("exact_match", "math_equal") and not e.answer_key:
-        raise ValueError(f"env.reward_fn={e.reward_fn} compares with the reference answer: set env.answer_key")
-    train, evals = load_splits(e)
-    load_reward(e.reward_fn)
-    if not pretrained:  # byte-level: lengths are known here; a pretrained tokenizer is the env's to apply
+        out.append(f"env.reward_fn={e.reward_fn} compares with the reference answer: set env.answer_key")
+    splits = attempt(load_splits, e)
+    attempt(load_reward, e.reward_fn)
+    if splits is None:
+        return out
+    train, evals = splits
+    if not uses_tokenizer(m) and not vocab:  # byte-level: lengths are known here; a tokenizer is the env's
         system = len(e.system_prompt.encode()) + 2 if e.system_prompt else 0  # USER <bytes> EOT
         room = m.max_position_embeddings - e.max_new_tokens - BYTE_OVERHEAD - system
-        for r in train + evals:
-            n = len(data.prompt_text(r, prompt_key=e.prompt_key, template=e.prompt_template).encode())
-            if n > room:
-                raise ValueError(f"{r.where}: its prompt is {n} bytes, more than the {room} that fit "
-                                 f"model.max_position_embeddings({m.max_position_embeddings}) with "
-                                 f"env.max_new_tokens({e.max_new_tokens}) (byte-level tokens)")
+        long = [(r, n) for r in train + evals
+                if (n := len(data.prompt_text(r, prompt_key=e.prompt_key, template=e.prompt_template).encode())) > room]
+        if long:
+            r, n = max(long, key=lambda x: x[1])
+            out.append(f"{len(long)} prompt(s) do not fit: the longest, {r.where}, is {n} bytes, more than the {room} "
+                       f"that fit model.max_position_embeddings({m.max_position_embeddings}) with "
+                       f"env.max_new_tokens({e.max_new_tokens}) (byte-level tokens); {context_fix(m)}")
     need = run_cfg.trainer.num_steps * o.num_prompts_per_step
     if e.num_epochs and len(train) * e.num_epochs < need:
-        raise ValueError(f"env.num_epochs({e.num_epochs}) x {len(train)} training records < {need} prompts the run "
-                         f"trains on (trainer.num_steps({run_cfg.trainer.num_steps}) x orchestrator."
-                         f"num_prompts_per_step({o.num_prompts_per_step})); raise env.num_epochs or set it to 0")
+        out.append(f"env.num_epochs({e.num_epochs}) x {len(train)} training records < {need} prompts the run "
+                   f"trains on (trainer.num_steps({run_cfg.trainer.num_steps}) x orchestrator."
+                   f"num_prompts_per_step({o.num_prompts_per_step})); raise env.num_epochs or set it to 0")
     if getattr(o, "eval_every_steps", 0) > 0 and not evals:
-        raise ValueError("orchestrator.eval_every_steps > 0 needs an eval split: set env.eval_path or env.eval_fraction")
+        out.append("orchestrator.eval_every_steps > 0 needs an eval split: set env.eval_path or env.eval_fraction")
+    return out
+
+
+def check(run_cfg: Any) -> None:
+    """Fields, tokenizer (or byte vocabulary), data, reward import, prompt lengths, epochs, eval split:
+    every problem found, in one ValueError (one per line when there are several)."""
+    found = problems(run_cfg)
+    if len(found) == 1:
+        raise ValueError(found[0])
+    if found:
+        raise ValueError(f"env=dataset with model {run_cfg.model.name}: {len(found)} problems\n"
+                         + "\n".join(f"  - {p}" for p in found))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +230,10 @@ class DatasetEnv(Env):
         self.limits = EpisodeLimits.single_turn(cfg.max_new_tokens)
         self.max_prompt_tokens = (model.max_position_embeddings - cfg.max_new_tokens) if model is not None else None
         self.tokenizer, self.template = tokenizer, None
-        if tokenizer is None and model is not None and getattr(model, "pretrained", ""):
-            from workers.models.pretrained import load_tokenizer, require_prepared  # transformers: only here
+        if tokenizer is None and model is not None and uses_tokenizer(model):
+            from workers.models.pretrained import load_tokenizer, require_prepared, tokenizer_dir  # transformers
 
-            self.tokenizer = load_tokenizer(require_prepared(model))
+            self.tokenizer = load_tokenizer(require_prepared(model) if model.pretrained else tokenizer_dir(model))
         if self.tokenizer is None:
             self.template = ChatTemplate()
             self.stop_token_ids = self.template.stop_token_ids
@@ -184,6 +241,8 @@ class DatasetEnv(Env):
             self.stop_token_ids = (int(self.tokenizer.eos_token_id),)
         self.num_skipped = 0
         self.num_failures = 0
+        self.first_failure: Optional[str] = None
+        """The first reward failure's line (a run stopped by orchestrator.max_failed_reward_steps names it)."""
 
     # ---- text <-> tokens ------------------------------------------------------------------
     def messages(self, prompt: str) -> list[dict]:
@@ -236,6 +295,7 @@ class DatasetEnv(Env):
         """Log reward failures: the first LOGGED_FAILURES, then one in LOG_EVERY_FAILURE (all are counted
         in the metrics' reward_failures; a reward failing on every sample must not flood the log)."""
         self.num_failures += 1
+        self.first_failure = self.first_failure or line
         n = self.num_failures
         if n <= LOGGED_FAILURES or n % LOG_EVERY_FAILURE == 0:
             more = "" if n < LOGGED_FAILURES else f" ({n} reward failures so far; logging one in {LOG_EVERY_FAILURE})"
@@ -265,7 +325,9 @@ class DatasetSession:
         score = await self.env.runner.score(self.task.prompt, self.completion, self.task.sample)
         for why in score.failures:
             self.env.log_failure(f"reward failed for {self.task.record.where} ({self.task.task_id}): {why}")
-        self.metrics = {"reward_failures": len(score.failures), **{f"reward/{k}": v for k, v in score.parts.items()}}
+        self.metrics = {"reward_failures": len(score.failures), "reward_calls": len(self.env.runner.reward.functions),
+                        "reward_timeouts": sum(TIMED_OUT in why for why in score.failures),
+                        **{f"reward/{k}": v for k, v in score.parts.items()}}
         return StepResult(observation_ids=[], reward=score.total, done=True)
 
     async def final_reward(self) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 from workers.common.config import EnvConfig
 from workers.common.config.ranges import gt, limits
 from workers.common.registry import ENVS
-from workers.orchestrator.envs.base import SingleTurnEnv
+from workers.orchestrator.envs.base import GeneratedEvalSplit, SingleTurnEnv
 from workers.orchestrator.envs.spec import EnvSpec, positive
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
@@ -67,7 +67,7 @@ class Task:
     target_ids: tuple[int, ...]
 
 
-class ReverseDigitsEnv(SingleTurnEnv):
+class ReverseDigitsEnv(GeneratedEvalSplit, SingleTurnEnv):
     """Single-turn env: ``sample_task`` -> prompt; ``score`` completion -> reward in [0, 1]."""
 
     name = "reverse_digits"
@@ -115,6 +115,6 @@ class ReverseDigitsEnv(SingleTurnEnv):
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}
 
 
-ENVS.register(EnvSpec(name="reverse_digits", config=ReverseDigitsConfig, vocab_size=vocab_size, env_check=check,
+ENVS.register(EnvSpec(name="reverse_digits", config=ReverseDigitsConfig, vocab_size=vocab_size, env_check=check, eval_split=True,
                       make=lambda cfg, *, seed, model=None: ReverseDigitsEnv(cfg, seed=seed),
                       summary="reverse a digit string; per-token partial credit"))

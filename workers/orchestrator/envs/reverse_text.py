@@ -29,7 +29,7 @@ from workers.common.config import EnvConfig
 from workers.common.config.ranges import TEXT, between, gt, limits
 from workers.common.registry import ENVS
 from workers.models.pretrained import require_prepared, tokenizer_dir
-from workers.orchestrator.envs.base import SingleTurnEnv
+from workers.orchestrator.envs.base import GeneratedEvalSplit, SingleTurnEnv
 from workers.orchestrator.envs.spec import EnvSpec, positive
 
 #: One-token English words (SmolLM2's BPE), so the task is about order, not spelling.
@@ -91,7 +91,7 @@ def similarity(answer: str, target: str) -> float:
     return difflib.SequenceMatcher(None, answer, target, autojunk=False).ratio()
 
 
-class ReverseTextEnv(SingleTurnEnv):
+class ReverseTextEnv(GeneratedEvalSplit, SingleTurnEnv):
     """Single-turn env over a pretrained model's tokenizer: ``sample_task`` -> chat prompt ids;
     ``score`` decodes the completion and compares it with the reversed text."""
 
@@ -144,6 +144,6 @@ class ReverseTextEnv(SingleTurnEnv):
         return {"next_id": self.next_id, "rng": repr(self.rng.getstate())}
 
 
-ENVS.register(EnvSpec(name="reverse_text", config=ReverseTextConfig, vocab_size=None, env_check=check,
+ENVS.register(EnvSpec(name="reverse_text", config=ReverseTextConfig, vocab_size=None, env_check=check, eval_split=True,
                       make=lambda cfg, *, seed, model=None: ReverseTextEnv(cfg, seed=seed, model=model),
                       summary="reverse the word order of a short text, in a pretrained model's chat template"))

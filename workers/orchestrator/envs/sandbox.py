@@ -106,15 +106,21 @@ WEAK_REFUSED = ("sandbox: mode auto found no namespaces here (not root and user 
 class Sandbox:
     """One sandbox configuration; ``run_python`` may be called concurrently."""
 
-    def __init__(self, limits: SandboxLimits, *, mode: str = "auto", python: str = "/usr/bin/python3",
+    def __init__(self, limits: SandboxLimits, *, mode: str = "auto", python: Optional[str] = None,
                  scratch_root: Optional[str] = None, uid_base: int = 61000, num_uids: int = 64,
                  allow_weak: bool = False, auto_modes: tuple[str, ...] = ("namespaces", "userns")):
         """``auto_modes``: the isolating modes ``auto`` tries, in order (each only where it can
-        work: ``namespaces`` needs root). Passing ``()`` shows auto a host without namespaces."""
+        work: ``namespaces`` needs root). Passing ``()`` shows auto a host without namespaces.
+        ``python``: the interpreter that runs the code; it must be an executable file (a named one is
+        never replaced by another); None: /usr/bin/python3 where it exists, else this interpreter."""
         if mode not in MODES:
             raise ValueError(f"sandbox mode {mode!r} is unknown; choose one of {MODES}")
         self.limits, self.requested_mode = limits, mode
-        self.python = os.path.realpath(python if os.path.exists(python) else sys.executable)
+        if python is None:
+            python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise SandboxSetupError(f"sandbox python {python!r} is not an executable file")
+        self.python = os.path.realpath(python)
         self.scratch_root = Path(scratch_root or Path(tempfile.gettempdir()) / "slurmrl-sandbox")
         self.scratch_root.mkdir(parents=True, exist_ok=True)
         self.mountpoint = self.scratch_root / ".root"  # each run mounts its own tmpfs here, privately

@@ -146,5 +146,5 @@ class SweSession(CodeRepairSession):
 
 
 ENVS.register(EnvSpec(name="swe", config=SweConfig, vocab_size=lambda cfg: VOCAB_SIZE, env_check=check,
-                      host_check=host_check, make=lambda cfg, *, seed, model=None: SweEnv(cfg, seed=seed),
+                      host_check=host_check, eval_split=True, make=lambda cfg, *, seed, model=None: SweEnv(cfg, seed=seed),
                       summary="resolve an issue in a small repository with tools; reward from hidden tests (sandbox)"))

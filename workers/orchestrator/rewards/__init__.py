@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 from workers.common.import_path import import_object
 
+TIMED_OUT = "timed out"
+"""How a timed-out call's failure line starts (counted apart as ``reward_timeouts``)."""
 BUILTINS = {
     "exact_match": "workers.orchestrator.rewards.answers:exact_match",
     "math_equal": "workers.orchestrator.rewards.answers:math_equal",
@@ -117,7 +119,7 @@ class RewardRunner:
                 if inspect.isawaitable(value):  # a sync wrapper that returned a coroutine
                     value = await asyncio.wait_for(value, self.timeout_s)
         except asyncio.TimeoutError:
-            return 0.0, f"timed out after {self.timeout_s}s (env.reward_timeout_s)"
+            return 0.0, f"{TIMED_OUT} after {self.timeout_s}s (env.reward_timeout_s)"
         except Exception as e:  # the user's function failed: a counted failure, not a crash
             return 0.0, f"raised {type(e).__name__}: {str(e)[:300]}"
         if isinstance(value, bool) or not isinstance(value, Real):

@@ -30,6 +30,15 @@ Per update V (after trainer step V-1):
      the remaining buckets (the senders are never left hanging) and refuses the update:
      the worker keeps serving the weights it had.
 
+Sparse patches (``weights.delta``, embedded workers; delta_wire.py): the group also has one backend
+per sender with every receiver. Rank 0 offers V with ``delta: true`` when V can go as a patch on V-1
+(every sender's snapshot holds V-1 and no anchor is due: a full update every ``delta_full_every``).
+O requests ``{mode: delta}`` unless a worker may lack V-1 (a refusal, a failed update, a revived
+worker), then ``full``. For a patch each sender diffs its shards against its snapshot (the ranks'
+digest changes all-gathered), broadcasts a header and its blob + manifest; each worker applies in
+place, verified by every touched tensor's sum64, or refuses keeping its weights; the next version then
+goes whole (buckets), which re-anchors the senders' snapshots.
+
 A worker that died (and was respawned: the local launcher, or launcher/supervisor.py on Slurm):
   O  requests no update while a member is dead; once every dead worker answers its health
      check: /destroy_weights_update_group on the live ones, ``reform.json`` {G+1}.
@@ -53,6 +62,13 @@ speaks SGLang's own protocol (sglang_wire.py has the pinned 0.5.23 receive path)
      samples.json (weights.verify_fraction of the tensors, as sent); O reads them back with
      /get_weights_by_name, writes verdict.json; on a mismatch T publishes weights/step_V and
      O loads it from disk; O continues every server.
+  with weights.delta, V offered as a patch (every server holds V-1): T diffs (every rank its shards),
+     rank 0 merges the ranks' parts and writes patch.json (the descriptor); O posts it on every server
+     inside begin/end as /update_weights_from_tensor with load_format = our --custom-weight-loader
+     (sglang_delta_loader.py), whose every rank receives the patch broadcast by T on SGLang's group and
+     applies it in place, verified; O reads every rank's verdict, writes verdict.json; a refusal: V
+     through the filesystem, as above. Every delta_full_every versions T also writes V to disk (the
+     anchor fresh servers boot from); the servers stay on patches.
 Modules: publisher.py (T), coordinator.py (O), receiver.py (W), group.py (the group and the
 bucket plan every member derives the same way), handshake.py (the marker files, torch-free);
 sglang_wire.py, sglang_publisher.py, sglang_coordinator.py for SGLang servers. This module is
@@ -64,6 +80,7 @@ import dataclasses
 
 from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
 from workers.common.registry import BACKENDS, MODELS, TRANSPORTS
+from workers.weights.broadcast.delta_cost import delta_update_cost, model_split, server_layouts
 from workers.weights.broadcast.sglang_wire import (BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES,
                                                    update_cost)
 from workers.weights.filesystem import FilesystemWeightsConfig
@@ -113,8 +130,13 @@ def speaks_sglang(cfg) -> bool:
 
 
 def check(cfg) -> None:
-    """Plan-time: sampled read-back only where SGLang's model class can answer it."""
+    """Plan-time: patches into SGLang only in the dtype the servers hold; sampled read-back only where
+    SGLang's model class can answer it."""
     w = cfg.weights
+    if w.delta and speaks_sglang(cfg) and cfg.trainer.dtype != cfg.inference.dtype:
+        raise ValueError(f"weights.delta=true into SGLang: patches carry the trainer's {cfg.trainer.dtype} values and "
+                         f"the servers hold inference.dtype={cfg.inference.dtype}; a patch applies element by element "
+                         f"only where both match (set inference.dtype={cfg.trainer.dtype} or weights.delta=false)")
     if not speaks_sglang(cfg) or w.verify_fraction == 0:
         return
     archs = MODELS.get(cfg.model.family).hf_architectures or ()
@@ -125,14 +147,41 @@ def check(cfg) -> None:
 
 
 def update_line(cfg, num_params: float) -> str:
-    """Broadcast into SGLang: bytes per inference GPU per update and seconds at cluster.nic_gb_s
-    (sglang_wire.update_cost, the simulator's figure too); "" for embedded workers."""
+    """Bytes per inference GPU per update and seconds at cluster.nic_gb_s, with the assumptions: dense
+    broadcast into SGLang (sglang_wire.update_cost), or sparse patches with ``weights.delta``
+    (delta_cost.delta_update_cost); both are the simulator's figures too. "" for dense embedded workers."""
+    w, nic = cfg.weights, cfg.cluster.nic_gb_s
+    if w.delta:
+        return delta_line(cfg)
     if not speaks_sglang(cfg):
         return ""
-    per_gpu, seconds = update_cost(num_params * ITEM_BYTES[cfg.inference.dtype], cfg.cluster.nic_gb_s)
-    return (f"broadcast into SGLang ({cfg.weights.sglang_format}): {per_gpu / 1e9:.1f} GB per inference GPU per "
+    per_gpu, seconds = update_cost(num_params * ITEM_BYTES[cfg.inference.dtype], nic)
+    return (f"broadcast into SGLang ({w.sglang_format}): {per_gpu / 1e9:.1f} GB per inference GPU per "
             f"update (every server rank receives the whole model in {cfg.inference.dtype}), ~{seconds:.1f} s at "
-            f"cluster.nic_gb_s={cfg.cluster.nic_gb_s:g} x {BULK_EFFICIENCY} NCCL efficiency")
+            f"cluster.nic_gb_s={nic:g} x {BULK_EFFICIENCY} NCCL efficiency")
+
+
+def delta_line(cfg) -> str:
+    """The plan's line for sparse patches: what every GPU receives now, and what per-rank delivery would."""
+    w, nic, dtype = cfg.weights, cfg.cluster.nic_gb_s, cfg.inference.dtype
+    sglang = speaks_sglang(cfg)
+    c = delta_update_cost(model_split(cfg.model), server_layouts(cfg) if sglang else [],
+                          item_bytes=ITEM_BYTES[dtype], fraction=w.delta_fraction_assumed, nic_gb_s=nic,
+                          senders=cfg.trainer.num_ranks)
+    target = "into SGLang (custom weight loader)" if sglang else "buckets into the embedded workers"
+    line = (f"sparse patches {target}: {c.whole_bytes_per_gpu / 1e9:.1f} GB per inference GPU per update "
+            f"(dense {c.dense_bytes_per_gpu / 1e9:.1f} GB), ~{c.whole_s:.2f} s at cluster.nic_gb_s={nic:g} x "
+            f"{BULK_EFFICIENCY} NCCL efficiency; assumes weights.delta_fraction_assumed={c.fraction:g} of the "
+            f"{dtype} elements change per update ({c.bytes_per_element:.3f} B/element: sparse int32 index + value "
+            f"or bitmap)")
+    line += (f"; anchors every {w.delta_full_every} updates are written to run_dir/weights for fresh servers (a "
+             f"refused patch: that version goes there and every server loads it)" if sglang else
+             f"; an anchor (full broadcast) every {w.delta_full_every} updates")
+    if sglang:
+        line += (f"; every rank of a server receives the whole patch (SGLang 0.5.23 gives every member of its "
+                 f"update group the same bytes); per-rank delivery (each rank its experts, {c.senders} trainer "
+                 f"ranks sending) would be {c.rank_bytes_per_gpu / 1e9:.2f} GB per GPU, ~{c.rank_s:.2f} s")
+    return line
 
 
 SPEC = TRANSPORTS.register(TransportSpec(

@@ -5,7 +5,10 @@ POST ``/init_weights_update_group`` to every worker at once. ``maybe_update``: w
 ``offer.json`` names a version not yet requested: pause every worker -> write
 ``request.json`` (the senders' cue) -> ``/update_weights_from_distributed`` on every worker
 at once -> continue -> compare each worker's digest with the offer's. A refusal is not
-retried: the next version is a full update again. Protocol: the package docstring.
+retried: the next version is a full update again. With weights.delta, a version the trainer
+offers as a patch is requested as one (``request.json`` {mode: delta}, load_format slurmrl_delta)
+unless a worker may lack its base (a refusal, a failed update, a revived worker): then it goes
+whole (buckets), which also re-anchors the trainer's snapshot. Protocol: the package docstring.
 
 Revival (``revive``): a process group cannot take a member back, so once every dead worker
 answers its health check again, the group is re-formed: destroy the old group on the live
@@ -28,17 +31,19 @@ from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpd
 
 
 async def update_all_workers_distributed(clients: Sequence[Any], group: dict, version: int, *,
-                                         request: Callable[[], None], timeout_s: float) -> WeightSwap:
+                                         request: Callable[[], None], timeout_s: float,
+                                         load_format: str = "slurmrl_buckets") -> WeightSwap:
     """pause(in_place) -> ``request()`` (the trainer's cue to send) -> receive -> continue.
 
     ``group`` is the trainer's group.json (handshake.py): its names, dtypes and shapes are
     announced to every worker with SGLang's fields. Every worker is asked to receive, even
-    one that failed to pause: the senders wait for all of them.
+    one that failed to pause: the senders wait for all of them. ``load_format``: ``slurmrl_buckets``
+    (every tensor) or ``slurmrl_delta`` (a sparse patch on the previous version, applied in place).
     """
     def receive(c):
         return c.update_weights_from_distributed(names=group["names"], dtypes=group["dtypes"], shapes=group["shapes"],
                                                  group_name=group["group_name"], weight_version=version,
-                                                 load_format="slurmrl_buckets", timeout_s=timeout_s)
+                                                 load_format=load_format, timeout_s=timeout_s)
 
     return await swap_weights(clients, version, receive, before=request)
 
@@ -53,6 +58,8 @@ class BroadcastCoordinator(WeightCoordinator):
         self.generation, self.reforming, self.updating = 0, False, False
         self.rejoined: set[int] = set()  # revived workers in the re-formed group, readmitted by the next update
         self.attempted = cfg.weights.group_name  # the last group name the workers were asked to join
+        self.need_full = False  # weights.delta: a worker may lack the last version, the next goes whole
+        self.broken = False  # an update failed in transit: the group is re-formed before the next request
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Every worker joins trainer rank 0's group."""
@@ -70,20 +77,28 @@ class BroadcastCoordinator(WeightCoordinator):
             return
         if any(not pool.alive[i] and i not in self.rejoined for i in range(len(self.clients))):
             return  # a member is gone: wait for it to come back and rejoin (revive)
+        if self.broken and not await self._reform_broken(pool):
+            return
         v = self.requested_version = offer["version"]  # each version is sent once: a refusal waits for the next
+        # weights.delta: a patch only when the trainer offers one and every worker holds its base
+        mode = "delta" if offer.get("delta") and not self.need_full and not self.rejoined else "full"
         self.updating = True
         try:
-            swap = await update_all_workers_distributed(self.clients, self.group, v,
-                                                        request=lambda: self.handshake.request(v),
-                                                        timeout_s=self.cfg.weights.broadcast_timeout_s)
+            swap = await update_all_workers_distributed(
+                self.clients, self.group, v, request=lambda: self.handshake.request(v, mode),
+                timeout_s=self.cfg.weights.broadcast_timeout_s,
+                load_format="slurmrl_delta" if mode == "delta" else "slurmrl_buckets")
             self.update_s, self.version = swap.seconds, v
             self.verify(v, self.clients, swap.digests, offer.get("digest"))
         except WeightUpdateError as e:
             self.log.warning("%s", e)
             self.rejoined.clear()  # not readmitted: once they answer again the group is re-formed anew
+            self.need_full = True  # a refusing worker kept its weights: the next version goes whole to all
+            self.broken = not e.content  # refused for its content: the transfer itself went through
             return
         finally:
             self.updating = False
+        self.need_full = False
         for w in sorted(self.rejoined):
             pool.readmit(w, v)
         self.rejoined.clear()
@@ -107,6 +122,27 @@ class BroadcastCoordinator(WeightCoordinator):
             self.reforming = False
         return False
 
+    async def _reform_broken(self, pool: Any) -> bool:
+        """After an update that failed in transit, re-form the group before requesting another version.
+
+        Why: the senders skip a version whose transfer failed and stop on a second failure in the same
+        generation (publisher._send). A worker restarted between two health checks (a Slurm step
+        respawned within a second) is never marked dead, so :meth:`revive` never runs, and the next
+        request on the old group would fail again and stop the trainer. Waits (False) until every
+        member answers its health check; a member that does not is marked dead by the health rounds
+        and comes back through :meth:`revive`, which re-forms the group too."""
+        if not all([await pool.healthy(i) for i in range(len(self.clients))]):
+            return False
+        self.reforming = True
+        try:
+            await self.reform([])
+        except (WeightUpdateError, PeerTimeout) as e:
+            self.log.warning("re-forming the weight group after a failed update failed (retried on the next turn): %s", e)
+            return False
+        finally:
+            self.reforming = False
+        return True
+
     async def reform(self, revived: Sequence[int]) -> None:
         """destroy the old group on the live workers -> reform.json -> wait for the senders' group.json -> join all."""
         w, old = self.cfg.weights, self.group
@@ -116,9 +152,10 @@ class BroadcastCoordinator(WeightCoordinator):
         g = self.generation + 1
         self.attempted = group_name_of(w.group_name, g)
         self.handshake.reform(g)
-        self.log.info("re-forming weight group as generation %d with revived worker(s) %s", g, list(revived))
+        self.log.info("re-forming weight group as generation %d %s", g, f"with revived worker(s) {list(revived)}"
+                      if revived else "after an update that failed in transit")
         info = await join_announced_group(self.handshake, self.cfg, self.clients, generation=g)
-        self.group, self.generation = info, g
+        self.group, self.generation, self.broken = info, g, False
 
 
 def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:

@@ -146,6 +146,8 @@ class WeightGroup:
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.backend, self.device, self.timeout_s, self.where = backend, torch.device(device), timeout_s, where
         self.plan: list[Bucket] = []
+        self.senders: tuple[int, ...] = ()
+        self.receivers: tuple[int, ...] = ()
         self._pgs: dict[tuple[int, ...], Any] = {}
 
     def put(self, kind: str, value: Any) -> None:
@@ -168,13 +170,21 @@ class WeightGroup:
         got = self.collect(PLAN_KEY, [0], who="trainer")[0]
         return int(got["num_senders"]), int(got["bucket_bytes"]), got.get("lone_bytes")
 
+    def delta(self) -> bool:
+        """Does this group carry sparse patches too (trainer rank 0's plan config)?"""
+        return bool(self.collect(PLAN_KEY, [0], who="trainer")[0].get("delta"))
+
     def form(self, manifests: dict[int, list[TensorMeta]], holdings: dict[int, Optional[list[int]]],
-             bucket_bytes: int, lone_bytes: Optional[int] = None) -> list[Bucket]:
-        """Compute the plan and create this member's backends (blocks until peers create theirs)."""
+             bucket_bytes: int, lone_bytes: Optional[int] = None, *, delta: bool = False) -> list[Bucket]:
+        """Compute the plan and create this member's backends (blocks until peers create theirs), in
+        one order every member shares: the plan's, then (``delta``) each sender with every receiver."""
         self.plan = make_plan(manifests, holdings, bucket_bytes, lone_bytes)
+        self.senders, self.receivers = tuple(sorted(manifests)), tuple(sorted(holdings))
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        for b in self.plan:
-            m = b.members
+        sets = [b.members for b in self.plan]
+        if delta:
+            sets += [tuple(sorted({s, *self.receivers})) for s in self.senders]
+        for m in sets:
             if self.rank in m and m not in self._pgs:
                 prefix = dist.PrefixStore("pg/" + "-".join(map(str, m)), self.store)
                 self._pgs[m] = new_backend(self.backend, prefix, m.index(self.rank), len(m), timeout)
@@ -182,10 +192,13 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, bucket: Bucket):
         """Async broadcast on the bucket's backend from its sender; returns the Work."""
-        m = bucket.members
+        return self.broadcast_on(bucket.members, tensor, bucket.sender)
+
+    def broadcast_on(self, members: tuple[int, ...], tensor: torch.Tensor, src: int):
+        """Async broadcast from group rank ``src`` on the backend of ``members``; returns the Work."""
         opts = dist.BroadcastOptions()
-        opts.rootRank = m.index(bucket.sender)
-        return self._pgs[m].broadcast([tensor], opts)
+        opts.rootRank = members.index(src)
+        return self._pgs[members].broadcast([tensor], opts)
 
     def wait(self, work, what: str) -> None:
         try:

@@ -8,11 +8,11 @@ reader sees an old or a new value, never half of one; ``cat`` shows where a run 
                    carries: {master_address, master_port, world_size, num_senders,
                    group_name, backend, names, dtypes, shapes} (the last three: SGLang's
                    fields of /update_weights_from_distributed, in the senders' order).
-  ``offer.json``   trainer rank 0, after each optimizer step: {"version": V, "digest"},
+  ``offer.json``   trainer rank 0, after each optimizer step: {"version": V, "digest", "delta"},
                    weights V are in the trainer's memory and it waits to send them
                    (digest: workers/weights/digest.state_digest of them with weights.verify,
                    else null).
-  ``request.json`` orchestrator, after pausing every worker: {"version": V}, the workers
+  ``request.json`` orchestrator, after pausing every worker: {"version": V, "mode"}, the workers
                    are being told to receive V; trainer ranks start sending.
   ``reform.json``  orchestrator, when dead workers answer again: {"generation": G}; the
                    senders (waiting for a request) drop their group and form generation G
@@ -78,19 +78,25 @@ class Handshake:
     def read_group(self) -> Optional[dict]:
         return self._read(GROUP_FILE)
 
-    def offer(self, version: int, digest: Optional[str] = None) -> None:
-        self._write(OFFER_FILE, {"version": int(version), "digest": digest})
+    def offer(self, version: int, digest: Optional[str] = None, *, delta: bool = False) -> None:
+        self._write(OFFER_FILE, {"version": int(version), "digest": digest, "delta": bool(delta)})
 
     def offered(self) -> Optional[dict]:
-        """{"version", "digest"} (digest: the whole-model state_digest, or None), or None."""
+        """{"version", "digest", "delta"} (digest: the whole-model state_digest, or None; delta: the
+        trainer can send this version as a patch on the previous one), or None."""
         return self._read(OFFER_FILE)
 
-    def request(self, version: int) -> None:
-        self._write(REQUEST_FILE, {"version": int(version)})
+    def request(self, version: int, mode: str = "full") -> None:
+        """``mode``: ``full`` (buckets of every tensor) or ``delta`` (a patch; only when offered)."""
+        self._write(REQUEST_FILE, {"version": int(version), "mode": mode})
 
     def requested(self) -> Optional[int]:
         got = self._read(REQUEST_FILE)
         return None if got is None else int(got["version"])
+
+    def requested_mode(self) -> str:
+        got = self._read(REQUEST_FILE) or {}
+        return got.get("mode", "full")
 
     def reform(self, generation: int) -> None:
         self._write(REFORM_FILE, {"generation": int(generation)})

@@ -8,6 +8,7 @@ NaN/inf: each sender checks its share on its device before rank 0 offers the ver
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import logging
 import time
@@ -21,6 +22,8 @@ from workers.common.protocol import PeerTimeout, RunPaths
 from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
 from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
                                              metas_from_json, metas_to_json)
+from workers.weights.broadcast.delta_wire import PatchSender
+from workers.weights.delta import patch_bytes_per_element
 from workers.weights.broadcast.group_publisher import GroupPublisher
 from workers.weights.broadcast.handshake import group_name_of, receiver_rank_counts
 from workers.weights.checksums import buffer_checksum, byte_view, state_digest, tensor_hash
@@ -114,28 +117,77 @@ class BroadcastPublisher(GroupPublisher):
         self.addr: tuple[str, int] = (host, port)
         self.metas: list[TensorMeta] = []
         self.backend = cfg.backend
+        self.patcher: Optional[PatchSender] = None  # weights.delta: snapshot + sums of what was sent last
+        self.chain: Optional[int] = None  # the last version every receiver got (None: the next goes whole)
+        self.anchor_version = 0
+        self.last_patch: tuple[int, int] = (0, 0)  # (elements changed, compared) on this rank, last patch
 
     @property
     def formed(self) -> bool:
         return self.group is not None
 
+    def publish(self, version: int, weights) -> SyncStats:
+        first = not self.formed
+        out = super().publish(version, weights)
+        if first and self.patcher is not None:  # step 0 on disk is what every receiver boots from
+            self.chain = self.anchor_version = version
+        return out
+
+    def _patchable(self, version: int) -> bool:
+        """weights.delta: may ``version`` go as a patch (the chain is intact and no anchor is due)?"""
+        return (self.patcher is not None and self.chain == version - 1
+                and version - self.anchor_version < self.cfg.delta_full_every)
+
     def _update(self, version: int, stream: WeightStream) -> SyncStats:
         digest = self._digest(stream) if self.cfg.verify else None  # collective: a hashing pass
+        patchable, patch = self._patchable(version), None
+        if patchable:  # diff now (collective): a patch bigger than half the model goes whole instead
+            self.patcher.repoint(stream)
+            patch = self.patcher.diff()
+            patchable = self._worth_it(patch[2], patch[3])
         if self.peers.rank == 0:
-            self.handshake.offer(version, digest)
+            self.handshake.offer(version, digest, delta=patchable)
         t0 = time.perf_counter()
         if not self._wait_for_request(version):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
-        failed = self._send(version, stream)
+        as_patch = patchable and self.handshake.requested_mode() == "delta"
+        if as_patch:
+            failed, nbytes = self._send_patch(version, patch)
+        else:
+            sent = self._send(version, lambda: self.sender.send(version, stream))
+            failed, nbytes = sent is None, sent or 0
         seconds = time.perf_counter() - t1
         if self.peers.world_size > 1:  # the update lasts until the slowest sender is done; failed if one failed
-            got = self.peers.all_gather_object((seconds, failed))
-            seconds, failed = max(s for s, _ in got), any(f for _, f in got)
+            got = self.peers.all_gather_object((seconds, failed, nbytes))
+            seconds, failed, nbytes = max(s for s, _, _ in got), any(f for _, f, _ in got), sum(b for _, _, b in got)
+        if self.patcher is not None:
+            if failed:
+                self.chain = None  # some receiver may lack this version: the next one goes whole
+            else:
+                if not as_patch:  # a full send is an anchor: snapshot what was sent (collective)
+                    self.patcher.repoint(stream)
+                    self.patcher.anchor()
+                    self.anchor_version = version
+                self.chain = version
         if failed:
             return SyncStats(bytes=0, seconds=seconds, wait_s=t1 - t0, skipped=True)
-        return SyncStats(bytes=sum(b.nbytes for b in self.group.plan), seconds=seconds, wait_s=t1 - t0)
+        return SyncStats(bytes=nbytes, seconds=seconds, wait_s=t1 - t0)
+
+    def _worth_it(self, changed: int, compared: int) -> bool:
+        """Is a patch cheaper than half a full send, over all ranks (the same answer on each)?"""
+        got = self.peers.all_gather_object((changed, compared)) if self.peers.world_size > 1 else [(changed, compared)]
+        changed, compared = sum(c for c, _ in got), sum(n for _, n in got)
+        item = self.patcher.tracker.sources[0].dtype.itemsize if self.patcher.tracker.sources else 2
+        return patch_bytes_per_element(changed / max(compared, 1), item) <= 0.5 * item
+
+    def _send_patch(self, version: int, patch) -> tuple[bool, int]:
+        """This rank's patch of ``version`` (delta_wire.py, diffed before the offer); (failed, payload bytes)."""
+        parts, sums, changed, compared = patch
+        self.last_patch = (changed, compared)
+        sent = self._send(version, lambda: self.patcher.send(self.group, version, parts, sums, self.group.receivers))
+        return sent is None, sent or 0
 
     def wait(self, ready: Callable[[], bool], *, timeout_s: float, what: str) -> None:
         """The trainer waiting for a batch: also re-form the group when the orchestrator asks
@@ -164,23 +216,22 @@ class BroadcastPublisher(GroupPublisher):
         tensor (the gathers pair up); each is hashed and dropped, so no rank holds the model."""
         return state_digest({name: tensor_hash(t) for name, t in stream.items()})
 
-    def _send(self, version: int, stream: WeightStream) -> bool:
-        """Send this rank's buckets; True when the transfer failed.
+    def _send(self, version: int, send: Callable[[], int]):
+        """Run ``send`` (this rank's buckets or patch); its bytes, or None when the transfer failed.
 
         A receiver that dies during an update breaks the group for every member: this version is
         skipped, and the next one waits for the orchestrator to re-form the group with the
         respawned worker (reform.json). A second failure in the same generation is no death
         the orchestrator will repair: it stops the trainer."""
         try:
-            self.sender.send(version, stream)
-            return False
+            return send()
         except TimeoutError as e:
             if self.broken_generation == self.generation:
                 raise
             self.broken_generation = self.generation
             log.warning("trainer rank %d: weights v%d not delivered (%s); skipped until the orchestrator re-forms "
                         "the weight group", self.peers.rank, version, e)
-            return True
+            return None
 
     def _wait_for_request(self, version: int) -> bool:
         deadline = time.monotonic() + self.cfg.broadcast_timeout_s
@@ -210,6 +261,9 @@ class BroadcastPublisher(GroupPublisher):
             self.store = dist.TCPStore(self.addr[0], self.addr[1], None, False, timeout=timeout)
         self.backend = cfg.backend if cfg.backend != "auto" else backend_for(self.device)
         self._join(0)
+        if cfg.delta:  # the snapshot starts as what was just published to disk (collective)
+            self.patcher = PatchSender(stream, self.peers)
+            self.patcher.anchor()
 
     def _join(self, generation: int) -> None:
         """Form generation ``generation`` of the group on the same store (a re-formation names
@@ -230,7 +284,7 @@ class BroadcastPublisher(GroupPublisher):
                                     share=assign_shares(self.metas, k)[rank], group_name=name, backend=self.backend,
                                     device=self.device, timeout_s=cfg.broadcast_timeout_s,
                                     bucket_bytes=cfg.bucket_size_mb << 20, lone_bytes=cfg.lone_tensor_mb << 20,
-                                    where=f"{self.addr[0]}:{self.addr[1]}")
+                                    where=f"{self.addr[0]}:{self.addr[1]}", delta=cfg.delta)
         self.sender = BucketSender(self.group)
         self.generation = generation
 
@@ -242,18 +296,19 @@ class BroadcastPublisher(GroupPublisher):
 
 def join_as_sender(store: dist.Store, *, rank: int, num_senders: int, world_size: int, share: Sequence[TensorMeta],
                    group_name: str, backend: str, device: torch.device, timeout_s: float, bucket_bytes: int,
-                   where: str, lone_bytes: Optional[int] = None) -> WeightGroup:
+                   where: str, lone_bytes: Optional[int] = None, delta: bool = False) -> WeightGroup:
     """Sender ``rank`` joins: puts its share's manifest (rank 0 also the plan settings), waits
     for every sender and receiver, forms the backends. Returns the formed group."""
     group = WeightGroup(store, rank=rank, world_size=world_size, group_name=group_name, backend=backend, device=device,
                         timeout_s=timeout_s, where=where)
     group.put("sender", metas_to_json(share))
     if rank == 0:
-        group.put(PLAN_KEY, {"num_senders": num_senders, "bucket_bytes": bucket_bytes, "lone_bytes": lone_bytes})
+        group.put(PLAN_KEY, {"num_senders": num_senders, "bucket_bytes": bucket_bytes, "lone_bytes": lone_bytes,
+                             "delta": delta})
     manifests = {r: metas_from_json(v) for r, v in group.collect("sender", range(num_senders), who="trainer").items()}
     holdings = {r: v["experts"] for r, v in group.collect(
         "receiver", range(num_senders, world_size), who="inference (orchestrator: /init_weights_update_group)").items()}
-    group.form(manifests, holdings, bucket_bytes, lone_bytes)
+    group.form(manifests, holdings, bucket_bytes, lone_bytes, delta=delta)
     return group
 
 
@@ -269,7 +324,9 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
     if topology.weights_group_addr:
         host, _, p = topology.weights_group_addr.rpartition(":")
         port = int(p)
-    initial = filesystem_publisher(cfg.weights, paths, peers, model=cfg.model)
+    # the steps this transport writes (step 0, fallbacks, SGLang's anchors) are loaded whole by servers
+    # (/update_weights_from_disk): full steps, whatever weights.delta says about the wire
+    initial = filesystem_publisher(dataclasses.replace(cfg.weights, delta=False), paths, peers, model=cfg.model)
     if speaks_sglang(cfg):
         from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from workers.weights.base import Received, TensorMeta, WeightLoadError, check_fits
+from workers.weights.broadcast.delta_wire import PatchReceiver
 from workers.weights.broadcast.group import HEADER_LEN, MAGIC, WeightGroup, metas_from_json
 from workers.weights.checksums import Hasher, buffer_checksum, digest_from_int64, nonfinite_names
 from workers.weights.filesystem.receiver import FilesystemReceiver
@@ -57,7 +58,8 @@ class BroadcastReceiver:
         manifests = {r: metas_from_json(v) for r, v in self.group.collect("sender", range(k), who="trainer").items()}
         holdings = {r: v["experts"] for r, v in self.group.collect("receiver", range(k, world_size),
                                                                      who="inference").items()}
-        plan = self.group.form(manifests, holdings, bucket_bytes, lone_bytes)
+        plan = self.group.form(manifests, holdings, bucket_bytes, lone_bytes, delta=self.group.delta())
+        self.patches = PatchReceiver({m.name: m.dtype for ms in manifests.values() for m in ms}, experts)
         self.mine = [b for b in plan if rank in b.receivers]
         self.regions: dict[int, int] = {}
         total = 0
@@ -110,7 +112,17 @@ class BroadcastReceiver:
                     n *= d
                 state[e.name] = region[off: off + n].view(e.shape)
         nbytes = sum(b.nbytes for b in self.mine)
+        self.patches.invalidate()  # the caller copies these in: digests are recomputed when a patch needs them
         return state, nbytes, time.perf_counter() - t0
+
+    def receive_patch(self, version: int, apply_under_lock) -> tuple[int, int, float]:
+        """Receive every sender's patch of ``version`` and apply it in place (delta_wire.py):
+        ``apply_under_lock(fn)`` runs ``fn(params)`` where the model may change. Returns (bytes,
+        elements changed, seconds); raises WeightLoadError with the weights as they were."""
+        t0 = time.perf_counter()
+        received, nbytes = self.patches.receive(self.group, version, self.group.senders)
+        changed = apply_under_lock(lambda params: self.patches.apply(params, received, version=version))
+        return nbytes, changed, time.perf_counter() - t0
 
     def _check_announced(self, announced: Sequence[TensorMeta]) -> list[str]:
         by_name = {m.name: m for m in announced}
@@ -160,6 +172,16 @@ class GroupReceiver(FilesystemReceiver):
         state, nbytes, seconds = member.receive(version, announced)  # every bucket lands, or it raises
         check_fits({n: {"shape": list(t.shape)} for n, t in state.items()}, expected, where=f"broadcast of v{version}")
         return Received(state=state, hashes=None, bytes=nbytes, seconds=seconds)
+
+    def receive_patch(self, version: int, *, group_name: str, apply_under_lock) -> tuple[int, int, float]:
+        """weights.delta: one patch version, applied in place (BroadcastReceiver.receive_patch)."""
+        return self._member(group_name, ": /init_weights_update_group first").receive_patch(version, apply_under_lock)
+
+    def load(self, *args, **kwargs):
+        """A step from disk replaces the weights: the patch digests are recomputed when needed."""
+        if self.member is not None:
+            self.member.patches.invalidate()
+        return super().load(*args, **kwargs)
 
     def leave(self, group_name: str) -> None:
         self._member(group_name, "").close()

@@ -17,11 +17,16 @@ server at once, server i at ``rank_offset = 1 + (TP ranks of servers 0..i-1)`` (
   5. ``verdict.json`` {version, ok, why}; not ok: the trainer publishes ``weights/step_V`` and every
      server loads it with ``/update_weights_from_disk`` (still paused);
   6. ``/continue_generation`` on every server that paused, whatever happened.
+With weights.delta and an offer of a patch (and no server known to lack its base): steps 3-4 become
+``/begin_weight_update`` -> ``/update_weights_from_tensor`` (trainer rank 0's descriptor, patch.json, for
+every TP rank; load_format = the patch loader) -> ``/end_weight_update``, then every rank's verdict
+file (sglang_delta_loader.py writes one per rank; all must say ok) instead of the read-back.
 Every call has the deadline ``weights.broadcast_timeout_s``; failures name the server.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Optional, Sequence
 
@@ -32,6 +37,25 @@ from workers.weights.broadcast.sglang_wire import metas_from, plan_batches
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError
 
 SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"  # the trainer's names for them (sglang_publisher.py)
+PATCH_FILE, VERDICTS_DIR = "patch.json", "loader_verdicts"
+
+
+async def patch_all(client: Any, entry: str, tp: int, loader: str, version: int, timeout_s: float) -> Optional[str]:
+    """weights.delta on one server: begin -> /update_weights_from_tensor (the descriptor for each of its
+    ``tp`` ranks; ``loader`` applies it) -> end; returns the first failure (None: the call was taken)."""
+    failure: Optional[str] = None
+    for step in ("begin", "patch", "end"):
+        try:
+            if step == "begin":
+                await client.begin_weight_update(timeout_s=timeout_s)
+            elif step == "patch":
+                await client.update_weights_from_tensor(serialized_named_tensors=[entry] * tp, load_format=loader,
+                                                        weight_version=version, flush_cache=True, timeout_s=timeout_s)
+            else:
+                await client.end_weight_update(timeout_s=timeout_s)
+        except Exception as e:  # noqa: BLE001 - the rest must still run (the trainer's broadcast waits for every rank)
+            failure = failure or f"{step}: {e}"
+    return failure
 
 
 async def receive_all(client: Any, group: dict, batches: list, version: int, timeout_s: float) -> Optional[str]:
@@ -75,6 +99,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
         self.batches: list = []
         self.requested_version = 0
         self.clients: list = []
+        self.need_full = False  # weights.delta: a server may lack the last version, the next goes whole
 
     async def start(self, clients: Sequence[Any]) -> None:
         info = await join_announced_group(self.handshake, self.cfg, clients)
@@ -92,12 +117,17 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
         timeout = self.cfg.weights.broadcast_timeout_s
         paused = await asyncio.gather(*(c.pause_generation(mode="in_place") for c in self.clients),
                                       return_exceptions=True)
+        as_patch = bool(offer.get("delta")) and not self.need_full
         try:
-            self.handshake.request(v)
-            failures = await asyncio.gather(*(receive_all(c, self.group, self.batches, v, timeout)
-                                              for c in self.clients))
-            why = "; ".join(f"{c.base_url}: {f}" for c, f in zip(self.clients, failures) if f)
-            if not why:
+            self.handshake.request(v, "delta" if as_patch else "full")
+            if as_patch:
+                why = await self._patch(v, timeout)
+                self.verified += not why  # every touched tensor's sum64 checked by every server rank
+            else:
+                failures = await asyncio.gather(*(receive_all(c, self.group, self.batches, v, timeout)
+                                                  for c in self.clients))
+                why = "; ".join(f"{c.base_url}: {f}" for c, f in zip(self.clients, failures) if f)
+            if not why and not as_patch:
                 samples = await asyncio.to_thread(wait_for, lambda: self._samples(v), timeout_s=timeout,
                                                   what=f"{self.handshake.dir}/{SAMPLES_FILE} v{v}", peer="trainer rank 0")
                 bad = await read_back(self.clients, samples)
@@ -110,11 +140,42 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
                                v, why, v)
                 await self._from_disk(v, timeout)
             self.update_s, self.version = time.perf_counter() - t0, v
+            self.need_full = False  # every server holds v (the patch, the broadcast or the step on disk)
         except WeightUpdateError as e:
             self.log.warning("%s", e)
+            self.need_full = True
         finally:
             await asyncio.gather(*(c.continue_generation() for c, p in zip(self.clients, paused)
                                    if not isinstance(p, BaseException)), return_exceptions=True)
+
+    async def _patch(self, version: int, timeout_s: float) -> str:
+        """weights.delta: hand every server rank the trainer's descriptor (patch.json), let their loaders
+        receive and apply the broadcast patch, then read every rank's verdict; returns why it failed ("")."""
+        from workers.weights.broadcast.handshake import receiver_rank_counts
+        from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+
+        patch = await asyncio.to_thread(wait_for, lambda: self._marker(PATCH_FILE, version), timeout_s=timeout_s,
+                                        what=f"{self.handshake.dir}/{PATCH_FILE} v{version}", peer="trainer rank 0")
+        counts = receiver_rank_counts(self.cfg)
+        failures = await asyncio.gather(*(patch_all(c, patch["entry"], tp, DELTA_LOADER, version, timeout_s)
+                                          for c, tp in zip(self.clients, counts)))
+        why = [f"{c.base_url}: {f}" for c, f in zip(self.clients, failures) if f]
+        verdicts = self.handshake.dir / VERDICTS_DIR
+        try:
+            got = await asyncio.to_thread(wait_for, lambda: (lambda fs: fs if len(fs) >= sum(counts) else None)(
+                sorted(verdicts.glob(f"v{version}.*.json"))), timeout_s=timeout_s,
+                what=f"{sum(counts)} loader verdicts in {verdicts}", peer="SGLang servers (custom weight loader)")
+        except Exception as e:  # noqa: BLE001 - missing verdicts: refused (the step comes from disk)
+            return "; ".join(why + [str(e)])
+        for f in got:
+            v = json.loads(f.read_text())
+            if not v.get("ok"):
+                why.append(f"{f.name}: {v.get('message')}")
+        return "; ".join(why[:5])
+
+    def _marker(self, name: str, version: int) -> Optional[dict]:
+        got = self.handshake.read_marker(name)
+        return got if got is not None and got.get("version") == version else None
 
     def _samples(self, version: int) -> Optional[dict]:
         got = self.handshake.read_marker(SAMPLES_FILE)

@@ -26,10 +26,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from workers.common.local_ranks import free_port
+from workers.common.ports import free_port
 from workers.common.protocol import PeerTimeout, RunPaths
 from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher
+from workers.weights.checksums import buffer_checksum
+from workers.weights.broadcast.delta_wire import PatchSender, patch_payload
 from workers.weights.broadcast.group import backend_for
+from workers.weights.broadcast.sglang_delta_loader import FUSED_ROWS, descriptor_tensor
 from workers.weights.broadcast.group_publisher import GroupPublisher
 from workers.weights.broadcast.sglang_wire import (Batch, close_update_group, flat_offsets, metas_json,
                                                    open_update_group, plan_batches, sample_names, sample_value)
@@ -38,6 +41,23 @@ from workers.weights.stream import WeightStream, meta_of
 
 log = logging.getLogger("slurmrl.weights")
 SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"
+PATCH_FILE, VERDICTS_DIR = "patch.json", "loader_verdicts"
+"""weights.delta: rank 0's descriptor of patch V {version, entry} (the orchestrator posts ``entry`` to
+every server rank), and where each server rank's loader writes its outcome."""
+
+
+def descriptor_shapes(parts, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Shapes the loaders need: every patched tensor's, and its siblings' where SGLang fuses rows."""
+    out = {}
+    for name in parts:
+        out[name] = shapes[name]
+        prefix, _, leaf = name.rpartition(".")
+        mod, _, piece = prefix.rpartition(".")
+        for part, _, order in FUSED_ROWS:
+            if piece == part:
+                out.update({f"{mod}.{p}.{leaf}": shapes[f"{mod}.{p}.{leaf}"] for p in order
+                            if f"{mod}.{p}.{leaf}" in shapes})
+    return out
 
 
 class SGLangSender:
@@ -99,6 +119,19 @@ class SGLangBroadcastPublisher(GroupPublisher):
                          device=device)
         self.inference_dtype = inference_dtype
         self.sender: Optional[SGLangSender] = None
+        self.patcher: Optional[PatchSender] = None  # weights.delta (delta_wire.py; applied by sglang_delta_loader.py)
+        self.chain: Optional[int] = None  # the version every server holds (None: the next goes whole)
+        self.anchor_version = 0  # the servers' last full load: their loader recomputes digests after one
+        self.disk_anchor = 0  # the newest full step written to run_dir/weights (recovery: fresh servers load it)
+        self.shapes: dict[str, list[int]] = {}
+        self.last_patch: tuple[int, int] = (0, 0)  # (elements changed, compared) on this rank, last patch
+
+    def publish(self, version: int, weights) -> SyncStats:
+        first = not self.formed
+        out = super().publish(version, weights)
+        if first and self.patcher is not None:
+            self.chain = self.anchor_version = self.disk_anchor = version
+        return out
 
     @property
     def formed(self) -> bool:
@@ -114,13 +147,16 @@ class SGLangBroadcastPublisher(GroupPublisher):
 
     def _update(self, version: int, stream: WeightStream) -> SyncStats:
         samples = set(sample_names(stream.names, self.cfg.verify_fraction, version))
+        patchable = self.patcher is not None and self.chain == version - 1  # anchors go to disk, not to servers
         if self.peers.rank == 0:
-            self.handshake.offer(version)
+            self.handshake.offer(version, delta=patchable)
         t0 = time.perf_counter()
         if not self._wait(lambda: self.handshake.requested() == version, f"request of weights v{version}"):
             self.finished = True
             return SyncStats(bytes=0, seconds=0.0, wait_s=time.perf_counter() - t0, skipped=True)
         t1 = time.perf_counter()
+        if patchable and self.handshake.requested_mode() == "delta":
+            return self._patch(version, stream, wait_s=t1 - t0)
         expected = self.sender.send(stream, samples, self.cfg.verify_rows)
         seconds = time.perf_counter() - t1
         verdict = None
@@ -138,6 +174,56 @@ class SGLangBroadcastPublisher(GroupPublisher):
             log.warning("weights v%d: SGLang servers did not take the broadcast (%s); publishing it through the "
                         "filesystem instead", version, verdict.get("why", "?"))
             stats = self.initial.publish(version, stream)  # the orchestrator loads it with /update_weights_from_disk
+        if self.patcher is not None:  # whatever way it went, every server now holds v in full: an anchor
+            self.patcher.repoint(stream)
+            self.patcher.anchor()
+            self.chain = self.anchor_version = version
+            if verdict is not None and not verdict.get("ok", False):
+                self.disk_anchor = version  # it went through the filesystem
+        return stats
+
+    def _patch(self, version: int, stream: WeightStream, *, wait_s: float) -> SyncStats:
+        """weights.delta: every rank diffs its shards; rank 0 merges the ranks' parts into one patch,
+        announces it (patch.json: the descriptor the orchestrator hands every server's loader) and
+        broadcasts it on SGLang's group; a refusal anywhere sends v through the filesystem. Every
+        ``delta_full_every`` versions v is also written to run_dir/weights as an anchor (what a fresh or
+        respawned server boots from); the servers themselves stay on patches."""
+        t1 = time.perf_counter()
+        self.patcher.repoint(stream)
+        parts, sums, changed, compared = self.patcher.diff()
+        gathered = self.peers.all_gather_object(parts) if self.peers.world_size > 1 else [parts]
+        nbytes, verdict = 0, None
+        if self.peers.rank == 0:
+            merged: dict = {}
+            for p in gathered:
+                for n, plist in p.items():
+                    merged.setdefault(n, []).extend(plist)
+            raw, mlen = patch_payload(merged, sums, self.patcher.tracker.numels, self.patcher.dtypes)
+            payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+            desc = {"format": "slurmrl-delta/1", "version": version, "anchor": self.anchor_version,
+                    "group_name": self.cfg.group_name, "payload_bytes": len(raw), "manifest_bytes": mlen,
+                    "checksum": buffer_checksum(payload), "verdict_dir": str(self.handshake.dir / VERDICTS_DIR),
+                    "shapes": descriptor_shapes(merged, self.shapes)}
+            self.handshake.write_marker(PATCH_FILE, {"version": version, "entry": descriptor_tensor(desc)})
+            work = dist.broadcast(payload, src=0, group=self.sender.pg, async_op=True)
+            self.sender._finish((f"patch v{version}", [work], payload))
+            nbytes = len(raw)
+            self._wait(lambda: (self.handshake.read_marker(VERDICT_FILE) or {}).get("version") == version,
+                       f"verdict on patch v{version}")
+            verdict = self.handshake.read_marker(VERDICT_FILE)
+        if self.peers.world_size > 1:
+            verdict = self.peers.all_gather_object(verdict)[0]
+        self.last_patch = (changed, compared)
+        stats = SyncStats(bytes=nbytes, seconds=time.perf_counter() - t1, wait_s=wait_s)
+        self.chain = version
+        if not verdict.get("ok", False):
+            log.warning("patch v%d: SGLang servers refused it (%s); publishing v%d through the filesystem",
+                        version, verdict.get("why", "?"), version)
+            stats = self.initial.publish(version, stream)
+            self.anchor_version = self.disk_anchor = version  # the servers load it whole: digests start anew
+        elif version - self.disk_anchor >= self.cfg.delta_full_every:  # an anchor for recovery, on disk only
+            self.initial.publish(version, stream)
+            self.disk_anchor = version
         return stats
 
     def _wait(self, ready, what: str) -> bool:
@@ -169,6 +255,10 @@ class SGLangBroadcastPublisher(GroupPublisher):
                                    rank=0, group_name=cfg.group_name, timeout_s=cfg.broadcast_timeout_s)
         self.sender = SGLangSender(pg, plan_batches(metas, cfg.bucket_size_mb << 20), load_format=cfg.sglang_format,
                                    device=self.device, timeout_s=cfg.broadcast_timeout_s)
+        if cfg.delta:  # the snapshot starts as step 0, which every server boots from (collective)
+            self.patcher = PatchSender(stream, self.peers)
+            self.patcher.anchor()
+            self.shapes = {m.name: list(m.shape) for m in metas}
         if self.peers.world_size > 1:
             self.peers.all_gather_object(None)  # every rank leaves formation together
 

@@ -38,6 +38,9 @@ from typing import Any, Sequence
 
 FORMATS = ("flattened_bucket", "per_tensor")
 """``weights.sglang_format``: one broadcast per call, or one per tensor (SGLang's default load_format None)."""
+DELTA_LOADER = "workers.weights.broadcast.sglang_delta_loader.load_patch"
+"""Import path of the function SGLang calls to apply a sparse patch (``--custom-weight-loader`` on the
+server's command line, ``load_format`` of ``/update_weights_from_tensor``; weights.delta only)."""
 WEIGHTS_BY_NAME_ARCHITECTURES = ("LlamaForCausalLM",)
 """Those of our families' SGLang model classes that implement ``get_weights_by_name`` in 0.5.23
 (srt/models/llama.py; qwen3_moe, deepseek_v2, glm and nemotron_h do not): sampled verification
@@ -51,7 +54,7 @@ ITEM_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e
 
 BULK_EFFICIENCY = 0.8
 """NCCL broadcast bus bandwidth as a fraction of NIC line rate on NDR (nccl-tests on HGX H100:
-350-390 of 400 GB/s per node; benchmarks/sim/assumptions.py's ``bulk_efficiency`` is this value)."""
+350-390 of 400 GB/s per node; tools/simulator/assumptions.py's ``bulk_efficiency`` is this value)."""
 
 
 def update_cost(model_bytes: float, nic_gb_s: float, efficiency: float = BULK_EFFICIENCY) -> tuple[float, float]:
@@ -61,7 +64,7 @@ def update_cost(model_bytes: float, nic_gb_s: float, efficiency: float = BULK_EF
     each GPU receives the whole model in inference.dtype, whatever its TP/EP share (the loader
     keeps its shard afterwards). NCCL pipelines a broadcast along a ring/tree: every link carries
     the bytes once, so the time is the model over one NIC's rate, independent of the number of
-    servers. The plan prints this; benchmarks/sim/costs.py uses it for broadcast into SGLang.
+    servers. The plan prints this; tools/simulator/costs.py uses it for broadcast into SGLang.
     """
     return model_bytes, model_bytes / (nic_gb_s * 1e9 * efficiency)
 

@@ -38,7 +38,16 @@ Protocol for version V (T: trainer ranks, O: orchestrator, W: inference workers)
      then. Tensors whose hash equals what the worker holds are not read at all.
 Workers boot the same way: wait for any STABLE (inference.startup_timeout_s), load the newest.
 
-Delta mode (``weights.delta``): a rank writes only tensors whose hash changed since its
+Sparse patches (``weights.delta``; the GPU presets turn them on): after an anchor (a full step, every
+``delta_full_every`` versions and after a restart), a step holds only the elements that changed, as
+patches with their base version; publishing runs beside training (patch_publisher.py has the layout
+and protocol, workers/weights/delta the format). Workers holding the base apply the patch in place;
+others load the anchor and every patch after it. Any step resolves to a full HF directory (resolve.py).
+SGLang servers cannot load a patch step from disk: with them the orchestrator posts a descriptor naming
+the step and each TP rank's custom weight loader pulls only the entries of the tensors it holds
+(sglang_coordinator.py, sglang_pull.py); anchors and refusals still go through /update_weights_from_disk.
+
+Tensor-level delta files (``weights.delta_files``): a rank writes only tensors whose hash changed since its
 previous publish; index.json then points unchanged tensors at the file that holds them,
 in an earlier step (``../step_000005/model-00001-of-00002.safetensors``). Every
 ``delta_full_every`` steps (and after a restart) a full step cuts the chain. Retention keeps
@@ -51,9 +60,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import gt, limits
+from workers.common.config.ranges import between, gt, limits, one_of
 from workers.common.config.weights import WeightsConfig
 from workers.common.registry import TRANSPORTS
+from workers.weights.delta import DELTA_FRACTION_DEFAULT
 from workers.weights.spec import TransportSpec, lazy
 
 
@@ -64,25 +74,56 @@ class FilesystemWeightsConfig(WeightsConfig):
     transport: str = "filesystem"
     """``filesystem``: this schema's transport."""
     delta: bool = False
-    """Write only tensors whose checksum changed since the previous step; index.json points
-    unchanged ones at the earlier file (frozen layers then cost nothing per step)."""
+    """Sparse patches: each version after an anchor carries only the published elements that changed
+    (exact, bit for bit; typically 1-3 % with bf16 published over fp32 master weights at RL learning
+    rates), and publishing runs beside training. A patch step is not an HF directory by itself
+    (``python -m workers.weights.filesystem.resolve`` makes one). False: every step is the full model
+    (the CPU default: fp32 published over fp32 master changes nearly every element each step)."""
     delta_full_every: int = 10
-    """Delta mode: every this many steps a full step is written, bounding how far back a
-    step's files may lie (and so what retention must keep)."""
+    """Every this many versions a full step (an anchor) is published: the chain a fresh or respawned
+    worker replays (anchor + patches) and what retention must keep are bounded by it."""
+    delta_snapshot: str = "device"
+    """Where the trainer keeps the last published values it diffs against (published dtype, this
+    rank's shards: 2 bytes per bf16 element): ``device`` (fastest) or ``host`` (pinned host memory,
+    when GPU memory is tight)."""
+    publish_async: bool = True
+    """Patches (and one-rank anchors) are written by a background thread while the next step trains;
+    the trainer blocks only for the diff. False: publishing finishes before training goes on."""
+    delta_fraction_assumed: float = DELTA_FRACTION_DEFAULT
+    """With ``delta``: the changed fraction of published elements per update that the plan's cost line
+    (and, over ``broadcast``, the simulator) assume (workers/weights/broadcast/delta_cost.py). Default
+    0.02, the middle of public measurements at RL learning rates (1-3 %; verl measured 0.8-1.1 % on MoE
+    models); ``benchmarks.weight_delta`` measures ours. It sizes nothing at run time: patches are as big
+    as what changed."""
+    delta_files: bool = False
+    """Tensor-level delta (without ``delta``): write only tensors whose checksum changed since the
+    previous step; index.json points unchanged ones at the earlier file, so such steps load in
+    transformers directly (frozen layers then cost nothing per step)."""
 
 
-limits(FilesystemWeightsConfig, delta_full_every=gt(0))
+limits(FilesystemWeightsConfig, delta_full_every=gt(0), delta_snapshot=one_of("device", "host"),
+       delta_fraction_assumed=between(0.0, 1.0))
 
 
 def check(cfg) -> None:
-    """Plan-time: the delta chain must be cut at some point."""
-    if cfg.weights.delta_full_every < 1:
-        raise ValueError(f"weights.delta_full_every must be >= 1, got {cfg.weights.delta_full_every}")
+    """Plan-time: the delta chain must be cut at some point; one delta mode at a time; patches need the
+    inference dtype to hold the published values exactly."""
+    w = cfg.weights
+    if w.delta_full_every < 1:
+        raise ValueError(f"weights.delta_full_every must be >= 1, got {w.delta_full_every}")
+    if w.delta and w.delta_files:
+        raise ValueError("weights.delta=true and weights.delta_files=true: pick one (delta: sparse patches; "
+                         "delta_files: whole changed tensors)")
+    if w.delta and cfg.inference.dtype not in (cfg.trainer.dtype, "float32"):
+        raise ValueError(f"weights.delta=true: inference.dtype={cfg.inference.dtype} cannot hold the trainer's "
+                         f"published {cfg.trainer.dtype} values exactly, so patches could not be verified; set "
+                         f"inference.dtype={cfg.trainer.dtype} or weights.delta=false")
 
 
 SPEC = TRANSPORTS.register(TransportSpec(
     name="filesystem", config=FilesystemWeightsConfig, check=check,
     summary="trainer ranks write run_dir/weights/step_N; workers load it on /update_weights_from_disk",
-    publisher=lazy("workers.weights.filesystem.publisher:make_publisher"),
-    coordinator=lazy("workers.weights.filesystem.coordinator:FilesystemCoordinator"),
-    receiver=lazy("workers.weights.filesystem.receiver:make_receiver")))
+    publisher=lazy("workers.weights.filesystem.patch_publisher:make_publisher"),
+    coordinator=lazy("workers.weights.filesystem.coordinator:make_coordinator"),
+    receiver=lazy("workers.weights.filesystem.receiver:make_receiver"),
+    update_line=lazy("workers.weights.filesystem.pull_cost:update_line")))

@@ -4,36 +4,62 @@ Each loop turn: the newest ``weights/step_V`` with STABLE, if V is newer than wh
 workers serve -> pause -> ``/update_weights_from_disk`` model_path=weights/step_V,
 weight_version=V on every live worker -> continue (workers/weights/coordinator.py) ->
 with ``weights.verify``, compare each worker's digest with index.json's. A refusal keeps
-the old version; the next turn retries the newest step (health-checking first, so a dead
-worker cannot hold the version back). Protocol: the package docstring.
+the old version (health-checking first, so a dead worker cannot hold the version back): a
+version refused for its content (400: checksum, NaN, malformed) is never tried again, the
+newest intact one below it is; any other failure retries after a backoff (0.5 s doubling
+to 30 s: workers/weights/coordinator.RetryPolicy). Protocol: the package docstring.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Sequence
 
-from workers.common.protocol import latest_stable_step
 from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
-from workers.weights.filesystem.layout import index_digest
+from workers.weights.filesystem.layout import index_digest, stable_versions
 
 
-async def update_all_workers(clients: Sequence[Any], model_path: str, version: int) -> WeightSwap:
-    """pause(in_place) -> load ``model_path`` from disk -> continue on every worker."""
-    return await swap_weights(clients, version, lambda c: c.update_weights_from_disk(model_path, version))
+async def update_all_workers(clients: Sequence[Any], model_path: str, version: int, gone=None) -> WeightSwap:
+    """pause(in_place) -> load ``model_path`` from disk -> continue on every worker (``gone``: swap_weights)."""
+    return await swap_weights(clients, version, lambda c: c.update_weights_from_disk(model_path, version), gone=gone)
 
 
 class FilesystemCoordinator(WeightCoordinator):
     async def maybe_update(self, pool: Any) -> None:
-        newest = latest_stable_step(self.paths.root / "weights")
-        if newest is None or newest <= self.version:
+        """One try per loop turn: the newest published version above ours that no worker refused
+        for its content and whose backoff is over (``self.retry``); a refused newest step falls
+        back to the newest intact one in between."""
+        newer = [v for v in stable_versions(self.paths.root / "weights") if v > self.version]
+        untried = [v for v in newer if v not in self.retry.refused]
+        if not untried or not self.retry.due(untried[0], context=tuple(pool.live())):
             return
+        newest = untried[0]
         try:
             live = pool.live_clients()
-            swap = await update_all_workers(live, str(self.paths.weights(newest)), newest)
+            swap = await update_all_workers(live, str(self.paths.weights(newest)), newest,
+                                            gone=getattr(pool, "gone", None))
             self.update_s, self.version = swap.seconds, newest
+            self.retry.succeeded(newest)
+            if swap.left:
+                self.log.warning("weights v%d: left %s behind (marked dead during the update; it loads the current "
+                                 "weights when it comes back)", newest, ", ".join(c.base_url for c in swap.left))
             if self.cfg.weights.verify:
                 expected = await asyncio.to_thread(index_digest, self.paths.weights(newest))
-                self.verify(newest, live, swap.digests, expected)
-        except WeightUpdateError as e:  # keep serving old weights; the next poll retries the newest step
-            self.log.warning("%s", e)
+                kept = [(c, d) for c, d in zip(live, swap.digests) if c not in swap.left]
+                self.verify(newest, [c for c, _ in kept], [d for _, d in kept], expected)
+        except WeightUpdateError as e:  # keep serving old weights
+            wait = self.retry.failed(newest, content=e.content, context=tuple(pool.live()))
+            self.log.warning("%s; %s", e, f"v{newest} will not be tried again (refused for its content)"
+                             if e.content else f"retrying v{newest} in {wait:.1f}s")
             await pool.check_live()  # a dead worker must not hold the version back
+
+
+def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
+    """TransportSpec.coordinator: full steps from disk; with ``weights.delta`` into SGLang servers, patch steps
+    pulled per rank by our custom weight loader (sglang_coordinator.py: SGLang cannot load a patch step)."""
+    from workers.weights.broadcast import speaks_sglang
+
+    if getattr(cfg.weights, "delta", False) and speaks_sglang(cfg):
+        from workers.weights.filesystem.sglang_coordinator import FilesystemSGLangCoordinator
+
+        return FilesystemSGLangCoordinator(cfg, paths, log=log)
+    return FilesystemCoordinator(cfg, paths, log=log)

@@ -9,7 +9,9 @@ before STABLE (so a step is either complete or absent):
 - ``model.safetensors.index.json``: HF's ``{"metadata": {"total_size"}, "weight_map"}`` naming
   each tensor's shard (written for one shard too: tools that read only the index find it);
 - the tokenizer files of the source checkpoint (``model.path``, or the converted
-  ``model.pretrained`` directory), copied unchanged.
+  ``model.pretrained`` directory), copied unchanged; a model without a tokenizer whose vocabulary
+  holds the byte-level chat template's 264 ids gets that template's tokenizer files instead
+  (byte_tokenizer.py), so every step can be prompted with ``AutoTokenizer.from_pretrained``.
 
 Families without ``to_hf_config`` (tiny_moe: no HF architecture computes its function) publish
 steps without these files: ordinary safetensors, not loadable by transformers.
@@ -33,6 +35,7 @@ from typing import Optional
 
 from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, tokenizer_files
 from workers.models.pretrained import tokenizer_dir
+from workers.weights.filesystem.byte_tokenizer import byte_tokenizer_files, wants_byte_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,9 @@ class HFFiles:
     source: Optional[Path] = None
     """Directory the tokenizer files are copied from (None: no tokenizer)."""
     files: tuple[str, ...] = ()
+    generated: tuple[tuple[str, str], ...] = ()
+    """(file name, text) written into every step: the byte-level tokenizer of a model without one
+    (byte_tokenizer.py), so the published step can be prompted with AutoTokenizer."""
 
     def write(self, step_tmp: Path, weight_map: dict[str, str], total_size: int, dtype: str) -> None:
         """config.json, model.safetensors.index.json and the tokenizer files into ``step_tmp``."""
@@ -52,6 +58,8 @@ class HFFiles:
         (step_tmp / HF_INDEX).write_text(json.dumps(index, indent=1) + "\n")
         for name in self.files:
             shutil.copyfile(self.source / name, step_tmp / name)
+        for name, text in self.generated:
+            (step_tmp / name).write_text(text)
 
 
 def hf_files(model_cfg) -> Optional[HFFiles]:
@@ -62,8 +70,9 @@ def hf_files(model_cfg) -> Optional[HFFiles]:
     if spec.to_hf_config is None:
         return None
     source = tokenizer_dir(model_cfg)
+    generated = byte_tokenizer_files() if source is None and wants_byte_tokenizer(model_cfg) else ()
     return HFFiles(config=published_config(spec.to_hf_config(model_cfg)), source=source,
-                   files=tuple(tokenizer_files(source)) if source else ())
+                   files=tuple(tokenizer_files(source)) if source else (), generated=generated)
 
 
 def published_config(config: dict) -> dict:

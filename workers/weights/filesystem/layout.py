@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from workers.common.protocol import is_marked, step_name
+from workers.weights.delta import DIGEST, FORMAT as DELTA_FORMAT
 from workers.weights.digest import state_digest
 
 INDEX = "index.json"
@@ -22,18 +24,34 @@ def shard_name(rank: int, world: int, *, sharded: bool = False) -> str:
 
 
 def referenced_steps(step_dir: Path) -> set[str]:
-    """Names of the earlier step dirs whose files ``step_dir``'s index points at."""
+    """Names of the earlier step dirs ``step_dir`` needs: those its index points at (``weights.delta_files``),
+    or, for a patch step (``weights.delta``), its anchor and every step after it (the patch chain)."""
     try:
-        weight_map = json.loads((step_dir / INDEX).read_text())["weight_map"]
-    except (OSError, ValueError, KeyError):
+        index = json.loads((step_dir / INDEX).read_text())
+        if index.get("format") == DELTA_FORMAT:
+            return {step_name(s) for s in range(int(index["anchor"]), int(index["step"]))}
+        weight_map = index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
     return {f.split("/")[1] for f in weight_map.values() if f.startswith("../")}
 
 
 def index_digest(step_dir: Path) -> Optional[str]:
-    """:func:`state_digest` of a published step, from its index.json (None if unreadable)."""
+    """:func:`state_digest` of a published step, from its index.json (None if unreadable): of the
+    xxh3s for a full step, of the sum64s for a patch step (what a worker reports after applying it)."""
     try:
-        tensors = json.loads((Path(step_dir) / INDEX).read_text())["tensors"]
-        return state_digest({n: m["xxh3"] for n, m in tensors.items()})
+        index = json.loads((Path(step_dir) / INDEX).read_text())
+        key = DIGEST if index.get("format") == DELTA_FORMAT else "xxh3"
+        return state_digest({n: m[key] for n, m in index["tensors"].items()})
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def stable_versions(weights_root: Path) -> list[int]:
+    """Published versions (``step_N`` with a STABLE file), newest first (torch-free)."""
+    try:
+        names = [d.name for d in weights_root.iterdir()]
+    except OSError:
+        return []
+    return sorted((int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit()
+                   and is_marked(weights_root / n)), reverse=True)

@@ -23,8 +23,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from workers.common.protocol import STABLE, step_name
-from workers.weights.base import (Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for,
-                                  refuse_nonfinite)
+from workers.weights.base import (Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, refuse_nonfinite)
 from workers.weights.checksums import HASH_NAME, tensor_hash
 from workers.weights.filesystem.hf_layout import HFFiles, hf_files
 from workers.weights.filesystem.layout import FORMAT, INDEX, referenced_steps, shard_name
@@ -61,6 +60,9 @@ class FilesystemPublisher(WeightPublisher):
         # here), so rank 0 prunes off the critical path; the next publish waits for it.
         self._pruner = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-prune")
         self._pruning: Optional[cf.Future] = None
+        self.index_extra: Optional[dict] = None
+        """Rank 0: merged into the next step's index.json (a patch run's anchor: ``anchor`` and each
+        tensor's ``sum64``, workers/weights/filesystem/patch_publisher.py), then cleared."""
 
     def publish(self, version: int, weights: Union[WeightStream, Mapping[str, torch.Tensor]]) -> SyncStats:
         """COLLECTIVE. ``weights``: a stream (gathered tensor by tensor; every rank iterates it
@@ -139,6 +141,11 @@ class FilesystemPublisher(WeightPublisher):
         index = {"format": FORMAT, "step": version, "metadata": {"total_size": sum(m.nbytes for m in metas)},
                  "weight_map": {m.name: rel(entries[m.name]["file"]) for m in metas},
                  "tensors": {m.name: {k: entries[m.name][k] for k in ("shape", "dtype", HASH_NAME)} for m in metas}}
+        extra, self.index_extra = self.index_extra or {}, None
+        for name, sums in extra.pop("tensor_fields", {}).items():
+            for n, v in sums.items():
+                index["tensors"][n][name] = v
+        index.update(extra)
         if self.hf is not None:
             dtypes = sorted({m.dtype for m in metas if m.dtype.startswith(("float", "bfloat"))})
             self.hf.write(tmp, index["weight_map"], index["metadata"]["total_size"], dtypes[0] if dtypes else "float32")
@@ -193,15 +200,10 @@ def publish_step(weights_root: Path, step: int, state: Mapping[str, torch.Tensor
     return {"bytes": out.bytes, "seconds": out.seconds}
 
 
-def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> FilesystemPublisher:
-    """TransportSpec.publisher: this trainer rank's publisher into ``run_dir/weights``."""
-    return filesystem_publisher(cfg.weights, paths, peers_for(rank, world_size), model=cfg.model)
-
-
 def filesystem_publisher(w, paths, peers: Peers, *, model=None) -> FilesystemPublisher:
-    """The publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too); with the
-    run's ``model`` section, every step is also a Hugging Face directory when the family has a config.json."""
-    return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta,
+    """The full-step publisher ``weights`` config ``w`` asks for (the broadcast transport's step 0 too; with
+    ``weights.delta`` the patch publisher wraps it: patch_publisher.make_publisher); with the run's
+    ``model`` section, every step is also a Hugging Face directory when the family has a config.json."""
+    return FilesystemPublisher(paths.root / "weights", peers=peers, keep_last=w.keep_last, delta=w.delta_files,
                                full_every=w.delta_full_every,
                                skip_nonfinite=w.skip_nonfinite, hf=hf_files(model) if model is not None else None)

@@ -19,16 +19,22 @@ from typing import Mapping, Optional
 
 import torch
 
-from workers.common.protocol import STABLE
+from workers.common.protocol import STABLE, is_marked
 from workers.weights.base import Received, WeightLoadError, WeightReceiver, check_fits
 from workers.weights.checksums import HASH_NAME
+from workers.weights.delta import FORMAT as DELTA_FORMAT
 from workers.weights.filesystem.layout import INDEX
+from workers.weights.filesystem.patch_reader import index_sums, load_patch_step
 from workers.weights.shards import (BY_NAME, ShardError, Staging, aligned_size, meta_nbytes, nbytes, open_regular,
                                    read_tensors)
 
 MAX_INDEX_BYTES = 64 << 20
 """An index.json larger than this is refused (a real one is ~100 bytes per tensor)."""
 LoadedStep = Received  # what DiskReader.load returns (the name the engine and tools knew)
+
+
+def is_patch_index(index) -> bool:
+    return isinstance(index, dict) and index.get("format") == DELTA_FORMAT
 
 
 def _index_problem(index) -> str:
@@ -62,7 +68,7 @@ class DiskReader:
         self._io = cf.ThreadPoolExecutor(num_threads, thread_name_prefix="weights-read")  # one shard per thread
 
     def load(self, step_dir: Path, expected: Optional[Mapping[str, torch.Tensor]] = None,
-             known: Optional[Mapping[str, str]] = None) -> Received:
+             known: Optional[Mapping[str, str]] = None, sums: Optional[Mapping[str, int]] = None) -> Received:
         """Read step ``step_dir``; ``known`` {name: hash} lists tensors the worker already holds.
 
         Shards must be regular files inside the weights root (``step_dir``'s parent: delta
@@ -75,8 +81,9 @@ class DiskReader:
                 raise WeightLoadError(f"weight directory {step_dir} does not exist")
         except (ValueError, OSError) as e:  # a NUL byte, a name too long
             raise WeightLoadError(f"weight directory {str(step_dir)!r} is not a valid path ({e})") from None
-        if not (step_dir / STABLE).exists():
-            raise WeightLoadError(f"{step_dir} has no {STABLE} marker: the publisher has not finished it")
+        if not is_marked(step_dir):
+            raise WeightLoadError(f"{step_dir} has no {STABLE} marker (a regular file): the publisher has not "
+                                  f"finished it")
         try:
             with open_regular(step_dir / INDEX, INDEX) as f:
                 if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
@@ -86,6 +93,11 @@ class DiskReader:
             raise WeightLoadError(str(e)) from None
         except (OSError, ValueError, RecursionError) as e:
             raise WeightLoadError(f"{step_dir / INDEX} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
+        if is_patch_index(index):  # weights.delta: patches on top of what the worker holds, or of the anchor
+            got = load_patch_step(step_dir, index, expected=expected, sums=sums,
+                                  load_full=lambda d: self.load(d, expected, None))
+            got.seconds = time.perf_counter() - t0
+            return got
         problem = _index_problem(index)
         if problem:
             raise WeightLoadError(f"{step_dir / INDEX} is malformed: {problem}"[:500])
@@ -126,7 +138,7 @@ class DiskReader:
                                   + (f"; {len(bad) - 1} more tensors too)" if len(bad) > 1 else ")"))
         return Received(state=state, hashes={n: m[HASH_NAME] for n, m in tensors.items()},
                           bytes=sum(nbytes(t) for t in state.values()), seconds=time.perf_counter() - t0,
-                          num_skipped=len(tensors) - len(wanted))
+                          num_skipped=len(tensors) - len(wanted), sums=index_sums(index))
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
@@ -149,8 +161,9 @@ class FilesystemReceiver(WeightReceiver):
     def __init__(self, num_threads: int = 2):
         self.reader = DiskReader(num_threads)
 
-    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str]) -> Received:
-        return self.reader.load(Path(path), expected, known)
+    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str],
+             sums: Optional[Mapping[str, int]] = None) -> Received:
+        return self.reader.load(Path(path), expected, known, sums)
 
     def close(self) -> None:
         self.reader.close()

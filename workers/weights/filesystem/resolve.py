@@ -2,7 +2,8 @@
 
     python -m workers.weights.filesystem.resolve RUN_DIR/weights/step_000007 OUT_DIR
 
-A delta step's weight map points unchanged tensors at earlier steps' shards (hf_layout.py); this
+A delta step's weight map points unchanged tensors at earlier steps' shards (hf_layout.py), a patch
+step (``weights.delta``) holds only changed elements on top of its anchor (patch_reader.py); this
 reads every tensor through our index.json (checksums and finiteness verified by the same reader
 the inference workers use, workers/weights/filesystem/receiver.py), writes them into one
 ``model.safetensors`` and copies config.json and the tokenizer files: the result loads in
@@ -16,7 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from workers.common.protocol import STABLE
+from workers.common.protocol import STABLE, step_name
+from workers.weights.delta import FORMAT as DELTA_FORMAT
+from workers.weights.filesystem.layout import INDEX
 from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, TOKENIZER_FILES
 from workers.weights.base import WeightLoadError
 from workers.weights.filesystem.receiver import DiskReader
@@ -26,8 +29,9 @@ from workers.weights.shards import write_shard
 def resolve(step_dir: Path, out_dir: Path) -> Path:
     """Write the full checkpoint of ``step_dir`` into ``out_dir`` (created; must not exist)."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
-    if not (step_dir / CONFIG).is_file():
-        raise WeightLoadError(f"{step_dir} has no {CONFIG}: its family publishes no Hugging Face config")
+    files_dir = _anchor_of(step_dir)  # a patch step (weights.delta) takes config and tokenizer from its anchor
+    if not (files_dir / CONFIG).is_file():
+        raise WeightLoadError(f"{files_dir} has no {CONFIG}: its family publishes no Hugging Face config")
     reader = DiskReader()
     loaded = reader.load(step_dir)
     out_dir.mkdir(parents=True, exist_ok=False)
@@ -37,9 +41,20 @@ def resolve(step_dir: Path, out_dir: Path) -> Path:
     index = {"metadata": {"total_size": total}, "weight_map": {n: "model.safetensors" for n, _ in state}}
     (out_dir / HF_INDEX).write_text(json.dumps(index, indent=1) + "\n")
     for name in (CONFIG, *TOKENIZER_FILES, STABLE):
-        if (step_dir / name).is_file():
-            shutil.copyfile(step_dir / name, out_dir / name)
+        if (files_dir / name).is_file():
+            shutil.copyfile(files_dir / name, out_dir / name)
     return out_dir
+
+
+def _anchor_of(step_dir: Path) -> Path:
+    """The anchor step of a patch step (its full step: config.json and tokenizer live there), else itself."""
+    try:
+        index = json.loads((step_dir / INDEX).read_text())
+    except (OSError, ValueError):
+        return step_dir
+    if isinstance(index, dict) and index.get("format") == DELTA_FORMAT and isinstance(index.get("anchor"), int):
+        return step_dir.parent / step_name(index["anchor"])
+    return step_dir
 
 
 def main(argv=None) -> int:

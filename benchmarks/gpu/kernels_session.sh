@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 36's numbers in one call (about 8 minutes on one H200): the log-prob head (fused vs checkpointed
+# vs full logits), GLM-5's DSA at 32k and 131k tokens (step_s, peak memory), benchmarks.model_parity's
+# real-shape rows (128 experts top-8, 152k / 164k vocabularies; ours and transformers, both compiled)
+# and the real trainer step's MFU at those shapes. Run from the repo root:
+#   bash benchmarks/gpu/kernels_session.sh            # GPU; JSON + logs under $OUT (default: the ignored
+#                                                     # benchmarks/results/gpu/local/)
+#   bash benchmarks/gpu/kernels_session.sh --record   # also copy the JSON into benchmarks/results/gpu/ (tracked)
+#   bash benchmarks/gpu/kernels_session.sh --smoke    # CPU, toy sizes: the same commands, in a minute or two
+# Each part has its own time limit, so one that overruns leaves the others' results.
+set -u
+SMOKE=0; RECORD=0
+for a in "$@"; do
+  case "$a" in --smoke) SMOKE=1 ;; --record) RECORD=1 ;; *) echo "unknown argument $a (--smoke, --record)"; exit 2 ;; esac
+done
+OUT=${OUT:-benchmarks/results/gpu/local}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+STATUS=0
+
+part() {  # part NAME SECONDS CMD...: run one benchmark under a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -12 "$OUT/$name.log"
+  echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
+  [ $rc -eq 0 ] || STATUS=1
+}
+
+if [ $SMOKE = 1 ]; then
+  part logprob_head 300 $PY -m benchmarks.gpu.bench_logprob_head --smoke --out "$OUT"
+  part long_context_dsa 600 $PY -m benchmarks.long_context_dsa --seq-lens 512 1024 --dense-max 0 --chunk 64 \
+    --out "$OUT/long_context_dsa.json"
+  part model_parity_real 600 $PY -m benchmarks.model_parity --size real --toy --families qwen3_moe,deepseek_v3 \
+    --compile on --compile-backend aot_eager --iters 1 --batch 2 --seq 32 --out "$OUT/model_parity_real.json"
+  part real_step 600 $PY -m benchmarks.gpu.bench_real_step --smoke --out "$OUT"
+else
+  nvidia-smi > "$OUT/nvidia-smi.log" 2>&1
+  part logprob_head 40 $PY -m benchmarks.gpu.bench_logprob_head --out "$OUT"
+  part long_context_dsa 90 $PY -m benchmarks.long_context_dsa --device cuda --seq-lens 32768 131072 --dense-max 0 \
+    --out "$OUT/long_context_dsa.json"
+  part model_parity_real 250 $PY -m benchmarks.model_parity --size real --device cuda --dtype bfloat16 \
+    --families qwen3_moe,deepseek_v3 --batch 2 --seq 4096 --iters 3 --out "$OUT/model_parity_real.json"
+  part real_step 100 $PY -m benchmarks.gpu.bench_real_step --out "$OUT"
+fi
+
+if [ $RECORD = 1 ]; then
+  for f in logprob_head.json long_context_dsa.json model_parity_real.json real_step.json; do
+    [ -f "$OUT/$f" ] && cp "$OUT/$f" "benchmarks/results/gpu/$f" && echo "recorded benchmarks/results/gpu/$f"
+  done
+fi
+exit $STATUS

@@ -1,0 +1,27 @@
+"""``python -m tests.env_probe``: a stand-in role process that records what the launcher gave it.
+
+The local backend starts it in place of a role's module (tests/unit/launcher/test_local_gpu_placement.py):
+it writes its GPU environment and its topology (workers/common/topology.py, as every role reads
+it) to ``$SLURMRL_RUN_DIR/probe_<role>_<rank>.json`` and exits 0, so a test checks the environment
+real child processes get without starting torch or a model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from workers.common.topology import current_topology
+
+
+def main() -> None:
+    topo = current_topology()
+    record = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+              "topology": dataclasses.asdict(topo)}
+    out = Path(topo.run_dir) / f"probe_{topo.role}_{topo.rank}.json"
+    out.write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

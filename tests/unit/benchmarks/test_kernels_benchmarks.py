@@ -1,0 +1,33 @@
+"""The issue-36 benchmarks run at toy sizes on CPU and write the columns the GPU session reads:
+model_parity's real-shape rows (ours through the fused head, MFU) and the log-prob head table."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def run(args: list[str]) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_model_parity_real_shape_row(tmp_path):
+    out = tmp_path / "mp.json"
+    run(["benchmarks.model_parity", "--size", "real", "--toy", "--families", "qwen3_moe", "--compile", "off",
+         "--iters", "1", "--batch", "2", "--seq", "16", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["shape"] == "real" and row["ours_head"] == "fused" and row["top_k"] == 4
+    assert row["train_flops_per_step"] > 6 * 32 and 0 < row["mfu_ours"] < 1 and row["ratio_ours_over_hf"] > 0
+
+
+def test_logprob_head_table(tmp_path):
+    run(["benchmarks.gpu.bench_logprob_head", "--smoke", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "logprob_head.json").read_text())
+    assert {r["way"] for r in result["rows"]} == {"fused", "checkpoint", "full"}
+    assert result["fused_speedup_over_checkpoint"]["1000"] > 0
