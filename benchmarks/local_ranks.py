@@ -38,6 +38,16 @@ def gloo_dims(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, cp:
     return dims
 
 
+def forked_rank_entry(rank: int, worker: Callable, *args) -> None:
+    """:func:`rank_entry` for a forked rank: one intra-op thread first. Why: a parent that ran a parallel
+    torch op (OpenMP's thread pool started) leaves its forked children a pool whose threads do not exist
+    there, and their first parallel op hung forever (a SmolLM2 test before the mesh-plan tests did it)."""
+    import torch
+
+    torch.set_num_threads(1)
+    rank_entry(rank, worker, *args)
+
+
 def run_ranks(worker: Callable, world: int, args: tuple, *, what: str, timeout_s: float = 180.0,
               start_method: str = "fork") -> None:
     """Run ``worker(rank, world, port, *args)`` in ``world`` processes (a free port for their
@@ -48,7 +58,8 @@ def run_ranks(worker: Callable, world: int, args: tuple, *, what: str, timeout_s
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(rank_entry, args=(worker, world, free_port(), *args), nprocs=world, join=False,
+    entry = forked_rank_entry if start_method == "fork" else rank_entry
+    ctx = mp.start_processes(entry, args=(worker, world, free_port(), *args), nprocs=world, join=False,
                              start_method=start_method)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):

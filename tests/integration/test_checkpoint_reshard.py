@@ -9,15 +9,13 @@ loss, the grad norm and every weight after AdamW must be dp 2's (float32 roundin
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import free_port, gloo_dims
+from tests.netutil import gloo_dims, run_ranks
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
@@ -57,14 +55,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, phase: str, out: str
 
 def run(tmp_path, world: int, phase: str) -> dict:
     out = str(tmp_path / f"{phase}_{world}.pt")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(tmp_path / "run"), phase, out), nprocs=world,
-                             join=False, start_method="fork")
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{phase} at world {world} did not finish")
+    run_ranks(_worker, world, (str(tmp_path / "run"), phase, out), what=f"{phase} at world {world}")
     return torch.load(out)
 
 

@@ -14,11 +14,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import free_port, gloo_dims
+from tests.netutil import gloo_dims, run_ranks
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.blocks.experts import StackedExperts
 from workers.models.tiny_moe.model import build_model
@@ -81,14 +80,7 @@ def _worker(rank, world, port, cfg, out):
 
 def run(tmp_path, world, cfg):
     out = str(tmp_path / f"w{world}_{time.monotonic_ns()}.pt")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, out), nprocs=world, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"world {world} did not finish")
+    run_ranks(_worker, world, (cfg, out), what=f"world {world}")
     return torch.load(out)
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.netutil import free_port, gloo_dims
+from tests.netutil import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.llama.config import LlamaConfig
 from workers.models.tiny_moe.model import build_model
@@ -74,7 +73,7 @@ def test_dense_layout_matches_one_process_reference(tmp_path, tp, dp):
     torch.set_num_threads(1)
     ref = reference()
     out = str(tmp_path / "got.pt")
-    mp.start_processes(_worker, args=(tp * dp, free_port(), tp, out), nprocs=tp * dp, join=True, start_method="fork")
+    run_ranks(_worker, tp * dp, (tp, out), what=f"dense layout tp {tp} dp {dp}")
     got = torch.load(out)
     assert "expert_load_max" not in got["stats"] and got["stats"]["aux_loss"] == 0.0
     assert got["stats"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)

@@ -72,9 +72,9 @@ async def scenario(tmp_path):
                 paths_seen = await step(v)
                 assert "/update_weights_from_tensor" in paths_seen, paths_seen  # a patch
                 assert trainer.pub.last_patch[0] > 0
-            assert coord.verified == 3 and coord.fallbacks == 0
+            assert coord.verified == 3 and coord.fallbacks == 0, coord.last_refusal
             assert "/update_weights_from_tensor" in await step(4)  # an anchor is due: it goes to disk, servers patch
-            assert latest_stable_step(paths.root / "weights") == 4 and coord.fallbacks == 0
+            assert latest_stable_step(paths.root / "weights") == 4 and coord.fallbacks == 0, coord.last_refusal
             assert "/update_weights_from_tensor" in await step(5)
 
             # a server rank that no longer holds the base: the patch is refused there, v comes from disk

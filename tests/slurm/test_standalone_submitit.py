@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -29,6 +30,19 @@ def submit(args: list[str], timeout: float = 300) -> tuple[subprocess.CompletedP
     return res, m.group(1)
 
 
+def settled_states(jobs: list[str], *, deadline_s: float = 60.0) -> dict:
+    """sacct's states once no job is RUNNING or COMPLETING: submitit hands back a task's result as soon as
+    the task wrote it, and slurmctld records the job's end a moment later (seconds on a loaded machine)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        watcher = HetjobWatcher(delay_s=0)
+        states = slurm_states(jobs, watcher=watcher)
+        assert watcher.num_calls == 1  # one sacct for every registered job
+        if all(s not in ("RUNNING", "COMPLETING") for s, _ in states.values()) or time.monotonic() > end:
+            return states
+        time.sleep(1.0)
+
+
 def test_preflight_across_two_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "pre"
     res, job = submit(["preflight", "--nodes", "2", "--cluster", "local_slurm", "--cpus-per-task", "2",
@@ -40,9 +54,7 @@ def test_preflight_across_two_nodes(slurm_cluster, tmp_path):
     for n in nodes:
         summary = json.loads((out / n / "summary.json").read_text())
         assert summary, n
-    watcher = HetjobWatcher(delay_s=0)
-    assert slurm_states([job], watcher=watcher) == {job: ("COMPLETED", "")}
-    assert watcher.num_calls == 1  # one sacct for every registered job
+    assert settled_states([job]) == {job: ("COMPLETED", "")}
 
 
 def test_export_a_delta_step_and_a_failing_one(slurm_cluster, tmp_path):
@@ -64,7 +76,7 @@ def test_export_a_delta_step_and_a_failing_one(slurm_cluster, tmp_path):
     bad, bad_job = submit(["export", "--cluster", "local_slurm", "--folder", folder, "--",
                            str(tmp_path / "w" / "step_000009"), str(tmp_path / "x")])
     assert bad.returncode == 1 and "exited with 2" in bad.stderr and "step_000009" in bad.stderr, bad.stderr
-    states = slurm_states([job, bad_job])
+    states = settled_states([job, bad_job])
     assert states == {job: ("COMPLETED", ""), bad_job: ("FAILED", "")}, states
 
 

@@ -100,6 +100,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
         self.requested_version = 0
         self.clients: list = []
         self.need_full = False  # weights.delta: a server may lack the last version, the next goes whole
+        self.last_refusal = ""  # why the last refused update was refused (logged; kept for tests and status)
 
     async def start(self, clients: Sequence[Any]) -> None:
         info = await join_announced_group(self.handshake, self.cfg, clients)
@@ -136,6 +137,7 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
             self.handshake.write_marker(VERDICT_FILE, {"version": v, "ok": not why, "why": why or None})
             if why:
                 self.mismatched += 1
+                self.last_refusal = f"v{v}: {why}"
                 self.log.error("weights v%d through SGLang's group refused (%s): loading weights/step_%d instead",
                                v, why, v)
                 await self._from_disk(v, timeout)
