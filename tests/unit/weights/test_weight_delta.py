@@ -115,3 +115,27 @@ def test_expert_views_of_one_stack_take_one_group():
                 for k, n in enumerate(params)}
     apply_parts(params, parts, sums, expected, where="x")
     assert [float(stack[k].reshape(-1)[k]) for k in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_tracker_diff_reads_the_host_a_fixed_number_of_times_whatever_the_number_of_tensors(monkeypatch):
+    """What training waits for: on a GPU shared with inference every host read waits for the other
+    process's kernels, so a diff reads the host three times in all (counts, sums, copies), not per tensor."""
+    g = torch.Generator().manual_seed(3)
+    master = {f"t{i}.weight": torch.randn(256, generator=g) for i in range(40)}
+    stream = DictStream(master, dtype=torch.bfloat16)
+    tracker = DeltaTracker(stream, stream.metas, SoloPeers())
+    tracker.reset()
+    for i in range(0, 40, 2):
+        master[f"t{i}.weight"][i] += 1.0
+    reads = {"tolist": 0, "nonzero": 0, "cpu": 0}
+    for name in reads:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: (
+            reads.__setitem__(_n, reads[_n] + 1), _r(self, *a, **k))[1])
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("a sized nonzero reads the host"))
+    parts, dsum, compared = tracker.diff()
+    assert reads["tolist"] == 2 and reads["nonzero"] == 0, reads  # the counts, then every sum64 change
+    assert reads["cpu"] == 2 * 20, reads  # the copies, queued behind one another (one sync in all)
+    assert compared == 40 * 256 and sorted(parts) == sorted(f"t{i}.weight" for i in range(0, 40, 2))
+    assert all(p.positions.tolist() == [int(n[1:].split(".")[0])] for n, ps in parts.items() for p in ps)
+    assert set(dsum) == set(parts)

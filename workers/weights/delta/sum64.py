@@ -58,14 +58,21 @@ def delta_sum64(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -
     return int(d.sum()) & MASK
 
 
+def segment_sums_device(values_bits: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+                        num_segments: int) -> torch.Tensor:
+    """Per segment, ``sum bits * w(position)`` as a wrapping int64 tensor on the values' device (no host
+    read: a caller summing many tensors reads them all at once)."""
+    contrib = values_bits * weights_at(positions.to(torch.int64))
+    out = torch.zeros(num_segments, dtype=torch.int64, device=contrib.device)
+    out.index_add_(0, segments, contrib)
+    return out
+
+
 def segment_sums(values_bits: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
                  num_segments: int) -> list[int]:
     """Per segment, ``sum bits * w(position)`` mod 2**64 (``segments``: the segment id of each element;
     positions are within each segment's own tensor). One device sync for all segments."""
-    contrib = values_bits * weights_at(positions.to(torch.int64))
-    out = torch.zeros(num_segments, dtype=torch.int64, device=contrib.device)
-    out.index_add_(0, segments, contrib)
-    return [v & MASK for v in out.tolist()]
+    return [v & MASK for v in segment_sums_device(values_bits, positions, segments, num_segments).tolist()]
 
 
 def hex64(v: int) -> str:

@@ -24,7 +24,7 @@ import torch
 
 from workers.weights.base import Peers, TensorMeta
 from workers.weights.delta.patch import Part
-from workers.weights.delta.sum64 import CHUNK, MASK, bits, segment_sums
+from workers.weights.delta.sum64 import CHUNK, MASK, bits, segment_sums_device
 from workers.weights.stream import local_part
 
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -100,6 +100,22 @@ def sources_of(weights, metas: list[TensorMeta]) -> list[Source]:
     return out
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat positions of ``mask``'s True elements, ``count`` of them known already: ``nonzero_static``
+    needs no host read to size its output (plain ``nonzero`` where a build lacks it for the device)."""
+    try:
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    except (NotImplementedError, RuntimeError):
+        return torch.nonzero(mask).squeeze(1)
+
+
 def _to_global(local_idx: torch.Tensor, src: Source) -> torch.Tensor:
     """Flat positions in the full source of flat positions in this rank's box (row-major both:
     the order is kept, so sorted stays sorted)."""
@@ -154,12 +170,17 @@ class DeltaTracker:
             flat = s.local().to(s.dtype).reshape(-1)
             snap = flat.clone() if not self.on_host else flat.to("cpu").pin_memory() if flat.is_cuda else flat.clone()
             self.snap[s.name] = snap
+            pending = []
             for lo in range(0, flat.numel(), CHUNK):
                 idx = torch.arange(lo, min(lo + CHUNK, flat.numel()), dtype=torch.int64, device=flat.device)
-                self._add_sums(s, _to_global(idx, s), bits(flat[lo:lo + CHUNK]))
+                pending.append((s, self._seg_sums(s, _to_global(idx, s), bits(flat[lo:lo + CHUNK]))))
+            self._fold_sums(pending)
         return dict(self.sums)
 
-    def _add_sums(self, s: Source, g: torch.Tensor, contrib_bits: torch.Tensor) -> dict[str, int]:
+    @staticmethod
+    def _seg_sums(s: Source, g: torch.Tensor, contrib_bits: torch.Tensor) -> torch.Tensor:
+        """Per HF tensor of ``s``, the sum64 contribution of ``contrib_bits`` at full-source positions ``g``
+        (a device int64 tensor: nothing is read to the host here)."""
         if len(s.seg_starts) == 1:
             seg, pos = torch.zeros_like(g), g
         elif len(set(s.seg_numels)) == 1 and s.seg_starts == [k * s.seg_numels[0] for k in range(len(s.seg_starts))]:
@@ -169,42 +190,66 @@ class DeltaTracker:
             starts = torch.tensor(s.seg_starts, dtype=torch.int64, device=g.device)
             seg = torch.searchsorted(starts, g, right=True) - 1
             pos = g - starts[seg]
-        got = segment_sums(contrib_bits, pos, seg, len(s.seg_starts))
-        changed = {}
-        for n, v in zip(s.seg_names, got):
-            if v:
-                self.sums[n] = (self.sums[n] + v) & MASK
-                changed[n] = v
+        return segment_sums_device(contrib_bits, pos, seg, len(s.seg_starts))
+
+    def _fold_sums(self, pending: list[tuple[Source, torch.Tensor]]) -> dict[str, int]:
+        """Add the per-source device sums of ``pending`` into ``self.sums`` with one host read; returns the
+        nonzero changes per HF tensor."""
+        if not pending:
+            return {}
+        got = torch.cat([t.to(pending[0][1].device) for _, t in pending]).tolist()
+        changed: dict[str, int] = {}
+        i = 0
+        for s, _ in pending:
+            for n in s.seg_names:
+                v = got[i] & MASK
+                i += 1
+                if v:
+                    self.sums[n] = (self.sums[n] + v) & MASK
+                    changed[n] = (changed.get(n, 0) + v) & MASK
         return changed
+
+    def _current(self, s: Source) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        """(the box now, in the published dtype, on the snapshot's device; the snapshot; their int view)."""
+        snap = self.snap[s.name]
+        new = s.local().to(s.dtype).reshape(-1)
+        if snap.device != new.device:
+            new = new.to(snap.device, non_blocking=False)
+        return new, snap, _INT_OF[new.element_size()]
 
     @torch.no_grad()
     def diff(self, split: bool = True) -> tuple[Any, dict[str, int], int]:
         """(this rank's parts per HF tensor, its sum64 change per touched tensor, elements compared)
         of the current weights against the snapshot, which then holds the current weights. With
         ``split=False`` the first item is the raw changes per source (host tensors), to be cut into
-        parts later by :meth:`split` (off the trainer's critical path)."""
+        parts later by :meth:`split` (off the trainer's critical path).
+
+        Three host reads in all, not two per source (what training waits for, and on a GPU shared with
+        inference every read waits for the other process's kernels): the changed counts of every source,
+        then (positions from ``nonzero_static`` at those counts) every source's sum64 change, and the
+        host copies of the changes. The comparison runs twice per source instead of keeping a mask per
+        source (one byte per element) alive between the passes."""
+        active = [s for s in self.sources if s.sends]
+        compared = sum(_numel(s.local_shape) for s in active)
+        counts = []
+        for s in active:
+            new, snap, iview = self._current(s)
+            counts.append(torch.count_nonzero(new.view(iview) != snap.view(iview)))
+        counts = torch.stack(counts).tolist() if counts else []
         raw: list[tuple[Source, torch.Tensor, torch.Tensor]] = []
-        dsum: dict[str, int] = {}
-        compared = 0
-        for s in self.sources:
-            if not s.sends:
+        pending: list[tuple[Source, torch.Tensor]] = []
+        for s, k in zip(active, counts):
+            if k == 0:
                 continue
-            snap = self.snap[s.name]
-            new = s.local().to(s.dtype).reshape(-1)
-            if snap.device != new.device:
-                new = new.to(snap.device, non_blocking=False)
-            compared += new.numel()
-            iview = _INT_OF[new.element_size()]
-            ch = torch.nonzero(new.view(iview) != snap.view(iview)).squeeze(1)
-            if ch.numel() == 0:
-                continue
+            new, snap, iview = self._current(s)
+            ch = _positions(new.view(iview) != snap.view(iview), k)
             vals, old = new[ch], snap[ch]
             snap.index_copy_(0, ch, vals)
             g = _to_global(ch, s)
-            for n, v in self._add_sums(s, g, bits(vals) - bits(old)).items():
-                dsum[n] = (dsum.get(n, 0) + v) & MASK
+            pending.append((s, self._seg_sums(s, g, bits(vals) - bits(old))))
             raw.append((s, g, vals))
-        host = [(s, g.cpu(), vals.cpu()) for s, g, vals in raw]  # one sync for all sources' copies
+        dsum = self._fold_sums(pending)
+        host = [(s, g.cpu(), vals.cpu()) for s, g, vals in raw]  # copies of every source's changes
         return (self.split(host) if split else host), dsum, compared
 
     def split(self, raw: list) -> dict[str, list[Part]]:
