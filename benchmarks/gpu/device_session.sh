@@ -4,6 +4,8 @@
 #                  0.73B Qwen3-MoE (issue 31)                       -> $OUT/loop_delta/loop.json
 #   one_gpu_node   experiment=one_gpu_node on the shared GPU (issue 33) -> $OUT/one_gpu_node/*.json
 #   kernels        the trainer-kernel benchmarks (issue 36), if present -> $OUT/kernels/*
+#   libraries      the log-prob head against liger-kernel and cut-cross-entropy (carried in .gpusite/),
+#                  and whether flash-attn is importable or buildable there (issue 36) -> $OUT/libraries/*
 # Hydra and OmegaConf travel as pure-Python packages in .gpusite/ (carried, ignored by git).
 #   bash benchmarks/gpu/device_session.sh loop_delta [one_gpu_node ...]
 set -u
@@ -35,6 +37,13 @@ for part in "$@"; do
       if [ -f benchmarks/gpu/kernels_session.sh ]; then
         timeout 590 bash benchmarks/gpu/kernels_session.sh "$OUT/kernels" 2>&1 | tail -60 | tee -a "$OUT/session.log"
       else echo "no benchmarks/gpu/kernels_session.sh" | tee -a "$OUT/session.log"; fi ;;
+    libraries)
+      mkdir -p "$OUT/libraries"
+      timeout 300 python3 -m benchmarks.gpu.bench_logprob_head --libs --out "$OUT/libraries" 2>&1 | tail -20 | tee -a "$OUT/session.log"
+      { python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 | tail -1
+        command -v nvcc && nvcc --version | tail -2 || echo "no nvcc on PATH"
+        python3 -m pip download --no-deps flash-attn -d /tmp/fa 2>&1 | tail -3; } > "$OUT/libraries/flash_attn.log" 2>&1
+      cat "$OUT/libraries/flash_attn.log" | tee -a "$OUT/session.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done
