@@ -213,3 +213,18 @@ def test_huge_finite_weights_whose_sum_overflows_are_still_published_and_read(tm
     st["lm_head.weight"].fill_(3e38)  # the chunk sum overflows to inf: the exact check must clear it
     publish_step(tmp_path, 1, st, keep_last=3)
     assert torch.equal(load_step(tmp_path / "step_000001")["lm_head.weight"], st["lm_head.weight"])
+
+
+def test_nonfinite_screen_checks_a_healthy_model_in_one_pass_and_an_overflowing_sum_is_not_nan(monkeypatch):
+    """Every publish checks for NaN/inf: a healthy model costs one screen (not two kernels a tensor);
+    finite tensors whose sums overflow fall back to the exact check and are still finite."""
+    calls = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(t.shape) or real(t))
+    healthy = {f"w{i}": torch.randn(64) for i in range(30)}
+    assert nonfinite_names(healthy.items()) == [] and len(calls) == 1, calls
+    calls.clear()
+    huge = {**healthy, "big": torch.full((8,), 3e38)}  # sum of magnitudes overflows float32
+    assert nonfinite_names(huge.items()) == [] and len(calls) == 1 + 31
+    huge["w7"][3] = float("nan")
+    assert nonfinite_names(huge.items()) == ["w7"]

@@ -116,6 +116,22 @@ def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
         return torch.nonzero(mask).squeeze(1)
 
 
+def _to_host(raw: list[tuple[Source, torch.Tensor, torch.Tensor]]) -> list[tuple[Source, torch.Tensor, torch.Tensor]]:
+    """``raw`` with positions and values on the host, in two copies for all sources (positions; values
+    as bytes, whatever their dtypes), not two per source."""
+    if not raw:
+        return []
+    pos = torch.cat([g for _, g, _ in raw]).cpu()
+    blob = torch.cat([v.reshape(-1).view(torch.uint8) for _, _, v in raw]).cpu()
+    out, i, b = [], 0, 0
+    for s, g, v in raw:
+        n, nb = g.numel(), v.numel() * v.element_size()
+        part = blob[b:b + nb]
+        out.append((s, pos[i:i + n], (part if b % v.element_size() == 0 else part.clone()).view(v.dtype)))
+        i, b = i + n, b + nb
+    return out
+
+
 def _to_global(local_idx: torch.Tensor, src: Source) -> torch.Tensor:
     """Flat positions in the full source of flat positions in this rank's box (row-major both:
     the order is kept, so sorted stays sorted)."""
@@ -170,17 +186,15 @@ class DeltaTracker:
             flat = s.local().to(s.dtype).reshape(-1)
             snap = flat.clone() if not self.on_host else flat.to("cpu").pin_memory() if flat.is_cuda else flat.clone()
             self.snap[s.name] = snap
-            pending = []
-            for lo in range(0, flat.numel(), CHUNK):
+            for lo in range(0, flat.numel(), CHUNK):  # one chunk at a time: int64 temporaries stay bounded
                 idx = torch.arange(lo, min(lo + CHUNK, flat.numel()), dtype=torch.int64, device=flat.device)
-                pending.append((s, self._seg_sums(s, _to_global(idx, s), bits(flat[lo:lo + CHUNK]))))
-            self._fold_sums(pending)
+                self._fold_sums([(s, self._seg_terms(s, _to_global(idx, s), bits(flat[lo:lo + CHUNK])))])
         return dict(self.sums)
 
     @staticmethod
-    def _seg_sums(s: Source, g: torch.Tensor, contrib_bits: torch.Tensor) -> torch.Tensor:
-        """Per HF tensor of ``s``, the sum64 contribution of ``contrib_bits`` at full-source positions ``g``
-        (a device int64 tensor: nothing is read to the host here)."""
+    def _seg_terms(s: Source, g: torch.Tensor, contrib_bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(HF tensor index within ``s``, position within it, bits) of each element at full-source
+        positions ``g``: the terms of a sum64, summed later for many sources at once (device tensors)."""
         if len(s.seg_starts) == 1:
             seg, pos = torch.zeros_like(g), g
         elif len(set(s.seg_numels)) == 1 and s.seg_starts == [k * s.seg_numels[0] for k in range(len(s.seg_starts))]:
@@ -190,14 +204,19 @@ class DeltaTracker:
             starts = torch.tensor(s.seg_starts, dtype=torch.int64, device=g.device)
             seg = torch.searchsorted(starts, g, right=True) - 1
             pos = g - starts[seg]
-        return segment_sums_device(contrib_bits, pos, seg, len(s.seg_starts))
+        return seg, pos, contrib_bits
 
-    def _fold_sums(self, pending: list[tuple[Source, torch.Tensor]]) -> dict[str, int]:
-        """Add the per-source device sums of ``pending`` into ``self.sums`` with one host read; returns the
-        nonzero changes per HF tensor."""
+    def _fold_sums(self, pending: list[tuple[Source, tuple[torch.Tensor, ...]]]) -> dict[str, int]:
+        """Sum the terms of every entry of ``pending`` per HF tensor (one segment sum over all of them
+        on the device, one host read) into ``self.sums``; returns the nonzero changes per HF tensor."""
         if not pending:
             return {}
-        got = torch.cat([t.to(pending[0][1].device) for _, t in pending]).tolist()
+        segs, base = [], 0
+        for s, (seg, _, _) in pending:
+            segs.append(seg + base)
+            base += len(s.seg_starts)
+        got = segment_sums_device(torch.cat([c for _, (_, _, c) in pending]),
+                                  torch.cat([p for _, (_, p, _) in pending]), torch.cat(segs), base).tolist()
         changed: dict[str, int] = {}
         i = 0
         for s, _ in pending:
@@ -224,10 +243,10 @@ class DeltaTracker:
         ``split=False`` the first item is the raw changes per source (host tensors), to be cut into
         parts later by :meth:`split` (off the trainer's critical path).
 
-        Three host reads in all, not two per source (what training waits for, and on a GPU shared with
+        Four host reads in all, not two or more per source (what training waits for, and on a GPU shared with
         inference every read waits for the other process's kernels): the changed counts of every source,
-        then (positions from ``nonzero_static`` at those counts) every source's sum64 change, and the
-        host copies of the changes. The comparison runs twice per source instead of keeping a mask per
+        then (positions from ``nonzero_static`` at those counts) every source's sum64 change, and one
+        copy each of all the changed positions and values (:func:`_to_host`). The comparison runs twice per source instead of keeping a mask per
         source (one byte per element) alive between the passes."""
         active = [s for s in self.sources if s.sends]
         compared = sum(_numel(s.local_shape) for s in active)
@@ -246,11 +265,11 @@ class DeltaTracker:
             vals, old = new[ch], snap[ch]
             snap.index_copy_(0, ch, vals)
             g = _to_global(ch, s)
-            pending.append((s, self._seg_sums(s, g, bits(vals) - bits(old))))
+            pending.append((s, self._seg_terms(s, g, bits(vals) - bits(old))))
             raw.append((s, g, vals))
         dsum = self._fold_sums(pending)
-        host = [(s, g.cpu(), vals.cpu()) for s, g, vals in raw]  # copies of every source's changes
-        return (self.split(host) if split else host), dsum, compared
+        return (self.split(_to_host(raw)) if split else _to_host(raw)), dsum, compared
+
 
     def split(self, raw: list) -> dict[str, list[Part]]:
         """Per-HF-tensor parts of :meth:`diff`'s raw changes (host tensors: views, no device work)."""
