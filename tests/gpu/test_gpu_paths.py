@@ -95,3 +95,32 @@ def test_hf_twin_is_the_same_function():
     hf = build_hf_twin(model)
     res = check_equivalence(model, hf, torch.randint(0, TINY_MOE.vocab_size, (2, 24)))
     assert res["logits_rel_err"] < 1e-5
+
+
+@needs_cuda
+def test_delta_tracker_and_nonfinite_screen_on_cuda_equal_the_cpu():
+    """The publish path's device code (issue 31): nonzero_static at known counts, sum64 terms summed for
+    all tensors at once, byte-view host copies, the _foreach_norm NaN screen: same parts and sums as on CPU."""
+    from workers.weights.base import SoloPeers
+    from workers.weights.checksums import nonfinite_names
+    from workers.weights.delta.tracker import DeltaTracker
+    from workers.weights.stream import DictStream
+
+    g = torch.Generator().manual_seed(0)
+    cpu = {f"t{i}.weight": torch.randn(64, 33, generator=g) for i in range(12)}
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        state = {n: t.clone().to(dev) for n, t in cpu.items()}
+        stream = DictStream(state, dtype=torch.bfloat16)
+        tracker = DeltaTracker(stream, stream.metas, SoloPeers())
+        sums0 = tracker.reset()
+        gg = torch.Generator().manual_seed(1)
+        for t in state.values():
+            t.add_((torch.randn(t.shape, generator=gg) * 1e-2).to(dev))
+        parts, dsum, compared = tracker.diff()
+        runs[dev] = (sums0, {n: [(p.positions.tolist(), p.values.float().tolist()) for p in ps]
+                             for n, ps in parts.items()}, dsum, compared)
+        assert nonfinite_names(state.items()) == []
+        state["t3.weight"][5, 7] = float("nan")
+        assert nonfinite_names(state.items()) == ["t3.weight"]
+    assert runs["cpu"] == runs["cuda"]
