@@ -98,14 +98,16 @@ def summarise(records: list[dict]) -> dict:
     if not records:
         return res
     res["reward_first"], res["reward_last"] = records[0].get("reward_mean"), records[-1].get("reward_mean")
-    res["trainer_busy_s_mean"] = sum(r["step_time_s"] for r in records) / len(records)
+    warm = records[1:] or records  # step 1 holds the compile and warm-up (40 s on the H200): not a step's cost
+    res["trainer_busy_s_mean"] = sum(r["step_time_s"] for r in warm) / len(warm)
     for key in ("inference_busy_frac", "inference_tokens_per_s", "weight_sync_s", "completion_len_mean",
                 "weight_bytes", "weight_changed_frac"):
         res[f"{key}_mean"] = sum(r.get(key) or 0.0 for r in records) / len(records)
     # what training waited for: the whole publish when dense, the diff alone with patches (issue 31)
     blocked = [r["weight_blocked_s"] if r.get("weight_blocked_s") is not None else r.get("weight_sync_s", 0.0)
-               for r in records[1:] or records]
+               for r in warm]
     res["weight_blocked_s_mean"] = sum(blocked) / len(blocked)
+    # of the trainer's busy time (load .. publish), and of its whole step (busy + waiting for rollouts)
     res["weight_blocked_frac_of_step"] = res["weight_blocked_s_mean"] / max(res["trainer_busy_s_mean"], 1e-9)
     patches = [r for r in records if r.get("weight_published_changed_frac") is not None]
     if patches:  # the background publish of the step before each record, when it was a patch
@@ -116,6 +118,7 @@ def summarise(records: list[dict]) -> dict:
         span = records[-1]["time"] - records[0]["time"]
         toks = sum(r.get("num_samples", 0) * r.get("completion_len_mean", 0.0) for r in records[1:])
         res["mean_step_time_s"] = span / (len(records) - 1)
+        res["weight_blocked_frac_of_interval"] = res["weight_blocked_s_mean"] / max(res["mean_step_time_s"], 1e-9)
         res["rollout_tok_per_s"] = toks / max(span, 1e-9)
     return res
 
