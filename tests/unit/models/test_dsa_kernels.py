@@ -4,20 +4,16 @@ interpreter (``TRITON_INTERPRET=1``, in a subprocess: the flag is read when the 
 defined), equals the torch reference scores and picks the same keys."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.triton_interpreter import assert_ok_under_interpreter
 from workers.models.blocks import dsa_kernels
 from workers.models.blocks.dsa_kernels import causal_topk, reference_scores
 from workers.models.blocks.dsa_sparse import attention_chunk, topk_rows, visible_rows
 
-ROOT = Path(__file__).resolve().parents[3]
 torch.set_num_threads(1)
 
 
@@ -75,7 +71,4 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_triton_index_kernel_under_the_interpreter_equals_the_reference():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert_ok_under_interpreter(SCRIPT)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import compose
+from tests.helpers.triton_interpreter import assert_ok_under_interpreter
 from workers.common.registry import MODELS
 from workers.models.blocks import fused_logprobs
 from workers.models.blocks.fused_logprobs import fused_target_logprobs
@@ -135,14 +136,4 @@ print("ok")
 
 
 def test_triton_row_kernels_under_the_interpreter_equal_the_torch_path():
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert_ok_under_interpreter(KERNEL_SCRIPT)

@@ -24,7 +24,7 @@ from torch import nn
 
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.kernels import fast
-from workers.models.blocks.logprobs import Scoring, chunked_logprobs
+from workers.models.blocks.logprobs import Scoring, score_head
 from workers.models.blocks.varlen import Documents
 
 
@@ -36,6 +36,7 @@ class ModelOutput:
     expert_load: torch.Tensor  # [L_routed, E] fraction of routed slots per expert
     logp: Optional[torch.Tensor] = None  # [N] log p(target) under ``score`` (chunked, never [N, V])
     entropy: Optional[torch.Tensor] = None  # [N] entropy under ``score`` (no grad)
+    head_loss: Optional[torch.Tensor] = None  # scalar: ``score.token_loss`` summed, when the head took it (logp: no grad)
 
 
 @dataclasses.dataclass
@@ -250,18 +251,18 @@ class CausalLM(nn.Module):
         h = self.model.norm(x)
         if logits_mask is not None:
             h = h[logits_mask]
-        logits = logp = entropy = None
+        logits = logp = entropy = head_loss = None
         if score is None:
             logits = self.head(h)
         else:
             assert logits_mask is not None, "score needs logits_mask (which positions predict its targets)"
-            logp, entropy = chunked_logprobs(h, score, self.head, weight=self.head_weight())
+            logp, entropy, head_loss = score_head(h, score, self.head, weight=self.head_weight())
         if not routed:  # dense: no routed layer, an empty routing record [B, T, 0, 0]
             return ModelOutput(logits=logits, aux_loss=aux_total, expert_load=torch.zeros(0, 0, device=dev),
                                routed_experts=torch.zeros(b, t, 0, 0, dtype=torch.long, device=dev),
-                               logp=logp, entropy=entropy)
+                               logp=logp, entropy=entropy, head_loss=head_loss)
         return ModelOutput(logits=logits, aux_loss=aux_total / len(routed), routed_experts=torch.stack(routed, dim=2),
-                           expert_load=torch.stack(loads), logp=logp, entropy=entropy)
+                           expert_load=torch.stack(loads), logp=logp, entropy=entropy, head_loss=head_loss)
 
     def head_weight(self) -> torch.Tensor:
         """The [V, H] matrix :meth:`head` multiplies by (the fused log-prob head reads it)."""

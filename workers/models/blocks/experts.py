@@ -139,11 +139,16 @@ class StackedExperts(nn.Module):
         return (hasattr(F, "grouped_mm") and rows.dtype == torch.bfloat16 and self.down_proj.dtype == torch.bfloat16
                 and not any(d % 8 for name in self.stacks() for d in getattr(self, name).shape[1:]))
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool = False,
+                row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Local expert ``i`` on the ``counts[i]`` consecutive rows of ``rows`` (sorted by expert): ONE
         grouped GEMM per projection on the fast path (device-side offsets, no host sync), else a loop.
         ``padded``: rows past ``counts.sum()`` are fixed-capacity padding (workers/trainer/ep_capacity.py);
-        their outputs are zero. FSDP hooks this call (its forward gathers the stacks)."""
+        their outputs are zero. ``row_scale`` [rows] (the gate weights): each output row scaled by it,
+        applied to the activation before the down projection (linear, so the same product): the
+        scaling fuses into the activation's kernel and its backward, over the intermediate width,
+        instead of a pass of its own over ``[rows, hidden]`` output rows. FSDP hooks this call (its
+        forward gathers the stacks)."""
         if kernels.fast(rows) and self.grouped_ok(rows):
             offs = counts.cumsum(0).to(torch.int32)
             if self.gated:
@@ -151,6 +156,8 @@ class StackedExperts(nn.Module):
                 h = F.silu(g) * u
             else:
                 h = F.relu(F.grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)).square()
+            if row_scale is not None:
+                h = h * row_scale[:, None].to(h.dtype)
             out = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
             if padded:  # grouped_mm leaves rows past the last offset unwritten
                 real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
@@ -161,6 +168,9 @@ class StackedExperts(nn.Module):
             sizes.append(rows.shape[0] - sum(sizes))
         segs = rows.split(sizes)
         outs = [self.expert(e, seg) for e, seg in enumerate(segs[:self.num_local])]
+        if row_scale is not None:
+            scales = row_scale.split(sizes)
+            outs = [y * s[:, None].to(y.dtype) for y, s in zip(outs, scales)]
         if padded:
             outs.append(torch.zeros_like(segs[-1]))
         return torch.cat(outs) if outs else rows

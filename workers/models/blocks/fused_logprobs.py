@@ -67,6 +67,75 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def chunk_stats(hc: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float
+                ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's forward: ``(logits, log p(y), entropy, lse)``, float32 ``[c]`` each; ``logits`` is the
+    compute-dtype ``[c, V]`` block when the Triton kernels ran (reusable by :func:`chunk_grad_`), else
+    None (the torch path consumed its float32 copy)."""
+    if logprob_kernels.usable(hc):  # one read of the compute-dtype logits (logprob_kernels.py)
+        z = hc @ weight.t()
+        logp, entropy, lse = logprob_kernels.row_stats(z, y, temperature)
+        return z, logp, entropy, lse
+    z = _chunk_logits(hc, weight, temperature)  # [c, V] float32
+    m = z.amax(-1)
+    z_y = z.gather(-1, y[:, None]).squeeze(-1)
+    z.sub_(m[:, None])  # z - m: <= 0
+    e = torch.exp(z)
+    s = e.sum(-1)
+    pz = (e.mul_(z)).sum(-1)  # sum_v e_v (z_v - m)
+    log_s = torch.log(s)
+    # log p(y), entropy (log S - sum_v p_v (z_v - m)), lse
+    return None, z_y - m - log_s, log_s - pz / s, m + log_s
+
+
+def chunk_grad_(logits: Optional[torch.Tensor], hc: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
+                lse: torch.Tensor, gc: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``G = g (onehot(y) - softmax)`` ``[c, V]`` in the GEMM dtype (``gc`` already divided by T), written
+    over ``logits`` (the compute-dtype block of :func:`chunk_stats`) when given, else recomputed."""
+    if logits is None and logprob_kernels.usable(hc):
+        logits = hc @ weight.t()
+    if logits is not None:  # G over the logits in place, in their dtype
+        return logprob_kernels.row_grad_(logits, y, lse, gc, temperature)
+    return _torch_grad(hc, weight, y, lse, gc, temperature)
+
+
+_ADDMM_FP32: list = []
+"""Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` sums a half-precision product into
+a float32 accumulator correctly on this build (checked once, on CUDA only)."""
+
+
+def _addmm_fp32_ok(device: torch.device) -> bool:
+    if not _ADDMM_FP32:
+        ok = False
+        if device.type == "cuda":
+            try:
+                g = torch.Generator(device="cpu").manual_seed(0)
+                a, b = (torch.randn(s, generator=g).to(device, torch.bfloat16) for s in ((64, 48), (48, 32)))
+                acc = torch.ones(64, 32, device=device)
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc, 1 + a.float() @ b.float(), atol=1e-2, rtol=1e-2))
+            except (RuntimeError, TypeError):
+                ok = False
+        _ADDMM_FP32.append(ok)
+    return _ADDMM_FP32[0]
+
+
+def accumulate_dw(dw: Optional[torch.Tensor], grad: torch.Tensor, hc: torch.Tensor, acc_dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """``dw + grad^T hc`` (``dw`` None: the first chunk), summed in ``acc_dtype``. Half precision on
+    CUDA: the GEMM writes float32 into the accumulator itself (no half-precision [V, H] product to
+    write, read back and add: ~4 bytes x V x H less traffic a chunk)."""
+    if dw is None:
+        if acc_dtype != grad.dtype and _addmm_fp32_ok(grad.device):
+            return torch.mm(grad.t(), hc, out_dtype=acc_dtype)
+        return (grad.t() @ hc).to(acc_dtype)
+    if dw.dtype == grad.dtype:
+        return dw.addmm_(grad.t(), hc)
+    if _addmm_fp32_ok(grad.device):
+        return torch.addmm(dw, grad.t(), hc, out_dtype=dw.dtype, out=dw)
+    return dw.add_(grad.t() @ hc)
+
+
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -76,22 +145,8 @@ class _FusedLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for i in range(0, n, chunk):
-            y = targets[i:i + chunk]
-            if logprob_kernels.usable(h):  # one read of the compute-dtype logits (logprob_kernels.py)
-                stats = logprob_kernels.row_stats(h[i:i + chunk] @ weight.t(), y, temperature)
-                logp[i:i + chunk], entropy[i:i + chunk], lse[i:i + chunk] = stats
-                continue
-            z = _chunk_logits(h[i:i + chunk], weight, temperature)  # [c, V]
-            m = z.amax(-1)
-            z_y = z.gather(-1, y[:, None]).squeeze(-1)
-            z.sub_(m[:, None])  # z - m: <= 0
-            e = torch.exp(z)
-            s = e.sum(-1)
-            pz = (e.mul_(z)).sum(-1)  # sum_v e_v (z_v - m)
-            log_s = torch.log(s)
-            lse[i:i + chunk] = m + log_s
-            logp[i:i + chunk] = z_y - m - log_s
-            entropy[i:i + chunk] = log_s - pz / s  # log S - sum_v p_v (z_v - m)
+            _z, logp[i:i + chunk], entropy[i:i + chunk], lse[i:i + chunk] = chunk_stats(
+                h[i:i + chunk], weight, targets[i:i + chunk], temperature)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -108,21 +163,14 @@ class _FusedLogprobs(torch.autograd.Function):
         g = g_logp.float() / t  # d z = d logits / T
         dh = torch.empty_like(h) if need_h else None
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        dw = None
         for i in range(0, n, chunk):
             hc = h[i:i + chunk]
-            if logprob_kernels.usable(hc):  # G over the logits in place, in their dtype
-                grad = logprob_kernels.row_grad_(hc @ weight.t(), targets[i:i + chunk], lse[i:i + chunk],
-                                                 g[i:i + chunk], t)
-            else:
-                grad = _torch_grad(hc, weight, targets[i:i + chunk], lse[i:i + chunk], g[i:i + chunk], t)
+            grad = chunk_grad_(None, hc, weight, targets[i:i + chunk], lse[i:i + chunk], g[i:i + chunk], t)
             if need_h:
                 dh[i:i + chunk] = grad @ weight
             if need_w:  # a GEMM in the compute dtype (fp32 inside), summed over chunks in fp32
-                if dw.dtype == grad.dtype:
-                    dw.addmm_(grad.t(), hc)
-                else:
-                    dw.add_(grad.t() @ hc)
+                dw = accumulate_dw(dw, grad, hc, acc_dtype)
         if dw is not None and dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
         return dh, dw, None, None, None

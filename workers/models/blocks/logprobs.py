@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from workers.models.blocks.fused_logprobs import fused_target_logprobs
+from workers.models.blocks.fused_loss_head import TokenLoss, fused_loss_logprobs
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``(logits [n, V(local)], targets [n]) -> (log p [n] with grad, entropy [n] no grad)``."""
@@ -42,6 +43,23 @@ class Scoring:
     """Set (``trainer.logprob_head=fused``): score with the fused head at this temperature
     (workers/models/blocks/fused_logprobs.py) instead of ``scorer``, whenever the head's weight is a
     plain tensor (not a vocabulary-parallel DTensor shard: those keep ``scorer``)."""
+    token_loss: Optional[TokenLoss] = None
+    """Set with ``fused_temperature`` (``trainer.logprob_head=fused_loss``, a loss of per-token terms): the
+    head takes the loss's gradient in its forward (workers/models/blocks/fused_loss_head.py) and the
+    forward returns the loss (``head_loss``) with log-probs that carry no gradient. Where the fused
+    head does not apply, ignored: the caller then gets ``head_loss`` None and log-probs with grad."""
+
+
+def score_head(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tensor], torch.Tensor],
+               weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(log p [N], entropy [N], head_loss or None)``: :func:`chunked_logprobs`, or the loss-in-forward
+    head when ``score.token_loss`` is set and the fused head applies."""
+    if score.token_loss is not None and score.fused_temperature is not None and fusable(weight):
+        loss, logp, entropy = fused_loss_logprobs(h, weight, score.targets, score.fused_temperature,
+                                                  score.chunk_tokens, score.token_loss)
+        return logp, entropy, loss
+    logp, entropy = chunked_logprobs(h, score, head, weight)
+    return logp, entropy, None
 
 
 def chunked_logprobs(h: torch.Tensor, score: Scoring, head: Callable[[torch.Tensor], torch.Tensor],

@@ -146,8 +146,10 @@ class MoeBlock(nn.Module):
         """Sort token slots by expert, two grouped GEMMs over all experts (the stacked parameters,
         workers/models/blocks/experts.py), no host sync.
 
-        Same function as the loop up to summation order: each token's k expert outputs are
-        summed in one reduction (fp32 accumulate) instead of k bf16 index_adds.
+        Same function as the loop up to rounding: each token's k expert outputs are summed in one
+        reduction (fp32 accumulate) instead of k bf16 index_adds, and the gate weight scales the
+        activation before the down projection rather than its output. Passes over the ``[N*k, H]``
+        slot rows: the gather, the two GEMMs' reads and writes, the un-permuting sum.
         """
         k = self.top_k
         expert_ids = idx.reshape(-1)  # [N*k], slot s belongs to token s // k
@@ -158,6 +160,7 @@ class MoeBlock(nn.Module):
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         xs = _GatherSlots.apply(flat, tok_of, inv, k)  # [N*k, H] grouped by expert
-        y = self.experts(xs, counts)
-        y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+        # gate weights folded into the experts' activation (StackedExperts.forward's row_scale):
+        # no [N*k, H] pass to scale the outputs, nor one over them in the backward
+        y = self.experts(xs, counts, row_scale=weights.reshape(-1).index_select(0, order))
         return _UnpermuteSum.apply(y, tok_of, inv, k)
