@@ -24,9 +24,11 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   the routing terms), the embedding output and the final hidden states with their gradients;
 * the head: ``trainer.logprob_chunk_tokens`` x vocabulary float32 logits, about
   :data:`HEAD_COPIES` alive at once (logits, scaled copy, exp, gradient), vocabulary / tp each,
-  under ``trainer.logprob_head=checkpoint`` (and at tp > 1); the fused head (the default) holds
+  under ``trainer.logprob_head=checkpoint`` (and at tp > 1); the fused heads hold
   :data:`FUSED_HEAD_BYTES` per logit plus the compute-dtype GEMM output when that is not float32
-  (its CUDA kernels need only the latter: an over-estimate there);
+  (its CUDA kernels need only the latter: an over-estimate there); ``fused_loss`` (the default) adds
+  the head weight's float32 gradient, 4 x vocabulary x hidden bytes, held from the head's forward
+  to its backward;
   it is alive when no layer is being recomputed, so the peak is what stays plus the larger of the
   two.
 
@@ -119,7 +121,7 @@ def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
                       logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1,
-                      logprob_head: str = "fused") -> ActivationEstimate:
+                      logprob_head: str = "fused_loss") -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer and sparse attention (:func:`dsa_bytes`)."""
@@ -143,8 +145,11 @@ def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int =
     trainer = int(n * (TRAINER_BYTES_PER_TOKEN + routed_layers * a.top_k * 8 * 4
                        + 4 * a.hidden_size * c + 4 * a.mha_head_dim * c))
     chunk = min(n, logprob_chunk) if logprob_chunk > 0 else n
-    per_logit = (FUSED_HEAD_BYTES + (c if c != 4 else 0)) if logprob_head == "fused" and tp == 1 else HEAD_COPIES * 4
+    fused = logprob_head in ("fused", "fused_loss") and tp == 1
+    per_logit = (FUSED_HEAD_BYTES + (c if c != 4 else 0)) if fused else HEAD_COPIES * 4
     head = int(per_logit * chunk * -(-a.vocab_size // tp))
+    if logprob_head == "fused_loss" and tp == 1:  # the head weight's float32 gradient, forward to backward
+        head += 4 * a.vocab_size * a.hidden_size
     # The head's chunk (scored after the last layer, recomputed first in the backward) and the layer being
     # recomputed are never alive together: the peak is the larger of the two over what stays.
     layers = int(n * (kept + working))
@@ -240,7 +245,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
                                  routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
-                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused"))
+                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused_loss"))
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.logprobs import Scoring
-from workers.trainer import context_parallel
+from workers.trainer import context_parallel, head_loss
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, disagreement_counts, expert_counts, load_balance_loss,
                                   loss_relevant_inputs, policy_loss_terms)
@@ -57,14 +57,18 @@ class RowForward:
     own: torch.Tensor  # [B, T, L, k] the trainer router's own top-k
     prob_sums: torch.Tensor  # [L, E] router probability sums over valid tokens (with grad)
     counts: torch.Tensor  # [L, E] routed slots per expert over valid tokens (this rank)
+    head_loss: Optional[torch.Tensor] = None  # the policy loss, when the head took it (logp then has no grad)
 
 
 def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, pack: bool,
-                 logprob_chunk: int = 0, fused_head: bool = True, entropy_grad: bool = False) -> RowForward:
+                 logprob_chunk: int = 0, fused_head: bool = True, entropy_grad: bool = False,
+                 loss_terms: Optional[Callable] = None) -> RowForward:
     """Forward ``batch`` (replaying its routing if asked, packed if asked) and score its tokens,
     ``logprob_chunk`` positions at a time (``trainer.logprob_chunk_tokens``; 0: all at once), with the
     fused head when ``fused_head`` (``trainer.logprob_head=fused``); ``entropy_grad``: the entropy keeps
-    its gradient (an entropy bonus: the checkpointed head, whose entropy carries one)."""
+    its gradient (an entropy bonus: the checkpointed head, whose entropy carries one). ``loss_terms``
+    (workers/trainer/head_loss.py ``token_loss``, with the fused head, not under context parallelism):
+    the head takes the loss's gradient in its forward and ``RowForward.head_loss`` is the loss."""
     cfg = model.config
     forced, forced_mask = replay_inputs(batch.routed_experts, batch.routed_mask, enabled=replay)
     ids, attention, positions, segments, packing = batch.input_ids, batch.attention_mask, None, None, None
@@ -84,11 +88,15 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
     if cp is not None:
         inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
     at = predicted(need)  # the scored positions' targets, in the order of the (chunk's) logits_mask
+    fused = fused_head and not entropy_grad
+    token_loss = None
+    if loss_terms is not None and fused and cp is None:
+        token_loss = loss_terms(lambda x: (x if packing is None else packing.pack(x))[at])
     inputs = {**inputs, "score": Scoring(targets=ids[at], chunk_tokens=logprob_chunk,
                                          scorer=lambda z, y: model.target_logprobs(z, y, batch.temperature,
                                                                                         entropy_grad),
-                                         fused_temperature=batch.temperature if fused_head and not entropy_grad
-                                         else None)}
+                                         fused_temperature=batch.temperature if fused else None,
+                                         token_loss=token_loss)}
     with compute_context(model), capture_routing(model, valid=inputs["attention_mask"]) as routers:
         out = model(**inputs)
     logp, entropy = place(at, out.logp), place(at, out.entropy)
@@ -102,7 +110,8 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
     if packing is not None:
         logp, entropy = packing.unpack_shifted(logp), packing.unpack_shifted(entropy)
         own, routed = packing.unpack(own), packing.unpack(routed)
-    return RowForward(logp=logp, entropy=entropy, routed=routed, own=own, prob_sums=prob_sums, counts=counts)
+    return RowForward(logp=logp, entropy=entropy, routed=routed, own=own, prob_sums=prob_sums, counts=counts,
+                      head_loss=out.head_loss)
 
 
 def scatter_logprobs(model: FsdpTrainerModel, logits: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
@@ -183,33 +192,49 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
         p.grad = None
     counts = None
     chunk, ent = tcfg.logprob_chunk_tokens, tcfg.entropy_coef > 0
+    fused = tcfg.logprob_head in ("fused", "fused_loss")
+    one_pass = head_loss.applies(tcfg, dims.cp)
+    if one_pass:  # the normalisers before the forward: the head takes the loss's gradient in it
+        num_loss_tokens, num_valid = dims.all_reduce(tokens).tolist()
+
+    def loss_mask_of(mb: RolloutBatch) -> torch.Tensor:
+        if replay and tcfg.replay_unreported == "mask":
+            return mask_unreported(mb.loss_mask, mb.routed_mask)
+        return mb.loss_mask
+
+    def forward(mb: RolloutBatch) -> RowForward:
+        terms = head_loss.token_loss(mb, loss_mask_of(mb), tcfg, num_loss_tokens) if one_pass else None
+        return forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk,
+                            fused_head=fused, entropy_grad=ent, loss_terms=terms)
+
     if len(micro) == 1:
-        fwd = forward_rows(model, micro[0], replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk,
-                           fused_head=tcfg.logprob_head == "fused", entropy_grad=ent)
-        totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
-        counts = totals[2:].view(fwd.counts.shape)
+        fwd = forward(micro[0])
+        if one_pass:
+            counts = dims.all_reduce(fwd.counts.flatten().double()).view(fwd.counts.shape)
+        else:
+            totals = dims.all_reduce(torch.cat([tokens, fwd.counts.flatten().double()]))
+            counts = totals[2:].view(fwd.counts.shape)
         fwds = [fwd]
     else:
-        totals = dims.all_reduce(tokens)
+        if not one_pass:
+            totals = dims.all_reduce(tokens)
         if mcfg.num_routed_layers and tcfg.aux_loss_coef > 0:
             counts = dims.all_reduce(count_experts(model, micro, replay=replay, pack=tcfg.pack_sequences))
         fwds = [None] * len(micro)
-    num_loss_tokens, num_valid = totals[:2].tolist()  # the step's one sync before the backward
+    if not one_pass:
+        num_loss_tokens, num_valid = totals[:2].tolist()  # the step's one sync before the backward
     acc = _Accumulator(dims.device)
     for i, mb in enumerate(micro):
-        fwd = fwds[i] or forward_rows(model, mb, replay=replay, pack=tcfg.pack_sequences, logprob_chunk=chunk,
-                                      fused_head=tcfg.logprob_head == "fused", entropy_grad=ent)
+        fwd = fwds[i] or forward(mb)
         fwds[i] = None  # drop the graph's owner as soon as it is used
-        loss_mask = mb.loss_mask
-        if replay and tcfg.replay_unreported == "mask":
-            loss_mask = mask_unreported(loss_mask, mb.routed_mask)
+        loss_mask = loss_mask_of(mb)
         pg_loss, tok = policy_loss_terms(fwd.logp, mb.inference_logprobs, mb.advantages, loss_mask,
-                                         num_loss_tokens=num_loss_tokens, ratio_cap=tcfg.ratio_cap,
-                                         ratio_mask_low=tcfg.ratio_mask_low, ratio_mask_high=tcfg.ratio_mask_high,
-                                         entropy=fwd.entropy, ratio_level=tcfg.ratio_level,
-                                         token_weight=mb.token_weight, clip_low=tcfg.clip_low, clip_high=tcfg.clip_high,
-                                         entropy_coef=tcfg.entropy_coef, ref_logprobs=mb.ref_logprobs,
-                                         kl_coef=tcfg.kl_coef, kl_estimator=tcfg.kl_estimator)
+                                         num_loss_tokens=num_loss_tokens, entropy=fwd.entropy,
+                                         token_weight=mb.token_weight,
+                                         entropy_coef=0.0 if fwd.head_loss is not None else tcfg.entropy_coef,
+                                         ref_logprobs=mb.ref_logprobs, **head_loss.loss_kwargs(tcfg))
+        if fwd.head_loss is not None:  # the head took the loss (and its gradient): the terms above are statistics
+            pg_loss = fwd.head_loss
         loss = pg_loss
         if counts is not None and tcfg.aux_loss_coef > 0:
             loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)

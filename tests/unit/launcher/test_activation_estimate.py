@@ -50,8 +50,11 @@ def test_checkpointing_and_context_parallel_shrink_the_estimate():
     assert dsa.indexer_bytes < dense.indexer_bytes / 25
     half = activation_memory(compose(["model=glm5"]).model, tokens=65536, ac="full", cp=4)  # same queries, half the keys
     assert half.indexer_bytes < 0.6 * dsa.indexer_bytes  # linear in the keys, not quadratic
-    small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024)
-    assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none").head_bytes
+    small_chunk = activation_memory(m, tokens=131072, ac="none", logprob_chunk=1024, logprob_head="fused")
+    assert small_chunk.head_bytes * 4 == activation_memory(m, tokens=131072, ac="none", logprob_head="fused").head_bytes
+    held = activation_memory(m, tokens=131072, ac="none").head_bytes  # fused_loss: + the float32 [V, H] gradient
+    assert held == activation_memory(m, tokens=131072, ac="none", logprob_head="fused").head_bytes \
+        + 4 * m.vocab_size * m.hidden_size
 
 
 LONG = ["cluster=h200_ib", "model=gpu_moe_1b5", "model.max_position_embeddings=131072", "trainer.micro_batch_tokens=131072"]

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import free_port, gloo_dims
 from workers.trainer.fsdp import parallelize
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.step import backward_step, train_step
@@ -41,14 +40,6 @@ def count_conversions():
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
-
-
-@pytest.fixture(scope="module")
-def dims():
-    torch.set_num_threads(1)
-    d = gloo_dims(0, 1, free_port())
-    yield d
-    d.destroy()
 
 
 def syncs(dims, budget: int) -> tuple[int, dict[str, int], dict[str, int]]:

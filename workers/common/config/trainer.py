@@ -14,7 +14,7 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 """``trainer.activation_checkpointing`` choices."""
 COMPILE = ("none", "layers", "auto")
 """``trainer.compile`` choices (workers/trainer/compile.py)."""
-LOGPROB_HEADS = ("fused", "checkpoint")
+LOGPROB_HEADS = ("fused_loss", "fused", "checkpoint")
 """``trainer.logprob_head`` choices (workers/models/blocks/fused_logprobs.py, logprobs.py)."""
 LOSS_AGG = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 """``trainer.loss_agg`` choices (workers/trainer/objective.py)."""
@@ -163,10 +163,14 @@ class TrainerConfig:
     """Positions whose lm_head logits and log-softmax are computed at once when scoring (forward and,
     recomputed, backward): peak logit memory is this x vocab, never sequence x vocab
     (workers/models/blocks/logprobs.py). 0: all positions at once (no recompute)."""
-    logprob_head: str = "fused"
+    logprob_head: str = "fused_loss"
     """How the scored chunks are computed: ``fused`` (one autograd Function with a closed-form
     backward: fewer passes over chunk x vocab and one such block alive at a time;
-    workers/models/blocks/fused_logprobs.py) or ``checkpoint`` (autograd through the log-softmax under
+    workers/models/blocks/fused_logprobs.py), ``fused_loss`` (the default: ``fused``, and where the loss
+    is a sum of per-token terms, i.e. ``ratio_level=token``, no entropy bonus, cp 1, the head takes the
+    loss's gradient in its forward: 3 GEMMs over the vocabulary instead of 4; it holds the head weight's
+    float32 gradient, 4 x vocab x hidden bytes, from the forward to the backward;
+    workers/models/blocks/fused_loss_head.py) or ``checkpoint`` (autograd through the log-softmax under
     activation checkpointing). A vocabulary-parallel head (tp > 1) always takes ``checkpoint``."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
