@@ -26,7 +26,7 @@ architecture facts (workers/models/facts.py), counted the way the trainer runs i
   :data:`HEAD_COPIES` alive at once (logits, scaled copy, exp, gradient), vocabulary / tp each,
   under ``trainer.logprob_head=checkpoint`` (and at tp > 1); the fused heads hold
   :data:`FUSED_HEAD_BYTES` per logit plus the compute-dtype GEMM output when that is not float32
-  (its CUDA kernels need only the latter: an over-estimate there); ``fused_loss`` (the default) adds
+  (its CUDA kernels need only the latter: an over-estimate there); ``fused_loss`` adds
   the head weight's float32 gradient, 4 x vocabulary x hidden bytes, held from the head's forward
   to its backward;
   it is alive when no layer is being recomputed, so the peak is what stays plus the larger of the
@@ -121,7 +121,7 @@ def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
                       logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1,
-                      logprob_head: str = "fused_loss") -> ActivationEstimate:
+                      logprob_head: str = "fused") -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer and sparse attention (:func:`dsa_bytes`)."""
@@ -245,7 +245,7 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
                                  routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
-                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused_loss"))
+                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused"))
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)
