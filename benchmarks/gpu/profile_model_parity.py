@@ -93,12 +93,18 @@ def head_only(hidden: int, vocab: int, tokens: int, device: str, dtype, iters: i
         lp, _ent = fused_target_logprobs(h, w, tgt, 1.0, mp.HEAD_CHUNK)
         (-lp.mean()).backward()
 
+    def ours_one_pass():  # trainer.logprob_head=fused_loss: the loss's gradient in the head's forward
+        from workers.models.blocks.fused_loss_head import fused_loss_logprobs
+
+        loss, _lp, _ent = fused_loss_logprobs(h, w, tgt, 1.0, mp.HEAD_CHUNK, lambda lp, a, b: -lp.sum() / tokens)
+        loss.backward()
+
     def theirs():
         logits = torch.nn.functional.linear(h, w)
         torch.nn.functional.cross_entropy(logits.float(), tgt).backward()
 
     out = {}
-    for name, fn in (("ours_fused", ours), ("logits_ce", theirs)):
+    for name, fn in (("ours_fused", ours), ("ours_fused_loss", ours_one_pass), ("logits_ce", theirs)):
         ts = []
         for i in range(iters + 2):
             sync()
@@ -121,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="AdamW(fused=True) for both (the default of our trainer on CUDA and of transformers' Trainer)")
     ap.add_argument("--toy", action="store_true", help="model_parity's --toy widths (CPU smoke)")
     ap.add_argument("--out", default="benchmarks/out")
     a = ap.parse_args(argv)
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
 
         counters["graph_break"].clear()
         for name, m in models.items():
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-6, fused=a.fused_adamw or None)
             row[name] = phases(m, ids, opt, name.startswith("ours"), a.iters, sync)
             row[name]["kernels"] = kernels(m, ids, opt, name.startswith("ours"), a.top)
             print(f"== {family} {name}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row[name].items()
