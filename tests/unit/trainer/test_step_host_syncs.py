@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 
 from tests.integration import test_parity_parallel as moe
