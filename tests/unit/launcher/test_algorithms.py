@@ -20,7 +20,6 @@ from launcher.plan import build_plan
 from tests.conftest import CONF_DIR, compose
 from tests.integration import test_parity_parallel as moe
 from tests.models.hf_dirs import llama_dir
-from tests.netutil import free_port, gloo_dims
 from workers.common.config import OrchestratorConfig, TrainerConfig
 from workers.common.config.algorithm import ALGORITHMS
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, Sample
@@ -94,14 +93,6 @@ def test_lr_warning_for_a_users_checkpoint(tmp_path):
     assert not [x for x in build_plan(resolve_model_path(compose(overrides), explicit_model_keys(overrides))).summary()
                 if "trainer.lr" in x]
     assert not [x for x in build_plan(compose(["trainer.lr=3e-4"])).summary() if "WARNING trainer.lr" in x]  # no path
-
-
-@pytest.fixture(scope="module")
-def dims():
-    torch.set_num_threads(1)
-    d = gloo_dims(0, 1, free_port())
-    yield d
-    d.destroy()
 
 
 def equal_reward_batch(ocfg: OrchestratorConfig):
