@@ -180,18 +180,27 @@ def _full_vocab_scorer(logits: torch.Tensor, targets: torch.Tensor):
     return vocab_parallel_target_logprobs(logits, targets, 1.0, vocab_start=0, group=None)
 
 
-def train_step(model, ids: torch.Tensor, opt, *, ours: bool, fused_head: bool = False) -> None:
-    """Token-mean cross-entropy, forward + backward + AdamW. ``fused_head`` (ours): the trainer's
-    scoring path instead of logits, the fused log-prob head (workers/models/blocks/fused_logprobs.py):
-    the same loss, no [tokens, vocab] tensor."""
-    if ours and fused_head:
+HEADS = ("logits", "fused", "fused_loss")
+"""Ours' loss: from [tokens, vocab] logits (as transformers), the fused log-prob head
+(``trainer.logprob_head=fused``) or the loss-in-forward head (``fused_loss``)."""
+
+
+def train_step(model, ids: torch.Tensor, opt, *, ours: bool, head: str = "logits") -> None:
+    """Token-mean cross-entropy, forward + backward + AdamW. ``head`` (ours, :data:`HEADS`): ``fused``
+    and ``fused_loss`` take the trainer's scoring path instead of logits (the same loss, no [tokens,
+    vocab] tensor); ``fused_loss`` hands the head the per-token loss, as the trainer's one-pass step
+    does (workers/trainer/head_loss.py), so its gradient is taken in the forward."""
+    if ours and head != "logits":
         from workers.models.blocks.logprobs import Scoring
 
         need = torch.ones_like(ids, dtype=torch.bool)
         need[:, -1] = False
+        n = need.sum().item()
+        token_loss = (lambda lp, a, b: -lp.sum() / n) if head == "fused_loss" else None
         score = Scoring(targets=ids[:, 1:].reshape(-1), scorer=_full_vocab_scorer, chunk_tokens=HEAD_CHUNK,
-                        fused_temperature=1.0)
-        loss = -model(ids, logits_mask=need, score=score).logp.mean()
+                        fused_temperature=1.0, token_loss=token_loss)
+        out = model(ids, logits_mask=need, score=score)
+        loss = out.head_loss if out.head_loss is not None else -out.logp.mean()
     else:
         logits = model(ids).logits if ours else model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
@@ -200,19 +209,25 @@ def train_step(model, ids: torch.Tensor, opt, *, ours: bool, fused_head: bool = 
     opt.zero_grad(set_to_none=True)
 
 
+def adamw(params, fused: bool) -> torch.optim.Optimizer:
+    """The benchmark's optimizer, the same on both sides: ``fused`` is what both projects build on CUDA
+    (our ``build_optimizer``; transformers' ``TrainingArguments.optim`` default ``adamw_torch_fused``)."""
+    return torch.optim.AdamW(params, lr=1e-6, **({"fused": True} if fused else {}))
+
+
 def time_steps(models: dict[str, torch.nn.Module], ids: torch.Tensor, dtype: torch.dtype,
-               iters: int, fused_head: bool = False) -> dict[str, float]:
+               iters: int, head: str = "logits", fused_adamw: bool = False) -> dict[str, float]:
     """Seconds per training step (median) of each model, interleaved: ours, transformers, ours compiled,
     ours, ... (names starting with ``ours`` are ours). The 2 warm-up rounds include compiling."""
     models = {name: m.to(dtype).train() for name, m in models.items()}
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-6) for name, m in models.items()}
+    opts = {name: adamw(m.parameters(), fused_adamw) for name, m in models.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     for i in range(iters + 2):
         for name, model in models.items():
             sync()
             t0 = time.perf_counter()
-            train_step(model, ids, opts[name], ours=name.startswith("ours"), fused_head=fused_head)
+            train_step(model, ids, opts[name], ours=name.startswith("ours"), head=head)
             sync()
             if i >= 2:  # warm-up: allocator, kernels, optimizer state, torch.compile
                 times[name].append(time.perf_counter() - t0)
@@ -245,9 +260,9 @@ def hf_compiled_copy(hf: torch.nn.Module, backend: str, ids: torch.Tensor,
 
 
 def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
-        compile_backend: str | None = None, fused_head: bool = False) -> dict:
+        compile_backend: str | None = None, head: str = "logits", fused_adamw: bool = False) -> dict:
     """``compile_backend`` (None: no compiled column): also time ours with compiled layers.
-    ``fused_head``: ours scores with the fused log-prob head (the trainer's path) instead of logits."""
+    ``head`` (:data:`HEADS`): where ours' loss comes from; ``fused_adamw``: both sides' AdamW fused."""
     configs = {"1b": gpu_configs, "real": real_configs}.get(size, tiny_configs)()
     rows = []
     for family in families:
@@ -266,11 +281,11 @@ def run(families: list[str], *, size: str, device: str, dtype: torch.dtype, batc
             models["hf_compiled"], hf_compile_error = hf_compiled_copy(hf, compile_backend, ids, dtype)
             if models["hf_compiled"] is None:
                 del models["hf_compiled"]
-        secs = time_steps(models, ids, dtype, iters, fused_head=fused_head)
+        secs = time_steps(models, ids, dtype, iters, head=head, fused_adamw=fused_adamw)
         ours_s, hf_s = secs["ours"], secs["hf"]
         tokens = batch * seq
         flops = train_flops_per_token(ours, kw, seq) * tokens
-        row = {"family": family, "shape": size, "ours_head": "fused" if fused_head else "logits",
+        row = {"family": family, "shape": size, "ours_head": head, "adamw": "fused" if fused_adamw else "foreach",
                "vocab_size": kw["vocab_size"], "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"),
                "top_k": kw.get("num_experts_per_tok"), "train_flops_per_step": flops,
                "mfu_ours": flops / ours_s / H200_BF16_PEAK, "mfu_hf": flops / hf_s / H200_BF16_PEAK,
@@ -319,9 +334,11 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=",".join(tiny_configs()))
     ap.add_argument("--size", choices=("tiny", "1b", "real"), default="tiny",
                     help="real: 128 experts top-8, 152k / 164k vocabularies (qwen3_moe, deepseek_v3)")
-    ap.add_argument("--ours-head", choices=("auto", "fused", "logits"), default="auto",
-                    help="ours' loss from the fused log-prob head (the trainer's path) or from logits; auto: fused "
-                         "at --size real")
+    ap.add_argument("--ours-head", choices=("auto",) + HEADS, default="auto",
+                    help="ours' loss from logits, the fused log-prob head or the loss-in-forward head (the "
+                         "trainer's paths); auto: fused_loss at --size real, else logits")
+    ap.add_argument("--adamw", choices=("auto", "foreach", "fused"), default="auto",
+                    help="both sides' AdamW; auto: fused on a CUDA device (both projects' CUDA default)")
     ap.add_argument("--toy", action="store_true", help="with --size real: same keys, widths cut for a CPU smoke run")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -335,7 +352,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     compiled = a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda"))
-    fused = a.ours_head == "fused" or (a.ours_head == "auto" and a.size == "real")
+    head = a.ours_head if a.ours_head != "auto" else ("fused_loss" if a.size == "real" else "logits")
+    fused_adamw = a.adamw == "fused" or (a.adamw == "auto" and a.device.startswith("cuda"))
     if a.toy:
         _shrink_real()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -343,7 +361,7 @@ def main(argv=None) -> int:
     for family in a.families.split(","):  # written after each family: a time limit keeps the finished rows
         result = run([family], size=a.size, device=a.device, dtype=getattr(torch, a.dtype), batch=a.batch,
                      seq=a.seq, iters=a.iters, compile_backend=a.compile_backend if compiled else None,
-                     fused_head=fused)
+                     head=head, fused_adamw=fused_adamw)
         rows += result["rows"]
         Path(a.out).write_text(json.dumps({**result, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -5,7 +5,7 @@
 
 ``workers.trainer.step.train_step`` as a one-GPU trainer runs it (benchmarks/gpu/bench_trainer_step.py
 explains the pieces: fp32 master weights, FSDP2 of world 1 with bf16 compute, ``trainer.compile=layers``,
-the policy loss through the fused log-prob head, AdamW) on the model configs of
+the policy loss through each ``--heads`` log-prob head, AdamW) on the model configs of
 ``benchmarks.model_parity --size real`` (same keys: the two benchmarks' rows are of one model).
 Weights are drawn on the device (normal 0.02, norms 1; a speed benchmark). MFU = model FLOPs per
 step (``benchmarks.model_parity.train_flops_per_token``: 6 x active parameters + causal attention)
@@ -14,6 +14,7 @@ step (``benchmarks.model_parity.train_flops_per_token``: 6 x active parameters +
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from benchmarks import model_parity
 from benchmarks.gpu.bench_trainer_step import synthetic_batch, with_model_logprobs, world_of_one
 from workers.common.config import RunConfig, TrainerConfig
+from workers.common.config.trainer import LOGPROB_HEADS
 from workers.common.registry import MODELS
 from workers.trainer.compile import apply_compile
 from workers.trainer.loop import build_optimizer, parallelize
@@ -51,12 +53,14 @@ def random_init_(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def bench(family: str, args, dims) -> dict:
+def bench(family: str, args, dims) -> list[dict]:
+    """One row per ``trainer.logprob_head`` in ``args.heads``, all on one built model (same weights,
+    interleaved warm-up per head)."""
     model_type, kw = model_parity.real_configs()[family]
     mcfg = family_config(family, model_type, kw)
     compile_mode = "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none"
     tcfg = TrainerConfig(dtype="bfloat16" if dims.device.type == "cuda" else "float32", master_dtype="float32",
-                         compile=compile_mode, lr=1e-5, logprob_head=args.head)
+                         compile=compile_mode, lr=1e-5, logprob_head=args.heads[0])
     cfg = RunConfig(experiment="bench_real_step", model=mcfg, trainer=tcfg)
     t0 = time.perf_counter()
     full = MODELS.get(family).build(mcfg, device=dims.device, dtype=torch.float32)
@@ -70,28 +74,33 @@ def bench(family: str, args, dims) -> dict:
                                 replay=False, seed=1)
     build_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if dims.device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(args.warmup + args.iters):
-        sync()
-        t = time.perf_counter()
-        train_step(model, opt, batch, tcfg, dims)
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    step_s = sorted(times)[len(times) // 2]
-    peak = torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else None
-    row = {"family": family, "shape": "real", "vocab_size": kw["vocab_size"], "params": params,
-           "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"), "top_k": kw["num_experts_per_tok"],
-           "tokens_per_step": args.rows * args.seq_len, "logprob_head": args.head, "compile": compile_mode,
-           "step_s": step_s, "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s,
-           "mfu": flops / step_s / model_parity.H200_BF16_PEAK, "peak_bytes": peak}
-    print(f"{family:12s} params {params:>13,d}  step {step_s:7.3f} s  {row['tokens_per_s']:9.0f} tok/s  "
-          f"MFU {100 * row['mfu']:5.1f}%", flush=True)
+    rows = []
+    for head in args.heads:
+        tcfg = dataclasses.replace(tcfg, logprob_head=head)
+        if dims.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(args.warmup + args.iters):
+            sync()
+            t = time.perf_counter()
+            train_step(model, opt, batch, tcfg, dims)
+            sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+        step_s = sorted(times)[len(times) // 2]
+        peak = torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else None
+        row = {"family": family, "shape": "real", "vocab_size": kw["vocab_size"], "params": params,
+               "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"), "top_k": kw["num_experts_per_tok"],
+               "tokens_per_step": args.rows * args.seq_len, "logprob_head": head, "compile": compile_mode,
+               "step_s": step_s, "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s,
+               "mfu": flops / step_s / model_parity.H200_BF16_PEAK, "peak_bytes": peak}
+        print(f"{family:12s} {head:10s} params {params:>13,d}  step {step_s:7.3f} s  "
+              f"{row['tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:5.1f}%", flush=True)
+        rows.append(row)
     del model, opt, full
     if dims.device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    return row
+    return rows
 
 
 def main(argv=None) -> int:
@@ -101,11 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--head", default="fused", choices=("fused", "checkpoint"), help="trainer.logprob_head")
+    ap.add_argument("--heads", default="fused,fused_loss",
+                    help="comma list of trainer.logprob_head values, one row each on the same model")
     ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths (model_parity --toy), 2 x 32 tokens")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
+    a.heads = a.heads.split(",")
+    if unknown := [h for h in a.heads if h not in LOGPROB_HEADS]:
+        ap.error(f"--heads: {unknown} not in {list(LOGPROB_HEADS)}")
     if a.smoke:
         model_parity._shrink_real()
         a.rows, a.seq_len, a.warmup, a.iters, a.compile_backend = 2, 32, 1, 1, "aot_eager"
@@ -114,7 +127,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for family in a.families.split(","):  # written after each family: a time limit keeps the finished rows
-        rows.append(bench(family, a, dims))
+        rows += bench(family, a, dims)
         (a.out / "real_step.json").write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
     print(f"wrote {a.out / 'real_step.json'}")
     return 0

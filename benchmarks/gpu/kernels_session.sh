@@ -7,11 +7,17 @@
 #                                                     # benchmarks/results/gpu/local/)
 #   bash benchmarks/gpu/kernels_session.sh --record   # also copy the JSON into benchmarks/results/gpu/ (tracked)
 #   bash benchmarks/gpu/kernels_session.sh --smoke    # CPU, toy sizes: the same commands, in a minute or two
+#   bash benchmarks/gpu/kernels_session.sh --parts model_parity_real,real_step   # only those parts
 # Each part has its own time limit, so one that overruns leaves the others' results.
 set -u
-SMOKE=0; RECORD=0
-for a in "$@"; do
-  case "$a" in --smoke) SMOKE=1 ;; --record) RECORD=1 ;; *) echo "unknown argument $a (--smoke, --record)"; exit 2 ;; esac
+SMOKE=0; RECORD=0; PARTS=all
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) SMOKE=1 ;; --record) RECORD=1 ;;
+    --parts) PARTS=${2:?--parts needs a comma list: logprob_head,long_context_dsa,model_parity_real,real_step}; shift ;;
+    *) echo "unknown argument $1 (--smoke, --record, --parts LIST)"; exit 2 ;;
+  esac
+  shift
 done
 OUT=${OUT:-benchmarks/results/gpu/local}
 mkdir -p "$OUT"
@@ -21,6 +27,7 @@ STATUS=0
 
 part() {  # part NAME SECONDS CMD...: run one benchmark under a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  case ",$PARTS," in ,all,|*",$name,"*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -43,7 +50,7 @@ else
     --out "$OUT/long_context_dsa.json"
   part model_parity_real 250 $PY -m benchmarks.model_parity --size real --device cuda --dtype bfloat16 \
     --families qwen3_moe,deepseek_v3 --batch 2 --seq 4096 --iters 3 --out "$OUT/model_parity_real.json"
-  part real_step 100 $PY -m benchmarks.gpu.bench_real_step --out "$OUT"
+  part real_step 200 $PY -m benchmarks.gpu.bench_real_step --out "$OUT"
 fi
 
 if [ $RECORD = 1 ]; then

@@ -22,7 +22,7 @@ def test_model_parity_real_shape_row(tmp_path):
     run(["benchmarks.model_parity", "--size", "real", "--toy", "--families", "qwen3_moe", "--compile", "off",
          "--iters", "1", "--batch", "2", "--seq", "16", "--out", str(out)])
     row = json.loads(out.read_text())["rows"][0]
-    assert row["shape"] == "real" and row["ours_head"] == "fused" and row["top_k"] == 4
+    assert row["shape"] == "real" and row["ours_head"] == "fused_loss" and row["adamw"] == "foreach" and row["top_k"] == 4
     assert row["train_flops_per_step"] > 6 * 32 and 0 < row["mfu_ours"] < 1 and row["ratio_ours_over_hf"] > 0
 
 
@@ -31,3 +31,12 @@ def test_logprob_head_table(tmp_path):
     result = json.loads((tmp_path / "logprob_head.json").read_text())
     assert {r["way"] for r in result["rows"]} == {"fused", "checkpoint", "full"}
     assert result["fused_speedup_over_checkpoint"]["1000"] > 0
+
+
+def test_real_step_rows_per_head(tmp_path):
+    """bench_real_step times every --heads value on the same model: one row each, the head named."""
+    run(["benchmarks.gpu.bench_real_step", "--smoke", "--families", "qwen3_moe", "--heads", "fused,fused_loss",
+         "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "real_step.json").read_text())["rows"]
+    assert [r["logprob_head"] for r in rows] == ["fused", "fused_loss"]
+    assert all(r["step_s"] > 0 and r["top_k"] == 4 for r in rows)
