@@ -121,7 +121,7 @@ def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
 
 def activation_memory(model_cfg, *, tokens: int, ac: str, tp: int = 1, cp: int = 1, compute_dtype: str = "bfloat16",
                       logprob_chunk: int = 4096, routed_rows: float = 1.0, ep: int = 1,
-                      logprob_head: str = "fused") -> ActivationEstimate:
+                      logprob_head: str = "fused_loss") -> ActivationEstimate:
     """Peak activation bytes on one trainer GPU for ``tokens`` tokens of one forward (before / cp).
 
     A DSA model (``num_indexer_heads``) adds its indexer and sparse attention (:func:`dsa_bytes`)."""
@@ -242,10 +242,13 @@ def trainer_fit(cfg, states_gb: float, gpu_gb: float, *, num_ranks: int, rows_pe
     tokens = forward_tokens(cfg, rows_per_rank)
 
     def act(c: int) -> ActivationEstimate:
+        head = getattr(t, "logprob_head", "fused_loss")
+        if head == "fused_loss" and not (t.ratio_level == "token" and t.entropy_coef == 0 and c == 1):
+            head = "fused"  # the step falls back to the two-pass head (workers/trainer/head_loss.py applies)
         return activation_memory(cfg.model, tokens=tokens, ac=t.activation_checkpointing, tp=t.parallel.tp,
                                  cp=c, compute_dtype=t.dtype, logprob_chunk=t.logprob_chunk_tokens,
                                  routed_rows=dispatch_rows(t.parallel.ep, t.parallel.ep_capacity_factor),
-                                 ep=t.parallel.ep, logprob_head=getattr(t, "logprob_head", "fused"))
+                                 ep=t.parallel.ep, logprob_head=head)
 
     usable = FIT_FRACTION * gpu_gb
     a = act(cp)

@@ -97,3 +97,23 @@ def test_fixed_capacity_dispatch_grows_the_routed_expert_activations():
     sel = {ep: activation_memory(m, tokens=16384, ac="selective", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
     full = {ep: activation_memory(m, tokens=16384, ac="full", routed_rows=2.0, ep=ep).total_bytes for ep in (1, 2)}
     assert sel[2] > sel[1] and full[2] == full[1], "selective alone keeps the exchanged rows"
+
+
+def test_the_loss_in_forward_head_is_counted_only_where_the_step_takes_it():
+    """fused_loss (the default) holds the head weight's float32 gradient from forward to backward, but
+    only where the loss is per-token (workers/trainer/head_loss.py applies): GSPO's geometric ratios or
+    an entropy bonus fall back to the two-pass head, and the plan counts that head."""
+    from launcher.activations import trainer_fit
+
+    base = ["cluster=h200_ib", "model=gpu_moe_1b5", "trainer.micro_batch_tokens=4096"]
+
+    def gb(*extra):
+        cfg = compose([*base, *extra])
+        return trainer_fit(cfg, 0.0, 1000.0, num_ranks=1, rows_per_rank=4)[0], cfg.model
+
+    one_pass, m = gb()
+    two_pass, _ = gb("trainer.logprob_head=fused")
+    held = 4 * m.vocab_size * m.hidden_size / 1e9
+    assert one_pass == pytest.approx(two_pass + held, rel=1e-6)
+    assert gb("trainer.ratio_level=geometric")[0] == pytest.approx(two_pass, rel=1e-6)
+    assert gb("trainer.entropy_coef=0.01")[0] == pytest.approx(two_pass, rel=1e-6)

@@ -163,15 +163,15 @@ class TrainerConfig:
     """Positions whose lm_head logits and log-softmax are computed at once when scoring (forward and,
     recomputed, backward): peak logit memory is this x vocab, never sequence x vocab
     (workers/models/blocks/logprobs.py). 0: all positions at once (no recompute)."""
-    logprob_head: str = "fused"
-    """How the scored chunks are computed: ``fused`` (one autograd Function with a closed-form
-    backward: fewer passes over chunk x vocab and one such block alive at a time;
-    workers/models/blocks/fused_logprobs.py), ``fused_loss`` (opt-in: ``fused``, and where the loss
-    is a sum of per-token terms, i.e. ``ratio_level=token``, no entropy bonus, cp 1, the head takes the
-    loss's gradient in its forward: 3 GEMMs over the vocabulary instead of 4; it holds the head weight's
-    float32 gradient, 4 x vocab x hidden bytes, from the forward to the backward;
-    workers/models/blocks/fused_loss_head.py) or ``checkpoint`` (autograd through the log-softmax under
-    activation checkpointing). A vocabulary-parallel head (tp > 1) always takes ``checkpoint``."""
+    logprob_head: str = "fused_loss"
+    """How the scored chunks are computed: ``fused_loss`` (the default: the fused head, and where the
+    loss is a sum of per-token terms, i.e. ``ratio_level=token``, no entropy bonus, cp 1, the head takes
+    the loss's gradient in its forward: 3 GEMMs over the vocabulary instead of 4; it holds the head
+    weight's float32 gradient, 4 x vocab x hidden bytes, from the forward to the backward;
+    workers/models/blocks/fused_loss_head.py; elsewhere it is ``fused``), ``fused`` (one autograd
+    Function with a closed-form backward: fewer passes over chunk x vocab and one such block alive at a
+    time; workers/models/blocks/fused_logprobs.py) or ``checkpoint`` (autograd through the log-softmax
+    under activation checkpointing). A vocabulary-parallel head (tp > 1) always takes ``checkpoint``."""
     batch_timeout_s: float = 600.0
     """Deadline for the orchestrator's next batch before the trainer gives up."""
     num_threads: int = 1
