@@ -8,9 +8,12 @@ one worker short for good. The orchestrator lists the workers it marked dead, si
 with :func:`hung_workers` and kill such a process (the local backend by PID, the Slurm
 supervisor its srun step), after which the usual restart path starts it again.
 
-Only a process started before the worker was marked dead is killed: its replacement, still
-loading, is left alone (the orchestrator marks it dead again if it hangs too). Standard
-library only (the Slurm supervisor runs it on the batch node).
+Only a process that answered the orchestrator after it started (``last_ok``, the worker's last
+good answer) is killed: its replacement, still loading, is left alone even when the orchestrator
+marks that worker dead only after the replacement started (the old process died with a step that
+held several workers; the misses add up while the new one loads). A replacement that answers and
+then hangs is killed like the first. Standard library only (the Slurm supervisor runs it on the
+batch node).
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def hung_workers(run_dir: Path, started: Union[Mapping[int, float], float], *, n
                  kill_after_s: Optional[float] = None) -> dict[int, float]:
     """{worker: seconds dead} for the workers of ``started`` ({worker index: wall time its running
     process started}; one number: every worker, the start of the one Slurm step that holds them all)
-    that the orchestrator marked dead more than the bound ago, after that process started.
+    that the orchestrator marked dead more than the bound ago and that answered after that process
+    started (``last_ok``; a file without it: ``since``).
     ``kill_after_s``: the bound (None: the one the orchestrator wrote; 0: never)."""
     if not isinstance(started, Mapping):
         started = _Every(float(started))
@@ -62,8 +66,9 @@ def hung_workers(run_dir: Path, started: Union[Mapping[int, float], float], *, n
     for key, info in (body.get("dead") or {}).items():
         try:
             w, since = int(key), float(info["since"])
-        except (KeyError, TypeError, ValueError):
+            last_ok = float(info.get("last_ok", since))
+        except (KeyError, TypeError, ValueError, AttributeError):
             continue
-        if w in started and started[w] < since and now - since > bound:
+        if w in started and started[w] < min(since, last_ok) and now - since > bound:
             out[w] = now - since
     return out

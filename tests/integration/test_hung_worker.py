@@ -65,6 +65,7 @@ def test_a_worker_marked_dead_leaves_the_weight_update_at_once(tmp_path):
     assert version == 1 and served == 1 and alive == [True, False]
     assert verified == 1  # the worker that stayed is verified against the trainer's digest
     assert list(health["dead"]) == ["1"] and health["kill_after_s"] == 30
+    assert health["dead"]["1"]["last_ok"] <= health["dead"]["1"]["since"]  # it answered, then went silent
 
 
 def test_hung_workers_reads_the_bound_and_spares_a_newer_process(tmp_path):
@@ -76,6 +77,19 @@ def test_hung_workers_reads_the_bound_and_spares_a_newer_process(tmp_path):
     assert hung_workers(tmp_path, {1: 900.0}, now=1011.0, kill_after_s=0) == {}  # 0: never
     (tmp_path / INFERENCE_HEALTH).write_text("{torn")
     assert hung_workers(tmp_path, {1: 900.0}, now=1011.0) == {}
+
+
+def test_a_replacement_that_never_answered_is_spared_even_when_marked_dead_after_it_started(tmp_path):
+    """The race the Slurm test met: one step holds workers 0 and 1; killing it for hung worker 1 also
+    ends healthy worker 0, whose misses add up only after the respawned step started. Worker 0 last
+    answered before that start, so the loading replacement is not killed again."""
+    dead = {"0": {"since": 1003.0, "last_ok": 995.0}, "1": {"since": 990.0, "last_ok": 985.0}}
+    (tmp_path / INFERENCE_HEALTH).write_text(json.dumps({"kill_after_s": 3, "dead": dead}))
+    assert hung_workers(tmp_path, 1001.0, now=1010.0) == {}  # the respawned step (started 1001)
+    assert hung_workers(tmp_path, 900.0, now=1010.0) == {0: 7.0, 1: 20.0}  # the original step
+    dead["0"]["last_ok"] = 1002.0  # the replacement answered, then hung: it is killed like the first
+    (tmp_path / INFERENCE_HEALTH).write_text(json.dumps({"kill_after_s": 3, "dead": dead}))
+    assert hung_workers(tmp_path, 1001.0, now=1010.0) == {0: 7.0}
 
 
 def test_local_backend_kills_a_hung_worker_by_pid_and_restarts_it(tmp_path, capsys):

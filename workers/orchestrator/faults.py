@@ -55,6 +55,9 @@ class WorkerPool:
         self.misses = [0] * len(self.clients)
         self.down_since: dict[int, float] = {}
         self.dead_wall: dict[int, float] = {}  # worker -> wall time it was marked dead (for the supervisors)
+        # worker -> wall time it last answered (the pool starts once every server answered): a supervisor
+        # kills only a process that answered after it started, never a replacement still loading
+        self.last_ok = [time.time()] * len(self.clients)
         self._gone: dict[int, asyncio.Event] = {}
         self.num_misses, self.timeout_s, self.log = num_misses, timeout_s, log
         self.on_event = on_event or (lambda ev, **kw: None)
@@ -78,7 +81,8 @@ class WorkerPool:
         if self.health_file is None:
             return
         body = {"time": time.time(), "kill_after_s": self.kill_after_s,
-                "dead": {str(w): {"since": t, "url": self.clients[w].base_url} for w, t in sorted(self.dead_wall.items())}}
+                "dead": {str(w): {"since": t, "last_ok": self.last_ok[w], "url": self.clients[w].base_url}
+                         for w, t in sorted(self.dead_wall.items())}}
         try:
             write_json_atomic(self.health_file, body)
         except OSError as e:  # the run dir is the supervisors' business; the pool goes on
@@ -124,7 +128,7 @@ class WorkerPool:
         newly = []
         for w in self.live():
             if await self.healthy(w):
-                self.misses[w] = 0
+                self.misses[w], self.last_ok[w] = 0, time.time()
                 continue
             self.misses[w] += 1
             if self.misses[w] >= self.num_misses and self.mark_dead(w, f"missed {self.misses[w]} health checks"):
@@ -168,7 +172,7 @@ class WorkerPool:
 
     def readmit(self, worker: int, version: Optional[int]) -> None:
         """``worker`` serves weights ``version`` again: live from now on (a transport's revival ends here)."""
-        self.alive[worker], self.misses[worker] = True, 0
+        self.alive[worker], self.misses[worker], self.last_ok[worker] = True, 0, time.time()
         self._gone[worker] = asyncio.Event()
         self.dead_wall.pop(worker, None)
         self.write_health()
