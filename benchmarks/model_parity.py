@@ -185,8 +185,8 @@ HEADS = ("logits", "fused", "fused_loss")
 (``trainer.logprob_head=fused``) or the loss-in-forward head (``fused_loss``)."""
 
 
-def train_step(model, ids: torch.Tensor, opt, *, ours: bool, head: str = "logits") -> None:
-    """Token-mean cross-entropy, forward + backward + AdamW. ``head`` (ours, :data:`HEADS`): ``fused``
+def loss_of(model, ids: torch.Tensor, *, ours: bool, head: str = "logits") -> torch.Tensor:
+    """Token-mean cross-entropy of next-token prediction. ``head`` (ours, :data:`HEADS`): ``fused``
     and ``fused_loss`` take the trainer's scoring path instead of logits (the same loss, no [tokens,
     vocab] tensor); ``fused_loss`` hands the head the per-token loss, as the trainer's one-pass step
     does (workers/trainer/head_loss.py), so its gradient is taken in the forward."""
@@ -195,16 +195,19 @@ def train_step(model, ids: torch.Tensor, opt, *, ours: bool, head: str = "logits
 
         need = torch.ones_like(ids, dtype=torch.bool)
         need[:, -1] = False
-        n = need.sum().item()
+        n = ids.numel() - ids.shape[0]  # every position but each row's last (no device read)
         token_loss = (lambda lp, a, b: -lp.sum() / n) if head == "fused_loss" else None
         score = Scoring(targets=ids[:, 1:].reshape(-1), scorer=_full_vocab_scorer, chunk_tokens=HEAD_CHUNK,
                         fused_temperature=1.0, token_loss=token_loss)
         out = model(ids, logits_mask=need, score=score)
-        loss = out.head_loss if out.head_loss is not None else -out.logp.mean()
-    else:
-        logits = model(ids).logits if ours else model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
+        return out.head_loss if out.head_loss is not None else -out.logp.mean()
+    logits = model(ids).logits if ours else model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def train_step(model, ids: torch.Tensor, opt, *, ours: bool, head: str = "logits") -> None:
+    """One step: :func:`loss_of`, backward, AdamW."""
+    loss_of(model, ids, ours=ours, head=head).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -5,7 +5,8 @@
     python3 -m benchmarks.gpu.profile_model_parity --toy --device cpu --backend aot_eager   # CPU smoke
 
 The models are benchmarks.model_parity's ``--size real`` pair (128 experts top-8, 152k / 164k
-vocabularies, 2 x 4k tokens, bf16). Each step is cut into forward + loss, backward and the
+vocabularies, 2 x 4k tokens, bf16), ours through ``--ours-head`` (the trainer's default,
+``fused_loss``), transformers through logits + float32 cross-entropy. Each step is cut into forward + loss, backward and the
 optimizer step with a device sync between them (medians of ``--iters`` steps), so the phase that
 differs shows; then one profiled step per model gives the kernels that take the CUDA time. A
 head-only row times the loss head on the same hidden states: our fused log-prob head
@@ -19,33 +20,21 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from benchmarks import model_parity as mp
 
 
-def _loss(model, ids: torch.Tensor, ours: bool) -> torch.Tensor:
-    """model_parity.train_step's loss (ours: the fused head, as at ``--size real``)."""
-    if ours:
-        from workers.models.blocks.logprobs import Scoring
-
-        need = torch.ones_like(ids, dtype=torch.bool)
-        need[:, -1] = False
-        score = Scoring(targets=ids[:, 1:].reshape(-1), scorer=mp._full_vocab_scorer, chunk_tokens=mp.HEAD_CHUNK,
-                        fused_temperature=1.0)
-        return -model(ids, logits_mask=need, score=score).logp.mean()
-    logits = model(input_ids=ids).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-
-
-def phases(model, ids, opt, ours: bool, iters: int, sync) -> dict[str, float]:
-    """Median seconds of forward + loss, backward and optimizer (step + zero_grad), synced apart."""
+def phases(model, ids, opt, head: Optional[str], iters: int, sync) -> dict[str, float]:
+    """Median seconds of forward + loss, backward and optimizer (step + zero_grad), synced apart.
+    ``head``: ours through that log-prob head (model_parity.HEADS); None: transformers' logits + CE."""
     rows = []
     for i in range(iters + 2):
         sync()
         t0 = time.perf_counter()
-        loss = _loss(model, ids, ours)
+        loss = mp.loss_of(model, ids, ours=head is not None, head=head or "logits")
         sync()
         t1 = time.perf_counter()
         loss.backward()
@@ -61,13 +50,13 @@ def phases(model, ids, opt, ours: bool, iters: int, sync) -> dict[str, float]:
     return {"forward_s": med(0), "backward_s": med(1), "optimizer_s": med(2), "step_s": med(3)}
 
 
-def kernels(model, ids, opt, ours: bool, top: int) -> list[dict]:
+def kernels(model, ids, opt, head: Optional[str], top: int) -> list[dict]:
     """One profiled step: the ``top`` kernels by total CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
     with profile(activities=acts) as prof:
-        _loss(model, ids, ours).backward()
+        mp.loss_of(model, ids, ours=head is not None, head=head or "logits").backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if ids.is_cuda:
@@ -129,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--fused-adamw", action="store_true",
                     help="AdamW(fused=True) for both (the default of our trainer on CUDA and of transformers' Trainer)")
+    ap.add_argument("--ours-head", choices=mp.HEADS, default="fused_loss",
+                    help="our model's log-prob head (the trainer's default: fused_loss)")
     ap.add_argument("--toy", action="store_true", help="model_parity's --toy widths (CPU smoke)")
     ap.add_argument("--out", default="benchmarks/out")
     a = ap.parse_args(argv)
@@ -151,14 +142,15 @@ def main(argv=None) -> int:
             continue
         models["hf_compiled"] = hf_c.to(dtype).train()
         del hf, ours
-        row = {"family": family, "vocab_size": kw["vocab_size"], "tokens": a.batch * a.seq}
+        row = {"family": family, "vocab_size": kw["vocab_size"], "tokens": a.batch * a.seq, "ours_head": a.ours_head}
         from torch._dynamo.utils import counters
 
         counters["graph_break"].clear()
         for name, m in models.items():
             opt = torch.optim.AdamW(m.parameters(), lr=1e-6, fused=a.fused_adamw or None)
-            row[name] = phases(m, ids, opt, name.startswith("ours"), a.iters, sync)
-            row[name]["kernels"] = kernels(m, ids, opt, name.startswith("ours"), a.top)
+            head = a.ours_head if name.startswith("ours") else None
+            row[name] = phases(m, ids, opt, head, a.iters, sync)
+            row[name]["kernels"] = kernels(m, ids, opt, head, a.top)
             print(f"== {family} {name}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row[name].items()
                                                       if k.endswith("_s")), flush=True)
             for k in row[name]["kernels"]:

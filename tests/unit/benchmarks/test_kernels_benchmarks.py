@@ -40,3 +40,15 @@ def test_real_step_rows_per_head(tmp_path):
     rows = json.loads((tmp_path / "real_step.json").read_text())["rows"]
     assert [r["logprob_head"] for r in rows] == ["fused", "fused_loss"]
     assert all(r["step_s"] > 0 and r["top_k"] == 4 for r in rows)
+
+
+def test_profile_splits_the_step_through_the_trainers_head(tmp_path):
+    """profile_model_parity times ours through --ours-head (the trainer's default) and transformers,
+    phase by phase, and lists the kernels of one profiled step of each."""
+    run(["benchmarks.gpu.profile_model_parity", "--toy", "--device", "cpu", "--backend", "eager", "--iters", "1",
+         "--top", "3", "--families", "qwen3_moe", "--batch", "1", "--seq", "16", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "profile_model_parity.json").read_text())["rows"][0]
+    assert row["ours_head"] == "fused_loss"
+    for side in ("ours_compiled", "hf_compiled"):
+        assert 0 < row[side]["forward_s"] < row[side]["step_s"] and len(row[side]["kernels"]) == 3
+    assert set(row["head_only"]) == {"ours_fused_s", "ours_fused_loss_s", "logits_ce_s"}
