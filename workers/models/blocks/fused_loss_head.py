@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from workers.models.blocks import logprob_kernels
 from workers.models.blocks.fused_logprobs import accumulate_dw, chunk_grad_, chunk_stats
 
 TokenLoss = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -81,7 +82,7 @@ class _FusedLossHead(torch.autograd.Function):
                 continue
             grad = chunk_grad_(z, hc, weight, y, lse, g / temperature, temperature)  # G, over z in place
             if need_h:
-                dh[a:b] = grad @ weight
+                torch.mm(grad, weight, out=dh[a:b])  # a contiguous row block of dh: no temporary
             if need_w:
                 dw = accumulate_dw(dw, grad, hc, acc_dtype)
         if need_w and dw is None:
@@ -99,8 +100,11 @@ class _FusedLossHead(torch.autograd.Function):
         dh = saved.pop(0) if need_h else None
         dw = saved.pop(0) if need_w else None
         scale = g_total.float()  # usually 1 (loss.backward()); multiplied, not tested: no host read
+        fast = logprob_kernels.usable(scale)  # one pass each, the scale read on the device
         if dh is not None:
-            dh = dh * scale
-        if dw is not None:  # rounded first (a new tensor), then scaled in place: a bf16 pass, not a float32 one
+            dh = logprob_kernels.round_scaled(dh, scale, dh.dtype) if fast and dh.is_contiguous() else dh * scale
+        if dw is not None and fast and dw.is_contiguous():
+            dw = logprob_kernels.round_scaled(dw, scale, ctx.weight_dtype)
+        elif dw is not None:  # rounded first (a new tensor), then scaled in place: a bf16 pass, not a float32 one
             dw = dw.to(ctx.weight_dtype).mul_(scale) if dw.dtype != ctx.weight_dtype else dw * scale
         return dh, dw, None, None, None, None
