@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
+import transformers  # the reference every model test imports; `make test` installs it
 from safetensors.torch import load_file
 
 from tests.integration.conftest import SMALL, assert_no_children_left, metrics, slurmrl
@@ -15,7 +15,6 @@ from workers.common.config.run import load_run_config
 from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
 
-transformers = pytest.importorskip("transformers")
 
 
 def test_a_run_starts_from_model_path_and_publishes_transformers_directories(tmp_path):
