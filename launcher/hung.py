@@ -69,6 +69,6 @@ def hung_workers(run_dir: Path, started: Union[Mapping[int, float], float], *, n
             last_ok = float(info.get("last_ok", since))
         except (KeyError, TypeError, ValueError, AttributeError):
             continue
-        if w in started and started[w] < min(since, last_ok) and now - since > bound:
+        if w in started and started[w] < last_ok and now - since > bound:  # last_ok <= since
             out[w] = now - since
     return out

@@ -6,10 +6,10 @@
 
 The models are benchmarks.model_parity's ``--size real`` pair (128 experts top-8, 152k / 164k
 vocabularies, 2 x 4k tokens, bf16), ours through ``--ours-head`` (the trainer's default,
-``fused_loss``), transformers through logits + float32 cross-entropy. Each step is cut into forward + loss, backward and the
-optimizer step with a device sync between them (medians of ``--iters`` steps), so the phase that
-differs shows; then one profiled step per model gives the kernels that take the CUDA time. A
-head-only row times the loss head on the same hidden states: our fused log-prob head
+``fused_loss``), transformers through logits + float32 cross-entropy. Each step is cut into
+forward + loss, backward and the optimizer step with a device sync between them (medians of
+``--iters`` steps), so the phase that differs shows; then one profiled step per model gives the
+kernels that take the CUDA time. A head-only row times the loss head on the same hidden states: our fused log-prob head
 (workers/models/blocks/fused_logprobs.py) against logits + float32 cross-entropy (transformers').
 Writes ``profile_model_parity.json`` and prints the tables.
 """

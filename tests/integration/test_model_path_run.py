@@ -16,7 +16,6 @@ from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.weights.filesystem.receiver import DiskReader
 
 
-
 def test_a_run_starts_from_model_path_and_publishes_transformers_directories(tmp_path):
     source = llama_dir(tmp_path / "tiny-llama", tokenizer_vocab=100)
     run_dir = tmp_path / "run"
