@@ -9,8 +9,8 @@ vocabularies, 2 x 4k tokens, bf16), ours through ``--ours-head`` (the trainer's 
 ``fused_loss``), transformers through logits + float32 cross-entropy. Each step is cut into
 forward + loss, backward and the optimizer step with a device sync between them (medians of
 ``--iters`` steps), so the phase that differs shows; then one profiled step per model gives the
-kernels that take the CUDA time. A head-only row times the loss head on the same hidden states: our fused log-prob head
-(workers/models/blocks/fused_logprobs.py) against logits + float32 cross-entropy (transformers').
+kernels that take the CUDA time. A head-only row times the loss head on the same hidden states:
+our fused log-prob heads (workers/models/blocks/fused_logprobs.py, fused_loss_head.py) against logits + float32 cross-entropy (transformers').
 Writes ``profile_model_parity.json`` and prints the tables.
 """
 from __future__ import annotations
