@@ -66,5 +66,5 @@ def pack(w: torch.Tensor, scale_exponents: Optional[torch.Tensor] = None) -> tup
     if not torch.equal(lut[codes], unit):
         raise ValueError("pack: some value is not an FP4 code times its block's scale")
     codes = codes.to(torch.uint8).view(e, n_out, n_in // BLOCK, BLOCK // 2, 2)
-    blocks = codes[..., 0] | (codes[..., 1] << 4)
+    blocks = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
     return blocks, (exps + BIAS).to(torch.uint8)
