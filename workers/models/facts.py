@@ -46,6 +46,12 @@ class Architecture:
     """MHA head width; 0: hidden_size / num_heads (Qwen3 sets it apart from both)."""
     qk_norm: bool = False
     """Per-head RMSNorm of queries and keys (Qwen3): two ``[head_dim]`` weights per layer."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2; GPT-OSS)."""
+    o_bias: bool = False
+    """A bias on the output projection (GPT-OSS; Qwen3's attention_bias sets both)."""
+    attention_sinks: bool = False
+    """One learned sink logit per query head and layer (GPT-OSS's ``self_attn.sinks``)."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model (every layer a dense MLP)."""
     top_k: int = 0
@@ -86,7 +92,9 @@ class Architecture:
         if self.attention == "mha":  # q and o: h x (heads x head dim); k and v: h x (kv heads x head dim) under GQA
             hd = self.mha_head_dim
             kv = (self.num_kv_heads or self.num_heads) * hd
-            return 2 * h * self.num_heads * hd + 2 * h * kv + (2 * hd if self.qk_norm else 0)
+            extras = ((2 * hd if self.qk_norm else 0) + (self.num_heads * hd + 2 * kv if self.qkv_bias else 0)
+                      + (h if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0))
+            return 2 * h * self.num_heads * hd + 2 * h * kv + extras
         qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.q_lora_rank:
             q = h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head + self.q_lora_rank  # down, up, norm

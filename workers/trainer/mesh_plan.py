@@ -19,8 +19,9 @@ Each cp rank's loss is its tokens' share of the globally normalised loss, so FSD
 over ``batch`` / ``edp`` (which include cp) adds the cp ranks' contributions.
 
 Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors last):
-  attention  GQA: q/k/v ColwiseParallel (heads split), o_proj RowwiseParallel, per-head q/k norms
-             replicated with a TP-summed gradient; MLA: q_b_proj (or q_proj) and kv_b_proj
+  attention  GQA: q/k/v ColwiseParallel (heads split, with their biases), o_proj RowwiseParallel (its
+             bias replicated), per-head q/k norms replicated with a TP-summed gradient, attention
+             sinks (one logit per head) sharded with the heads; MLA: q_b_proj (or q_proj) and kv_b_proj
              ColwiseParallel (split by heads), o_proj RowwiseParallel, the latent down-projections
              (q_a_proj, kv_a_proj_with_mqa), their norms and a DSA indexer replicated; Mamba-2
              mixers stay replicated (no TP split of their fused in_proj yet);
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from workers.models.blocks.experts import StackedExperts, checkpoint_named, shard_placement, stacked_state_names
@@ -91,7 +92,9 @@ def _tp_attention(attn: nn.Module, tp_mesh: DeviceMesh, tp: int) -> None:
     if attn.nh % tp:
         raise ValueError(f"trainer.parallel.tp({tp}) must divide the attention heads({attn.nh})")
     attn.nh //= tp
-    parallelize_module(attn, tp_mesh, plan)
+    parallelize_module(attn, tp_mesh, plan)  # q/k/v biases split with their heads; o_proj's stays replicated
+    if getattr(attn, "sinks", None) is not None:  # one sink logit per query head: split with the heads
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
     for norm in ("q_norm", "k_norm"):  # per-head norms on the local heads: gradient summed over tp
         if getattr(attn, norm, None) is not None:
             setattr(attn, norm, HeadSharedNorm(getattr(attn, norm), tp_mesh.get_group()))

@@ -125,7 +125,7 @@ def test_the_varlen_branch_flattens_runs_into_cu_seqlens(monkeypatch):
     want = varlen.attend_docs(q, k, v, docs, scale=0.25)
     monkeypatch.setattr(varlen, "_VARLEN", fake_varlen)
     monkeypatch.setitem(varlen._VARLEN_CAUSAL, "window_size", (-1, 0))
-    monkeypatch.setattr(varlen, "varlen_ok", lambda q, v: True)
+    monkeypatch.setattr(varlen, "varlen_ok", lambda q, v, window=None: True)
     got = varlen.attend_docs(q, k, v, docs, scale=0.25)
     assert calls == [([0, 3, 5, 6, 10, 12], 4)]
     torch.testing.assert_close(got[0, :, :5], want[0, :, :5])  # the padding run differs: nobody reads it

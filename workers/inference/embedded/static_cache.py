@@ -43,6 +43,7 @@ from torch import nn
 from workers.models.blocks import kernels
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.mamba2 import Mamba2Mixer
+from workers.models.blocks.masking import with_sinks
 from workers.models.blocks.mla import MLAttention
 
 
@@ -125,22 +126,28 @@ class StaticKVCache(KVCache):
         """``new`` [B, T, ...] goes to each row's slot at its positions (index_put: graph-safe)."""
         buf[self.slots[:, None], self._pos] = new
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Store k/v ``[B, kv_heads, T, D]`` and attend with q ``[B, heads, T, D]`` over the slot.
 
         GQA without repeating keys: the ``g = heads / kv_heads`` query heads reading one kv head
         (HF's ``repeat_kv`` layout: query head ``j*g+i`` reads kv head ``j``) become ``g*T`` query
-        rows of that kv head, so attention reads the cache once instead of copying it g times."""
+        rows of that kv head, so attention reads the cache once instead of copying it g times.
+        ``mask`` [B, 1, T, window] (a sliding window is already in it: slots index positions);
+        ``scale`` None: 1/sqrt(D); ``sinks`` [heads]: the sink key joins before the rows are formed
+        (workers/models/blocks/masking.py), so each query row keeps its own head's sink logit."""
         self._write(self.keys[layer], k.transpose(1, 2))
         self._write(self.values[layer], v.transpose(1, 2))
         keys = self._rows(self.keys[layer]).transpose(1, 2)  # [B, kv_heads, L, D], a view in decode
         values = self._rows(self.values[layer]).transpose(1, 2)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if sinks is not None:
+            q, keys, values, mask = with_sinks(q, keys, values, mask, sinks, scale)
         b, h, t, d = q.shape
-        hkv, g, n = keys.shape[1], h // keys.shape[1], self.window
+        hkv, g, n = keys.shape[1], h // keys.shape[1], mask.shape[-1]
         rows = q.reshape(b, hkv, g * t, d)
         m = mask[:, :, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
-        out = kernels.attend(rows, keys, values, m)
+        out = kernels.attend(rows, keys, values, m, scale)
         return out.reshape(b, h, t, out.shape[-1])
 
     def write_latent(self, layer: int, entry: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,16 @@ One block for the softmax-attention families whose checkpoints hold q/k/v/o proj
   rank: workers/trainer/tensor_parallel.py sums it over the group).
 - Rotary: the NeoX half-split convention of HF Llama/Qwen ("rotate_half"), cos/sin computed once
   per forward and shared by every layer with the same (head_dim, theta) through ``ctx.shared``.
+- ``qkv_bias`` / ``o_bias``: biases on the q/k/v projections (Qwen2) and on o_proj (GPT-OSS, Qwen3's
+  ``attention_bias``). Under tensor parallel the q/k/v biases split with their heads and o_proj's is
+  replicated, added once after the row-parallel sum (DTensor's Colwise/RowwiseParallel do both).
+- ``sliding_window``: each query sees its last ``sliding_window`` keys (itself included; transformers'
+  rule, workers/models/blocks/masking.py) in every path: the banded mask of the dense, cached and
+  static-slot paths (``ctx.window_mask``), the plain causal and packed-document kernels, Ulysses.
+- ``scaling``: the softmax scale, None for 1/sqrt(head_dim) (Gemma 3: query_pre_attn_scalar**-0.5).
+- ``sinks``: one learned sink logit per query head, ``self_attn.sinks [num_heads]`` (GPT-OSS): an
+  extra softmax term whose probability is dropped (masking.with_sinks), in every path. Under tensor
+  parallel it is sharded with the heads (workers/trainer/mesh_plan.py): a DTensor read locally here.
 
 ``forward(x, ctx)`` reads ``ctx.position_ids``, ``ctx.mask`` (None: plain causal), ``ctx.cache``
 and ``ctx.layer``; the cache gets this layer's keys/values appended along time (dim -2).
@@ -23,6 +33,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workers.models.blocks import kernels, ulysses
 from workers.models.blocks.norm import RMSNorm
@@ -43,25 +54,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections (bias-free) over ``num_heads`` query and ``num_kv_heads`` kv heads of ``head_dim``."""
+    """q/k/v/o projections over ``num_heads`` query and ``num_kv_heads`` kv heads of ``head_dim``
+    (the keyword options: module docstring)."""
 
     kv_slots = True  # the static engine's cache keeps nkv x hd keys/values per position (static_cache.py)
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
-                 qk_norm_eps: Optional[float] = None):
+                 qk_norm_eps: Optional[float] = None, qkv_bias: bool = False, o_bias: bool = False,
+                 sliding_window: Optional[int] = None, scaling: Optional[float] = None, sinks: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"attention: num_kv_heads({num_kv_heads}) must divide num_heads({num_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"attention: sliding_window({sliding_window}) must be >= 1 (None: no window)")
         self.nh, self.nkv, self.hd, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.sliding_window, self.scaling = sliding_window, scaling
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+
+    def local_sinks(self) -> Optional[torch.Tensor]:
+        """The sink logits of this rank's heads (a tensor-parallel DTensor read as its local shard)."""
+        s = self.sinks
+        return s.to_local() if isinstance(s, DTensor) else s
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         b, t, _ = x.shape
@@ -75,17 +97,22 @@ class Attention(nn.Module):
                               lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache, layer = ctx.cache, ctx.layer
+        window, scale, sinks = self.sliding_window, self.scaling, self.local_sinks()
+        mask = ctx.window_mask(window)
         if cache is not None and cache.static:  # preallocated slots: it writes k/v and attends (grouped heads)
-            return self.o_proj(cache.attend(layer, q, k, v, ctx.mask).transpose(1, 2).reshape(b, t, -1))
+            out = cache.attend(layer, q, k, v, mask, scale=scale, sinks=sinks)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
             if cache.keys[layer] is not None:
                 k = torch.cat([cache.keys[layer], k], dim=2)
                 v = torch.cat([cache.values[layer], v], dim=2)
             cache.keys[layer], cache.values[layer] = k, v
         if ctx.cp is not None:  # context parallel: this rank's heads over the whole sequence
-            return self.o_proj(ulysses.attend(q, k, v, ctx.mask, ctx.cp, docs=ctx.docs).transpose(1, 2).reshape(b, t, -1))
+            out = ulysses.attend(q, k, v, mask, ctx.cp, scale, docs=ctx.docs, window=window, sinks=sinks)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if self.nkv != self.nh:  # query head j*g+i reads kv head j (HF's repeat_kv)
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = kernels.attend(q, k, v, ctx.mask, docs=ctx.docs)  # mask None: plain causal (flash attention); scale 1/sqrt(hd)
+        # mask None: plain causal (flash attention, or the banded varlen kernel under a window)
+        out = kernels.attend(q, k, v, mask, scale, docs=ctx.docs, window=window, sinks=sinks)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -25,6 +25,7 @@ from torch import nn
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.kernels import fast
 from workers.models.blocks.logprobs import Scoring, score_head
+from workers.models.blocks.masking import window_band
 from workers.models.blocks.varlen import Documents
 
 
@@ -60,6 +61,9 @@ class ForwardContext:
     forced_mask: Optional[torch.Tensor] = None  # [B, T] bool: where ``forced`` applies
     cp: Optional[Any] = None  # context parallel: this rank's SeqShard (workers/models/blocks/ulysses.py)
     docs: Optional[Documents] = None  # packed rows: attention/scans per document (mask is then None); whole rows under cp
+    mask_positions: Optional[torch.Tensor] = None
+    """[B, T] key index each mask row sits at, where it is not the last T of the mask's columns (the
+    static cache: slot index = position); None: rows are the mask's last T key columns."""
     memo: dict = dataclasses.field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -67,6 +71,21 @@ class ForwardContext:
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
+
+    def window_mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
+        """``mask`` for a layer attending to its last ``window`` keys (None: every key): the same
+        mask banded to key index > query index - window (workers/models/blocks/masking.py), once per
+        window and forward. None stays None: the mask-free paths (plain causal, packed documents)
+        take the window themselves (kernels.attend's ``window``)."""
+        if window is None or self.mask is None:
+            return self.mask
+
+        def band() -> torch.Tensor:
+            t, s = self.mask.shape[-2:]
+            keys = torch.arange(s, device=self.mask.device)
+            rows = keys[s - t:] if self.mask_positions is None else self.mask_positions[:, None]
+            return self.mask & window_band(rows, keys, window)
+        return self.shared(("window_mask", window), band)
 
 
 def dense_mask(key_mask: torch.Tensor, t: int, past: int) -> torch.Tensor:
@@ -235,7 +254,8 @@ class CausalLM(nn.Module):
                            and ((attention_mask is None and cp is None) or right_padded(key_valid)))
             mask = None if (fast_causal or docs is not None) else dense_mask(key_mask, key_valid.shape[1], past)
         ctx = ForwardContext(position_ids=position_ids, valid=valid, mask=None if mask is None else mask[:, None],
-                             cache=cache, past=past, forced_mask=forced_mask, cp=cp, docs=docs)
+                             cache=cache, past=past, forced_mask=forced_mask, cp=cp, docs=docs,
+                             mask_positions=position_ids if cache is not None and cache.static else None)
         aux_total = x.new_zeros((), dtype=torch.float32)
         routed, loads = [], []
         for i, layer in enumerate(self.model.layers):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from workers.models.blocks import dsa_cp, kernels
+from workers.models.blocks.masking import window_band
 from workers.models.blocks.varlen import Documents
 
 
@@ -114,7 +115,8 @@ def gather_seq(x: torch.Tensor, cp: SeqShard, dim: int = 1) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], cp: SeqShard,
-           scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
+           scale: Optional[float] = None, docs: Optional[Documents] = None, *, window: Optional[int] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention of this rank's tokens over the whole sequence: ``q [B, H, T/cp, D]``,
     ``k``/``v [B, Hkv, T/cp, D]`` (query head h reads kv head ``h // (H / Hkv)``), ``mask`` over the
     whole sequence ``[B, 1, T, T]`` or None (plain causal), or a DSA layer's ``dsa_cp.SparseKeep``
@@ -125,10 +127,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     With fewer heads than cp (H % cp != 0) Ulysses cannot split them: :func:`attend_gathered`.
     ``docs`` (packed rows, whole-sequence documents; ``mask`` None): after the all-to-all each rank
     attends per document on its heads (workers/models/blocks/varlen.py), no [T, T] mask.
+    ``window`` / ``sinks`` as in :func:`kernels.attend` (a given ``mask`` is already banded; the sink
+    logits ``[H]`` of this rank's heads, a contiguous 1/cp of them, go with its heads).
     """
     nh = q.shape[1]
     if nh % cp.size:
-        return attend_gathered(q, k, v, mask, cp, scale, docs)
+        return attend_gathered(q, k, v, mask, cp, scale, docs, window=window, sinks=sinks)
     k, groups = spread_groups(k, k.shape[1], nh, cp.size, dim=1)
     v, _ = spread_groups(v, v.shape[1], nh, cp.size, dim=1)
     q, k, v = (seq_to_heads(x, cp, head_dim=1, seq_dim=2) for x in (q, k, v))
@@ -137,11 +141,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         v = v.repeat_interleave(nh // groups, dim=1)
     if isinstance(mask, dsa_cp.SparseKeep):  # DSA: every query's kept keys, in query chunks
         return heads_to_seq(dsa_cp.attend(q, k, v, mask, 0, scale), cp, head_dim=1, seq_dim=2)
-    return heads_to_seq(kernels.attend(q, k, v, mask, scale, docs=docs), cp, head_dim=1, seq_dim=2)
+    if sinks is not None:  # this rank's query heads: the contiguous chunk seq_to_heads gave it
+        sinks = sinks.narrow(0, cp.rank * (nh // cp.size), nh // cp.size)
+    out = kernels.attend(q, k, v, mask, scale, docs=docs, window=window, sinks=sinks)
+    return heads_to_seq(out, cp, head_dim=1, seq_dim=2)
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], cp: SeqShard,
-                    scale: Optional[float] = None, docs: Optional[Documents] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, docs: Optional[Documents] = None, *,
+                    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`attend` for models with too few heads for Ulysses (H % cp != 0): every rank all-gathers
     the keys and values of the whole sequence (the all-gather form of context parallelism; ring
     attention would pass them around instead) and attends with its own queries, all heads. Keys
@@ -154,17 +162,17 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
         if k.shape[1] != nh:
             k, v = k.repeat_interleave(nh // k.shape[1], dim=1), v.repeat_interleave(nh // v.shape[1], dim=1)
         return dsa_cp.attend(q, k, v, mask, lo, scale)
-    if mask is None and docs is not None:  # packed rows: this chunk's rows of the per-document mask
-        mask = docs.causal_rows(lo, t)[:, None]
-    elif mask is None:  # plain causal over the whole sequence: this chunk's rows of it
-        keys = torch.arange(k.shape[2], device=q.device)
-        mask = (keys[None, :] <= torch.arange(lo, lo + t, device=q.device)[:, None])[None, None]
+    if mask is None:  # packed rows / plain causal over the whole sequence: this chunk's rows of it
+        keys, rows = torch.arange(k.shape[2], device=q.device), torch.arange(lo, lo + t, device=q.device)
+        mask = docs.causal_rows(lo, t)[:, None] if docs is not None else (keys[None, :] <= rows[:, None])[None, None]
+        if window is not None:  # documents are contiguous: row distance is in-document distance
+            mask = mask & window_band(rows, keys, window)
     else:
         mask = mask.narrow(2, lo, t)
     if k.shape[1] != nh:  # query head h reads kv head h // (H / Hkv)
         k = k.repeat_interleave(nh // k.shape[1], dim=1)
         v = v.repeat_interleave(nh // v.shape[1], dim=1)
-    return kernels.attend(q, k, v, mask, scale)
+    return kernels.attend(q, k, v, mask, scale, sinks=sinks)
 
 
 def gather_seq_grad(x: torch.Tensor, cp: SeqShard, dim: int = 1) -> torch.Tensor:

@@ -34,6 +34,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from workers.models.blocks.masking import causal_mask, narrows, window_band, with_sinks
+
 
 @dataclasses.dataclass
 class Documents:
@@ -101,10 +103,14 @@ class Documents:
 
 
 def attend_docs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: Optional[float] = None,
-                doc_masks: Optional[dict] = None) -> torch.Tensor:
+                doc_masks: Optional[dict] = None, *, window: Optional[int] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention inside each document of ``q/k/v`` [B, H, T, D] (k and v with q's heads;
     v's head dim may differ). ``doc_masks`` {(row, start): bool [1, 1, n, n]} replaces the causal
-    rule of those documents (sparse attention). Returns [B, H, T, Dv].
+    rule of those documents (sparse attention). ``window``: each query sees its document's last
+    ``window`` keys only; ``sinks`` [H]: a sink logit per head (workers/models/blocks/masking.py;
+    both exact in every path below, the one-launch kernel taking the window natively and leaving
+    sinks to the per-document path). Returns [B, H, T, Dv].
 
     Inside a compiled layer (trainer.compile) the boundaries are tensors, so neither path below
     breaks the graph nor guards on the packing layout: the varlen kernel reads ``docs.cu`` and the
@@ -114,11 +120,16 @@ def attend_docs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documen
     or with ``doc_masks``: one SDPA per document (linear memory), outside the graph.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if doc_masks is None and varlen_ok(q, v):
-        return _varlen(q, k, v, docs, scale)
+    if doc_masks is None and sinks is None and varlen_ok(q, v, window):
+        return _varlen(q, k, v, docs.cu if docs.cu is not None else docs.cu_seqlens(q.device),
+                       docs.max_len_like.shape[0] if docs.max_len_like is not None else docs.max_len, scale, window)
     if doc_masks is None and torch.compiler.is_compiling() and not q.is_cuda:
-        return causal_sdpa(q, k, v, scale, block_causal_mask(docs.segment_ids)[:, None])
-    return _per_document(q, k, v, docs, scale, doc_masks)
+        mask = block_causal_mask(docs.segment_ids)
+        if window is not None:
+            pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & window_band(pos, pos, window)
+        return causal_sdpa(q, k, v, scale, mask[:, None], sinks=sinks)
+    return _per_document(q, k, v, docs, scale, doc_masks, window, sinks)
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -135,21 +146,28 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 # per-document attention (CPU reference) and sparse attention's per-document masks.
 @torch.compiler.disable
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
-                  doc_masks: Optional[dict]) -> torch.Tensor:
+                  doc_masks: Optional[dict], window: Optional[int] = None,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     def run(r: int, a: int, b: int, doc: bool) -> torch.Tensor:
         if not doc:
             return v[r:r + 1, :, a:b]  # padding attends to itself only
         mask = None if doc_masks is None else doc_masks.get((r, a))
-        return causal_sdpa(q[r:r + 1, :, a:b], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b], scale, mask)
+        if narrows(window, b - a):
+            band = causal_mask(b - a, q.device, window)[None, None]
+            mask = band if mask is None else mask & band
+        return causal_sdpa(q[r:r + 1, :, a:b], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b], scale, mask, sinks=sinks)
 
     return docs.map_runs(run, time_dim=2)
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal SDPA (or SDPA under ``mask``) with q/k and v head dims made equal by zero padding, so
     the fused (flash) kernel applies: zero channels add nothing to q.k, and padded value channels
-    are cut off the output."""
+    are cut off the output. ``sinks`` [H]: a sink key per head (masking.with_sinks; needs a mask)."""
+    if sinks is not None:
+        mask = causal_mask(q.shape[-2], q.device)[None, None] if mask is None else mask
+        q, k, v, mask = with_sinks(q, k, v, mask, sinks, scale)
     dq, dv = q.shape[-1], v.shape[-1]
     if dv < dq:
         v = F.pad(v, (0, dq - dv))
@@ -185,18 +203,29 @@ def _varlen_fn() -> Optional[Callable]:
     return _VARLEN or None
 
 
-def varlen_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """The one-launch varlen kernel applies (CUDA, half precision, a torch that has it)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None
+def varlen_ok(q: torch.Tensor, v: torch.Tensor, window: Optional[int] = None) -> bool:
+    """The one-launch varlen kernel applies (CUDA, half precision, a torch that has it; with a
+    sliding ``window``, one whose kernel takes ``window_size``)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_fn() is not None
+            and (window is None or "window_size" in _VARLEN_CAUSAL))
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float) -> torch.Tensor:
-    """One varlen launch over the flat stream [B*T, H, D] (heads padded to one head dim, as above)."""
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Causal sliding-window attention over whole rows [B, H, T, D] in one varlen launch (each row
+    one sequence), instead of a [T, T] mask: the plain causal path of a windowed layer on the GPU."""
+    b, t = q.shape[0], q.shape[2]
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+    return _varlen(q, k, v, cu, t, scale, window)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float,
+            window: Optional[int] = None) -> torch.Tensor:
+    """One varlen launch over the flat stream [B*T, H, D] (heads padded to one head dim, as above);
+    ``window``: flash attention's ``window_size=(window - 1, 0)`` (the query and window - 1 keys before it)."""
     b, h, t, dq = q.shape
     dv = v.shape[-1]
     width = max(dq, dv)
     flat = [F.pad(x, (0, width - x.shape[-1])).transpose(1, 2).reshape(b * t, h, width) for x in (q, k, v)]
-    cu = docs.cu if docs.cu is not None else docs.cu_seqlens(q.device)
-    m = docs.max_len_like.shape[0] if docs.max_len_like is not None else docs.max_len
-    out = _varlen_fn()(*flat, cu, cu, m, m, scale=scale, **_VARLEN_CAUSAL)
+    causal = _VARLEN_CAUSAL if window is None else {"window_size": (window - 1, 0)}
+    out = _varlen_fn()(*flat, cu, cu, max_len, max_len, scale=scale, **causal)
     return out.view(b, t, h, width)[..., :dv].transpose(1, 2)
