@@ -7,8 +7,9 @@ are the identity and a published step is a bf16 GptOss checkpoint. MXFP4 checkpo
 (``quantization_config.quant_method: mxfp4``) are dequantised to bf16 by the loader
 (workers/models/hf_checkpoint.py, workers/models/mxfp4.py) and published without
 ``quantization_config``. config.json maps through :data:`HF` plus the rotary keys (YaRN with
-``truncate``, transformers 5's ``rope_parameters`` or the original ``rope_theta`` + ``rope_scaling``;
-an absent rotary config means transformers' default, YaRN factor 32). Router Replay forces every
+``truncate``, transformers 5's ``rope_parameters`` or the original ``rope_theta`` + ``rope_scaling``,
+which wins when both are there, as in transformers; an absent or null rotary config means
+transformers' default, YaRN factor 32). Router Replay forces every
 layer's experts through ``forced_experts``. The trainer shards it with FSDP2 (tp = ep = 1): the
 mesh plan's expert and tensor parallelism are written for the stacked ``[E, out, in]`` experts, so
 ``parallelize`` is empty and the plan refuses tp or ep > 1. SGLang serves it as ``GptOssForCausalLM``.
@@ -87,7 +88,8 @@ def from_hf_config(config: dict) -> dict:
 def _rope(d: dict) -> dict:
     """Rotary fields from either spelling (popped from ``d``): ValueError for what is not implemented."""
     params, scaling, theta = d.pop("rope_parameters", None), d.pop("rope_scaling", None), d.pop("rope_theta", None)
-    p = dict(params if params is not None else scaling if scaling is not None else YARN_DEFAULT)
+    # transformers 5's priority (convert_rope_params_to_dict): a non-empty rope_scaling, then rope_parameters
+    p = dict(scaling or (params if params is not None else YARN_DEFAULT))
     theta = float(p.pop("rope_theta", theta if theta is not None else DEFAULT_THETA))
     kind = p.pop("rope_type", None) or p.pop("type", None) or "default"
     p.pop("type", None)
@@ -126,18 +128,13 @@ def init(model_cfg, dtype):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GptOssArchitecture(Architecture):
-    """The shared counts plus GPT-OSS's biases and sinks (not in the shared formulas)."""
-
-    attention_bias: bool = True
-    """q/k/v/o biases: (num_heads + 2 num_kv_heads) head_dim + hidden per layer."""
+    """The shared counts (attention biases and sinks included) plus the router's bias and the experts'
+    biases, which the shared formulas do not have."""
 
     def params(self) -> ParamCount:
         p = super().params()
-        h, hd, e = self.hidden_size, self.mha_head_dim, self.num_experts
-        per_expert_bias = 2 * self.expert_intermediate_size + h
-        attn = self.num_heads + (((self.num_heads + 2 * (self.num_kv_heads or self.num_heads)) * hd + h)
-                                 if self.attention_bias else 0)  # sinks (+ biases)
-        layer, active = attn + e + e * per_expert_bias, attn + e + self.top_k * per_expert_bias  # + router bias
+        per_expert_bias = 2 * self.expert_intermediate_size + self.hidden_size
+        layer, active = self.num_experts * (1 + per_expert_bias), self.num_experts + self.top_k * per_expert_bias
         return dataclasses.replace(p, total=p.total + self.num_layers * layer, active=p.active + self.num_layers * active)
 
 
@@ -145,7 +142,8 @@ def arch(m: GptOssConfig) -> Architecture:
     return GptOssArchitecture(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
                               num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                               num_experts=m.num_experts, top_k=m.top_k, expert_intermediate_size=m.expert_intermediate_size,
-                              tie_word_embeddings=m.tie_word_embeddings, attention_bias=m.attention_bias)
+                              tie_word_embeddings=m.tie_word_embeddings, qkv_bias=m.attention_bias,
+                              o_bias=m.attention_bias, attention_sinks=True)
 
 
 def check(cfg) -> None:
