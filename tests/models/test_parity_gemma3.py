@@ -41,6 +41,19 @@ IDS = torch.randint(1, 96, (2, 11), generator=torch.Generator().manual_seed(0))
 ERRORS: dict[str, dict[str, float]] = {}  # printed with -s: the measured parity errors
 
 
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+             "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2,
+             "cache_implementation": "hybrid", "eos_token_id": [1, 106], "final_logit_softcapping": None,
+             "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+             "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+             "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+             "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+             "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+             "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True,
+             "vocab_size": 262144}
+"""google/gemma-3-1b-it's config.json as published (transformers 4.50 keys)."""
+
+
 def _hf_config(cfg: Gemma3TextConfig):
     from transformers import Gemma3TextConfig as HfGemma3TextConfig
 
@@ -144,18 +157,8 @@ def test_an_absent_key_means_what_it_means_to_transformers():
     rope_local_base_freq, rope_scaling null) gives the fields transformers 5 derives from it."""
     from transformers import Gemma3TextConfig as HfGemma3TextConfig
 
-    published = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
-                 "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2,
-                 "cache_implementation": "hybrid", "eos_token_id": [1, 106], "final_logit_softcapping": None,
-                 "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
-                 "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
-                 "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
-                 "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
-                 "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
-                 "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True,
-                 "vocab_size": 262144}
-    ours = Gemma3TextConfig(name="gemma-3-1b", **SPEC.from_hf_config(published))
-    hf = HfGemma3TextConfig(**{k: v for k, v in published.items() if k != "torch_dtype"})
+    ours = Gemma3TextConfig(name="gemma-3-1b", **SPEC.from_hf_config(GEMMA3_1B))
+    hf = HfGemma3TextConfig(**{k: v for k, v in GEMMA3_1B.items() if k != "torch_dtype"})
     assert ours.layer_types == hf.layer_types and ours.layer_types.count(FULL) == 4
     assert (ours.rope_theta, ours.rope_local_base_freq) == (hf.rope_parameters[FULL]["rope_theta"],
                                                             hf.rope_parameters[SLIDING]["rope_theta"])
@@ -169,5 +172,13 @@ def test_an_absent_key_means_what_it_means_to_transformers():
         from transformers import AutoModelForCausalLM
 
         total = sum(p.numel() for p in AutoModelForCausalLM.from_config(HfGemma3TextConfig(
-            **SPEC.to_hf_config(Gemma3TextConfig(name="g", **SPEC.from_hf_config(published))))).parameters())
-    assert total == SPEC.params(Gemma3TextConfig(name="g", **SPEC.from_hf_config(published))).total == 999_885_952
+            **SPEC.to_hf_config(Gemma3TextConfig(name="g", **SPEC.from_hf_config(GEMMA3_1B))))).parameters())
+    assert total == SPEC.params(Gemma3TextConfig(name="g", **SPEC.from_hf_config(GEMMA3_1B))).total == 999_885_952
+
+
+def test_gemma3_1b_preset_is_the_published_config():
+    from tests.conftest import compose
+
+    m = compose(["model=gemma3_1b"]).model
+    want = GEMMA3_1B
+    assert dataclasses.replace(m, name="x") == Gemma3TextConfig(name="x", **SPEC.from_hf_config(want))

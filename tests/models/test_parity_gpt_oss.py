@@ -173,7 +173,8 @@ def test_config_json_keys_we_do_not_implement_are_refused(key, value, why):
 
 def test_gpt_oss_20b_config_as_published():
     """openai/gpt-oss-20b's config.json (public; transformers 4.55 keys, MXFP4 quantization_config, which
-    model_fields strips) gives transformers' fields and its parameter count (20.9B; 3.6B active)."""
+    model_fields strips) gives transformers' fields, the gpt_oss_20b preset, and its parameter count
+    (20.9B; 3.6B active)."""
     from transformers import AutoModelForCausalLM, GptOssConfig as HfGptOssConfig
 
     published = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
@@ -189,6 +190,9 @@ def test_gpt_oss_20b_config_as_published():
                  "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
                  "vocab_size": 201088}
     m = GptOssConfig(name="gpt-oss-20b", **SPEC.from_hf_config(published))
+    from tests.conftest import compose
+
+    assert dataclasses.replace(compose(["model=gpt_oss_20b"]).model, name=m.name) == m  # the preset is this config
     assert (m.num_experts, m.top_k, m.rope_scaling, m.rope_truncate, m.swiglu_alpha) == (32, 4, "yarn", False, 1.702)
     hf = HfGptOssConfig(**SPEC.to_hf_config(m))
     assert hf.rope_parameters == {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
@@ -198,3 +202,13 @@ def test_gpt_oss_20b_config_as_published():
     assert total == SPEC.params(m).total == 20_914_757_184
     # OpenAI's 3.6B active counts the unembedding but not the embedding lookup; ours counts both
     assert 3.6e9 < SPEC.params(m).active - m.vocab_size * m.hidden_size < 3.62e9
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_tensor_and_expert_parallel_are_refused_at_plan_time(family):
+    """FSDP2 only (the specs' ``parallelize`` is empty): the plan (launcher/resources.py) refuses tp or ep > 1."""
+    spec = MODELS.get(family)
+    assert spec.trainer_plan(1, 1) == "fsdp"
+    for tp, ep in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=f"model family '{family}' has no tensor/expert-parallel plan"):
+            spec.trainer_plan(tp, ep)
