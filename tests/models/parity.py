@@ -89,8 +89,9 @@ def assert_logits_match(ours, hf, ids: torch.Tensor, attention_mask=None, rtol: 
 _FUSED = re.compile(r"^(?P<pre>.*experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)$")
 
 
-def hf_grads(hf, rename=lambda name: name) -> dict[str, torch.Tensor]:
-    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert).
+def hf_grads(hf, rename=lambda name: name, split_experts: bool = True) -> dict[str, torch.Tensor]:
+    """Gradients of transformers' parameters under checkpoint names (fused experts split per expert,
+    unless ``split_experts`` is off: GPT-OSS's checkpoints keep them fused, and so does our model).
     ``rename``: in-memory name -> checkpoint name where save_pretrained renames (NemotronH's
     ``model.`` is ``backbone.`` in its checkpoints)."""
     out: dict[str, torch.Tensor] = {}
@@ -99,7 +100,7 @@ def hf_grads(hf, rename=lambda name: name) -> dict[str, torch.Tensor]:
             continue
         name = rename(name)
         base = name[: -len(".weight")] if name.endswith(".weight") else name
-        m = _FUSED.match(base)
+        m = _FUSED.match(base) if split_experts else None
         if m is None or p.grad.dim() != 3:
             out[name] = p.grad
             continue
@@ -121,13 +122,13 @@ def scalar_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def assert_grads_match(ours, hf, ids: torch.Tensor, rtol: float = GRAD_RTOL, to_hf=lambda s: s,
-                       rename=lambda name: name) -> float:
+                       rename=lambda name: name, split_experts: bool = True) -> float:
     """Every parameter's gradient of :func:`scalar_loss`, ours vs transformers'; returns the worst error."""
     ours.zero_grad(set_to_none=True)
     hf.zero_grad(set_to_none=True)
     scalar_loss(ours(ids).logits).backward()
     scalar_loss(hf(input_ids=ids).logits).backward()
-    want = hf_grads(hf, rename)
+    want = hf_grads(hf, rename, split_experts)
     got = to_hf(checkpoint_named(ours, {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}))
     # An expert no token chose has no gradient in ours, a zero one in transformers' fused tensor.
     missing = sorted(n for n in set(want) - set(got) if want[n].norm() > 0)

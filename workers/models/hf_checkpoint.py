@@ -5,7 +5,8 @@ shard of it. :class:`HFCheckpoint` opens the safetensors files lazily (``safe_op
 read, data memory-mapped) and returns one tensor, or one slice of one, at a time; DeepSeek-V3 /
 Kimi block-FP8 weights (``X.weight`` float8_e4m3fn with ``X.weight_scale_inv`` float32, one scale
 per 128x128 block) come back dequantised, slices included (only the scale blocks the slice
-touches are read). :func:`load_pretrained` is what a family's ``init`` calls: the model is built
+touches are read); GPT-OSS MXFP4 experts (``X_blocks`` + ``X_scales``, workers/models/mxfp4.py) come
+back as the bf16 tensor ``X``. :func:`load_pretrained` is what a family's ``init`` calls: the model is built
 on ``meta``, materialised with ``to_empty`` (nothing initialised twice), and each parameter is
 filled from its checkpoint tensor, so no full state dict ever exists in memory.
 
@@ -28,6 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from workers.models import mxfp4
 from workers.models.hf_dir import CheckpointError, read_config, read_st_header, weight_map
 
 BLOCK = 128
@@ -45,14 +47,21 @@ class HFCheckpoint:
         self._open: dict[str, object] = {}
         self._headers: dict[str, dict] = {}
         self.scaled = {n[: -len(SCALE)] for n in self.files if n.endswith(SCALE)}
+        self.mxfp4 = {n[: -len(mxfp4.BLOCKS)] for n in self.files
+                      if n.endswith(mxfp4.BLOCKS) and n[: -len(mxfp4.BLOCKS)] + mxfp4.SCALES in self.files}
+        parts = {x + suffix for x in self.mxfp4 for suffix in (mxfp4.BLOCKS, mxfp4.SCALES)}
+        self._logical = sorted({n for n in self.files if n not in parts and not (
+            n.endswith(SCALE) and n[: -len(SCALE)] in self.files)} | self.mxfp4)
 
     def names(self) -> list[str]:
-        """Logical tensor names (an FP8 weight's scale is part of it, not a tensor of its own)."""
-        return sorted(n for n in self.files if not (n.endswith(SCALE) and n[: -len(SCALE)] in self.files))
+        """Logical tensor names (an FP8 weight's scale is part of it, an MXFP4 tensor's blocks and
+        scales are one tensor under the name without the suffix)."""
+        return list(self._logical)
 
     def where(self, name: str) -> str:
         """``<file>: tensor <name>`` for error messages."""
-        return f"{self.directory / self.files.get(name, '?')}: tensor {name!r}"
+        file = self.files.get(name + mxfp4.BLOCKS if name in self.mxfp4 else name, "?")
+        return f"{self.directory / file}: tensor {name!r}"
 
     def header(self, name: str) -> dict:
         file = self.files[name]
@@ -64,6 +73,8 @@ class HFCheckpoint:
         return entry
 
     def shape(self, name: str) -> list[int]:
+        if name in self.mxfp4:
+            return mxfp4.logical_shape(list(self.header(name + mxfp4.BLOCKS)["shape"]))
         return list(self.header(name)["shape"])
 
     def _handle(self, name: str):
@@ -77,7 +88,9 @@ class HFCheckpoint:
 
     def read(self, name: str, index: Optional[Index] = None) -> torch.Tensor:
         """Tensor ``name`` (``index``: one basic slice per leading dim; only those bytes are read),
-        FP8 blocks dequantised to float32."""
+        FP8 blocks dequantised to float32, MXFP4 ones to bfloat16."""
+        if name in self.mxfp4:
+            return self._mxfp4(name, index)
         if name not in self.files:
             raise CheckpointError(f"{self.directory}: no tensor {name!r} in the checkpoint")
         part = self._handle(name).get_slice(name)
@@ -85,6 +98,19 @@ class HFCheckpoint:
         if t.dtype == FP8:
             t = self._dequantise(name, t, index)
         return t
+
+    def _mxfp4(self, name: str, index: Optional[Index]) -> torch.Tensor:
+        """Dequantised MXFP4 tensor ``name`` (only the experts of ``index``'s first slice are read)."""
+        blocks_name, scales_name = name + mxfp4.BLOCKS, name + mxfp4.SCALES
+        blocks_shape = self.header(blocks_name)["shape"]
+        if len(blocks_shape) < 3 or self.header(scales_name)["shape"] != blocks_shape[:-1]:
+            raise CheckpointError(f"{self.where(name)}: MXFP4 {blocks_name} {blocks_shape} and {scales_name} "
+                                  f"{self.header(scales_name)['shape']} do not fit ([..., out, G, 16] and [..., out, G])")
+        lead = (index[0],) if index else (slice(None),)
+        blocks = self._handle(blocks_name).get_slice(blocks_name)[lead]
+        scales = self._handle(scales_name).get_slice(scales_name)[lead]
+        t = mxfp4.dequantize(blocks, scales)
+        return t[(slice(None), *index[1:])] if index and len(index) > 1 else t
 
     def _dequantise(self, name: str, w: torch.Tensor, index: Optional[Index]) -> torch.Tensor:
         scale_name = name + SCALE

@@ -81,7 +81,7 @@ def model_fields(directory: Path | str) -> tuple[Any, dict]:
     config = read_config(directory)
     spec = spec_for(config, directory / CONFIG)
     check_quantization(config, directory / CONFIG)
-    # block FP8 is how the weights are stored, not what the model computes: the loader dequantises it
+    # block FP8 / MXFP4 is how the weights are stored, not what the model computes: the loader dequantises it
     computed = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
         fields = spec.from_hf_config(computed)
@@ -91,16 +91,20 @@ def model_fields(directory: Path | str) -> tuple[Any, dict]:
 
 
 def check_quantization(config: dict, where: Path | str) -> None:
-    """Only DeepSeek-style block FP8 (``weight`` float8_e4m3fn + ``weight_scale_inv`` per 128x128
-    block) is read (and dequantised); any other ``quantization_config`` is refused."""
+    """Two quantized layouts are read (and dequantised by workers/models/hf_checkpoint.py): DeepSeek-style
+    block FP8 (``weight`` float8_e4m3fn + ``weight_scale_inv`` per 128x128 block) and GPT-OSS's MXFP4
+    experts (``quant_method: mxfp4``, ``X_blocks`` + ``X_scales``: workers/models/mxfp4.py); any other
+    ``quantization_config`` is refused."""
     q = config.get("quantization_config")
     if q is None:
         return
-    ok = isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" \
+    fp8 = isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" \
         and list(q.get("weight_block_size") or []) == [128, 128]
-    if not ok:
+    mx = isinstance(q, dict) and q.get("quant_method") == "mxfp4"
+    if not (fp8 or mx):
         raise CheckpointError(f"{where}: quantization_config={q!r} is not supported; only block FP8 "
-                              f"(quant_method fp8, fmt e4m3, weight_block_size [128, 128]) is dequantised on load")
+                              f"(quant_method fp8, fmt e4m3, weight_block_size [128, 128]) and MXFP4 (quant_method "
+                              f"mxfp4, GPT-OSS) are dequantised on load")
 
 
 def read_st_header(path: Path) -> dict:

@@ -13,6 +13,8 @@ One block for the softmax-attention families whose checkpoints hold q/k/v/o proj
   rank: workers/trainer/tensor_parallel.py sums it over the group).
 - Rotary: the NeoX half-split convention of HF Llama/Qwen ("rotate_half"), cos/sin computed once
   per forward and shared by every layer with the same (head_dim, theta) through ``ctx.shared``.
+  ``rope`` (a workers/models/blocks/rope_scaled.py ``Rope``): a scaled rotary embedding instead
+  (GPT-OSS's YaRN, Gemma 3's linear global layers), shared by the layers with an equal one.
 - ``qkv_bias`` / ``o_bias``: biases on the q/k/v projections (Qwen2) and on o_proj (GPT-OSS, Qwen3's
   ``attention_bias``). Under tensor parallel the q/k/v biases split with their heads and o_proj's is
   replicated, added once after the row-parallel sum (DTensor's Colwise/RowwiseParallel do both).
@@ -61,14 +63,15 @@ class Attention(nn.Module):
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
                  qk_norm_eps: Optional[float] = None, qkv_bias: bool = False, o_bias: bool = False,
-                 sliding_window: Optional[int] = None, scaling: Optional[float] = None, sinks: bool = False):
+                 sliding_window: Optional[int] = None, scaling: Optional[float] = None, sinks: bool = False,
+                 rope=None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"attention: num_kv_heads({num_kv_heads}) must divide num_heads({num_heads})")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"attention: sliding_window({sliding_window}) must be >= 1 (None: no window)")
         self.nh, self.nkv, self.hd, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
-        self.sliding_window, self.scaling = sliding_window, scaling
+        self.sliding_window, self.scaling, self.rope = sliding_window, scaling, rope
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
@@ -93,8 +96,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, before rotary (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = ctx.shared(("rope", self.hd, self.rope_theta),
-                              lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
+        if self.rope is not None:
+            cos, sin = ctx.shared(("rope", self.rope), lambda: self.rope.cos_sin(ctx.position_ids, x.dtype))
+        else:
+            cos, sin = ctx.shared(("rope", self.hd, self.rope_theta),
+                                  lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache, layer = ctx.cache, ctx.layer
         window, scale, sinks = self.sliding_window, self.scaling, self.local_sinks()

@@ -1,4 +1,6 @@
-"""The SwiGLU MLP: a dense layer's MLP and each routed expert (HF names gate_proj / up_proj / down_proj)."""
+"""The gated MLPs: SwiGLU (a dense layer's MLP and each routed expert) and Gemma's GELU-tanh variant
+(HF names gate_proj / up_proj / down_proj). :class:`GeluTanhGLU` subclasses SwiGLU so the sharding
+plans, which split gate/up by columns and down by rows, treat both alike."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -20,3 +22,10 @@ class SwiGLU(nn.Module):
 
 Expert = SwiGLU
 """A routed expert is a SwiGLU MLP of the expert width (the name the MoE code reads better with)."""
+
+
+class GeluTanhGLU(SwiGLU):
+    """``down(gelu_tanh(gate(x)) * up(x))``: Gemma 3's MLP (``hidden_activation: gelu_pytorch_tanh``)."""
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

@@ -62,13 +62,17 @@ class MoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = StackedExperts(num_experts, hidden_size, expert_intermediate_size)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` logits of flat tokens (a subclass with another router module overrides it)."""
+        return self.gate(x)
+
     def route(self, x: torch.Tensor, forced: Optional[torch.Tensor], forced_mask: Optional[torch.Tensor] = None):
         """Returns (indices [N,k], weights [N,k], probs [N,E]) for flat tokens x [N,H].
 
         ``forced`` [N,k] replaces the top-k choice (Router Replay); where ``forced_mask``
         [N] is False the router's own top-k is kept (tokens inference did not report).
         """
-        probs = F.softmax(self.gate(x).float(), dim=-1)
+        probs = F.softmax(self.router_logits(x).float(), dim=-1)
         idx = probs.topk(self.top_k, dim=-1).indices
         if forced is not None:
             forced = forced.long()

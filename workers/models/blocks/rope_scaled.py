@@ -1,4 +1,4 @@
-"""Rotary position embedding with the scalings real checkpoints ship: plain RoPE and YaRN.
+"""Rotary position embedding with the scalings real checkpoints ship: plain RoPE, linear and YaRN.
 
 DeepSeek-V3, Kimi-K2 and GLM-5 rotate only a slice of each query/key head (``qk_rope_head_dim``)
 and extend their context with YaRN: the inverse frequencies blend interpolated (divided by
@@ -6,7 +6,9 @@ and extend their context with YaRN: the inverse frequencies blend interpolated (
 dimensions, and cos/sin are multiplied by an attention factor (``mscale`` over ``mscale_all_dim``).
 MLA additionally multiplies its softmax scale by ``mscale(factor, mscale_all_dim)**2``
 (:meth:`Rope.softmax_scale`). The formulas follow the YaRN paper as transformers 5.x applies them
-(``_compute_yarn_parameters``; ``truncate`` on, the default), so logits agree to float rounding.
+(``_compute_yarn_parameters``), so logits agree to float rounding. ``truncate`` (on by default, as
+there) rounds the correction range to whole dimensions; GPT-OSS turns it off. Linear scaling
+(Gemma 3's global layers in the 4B-27B checkpoints) divides every frequency by ``factor``.
 
 Two layouts of the rotated slice: half-split (``rotate_half``: pairs ``(i, i + d/2)``) and
 interleaved (pairs ``(2i, 2i + 1)``, DeepSeek's original weights). The interleaved form returns
@@ -32,8 +34,8 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 class Rope:
     """One model's rotary embedding: ``dim`` rotated channels, base ``theta``, optional YaRN.
 
-    ``scaling`` ``"default"`` ignores the yarn fields. ``mscale`` / ``mscale_all_dim`` 0 mean
-    absent (config.json leaves them out), as in transformers.
+    ``scaling`` ``"default"`` ignores the other fields, ``"linear"`` reads ``factor`` only.
+    ``mscale`` / ``mscale_all_dim`` 0 mean absent (config.json leaves them out), as in transformers.
     """
 
     dim: int
@@ -45,6 +47,7 @@ class Rope:
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def inv_freq(self, device=None) -> torch.Tensor:
         """[dim/2] float32 inverse frequencies (YaRN-blended when scaled)."""
@@ -52,6 +55,8 @@ class Rope:
         pos_freqs = self.theta ** exponents
         if self.scaling == "default":
             return 1.0 / pos_freqs
+        if self.scaling == "linear":
+            return 1.0 / pos_freqs / self.factor
         low, high = self._correction_range()
         if low == high:
             high += 0.001  # a degenerate ramp would divide by zero
@@ -64,13 +69,15 @@ class Rope:
             return (self.dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
                     / (2 * math.log(self.theta)))
 
-        low, high = math.floor(dim_of(self.beta_fast)), math.ceil(dim_of(self.beta_slow))
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
         return max(low, 0), min(high, self.dim - 1)
 
     @property
     def attention_factor(self) -> float:
         """What cos and sin are multiplied by (YaRN's magnitude correction; 1 unscaled)."""
-        if self.scaling == "default":
+        if self.scaling != "yarn":
             return 1.0
         if self.mscale and self.mscale_all_dim:
             return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
@@ -79,7 +86,7 @@ class Rope:
     def softmax_scale(self, qk_head_dim: int) -> float:
         """MLA's softmax scale: ``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2`` under YaRN."""
         scale = qk_head_dim ** -0.5
-        if self.scaling != "default" and self.mscale_all_dim:
+        if self.scaling == "yarn" and self.mscale_all_dim:
             scale *= yarn_mscale(self.factor, self.mscale_all_dim) ** 2
         return scale
 
