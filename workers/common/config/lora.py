@@ -10,7 +10,10 @@ Targets: names of the projections to adapt. Group names expand per family so one
 every native family: ``attention`` (q/k/v/o of GQA; q_a/q_b/kv_a/kv_b/o of MLA), ``mlp`` (the
 dense MLPs' and shared experts' gate/up/down), ``mamba`` (Mamba-2 in/out projections, Nemotron-H),
 ``latent`` (Nemotron-H's latent MoE projections), ``experts`` (every routed-expert stack); or the
-projection names themselves (``q_proj``, ``down_proj``...). The router (``gate``) is never adapted:
+projection names themselves (``q_proj``, ``down_proj``...). On a model with routed experts the
+``mlp`` names adapt nothing (dense layers, shared experts) and are refused when named explicitly:
+peft 0.21 under transformers 5 reads them as the MoE's v4 expert names (:data:`PEFT_MOE_NOTE`), so
+such an adapter would not load onto the user's checkpoint. The router (``gate``) is never adapted:
 a LoRA on it moves routing, which Router Replay and the IS corrections assume the trainer and
 inference share; it is refused by name. Embeddings and the LM head are not offered either (PEFT's
 LoRA on them is a different layer type that SGLang does not serve).
@@ -59,7 +62,8 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp", "experts"])
     """What to adapt: groups ``attention``, ``mlp``, ``mamba``, ``latent``, ``experts`` or projection
     names (``q_proj``, ``v_proj``, ``down_proj``...); targets a family lacks are skipped, but at least one
-    must exist in the model. The router is refused (workers/common/config/lora.py)."""
+    must exist in the model. The router is refused; on a MoE model ``mlp`` adapts nothing and its names
+    are refused (peft could not load them onto the checkpoint: workers/common/config/lora.py)."""
     experts: str = "per_expert"
     """Routed-expert adapters: ``per_expert`` (each expert its own A [E, r, in] and B [E, out, r]) or
     ``shared_outer`` (the hidden-size side shared by all experts: one A [r, hidden] into gate/up and
@@ -87,11 +91,26 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def linear_targets(targets) -> frozenset[str]:
-    """The ``nn.Linear`` leaf names ``targets`` (groups or names) adapt."""
+MLP_NAMES = TARGET_GROUPS["mlp"]
+PEFT_MOE_NOTE = ("peft 0.21 under transformers 5 reads gate_proj/up_proj/down_proj on a MoE model as the v4 names of "
+                 "its routed experts (it remaps them onto the stacked experts with a doubled rank), so an adapter on a "
+                 "MoE model's dense MLP or shared expert could not be loaded onto the original checkpoint")
+"""Why the ``mlp`` group adapts nothing on a model with routed experts (qwen3_moe, deepseek_v3, glm_moe_dsa
+map to transformers' qwen2_moe conversion; the rule holds for every MoE family, so one layout fits all)."""
+
+
+def linear_targets(targets, *, moe: bool = False) -> frozenset[str]:
+    """The ``nn.Linear`` leaf names ``targets`` (groups or names) adapt; ``moe``: the model has routed
+    experts, where the dense-MLP names are left out (:data:`PEFT_MOE_NOTE`) and refused when named."""
     out = set()
     for t in targets:
         out.update(TARGET_GROUPS.get(t, () if t == EXPERTS else (t,)))
+    if moe:
+        named = sorted(set(targets) & set(MLP_NAMES))
+        if named:
+            raise ConfigError(f"trainer.lora.targets has {named} on a MoE model: {PEFT_MOE_NOTE}; adapt the experts "
+                              f"with 'experts' (and attention with 'attention')")
+        out -= set(MLP_NAMES)
     return frozenset(out)
 
 
