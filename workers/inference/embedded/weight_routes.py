@@ -120,6 +120,7 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
             engine.abort(None, wait=True)
         if engine.lora is not None and is_adapter_dir(path):  # LoRA mode: the base stays, the adapter changes
             n, adapter_digest[0] = engine.load_adapter(path, version)
+            adapter_digest[0] = adapter_digest[0] or ""  # "": nothing held, which confirms nothing
             return n
         adapter_digest[0] = None
         extra = {"sums": engine.weight_sums} if takes_sums else {}
@@ -155,7 +156,7 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
                 return _refused(str(e), num_paused_requests=engine.num_running + engine.num_pending)
             if adapter_digest[0] is not None:  # the confirmation the orchestrator waits for (lora_coordinator.py)
                 return web.json_response({"success": True, "message": f"Succeeded to load adapter v{version}.",
-                                          "num_paused_requests": n, "adapter_digest": adapter_digest[0]})
+                                          "num_paused_requests": n, "adapter_digest": adapter_digest[0] or None})
         return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
                                   "num_paused_requests": n, "weights_digest": await asyncio.to_thread(digest)})
 
