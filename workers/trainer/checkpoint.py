@@ -56,6 +56,13 @@ from workers.trainer.batch import KEEP_ROLLOUTS
 RESUMES_FILE = "resumes.jsonl"
 
 
+def trainable_state(model) -> dict:
+    """``model.state_dict()`` without frozen parameters (LoRA: the base is not checkpointed, the
+    adapters are; workers/trainer/dcp_state.py ``frozen_options``)."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
 def complete_checkpoints(root: Path, world_size: int) -> list[int]:
     """Steps of complete checkpoints, oldest first: DCP ones of any world size (workers/trainer/dcp_state.py),
     per-rank ones with COMPLETE and every rank file of ``world_size``."""
@@ -169,7 +176,7 @@ class Checkpointer:
                 self.log.info(f"checkpoint step {step} complete in {final} (DCP, {time.perf_counter() - t0:.2f}s)")
             return final
         tmp.mkdir(parents=True, exist_ok=True)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+        state = {"model": trainable_state(model), "optimizer": optimizer.state_dict(), "step": step,
                  "rank": self.rank, "world_size": self.world_size,
                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
         part = tmp / f"rank_{self.rank}.pt.part"
@@ -231,7 +238,7 @@ class Checkpointer:
             else:
                 try:
                     state = torch.load(path, map_location="cpu", weights_only=False)
-                    model.load_state_dict(state["model"])
+                    model.load_state_dict(state["model"], strict=dcp_state.frozen_options(model) is None)
                     optimizer.load_state_dict(state["optimizer"])
                 except Exception as e:  # corrupt or mismatched: an older one may still do
                     self.log.warning(f"skipping checkpoint {path}: {type(e).__name__}: {e}")

@@ -8,7 +8,8 @@ dp 1 or 4, one saved at tp 2 x ep 2 (mesh plan) at dp 2 (FSDP plan), one at ep 4
 stored by their HF per-expert names, each held by the ranks of its EP group
 (``trainer.num_ranks`` and the layout may change between submissions of one run directory).
 
-What (one directory ``step_N``): ``dcp/`` (DCP's files + ``.metadata``: model and AdamW state,
+What (one directory ``step_N``): ``dcp/`` (DCP's files + ``.metadata``: model and AdamW state (under
+LoRA the adapters, buffers and their AdamW state only: :func:`frozen_options`),
 fully qualified by parameter name, through ``get_state_dict``; routed-expert stacks split into
 per-expert views by :func:`per_expert_state`), ``rng_R.pt`` per saving rank
 (torch, numpy, python RNG states), then ``COMPLETE`` {step, world_size, format: "dcp"}: the
@@ -38,13 +39,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from workers.common.protocol import COMPLETE
 from workers.models.blocks.experts import checkpoint_named, stacked_state_names
 
 FORMAT = "dcp"
 DCP_DIR = "dcp"
+
+
+def frozen_options(model):
+    """LoRA (a frozen base, workers/models/lora): the checkpoint holds the trainable parameters (the
+    adapters), buffers and their AdamW state only; the base is rebuilt from ``model.path`` / the
+    seeded init on resume. None for a fully trained model (torch's defaults)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def reshardable(model) -> bool:
@@ -72,11 +82,12 @@ def save(tmp: Path, final: Path, step: int, model, optimizer, *, rank: int, worl
 def load(path: Path, model, optimizer, *, rank: int) -> None:
     """Restore model, AdamW state and RNG from ``path`` into this rank's shards (any saving world size)."""
     with stacked_state_names():
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # this layout's shards, parameter names
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=frozen_options(model))  # this layout's shards
     # DCP fills the per-expert views in place, i.e. the stacks of model_sd / optim_sd.
     dcp.load(dict(zip(("model", "optim"), _split_experts(model, model_sd, optim_sd))), checkpoint_id=str(path / DCP_DIR))
     with stacked_state_names():
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=frozen_options(model))
     own = path / f"rng_{rank}.pt"
     rng = torch.load(own if own.exists() else path / "rng_0.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
@@ -90,7 +101,7 @@ def per_expert_state(model, optimizer) -> tuple[dict, dict]:
     under checkpoint names (``...experts.7.gate_proj.weight``, global ids): the names DCP stores, so
     experts reshard between any ep / dp layouts and the files are those of per-expert models too."""
     with stacked_state_names():  # torch maps state-dict keys through named_parameters
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=frozen_options(model))
     return _split_experts(model, model_sd, optim_sd)
 
 

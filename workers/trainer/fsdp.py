@@ -114,7 +114,8 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     if dims.tp != 1 or dims.ep != 1:
         raise ValueError(f"the FSDP plan shards over data parallel only; tp({dims.tp}) x ep({dims.ep}) needs the "
                          f"mesh plan (workers/trainer/mesh_plan.py)")
-    master = next(full.parameters()).dtype
+    # the trainable parameters' dtype (a LoRA model's frozen base stays in the compute dtype: workers/models/lora)
+    master = next((p for p in full.parameters() if p.requires_grad), next(full.parameters())).dtype
     precision = precision or Precision(master=master, compute=master)
     assert precision.master == master, (precision, master)
     mesh = init_device_mesh(dims.device.type, (dims.world_size,), mesh_dim_names=("dp_shard",))

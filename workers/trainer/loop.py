@@ -57,7 +57,7 @@ from workers.trainer.tracking import make_tracker
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
-from workers.trainer import ep_capacity, plans
+from workers.trainer import ep_capacity, lora_publish, plans
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
@@ -102,7 +102,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         to_hf = MODELS.get(cfg.model.family).to_hf  # published weights carry HF names
         compute = Precision.of(tcfg).compute  # published weights: the compute dtype, as inference runs them
         weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # gathered tensor by tensor while published
-        sync = publish_weights(publisher, start, weights)  # collective: every rank writes or sends a share
+        sync = publish_version(publisher, start, weights, cfg, paths, dims)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
@@ -131,7 +131,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
             weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # a fresh view of the updated shards
-            sync = publish_weights(publisher, step, weights)
+            sync = publish_version(publisher, step, weights, cfg, paths, dims)
             if dims.is_rank0:
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
                 record.update(beat.sample())
@@ -213,6 +213,15 @@ def publish_weights(publisher: WeightPublisher, version: int, weights: ModelWeig
     return publisher.publish(version, weights).metrics()
 
 
+def publish_version(publisher: WeightPublisher, version: int, weights: ModelWeights, cfg: RunConfig, paths: RunPaths,
+                    dims: ParallelDims) -> dict:
+    """:func:`publish_weights`, or under LoRA after version 0 the adapter (workers/trainer/lora_publish.py)."""
+    if cfg.trainer.lora.enabled and version > 0:
+        return lora_publish.publish_adapter(publisher, version, weights.model, cfg, paths, rank=dims.rank,
+                                            dtype=Precision.of(cfg.trainer).compute)
+    return publish_weights(publisher, version, weights)
+
+
 def parallel_degrees(cfg: RunConfig) -> tuple[int, int, int]:
     """(tp, ep, cp) from ``trainer.parallel`` through the same check the plan ran (for hand-started ranks)."""
     d = cfg.trainer.parallel.resolve(cfg.trainer.num_ranks)
@@ -225,7 +234,8 @@ def build_optimizer(model, tcfg) -> torch.optim.AdamW:
     On CUDA the fused kernel (one launch per dtype group instead of foreach's several passes: the
     H200 profile of 2026-12-03 had AdamW at 16% of the step's GPU time); elsewhere the default."""
     fused = all(p.is_cuda for p in model.parameters())
-    return ShardLocalAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (no state for the base)
+    return ShardLocalAdamW(trainable, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                            fused=fused or None)
 
 
@@ -240,19 +250,26 @@ def step0_model(cfg: RunConfig, dims: ParallelDims):
     :func:`initial_model`, bit for bit (tests/integration/test_publish_stream.py). Otherwise (a
     ``model.pretrained`` conversion, or a family's own plan) every rank builds the full model on the
     CPU, then shards it."""
-    spec, master = MODELS.get(cfg.model.family), Precision.of(cfg.trainer).master
+    spec, precision, lora = MODELS.get(cfg.model.family), Precision.of(cfg.trainer), cfg.trainer.lora.enabled
+    lora_publish.check_layout(cfg)
     if trainer_plan(cfg) in (FSDP_PLAN, MESH_PLAN) and not cfg.model.pretrained:
         from workers.models.hf_checkpoint import checkpoint_tensors
         from workers.trainer.fsdp import materialize
 
-        full = spec.build(cfg.model, device="meta", dtype=master)
+        # LoRA: the frozen base in the compute dtype (no master copy), float32 adapters (lora_publish.py)
+        full = spec.build(cfg.model, device="meta", dtype=precision.compute if lora else precision.master)
         apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
         apply_compile(full.model.layers, cfg.trainer.compile, device=dims.device)  # wraps the checkpoint
         # both streams read names and full shapes now, before sharding changes them
         tensors = (checkpoint_tensors(full, cfg.model, spec.checkpoint_from_hf(cfg.model)) if cfg.model.path
                    else full.seeded_tensors(cfg.model.init_seed))
+        if lora:
+            tensors = lora_publish.add_adapters(cfg, full, tensors)
         return materialize(parallelize(cfg, full, dims), tensors, dims.device)
     full = initial_model(cfg).to(dims.device)  # master dtype: workers/trainer/precision.py
+    if lora:
+        full = full.to(precision.compute)
+        lora_publish.init_in_place(cfg, full)
     apply_activation_checkpointing(full.model.layers, cfg.trainer.activation_checkpointing)
     apply_compile(full.model.layers, cfg.trainer.compile, device=dims.device)  # wraps the checkpoint
     return parallelize(cfg, full, dims)

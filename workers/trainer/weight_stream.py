@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workers.models.blocks.experts import StackedExperts, checkpoint_named, checkpoint_order, stacked_state_names
+from workers.models.lora.inject import is_lora_name
 from workers.weights.checksums import nonfinite_names
 from workers.weights.stream import DictStream, cast, full_tensor, local_part, meta_of
 
@@ -44,6 +45,7 @@ class ModelWeights(DictStream):
             self.state = model.state_dict()
         self.slots = self._stack_slots(model)
         names = list(getattr(model, "full_state_names", None) or checkpoint_order(model, self.state))
+        names = [n for n in names if not is_lora_name(n)]  # LoRA: the base alone (adapters: lora_publish.py)
         self.ours = to_hf({n: n for n in names}) if to_hf is not None else {n: n for n in names}  # HF -> ours
         self.metas = []
         for hf, n in self.ours.items():

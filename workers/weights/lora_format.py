@@ -19,7 +19,8 @@ Directory (``weights/step_N/`` in LoRA mode, or any directory :func:`write_adapt
     ``lora_alpha / r``; ``use_rslora: false``), ``lora_dropout`` (the training dropout; written 0.0
     when experts are adapted, because peft's ParamWrapper refuses any other value and dropout does
     not exist at inference), ``target_modules`` (sorted leaf names of adapted ``nn.Linear`` modules:
-    ``q_proj``, ``down_proj``, ... -- SGLang's LoRA loader reads the same list), ``target_parameters``
+    ``q_proj``, ``down_proj``, ... -- SGLang's LoRA loader reads the same list; never gate/up/down_proj on
+    a MoE model: peft remaps those names onto the experts, workers/common/config/lora.py), ``target_parameters``
     (adapted stacked expert tensors, as module-path suffixes: ``mlp.experts.gate_up_proj``,
     ``mlp.experts.down_proj``; absent when no experts are adapted), ``base_model_name_or_path`` (the
     run's ``model.path``, or the step-0 base directory), ``bias: "none"``, ``fan_in_fan_out: false``,

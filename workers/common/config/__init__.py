@@ -16,10 +16,11 @@ from workers.common.config.orchestrator import OrchestratorConfig
 from workers.common.config.run import (ConfigError, RunConfig, conform_sections, load_run_config, section_schema,
                                        structure_section, to_yaml)
 from workers.common.config.tracking import TrackingConfig
+from workers.common.config.lora import LoraConfig
 from workers.common.config.trainer import ParallelConfig, TrainerConfig
 from workers.common.config.weights import WeightsConfig
 
-__all__ = ["AlgorithmConfig", "TeacherConfig", "ClusterConfig", "ConfigError", "EnvConfig", "InferenceConfig", "LauncherConfig", "ModelConfig",
+__all__ = ["AlgorithmConfig", "TeacherConfig", "ClusterConfig", "ConfigError", "EnvConfig", "InferenceConfig", "LauncherConfig", "LoraConfig", "ModelConfig",
            "OrchestratorConfig", "ParallelConfig", "PreflightConfig", "RoleResources", "RunConfig", "ServerLayout",
            "TrackingConfig", "TrainerConfig", "TrainerLayout", "WeightsConfig", "conform_sections", "load_run_config",
            "section_schema", "structure_section", "to_yaml"]

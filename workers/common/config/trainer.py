@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
+from workers.common.config.lora import LoraConfig
 from workers.common.config.ranges import ConfigError, Each, Range, between, ge, gt, limits, one_of
 from workers.common.dtypes import COMPUTE_DTYPES
 
@@ -81,6 +82,8 @@ class TrainerConfig:
     """Trainer processes (gloo locally, NCCL on GPUs); split tp x pp x ep x dp by trainer.parallel."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer ranks."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (rank 0, the default: full fine-tuning); workers/common/config/lora.py."""
     num_steps: int = 400
     """Trainer steps of the run; step N (1-based) trains batch N from weights N-1 and publishes weights/step_N."""
     lr: float = 3e-4

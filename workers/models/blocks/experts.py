@@ -128,11 +128,21 @@ class StackedExperts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` on rows ``x`` [n, H] (the reference loops)."""
         if self.gated:
-            g, u = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            g, u = self.linear("gate_up_proj", e, x).chunk(2, dim=-1)
             h = F.silu(g) * u
         else:
-            h = F.relu(F.linear(x, self.up_proj[e])).square()
-        return F.linear(h, self.down_proj[e])
+            h = F.relu(self.linear("up_proj", e, x)).square()
+        return self.linear("down_proj", e, h)
+
+    def linear(self, stack: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e``'s projection ``stack`` on rows ``x`` (a LoRA subclass adds its term:
+        workers/models/lora/experts.py)."""
+        return F.linear(x, getattr(self, stack)[e])
+
+    def project(self, stack: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Projection ``stack`` of every local expert on its rows of ``x`` (grouped by expert, group
+        ends ``offs``): ONE grouped GEMM (a LoRA subclass adds its own grouped GEMMs)."""
+        return F.grouped_mm(x, getattr(self, stack).transpose(1, 2), offs=offs)
 
     def grouped_ok(self, rows: torch.Tensor) -> bool:
         """Grouped GEMM needs bf16 operands and widths in multiples of 8 (16-byte strides)."""
@@ -152,13 +162,13 @@ class StackedExperts(nn.Module):
         if kernels.fast(rows) and self.grouped_ok(rows):
             offs = counts.cumsum(0).to(torch.int32)
             if self.gated:
-                g, u = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+                g, u = self.project("gate_up_proj", rows, offs).chunk(2, dim=-1)
                 h = F.silu(g) * u
             else:
-                h = F.relu(F.grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)).square()
+                h = F.relu(self.project("up_proj", rows, offs)).square()
             if row_scale is not None:
                 h = h * row_scale[:, None].to(h.dtype)
-            out = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+            out = self.project("down_proj", h, offs)
             if padded:  # grouped_mm leaves rows past the last offset unwritten
                 real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
                 out = torch.where(real[:, None], out, out.new_zeros(()))

@@ -1,0 +1,122 @@
+"""``trainer.lora``: LoRA adapters instead of full fine-tuning (issue 44). Torch-free: the launcher's
+plan and every trainer rank resolve the same targets from here.
+
+Why LoRA for RL: public results (Thinking Machines' "LoRA Without Regret", 2025) find that for
+RL a small rank matches full fine-tuning when its learning rate is about 10x the full one, and
+the base then stays frozen in the compute dtype (no float32 master, no gradient, no AdamW state)
+while a weight update is the adapter, not the model. ``rank`` 0 (the default) is full fine-tuning.
+
+Targets: names of the projections to adapt. Group names expand per family so one default fits
+every native family: ``attention`` (q/k/v/o of GQA; q_a/q_b/kv_a/kv_b/o of MLA), ``mlp`` (the
+dense MLPs' and shared experts' gate/up/down), ``mamba`` (Mamba-2 in/out projections, Nemotron-H),
+``latent`` (Nemotron-H's latent MoE projections), ``experts`` (every routed-expert stack); or the
+projection names themselves (``q_proj``, ``down_proj``...). On a model with routed experts the
+``mlp`` names adapt nothing (dense layers, shared experts) and are refused when named explicitly:
+peft 0.21 under transformers 5 reads them as the MoE's v4 expert names (:data:`PEFT_MOE_NOTE`), so
+such an adapter would not load onto the user's checkpoint. The router (``gate``) is never adapted:
+a LoRA on it moves routing, which Router Replay and the IS corrections assume the trainer and
+inference share; it is refused by name. Embeddings and the LM head are not offered either (PEFT's
+LoRA on them is a different layer type that SGLang does not serve).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+from workers.common.config.ranges import ConfigError, Each, between, gt, limits, one_of
+
+TARGET_GROUPS = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "mamba": ("in_proj", "out_proj"),
+    "latent": ("fc1_latent_proj", "fc2_latent_proj"),
+}
+"""Group target -> the ``nn.Linear`` leaf names (HF names) it adapts, in every family that has them."""
+EXPERTS = "experts"
+LINEAR_TARGETS = tuple(dict.fromkeys(n for names in TARGET_GROUPS.values() for n in names))
+TARGETS = (*TARGET_GROUPS, EXPERTS, *LINEAR_TARGETS)
+"""``trainer.lora.targets`` choices."""
+ROUTER_NAMES = ("gate", "router", "mlp.gate", "e_score_correction_bias")
+"""What a user may write for the router; refused with a reason (module docstring)."""
+EXPERT_MODES = ("per_expert", "shared_outer")
+"""``trainer.lora.experts`` choices (workers/trainer/lora/experts.py explains them)."""
+FULL_FT_LR_MAX = 2e-5
+"""A LoRA run at or below this learning rate gets the plan's hint: full-fine-tuning RL recipes use
+1e-6..1e-5 (GRPO/DAPO presets), and LoRA needs ~10x the full learning rate (module docstring)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r; 0 (default): full fine-tuning (every parameter trained, float32 master). > 0: the
+    base is frozen in trainer.dtype and each target learns ``B @ A`` (A [r, in], B [out, r], B zero at
+    step 0), scaled by alpha / r; published steps are PEFT adapters (workers/weights/lora_format.py).
+    Public RL results: rank 1-32 matches full fine-tuning on small models, 32-128 at 30B+."""
+    alpha: float = 32.0
+    """LoRA scale numerator: the update is ``(alpha / rank) * B @ A`` (PEFT's ``lora_alpha``; a fixed
+    alpha keeps the best learning rate nearly independent of the rank)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training (PEFT's ``lora_dropout``); 0 for RL (dropout
+    changes the trainer's log-probs against inference's). Not applied to expert adapters (peft's
+    expert LoRA has none; published as 0 there)."""
+    targets: list[str] = field(default_factory=lambda: ["attention", "mlp", "experts"])
+    """What to adapt: groups ``attention``, ``mlp``, ``mamba``, ``latent``, ``experts`` or projection
+    names (``q_proj``, ``v_proj``, ``down_proj``...); targets a family lacks are skipped, but at least one
+    must exist in the model. The router is refused; on a MoE model ``mlp`` adapts nothing and its names
+    are refused (peft could not load them onto the checkpoint: workers/common/config/lora.py)."""
+    experts: str = "per_expert"
+    """Routed-expert adapters: ``per_expert`` (each expert its own A [E, r, in] and B [E, out, r]) or
+    ``shared_outer`` (the hidden-size side shared by all experts: one A [r, hidden] into gate/up and
+    one B [hidden, r] out of down, the expert-width side per expert; about half the adapter bytes of
+    per_expert at E >> 1; published expanded to the per-expert PEFT layout)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str):  # a Hydra override ``trainer.lora.targets=q_proj`` without brackets
+            self.targets = [self.targets]
+        for t in self.targets:
+            if t in ROUTER_NAMES:
+                raise ConfigError(f"trainer.lora.targets has {t!r}: the MoE router is never adapted (a LoRA on it "
+                                  f"moves routing, which Router Replay and the IS corrections assume trainer and "
+                                  f"inference share); choose from {list(TARGETS)}")
+        if self.rank > 0 and not self.targets:
+            raise ConfigError("trainer.lora.targets is empty with trainer.lora.rank > 0: name what to adapt, "
+                              f"e.g. [attention, mlp, experts]; choose from {list(TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+MLP_NAMES = TARGET_GROUPS["mlp"]
+PEFT_MOE_NOTE = ("peft 0.21 under transformers 5 reads gate_proj/up_proj/down_proj on a MoE model as the v4 names of "
+                 "its routed experts (it remaps them onto the stacked experts with a doubled rank), so an adapter on a "
+                 "MoE model's dense MLP or shared expert could not be loaded onto the original checkpoint")
+"""Why the ``mlp`` group adapts nothing on a model with routed experts (qwen3_moe, deepseek_v3, glm_moe_dsa
+map to transformers' qwen2_moe conversion; the rule holds for every MoE family, so one layout fits all)."""
+
+
+def linear_targets(targets, *, moe: bool = False) -> frozenset[str]:
+    """The ``nn.Linear`` leaf names ``targets`` (groups or names) adapt; ``moe``: the model has routed
+    experts, where the dense-MLP names are left out (:data:`PEFT_MOE_NOTE`) and refused when named."""
+    out = set()
+    for t in targets:
+        out.update(TARGET_GROUPS.get(t, () if t == EXPERTS else (t,)))
+    if moe:
+        named = sorted(set(targets) & set(MLP_NAMES))
+        if named:
+            raise ConfigError(f"trainer.lora.targets has {named} on a MoE model: {PEFT_MOE_NOTE}; adapt the experts "
+                              f"with 'experts' (and attention with 'attention')")
+        out -= set(MLP_NAMES)
+    return frozenset(out)
+
+
+def adapts_experts(targets) -> bool:
+    return EXPERTS in targets
+
+
+limits(LoraConfig, rank=between(0, 4096), alpha=gt(0), dropout=between(0, 1, hi_open=True),
+       targets=Each(one_of(*TARGETS)), experts=one_of(*EXPERT_MODES))
