@@ -8,17 +8,18 @@ workers/weights/lora_steps.py; tensors and names: workers/weights/lora_format.py
 
 Protocol (collective: every trainer rank calls ``publish``):
   ``publish(0, base)``       the base through the filesystem publisher, a full step as without LoRA;
-  ``publish(V >= 1, adapter)`` rank 0 writes ``.step_V.tmp/`` (adapter files, ``slurmrl_adapter.json``
-                             with the digest of the tensors it wrote, STABLE last), fsyncs, renames it to
-                             ``step_V``, prunes adapter steps beyond ``weights.keep_last`` (never the base);
-                             the other ranks' argument is ignored (the trainer gathers the adapter to
-                             rank 0); one gather at the end, so every rank returns after the step exists.
+  ``publish_adapter(V >= 1, adapter)`` (the trainer's hook, workers/trainer/lora_publish.py; also
+                             ``publish(V, adapter)``) rank 0 writes ``.step_V.tmp/`` (adapter files in the
+                             INFERENCE dtype, what the servers hold bit for bit, ``slurmrl_adapter.json`` with
+                             the digest of the tensors it wrote, STABLE last: protocol.publish_dir), renames
+                             it to ``step_V``, prunes adapter steps beyond ``weights.keep_last`` (never the
+                             base); the other ranks' adapter is ignored; one gather at the end, so every
+                             rank returns after the step exists.
 A NaN/inf adapter is refused like a full step's (weights.skip_nonfinite: skipped instead).
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from workers.common.dtypes import torch_dtype
-from workers.common.protocol import STABLE, step_name
+from workers.common.protocol import STABLE, publish_dir, step_name
 from workers.weights.base import Peers, SyncStats, WeightPublisher, peers_for, refuse_nonfinite
 from workers.weights.checksums import state_digest, tensor_hash
 from workers.weights.lora_format import Adapter, peft_state, write_adapter
@@ -49,38 +50,39 @@ class AdapterPublisher(WeightPublisher):
         self.skip_nonfinite, self.dtype = skip_nonfinite, dtype
 
     def publish(self, version: int, weights: Any) -> SyncStats:
+        """Version 0: the base (full step); later versions: ``weights`` is the Adapter (rank 0's is written)."""
         if version == BASE_STEP:
             if isinstance(weights, Adapter):
                 raise ValueError("lora: version 0 is the frozen base; publish the base model there, adapters from 1 on")
             return self.base.publish(version, weights)
+        return self.publish_adapter(version, weights)
+
+    def publish_adapter(self, version: int, adapter: Optional[Adapter]) -> SyncStats:
+        """COLLECTIVE: rank 0 writes ``adapter`` as step ``version`` (workers/trainer/lora_publish.py calls
+        this hook); every rank returns once the step exists or was refused."""
         t0 = time.perf_counter()
         nbytes, skipped = 0, False
         if self.peers.rank == 0:
-            if not isinstance(weights, Adapter):
-                raise TypeError(f"lora: version {version} must be an Adapter on rank 0 (got {type(weights).__name__})")
-            state = peft_state(weights, self.dtype)
+            if not isinstance(adapter, Adapter):
+                raise TypeError(f"lora: version {version} must be an Adapter on rank 0 (got {type(adapter).__name__})")
+            state = peft_state(adapter, self.dtype)
             bad = [k for k, t in state.items() if not bool(torch.isfinite(t).all())]
             skipped = refuse_nonfinite(version, bad, skip=self.skip_nonfinite)
             if not skipped:
-                nbytes = self._write(version, weights, state)
-        self.peers.all_gather_object(None)  # every rank returns once the step exists (or was refused)
+                nbytes = self._write(version, adapter, state)
+        self.peers.all_gather_object(None)
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0, skipped=skipped)
 
     def _write(self, version: int, adapter: Adapter, state: dict[str, torch.Tensor]) -> int:
-        final = self.root / step_name(version)
-        tmp = self.root / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_adapter(tmp, adapter, step=version, dtype=self.dtype)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         side = {"format": FORMAT, "step": version, "base_step": BASE_STEP, "digest": adapter_files_digest(state),
                 "bytes": nbytes, "rank": adapter.rank, "alpha": adapter.alpha}
-        (tmp / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
-        with open(tmp / STABLE, "w") as f:
-            f.write(str(version))
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)  # a step written before a restart: this one replaces it
-        os.replace(tmp, final)
+
+        def write(tmp: Path) -> None:
+            write_adapter(tmp, adapter, step=version, dtype=self.dtype)
+            (tmp / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
+
+        publish_dir(self.root / step_name(version), write, STABLE)  # STABLE last, then one rename
         prune_adapters(self.root, keep_last=self.keep_last, newest=version)
         return nbytes
 

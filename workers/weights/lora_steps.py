@@ -43,6 +43,7 @@ class LoraMode:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    """``nn.Linear`` leaf names (groups expanded: workers/common/config/lora.py), plus ``experts``."""
     adapters: tuple[str, ...] = ("default",)
 
 
@@ -52,7 +53,10 @@ def lora_mode(cfg: Any) -> Optional[LoraMode]:
     rank = int(getattr(lora, "rank", 0) or 0)
     if rank <= 0:
         return None
-    targets = tuple(getattr(lora, "targets", None) or ("q_proj", "k_proj", "v_proj", "o_proj"))
+    from workers.common.config.lora import EXPERTS, adapts_experts, linear_targets
+
+    wanted = list(getattr(lora, "targets", None) or ())
+    targets = tuple(sorted(linear_targets(wanted))) + ((EXPERTS,) if adapts_experts(wanted) else ())
     names = tuple(getattr(a, "name", a) for a in (getattr(lora, "adapters", None) or ())) or ("default",)
     return LoraMode(rank=rank, alpha=float(getattr(lora, "alpha", rank)), targets=targets, adapters=names)
 
