@@ -125,3 +125,49 @@ def adapter_numel(cfg: Any, targets: tuple[str, ...], rank: int) -> int:
     if "experts" in targets and experts:  # gate_up [2I, H] and down [H, I] per expert
         per_layer += experts * rank * ((h + 2 * e_inter) + (e_inter + h))
     return per_layer * layers
+
+
+SGLANG_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
+                  "gate_proj", "up_proj", "down_proj")
+"""``trainer.lora`` targets SGLang 0.5.23 serves (its SUPPORTED_LORA_TARGET_MODULES, less fused names we never
+publish); routed experts come as ``gate_up_proj`` / ``down_proj`` (peft's target_parameters layout)."""
+
+
+def sglang_lora_modules(mode: LoraMode) -> list[str]:
+    """``--lora-target-modules`` for SGLang servers; ValueError naming what SGLang cannot serve."""
+    linear = [t for t in mode.targets if t != "experts"]
+    out = [t for t in linear if t in SGLANG_TARGETS]
+    missing = sorted(set(linear) - set(out) - {"in_proj", "out_proj", "fc1_latent_proj", "fc2_latent_proj"})
+    extra = sorted(set(linear) & {"in_proj", "out_proj", "fc1_latent_proj", "fc2_latent_proj"})
+    if missing or extra:
+        raise ValueError(f"trainer.lora.targets: SGLang 0.5.23 serves no LoRA on {missing + extra} (Mamba-2 and "
+                         f"latent-MoE projections); drop the 'mamba' / 'latent' targets or use inference=embedded")
+    if "experts" in mode.targets:
+        out += ["gate_up_proj", "down_proj"]
+    return list(dict.fromkeys(out))
+
+
+def update_line(cfg: Any) -> str:
+    """The plan's ``weights:`` line in LoRA mode: an update is the adapter, read by every server."""
+    mode = lora_mode(cfg)
+    if mode is None:
+        return ""
+    from workers.weights.broadcast import speaks_sglang
+
+    item = 2 if cfg.inference.dtype in ("bfloat16", "float16") else 4
+    nbytes = adapter_numel(cfg, mode.targets, mode.rank) * item
+    fs = cfg.cluster.shared_fs_gb_s
+    how = "SGLang /load_lora_adapter" if speaks_sglang(cfg) else "/update_weights_from_disk, unmerged"
+    return (f"LoRA rank {mode.rank}: every update is the adapter, ~{nbytes / 1e6:.1f} MB ({cfg.inference.dtype}) "
+            f"written once to run_dir/weights and read by each server ({how}; ~{nbytes / (fs * 1e9):.3f} s at "
+            f"cluster.shared_fs_gb_s={fs:g}); the base (step 0) is loaded once; each version is confirmed by the "
+            f"digest of what the engine holds before it is sampled")
+
+
+def check_serving(cfg: Any) -> None:
+    """Plan-time: in LoRA mode, SGLang servers must be able to serve every target (ValueError naming the key)."""
+    from workers.weights.broadcast import speaks_sglang
+
+    mode = lora_mode(cfg)
+    if mode is not None and speaks_sglang(cfg):
+        sglang_lora_modules(mode)
