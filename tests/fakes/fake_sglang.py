@@ -23,6 +23,10 @@ SGLang differs from our embedded engine:
   seqlen - 1)`` where prompt positions hold stale slots (:func:`stale_routing`), since the
   decode server never ran them.
 
+- LoRA (``enable_lora``, SGLang's ``--enable-lora``): ``/load_lora_adapter`` {lora_name, lora_path} needs a
+  PEFT directory and a new name and answers ``loaded_adapters``; ``/unload_lora_adapter``; ``/generate``
+  refuses a ``lora_path`` that names no loaded adapter (400, SGLang's message).
+
 The "model" is deterministic: the next token is ``(last + 1) % vocab``, its logprob
 ``-0.5``, its experts ``(position + j) % num_experts``; tests compute what to expect.
 Every request is recorded (path, body, routing-key header) for assertions.
@@ -35,6 +39,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -76,6 +81,8 @@ REQUEST_FIELDS = {
     "UpdateWeightsFromTensorReqInput": {"rid", "http_worker_ipc", "serialized_named_tensors", "load_format",
                                         "flush_cache", "abort_all_requests", "weight_version", "selector",
                                         "torch_empty_cache"},
+    "LoadLoRAAdapterReqInput": {"rid", "http_worker_ipc", "lora_name", "lora_path", "pinned", "lora_id"},
+    "UnloadLoRAAdapterReqInput": {"rid", "http_worker_ipc", "lora_name", "lora_id"},
 }
 """Field names of SGLang 0.5.23's request structs (io_struct.py; BaseReq adds rid, http_worker_ipc)."""
 ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
@@ -86,7 +93,8 @@ ROUTE_SCHEMA = {"/generate": "GenerateReqInput", "/update_weights_from_disk": "U
                 "/update_weight_version": "UpdateWeightVersionReqInput",
                 "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
                 "/get_weights_by_name": "GetWeightsByNameReqInput",
-                "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput"}
+                "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+                "/load_lora_adapter": "LoadLoRAAdapterReqInput", "/unload_lora_adapter": "UnloadLoRAAdapterReqInput"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -104,6 +112,11 @@ class FakeSGLangConfig:
     model_path: str = "/models/fake"
     disaggregation_mode: str = "null"
     """``null`` (unified), ``prefill`` or ``decode``."""
+    enable_lora: bool = False
+    """``--enable-lora``: /load_lora_adapter and /unload_lora_adapter serve PEFT directories by name, and
+    /generate's ``lora_path`` must name a loaded adapter (SGLang's checks); off, loading is refused."""
+    lora_load_noop: bool = False
+    """Tests: /load_lora_adapter answers success but registers nothing (a broken delivery)."""
 
 
 def expected_output(input_ids: list[int], max_new_tokens: int, vocab: int, stop: tuple = ()) -> list[int]:
@@ -137,6 +150,7 @@ class FakeSGLang:
     def __init__(self, cfg: FakeSGLangConfig):
         self.cfg = cfg
         self.requests: list[dict] = []
+        self.loras: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.paused: Optional[str] = None
         self.started = time.monotonic()
         self.groups: set[str] = set()
@@ -155,6 +169,8 @@ class FakeSGLang:
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/load_lora_adapter", self.load_lora)
+        r.add_post("/unload_lora_adapter", self.unload_lora)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -193,6 +209,9 @@ class FakeSGLang:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise web.HTTPBadRequest(text="input_ids must be a non-empty list of token ids")
         sp = body.get("sampling_params") or {}
+        if body.get("lora_path") is not None and body["lora_path"] not in self.loras:
+            return web.json_response({"error": {"message": f"The following requested LoRA adapters are not loaded: "
+                                                           f"{body['lora_path']}"}}, status=400)
         while self.paused == "in_place":  # in-place pause: the request waits, its state kept
             await asyncio.sleep(0.01)
         out = expected_output(ids, int(sp.get("max_new_tokens", 16)), self.cfg.vocab_size,
@@ -297,6 +316,27 @@ class FakeSGLang:
         body = await self._body(request)
         self.groups.discard(body.get("group_name"))
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """SGLang's LoRAUpdateOutput: ``loaded_adapters`` {name: path} after the load; 400 on failure."""
+        body = await self._body(request)
+        name, path = body.get("lora_name"), str(body.get("lora_path", ""))
+        why = ("LoRA is not enabled (--enable-lora)" if not self.cfg.enable_lora else
+               f"LoRA adapter {name} is already loaded" if name in self.loras else
+               f"{path} has no adapter_config.json" if not (Path(path) / "adapter_config.json").is_file() else None)
+        if why is not None:
+            return web.json_response({"success": False, "error_message": why, "loaded_adapters": dict(self.loras)},
+                                     status=400)
+        if not self.cfg.lora_load_noop:
+            self.loras[name] = path
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if self.loras.pop(body.get("lora_name"), None) is None:
+            return web.json_response({"success": False, "error_message": f"LoRA with name {body.get('lora_name')} "
+                                      f"does not exist", "loaded_adapters": dict(self.loras)}, status=400)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
 
     def close(self) -> None:
         """Nothing to release here (serve_fake calls it; fake_sglang_weights stops its rank processes)."""

@@ -310,6 +310,15 @@ class InferenceClient:
     async def destroy_weights_update_group(self, group_name: str, timeout_s: Optional[float] = None) -> dict:
         return await self._admin("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout_s: Optional[float] = None) -> dict:
+        """SGLang's ``/load_lora_adapter``: answers ``{success, error_message, loaded_adapters}`` (400 on failure,
+        raised as InferenceError)."""
+        return await self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                                timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout_s: Optional[float] = None) -> dict:
+        return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout_s=timeout_s)
+
     async def update_weight_version(self, new_version: int) -> dict:
         return await self._call("POST", "/update_weight_version", {"new_version": str(new_version)})
 

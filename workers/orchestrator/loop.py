@@ -42,6 +42,9 @@ from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter
 from workers.orchestrator.scoring import Scorers
 from workers.preflight.heartbeat import Heartbeat
+from workers.weights.lora_coordinator import (AdapterClient, AdapterNotDelivered, LoraCoordinator, SGLangLoraCoordinator,
+                                              make_lora_coordinator)
+from workers.weights.lora_steps import lora_mode
 
 
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 10.0, 5.0
@@ -72,7 +75,9 @@ class Orchestrator:
         self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
         self.dropped_at_last_batch = 0
         self.failed_reward_steps = 0  # consecutive batches whose every reward call failed
-        self.weights = TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log)
+        self.weights = (make_lora_coordinator(cfg, self.paths, log=self.log) if lora_mode(cfg) is not None else
+                        TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log))
+        self.dropped_unconfirmed = 0  # LoRA mode: samples of a version their worker never confirmed
         self.started = time.monotonic()
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
         self.meter = BusyMeter()
@@ -159,6 +164,10 @@ class Orchestrator:
         """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist."""
         await self.weights.maybe_update(self.pool)
         self.version = self.weights.version
+        if isinstance(self.weights, LoraCoordinator):  # a worker serving an unconfirmed adapter: run its groups elsewhere
+            for task, worker in self.inflight.items():
+                if not self.weights.samples_from(worker):
+                    task.cancel()
 
     async def watch_workers(self) -> None:
         """Every ``orchestrator.health_check_interval_s``: health-check live workers (cancel the
@@ -245,8 +254,10 @@ class Orchestrator:
         return clients, router
 
     def generation_client(self, worker: int, gid: int) -> InferenceClient:
-        """The router, keyed by the group so all its turns reuse one server's prefix cache; else the worker."""
-        return self.clients[worker] if self.router is None else self.router.for_group(gid)
+        """The router, keyed by the group so all its turns reuse one server's prefix cache; else the worker.
+        LoRA mode on SGLang: requests carry the adapter that is served now (lora_coordinator.AdapterClient)."""
+        client = self.clients[worker] if self.router is None else self.router.for_group(gid)
+        return AdapterClient(client, self.weights) if isinstance(self.weights, SGLangLoraCoordinator) else client
 
     def start_group(self, worker: int, gid: int, env_task) -> None:
         o = self.cfg.orchestrator
@@ -264,6 +275,8 @@ class Orchestrator:
     def least_loaded_worker(self) -> Optional[int]:
         """The live worker with the fewest groups in flight (None: every worker is down)."""
         live = self.pool.live() if self.pool is not None else list(range(len(self.clients)))
+        if isinstance(self.weights, LoraCoordinator):  # never a worker serving an adapter it did not confirm
+            live = [w for w in live if self.weights.samples_from(w)]
         if not live:
             return None
         load = {w: 0 for w in live}
@@ -286,6 +299,13 @@ class Orchestrator:
                 reason = str(e) or "cancelled: worker marked dead"
                 self.pool.request_failed(worker, e)
                 self.retry.append((gid, env_task, reason))
+                continue
+            if isinstance(self.weights, LoraCoordinator) and any(
+                    self.weights.refuses(worker, s.token_versions) for s in group.samples):
+                self.dropped_unconfirmed += len(group.samples)
+                self.log.error("dropped group %d from worker %d: sampled under an adapter version it never confirmed",
+                               gid, worker)
+                self.ledger.drop([gid])
                 continue
             self.completions.append((time.monotonic(), sum(len(s.completion_ids) for s in group.samples)))
             group.max_model_tokens = max_model_tokens(self.env.resolve(env_task)[0].limits)
@@ -312,6 +332,8 @@ class Orchestrator:
                 "weight_updates_verified": self.weights.verified,
                 "weight_updates_mismatched": self.weights.mismatched,
                 "weight_updates_fallback": self.weights.fallbacks,
+                **(dict(self.weights.metrics(), samples_dropped_unconfirmed_total=self.dropped_unconfirmed)
+                   if isinstance(self.weights, LoraCoordinator) else {}),
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
                 "inference_workers_live": len(self.pool.live()),
@@ -391,7 +413,7 @@ class RewardsFailing(RuntimeError):
 def run_orchestrator(cfg: RunConfig, topo: Topology) -> None:
     try:
         asyncio.run(Orchestrator(cfg, topo).run())
-    except RewardsFailing as e:  # the user's error: one clear line, and an exit code that is not restarted
+    except (RewardsFailing, AdapterNotDelivered) as e:  # the user's error, or adapters that reach no worker: one clear line, and an exit code that is not restarted
         get_logger("orchestrator", 0).error("stopping the run: %s", e)
         print(f"slurmrl: error: {e}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)

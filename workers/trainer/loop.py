@@ -40,6 +40,8 @@ from typing import Optional
 
 import torch
 
+from workers.weights.lora_publisher import make_lora_publisher
+from workers.weights.lora_steps import lora_mode
 from workers.common.config import ConfigError, RunConfig
 from workers.common.exits import EXIT_FATAL
 from workers.common.protocol import RunPaths
@@ -94,8 +96,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                                 group=dims.group, device=dims.device, log=log)
         guard.ensure_restore_point(start, model, optimizer)  # skip_nonfinite: a finite state to go back to
         ckpt.install_signals(model, optimizer)  # SIGUSR1: save after this step; SIGTERM: save, then stop
-        publisher = TRANSPORTS.get(cfg.weights.transport).publisher(cfg, paths, topology, rank=dims.rank,
-                                                                    world_size=dims.world_size, device=dims.device)
+        # LoRA mode: step 0 the base, then adapters, whatever the transport (workers/weights/lora_publisher.py)
+        make_publisher = make_lora_publisher if lora_mode(cfg) else TRANSPORTS.get(cfg.weights.transport).publisher
+        publisher = make_publisher(cfg, paths, topology, rank=dims.rank, world_size=dims.world_size, device=dims.device)
         to_hf = MODELS.get(cfg.model.family).to_hf  # published weights carry HF names
         compute = Precision.of(tcfg).compute  # published weights: the compute dtype, as inference runs them
         weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # gathered tensor by tensor while published

@@ -86,6 +86,8 @@ class WeightSwap:
     """Per worker, the ``weights_digest`` it reported after applying (None: not reported)."""
     left: list[Any] = dataclasses.field(default_factory=list)
     """Workers marked dead while the swap waited on them: left behind (they load when they come back)."""
+    answers: list[Optional[dict]] = dataclasses.field(default_factory=list)
+    """Per worker, its whole answer (None: left behind); LoRA mode reads ``adapter_digest`` from it."""
 
 
 class WorkerLeft(Exception):
@@ -150,7 +152,8 @@ async def swap_weights(clients: Sequence[Any], version: int, load: Callable[[Any
                                 + "; ".join(f"{c.base_url}: {why}" for c, why in failed),
                                 content=all(_refused_content(why) for _, why in failed))
     return WeightSwap(time.perf_counter() - t0, [None if c in left else r.get("weights_digest")
-                                                 for c, r in zip(clients, results)], left)
+                                                 for c, r in zip(clients, results)], left,
+                      [None if c in left else r for c, r in zip(clients, results)])
 
 
 def _refused_content(why: Any) -> bool:

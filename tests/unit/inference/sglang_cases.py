@@ -25,6 +25,7 @@ PRESETS = {
     "nemotron3_ultra_pd_20xh200": ["experiment=nemotron3_ultra_pd_20xh200"],
     "inference_sglang": ["inference=sglang", "cluster=h200_ib"],
     "inference_sglang_pd": ["inference=sglang_pd", "cluster=h200_ib", "orchestrator.return_routed_experts=false"],
+    "inference_sglang_lora": ["inference=sglang", "cluster=h200_ib", "trainer.lora.rank=16"],
 }
 """Every SGLang config of the tree (experiments, and the inference group files on a GPU cluster)."""
 JOB_ID = 4242

@@ -46,7 +46,9 @@ for name, argv in cases["server"].items():
         ns, unknown = parser.parse_known_args(argv)
         args = ServerArgs.from_cli_args(ns)
         out["server"][name] = {"unknown": unknown, "tp_size": args.tp_size, "port": args.port, "api_key": args.api_key,
-                                  "custom_weight_loader": args.custom_weight_loader}
+                                  "custom_weight_loader": args.custom_weight_loader,
+                                  "lora": [args.enable_lora, args.max_lora_rank, args.lora_target_modules,
+                                           args.max_loras_per_batch]}
     except Exception as e:
         out["server"][name] = {"error": f"{type(e).__name__}: {e}"}
 from smg.launch_router import parse_router_args
@@ -106,6 +108,17 @@ def test_every_server_argv_parses_with_sglangs_own_parser(parsed):
         want = [DELTA_LOADER] if "--custom-weight-loader" in argv else []
         assert (out["server"][name]["custom_weight_loader"] or []) == want, name
     assert any(r.get("custom_weight_loader") for n, r in out["server"].items() if n.startswith("glm5_swe_28xh200/"))
+
+
+def test_lora_mode_servers_parse_with_lora_enabled(parsed):
+    """trainer.lora.rank > 0: SGLang reads LoRA on, the rank, the modules (experts as gate_up_proj/down_proj,
+    peft's target_parameters layout) and room for the adapter being replaced beside the new one; off otherwise."""
+    _, out = parsed
+    lora = {n: r["lora"] for n, r in out["server"].items() if n.startswith("inference_sglang_lora/")}
+    assert lora and all(v[0] is True and v[1] == 16 and v[3] == 3 for v in lora.values()), lora
+    assert all({"q_proj", "o_proj", "gate_up_proj", "down_proj"} <= set(v[2]) for v in lora.values()), lora
+    plain = out["server"]["inference_sglang/inference[0]"]["lora"]
+    assert not plain[0] and plain[1] is None
 
 
 def test_every_router_argv_parses_with_smgs_own_parser(parsed):

@@ -38,6 +38,7 @@ from workers.models.blocks.decoder import CausalLM
 from workers.weights.base import WeightLoadError
 from workers.weights.delta.apply import apply_chain
 from workers.weights.filesystem.receiver import DiskReader
+from workers.weights.lora_format import is_adapter_dir
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -52,9 +53,10 @@ def engine_seed(run_seed: int, rank: int) -> int:
 class InferenceEngine:
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
 
-    def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0):
+    def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0, lora=None):
         assert max_batch_size >= 1, max_batch_size
         self.model = model.eval()
+        self.lora = lora  # LoRA mode: the adapters served on this base (workers/inference/embedded/lora.EngineLora)
         self.config = model.config  # the family's model section
         self.max_batch_size = max_batch_size
         self.max_seq_len = self.config.max_position_embeddings
@@ -97,6 +99,8 @@ class InferenceEngine:
         thread for aborts), with the result. It must not block."""
         assert req.input_ids and len(req.input_ids) < self.max_seq_len, len(req.input_ids)
         seq = _Seq(req, on_done)
+        if self.lora is not None:
+            seq.adapter_id = self.lora.index(req.adapter)  # the server checked the name (KeyError otherwise)
         with self._cond:
             if not self._stopping:
                 self._pending.append(seq)
@@ -166,6 +170,8 @@ class InferenceEngine:
         corrupt or mis-shaped step raises WeightLoadError and leaves the old weights in place."""
         if abort_all:
             self.abort(None, wait=True)
+        if self.lora is not None and is_adapter_dir(model_path):
+            return self.load_adapter(model_path, weight_version)[0]
         with self._update_lock:  # a second update must not read against a half-applied first
             step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes,
                                    sums=self.weight_sums)
@@ -174,6 +180,32 @@ class InferenceEngine:
         log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
                  weight_version, model_path, step.bytes / 1e6, step.seconds, step.num_skipped, n)
         return n
+
+    def load_adapter(self, path: str, weight_version: int, *, slot: int = 0) -> tuple[int, str]:
+        """LoRA mode: read a published adapter step (outside the model lock) and copy it into adapter
+        ``slot`` between steps, verified (workers/inference/embedded/lora.py); the engine then serves
+        ``weight_version``. Returns (requests in flight, the digest of the adapter's tensors)."""
+        from workers.inference.embedded.lora import read_step
+
+        if self.lora is None:
+            raise WeightLoadError(f"{path} is a LoRA adapter but this engine serves no adapters (trainer.lora.rank=0)")
+        with self._update_lock:
+            adapter = read_step(path)
+            with self._model_lock:
+                self.lora.load(adapter, slot=slot, version=int(weight_version))
+                digest = self.lora.digest(slot)  # of the buffers the forward reads, not of the file
+                self.weight_version = int(weight_version)
+                self.model_path = str(path)
+                self._weights_changed_locked()
+                n = self.num_running + self.num_pending
+        log.info("loaded adapter v%d (rank %d, %d targets) from %s into slot %d, digest %s, %d requests in flight",
+                 weight_version, adapter.rank, len(adapter.tensors), path, slot, digest, n)
+        return n, digest
+
+    def _use_adapters(self, seqs) -> None:
+        """LoRA mode: the adapter of each row of the next forward."""
+        if self.lora is not None:
+            self.lora.use(torch.tensor([s.adapter_id for s in seqs], device=self.device))
 
     def apply_weights(self, state, weight_version: int, *, source: str, hashes=None, patches=(), sums=None) -> int:
         """Copy verified tensors (any subset of the parameters) in between steps, cast to the
@@ -292,6 +324,7 @@ class InferenceEngine:
             pos[i, t - l:] = torch.arange(l)
         cache = self.model.new_cache()
         ids, pos, mask = ids.to(self.device), pos.to(self.device), mask.to(self.device)
+        self._use_adapters(seqs)
         out = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache)
         routed = out.routed_experts.to(torch.int32)
         for i, (s, l) in enumerate(zip(seqs, lens)):
@@ -310,6 +343,7 @@ class InferenceEngine:
         rows = self._rows
         last = torch.tensor([[s.out_ids[-1]] for s in rows])
         pos = torch.tensor([[s.seqlen - 1] for s in rows])
+        self._use_adapters(rows)
         out = self.model(last.to(self.device), position_ids=pos.to(self.device), cache=self._cache)
         if any(s.req.return_routed_experts for s in rows):
             routed = out.routed_experts.to(torch.int32)

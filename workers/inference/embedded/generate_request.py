@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import math
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from workers.inference.embedded.engine import GenRequest
 from workers.inference.embedded.parsing import BadRequest, _int
@@ -162,11 +162,25 @@ def _per_prompt(body: dict, key: str, n: int, default: Any) -> list:
     return [default if v is None else v] * n
 
 
-def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> ParsedGenerate:
-    """SGLang GenerateReqInput -> the engine's requests. Raises BadRequest naming the field."""
+def _adapters(body: dict, n: int, served: Optional[Sequence[str]]) -> list[Optional[str]]:
+    """SGLang's ``lora_path`` (one name, or one per prompt) checked against the adapters the engine
+    serves (``base``: none); every prompt None when not set."""
+    names = _per_prompt(body, "lora_path", n, None)
+    for x in names:
+        if x is not None and (not isinstance(x, str) or (x not in served and x != "base")):
+            raise BadRequest(f"lora_path: {x!r:.100} is not an adapter this server serves: {list(served)} or 'base'")
+    return names
+
+
+def parse_generate(body: Any, *, vocab_size: int, max_len: int,
+                   adapters: Optional[Sequence[str]] = None) -> ParsedGenerate:
+    """SGLang GenerateReqInput -> the engine's requests. Raises BadRequest naming the field.
+    ``adapters``: the LoRA adapters' names the engine serves (None: no LoRA, ``lora_path`` refused)."""
     if not isinstance(body, dict):
         raise BadRequest("body: expected a JSON object")
     for key, why in REFUSED.items():
+        if key == "lora_path" and adapters is not None:
+            continue
         if not _unset(body.get(key)):
             raise BadRequest(f"{key}: {why}")
     for key, ok in IGNORED.items():
@@ -215,6 +229,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> ParsedGenerat
     if not isinstance(routed, bool):
         raise BadRequest(f"return_routed_experts: expected true/false, got {routed!r}"[:300])
     start = _int(body.get("routed_experts_start_len") or 0, "routed_experts_start_len", 0)
+    lora = _adapters(body, n, adapters) if adapters is not None else [None] * n
     reqs = []
     for i, (p, sp, rid) in enumerate(zip(prompts, params, rids)):
         f = f"input_ids[{i}]" if is_batch else "input_ids"
@@ -226,5 +241,5 @@ def parse_generate(body: Any, *, vocab_size: int, max_len: int) -> ParsedGenerat
                              f"static engine's inference.max_seq_len)")
         toks = [_int(t, f"{f}[{j}]", 0, vocab_size - 1) for j, t in enumerate(p)]
         reqs.append(GenRequest(input_ids=toks, rid=rid, return_routed_experts=routed, routed_experts_start_len=start,
-                               **sp))
+                               adapter=lora[i], **sp))
     return ParsedGenerate(reqs=reqs, is_batch=is_batch, return_logprob=logprob, stream=stream)

@@ -25,6 +25,9 @@ class GenRequest:
     stop_token_ids: tuple[int, ...] = ()
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    adapter: Optional[str] = None
+    """LoRA mode: the adapter to sample with (SGLang's ``lora_path``: a name), None the first one, ``base``
+    the base alone (workers/inference/embedded/lora.py); the server refuses a name it does not serve."""
     rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -58,6 +61,7 @@ class _Seq:
     versions: list[int] = dataclasses.field(default_factory=list)
     routed: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [t, L, k] per forward fed
     t0: float = dataclasses.field(default_factory=time.perf_counter)
+    adapter_id: int = 0  # LoRA mode: the adapter slot its rows use (EngineLora.index of req.adapter)
 
     @property
     def seqlen(self) -> int:

@@ -149,7 +149,8 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
     app[guards.DISCONNECTS] = disconnects
 
     async def generate(request):
-        parsed = parse_generate(await _json(request), vocab_size=cfg.vocab_size, max_len=engine.max_seq_len)
+        parsed = parse_generate(await _json(request), vocab_size=cfg.vocab_size, max_len=engine.max_seq_len,
+                                adapters=None if engine.lora is None else engine.lora.names)
         busy = guards.admission_refusal(engine, len(parsed.reqs), max_queued)
         if busy is not None:
             return busy

@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, wait_for
+from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, step_name, wait_for
+from workers.inference.embedded.lora import EngineLora
 from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
 from workers.weights.base import WeightLoadError
+from workers.weights.lora_steps import BASE_STEP, lora_mode
 
 log = logging.getLogger("slurmrl.inference")
 LIST_ROUNDS = 3
@@ -41,10 +43,16 @@ def load_newest_valid(engine: InferenceEngine, paths: RunPaths) -> int:
     (listing every step refused and why) when none is intact."""
     weights_root = paths.root / WEIGHTS_DIR
     refused: dict[int, str] = {}
+    if engine.lora is not None:  # LoRA mode: the frozen base first (step 0), then the newest adapter on it
+        base = weights_root / step_name(BASE_STEP)
+        wait_for(lambda: is_marked(base), timeout_s=60.0, what=f"the LoRA base {base}/{STABLE}", peer="trainer rank 0")
+        engine.update_weights_from_disk(str(base), BASE_STEP)
     for _ in range(LIST_ROUNDS):
         for step, step_dir in stable_steps(weights_root):
             if step in refused:
                 continue
+            if engine.lora is not None and step == BASE_STEP:
+                return step  # loaded above
             try:
                 engine.update_weights_from_disk(str(step_dir), step)
             except (WeightLoadError, OSError) as e:
@@ -67,7 +75,10 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     weights_root = paths.root / WEIGHTS_DIR
     wait_for(lambda: bool(stable_steps(weights_root)), timeout_s=cfg.inference.startup_timeout_s,
              what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
+    mode = lora_mode(cfg)
+    lora = None if mode is None else EngineLora(model, rank=mode.rank, targets=mode.targets,
+                                                num_adapters=len(mode.adapters), names=mode.adapters)
     engine = create_engine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank),
-                           options=cfg.inference)
+                           options=cfg.inference, lora=lora)
     load_newest_valid(engine, paths)
     return engine

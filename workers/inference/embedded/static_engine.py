@@ -51,8 +51,8 @@ class StaticEngine(InferenceEngine):
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0,
                  max_seq_len: int = 0, prefill_chunk: int = 512, sync_every: int = 8, cuda_graphs: bool = True,
-                 smallest_key_window: int = 256):
-        super().__init__(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+                 smallest_key_window: int = 256, lora=None):
+        super().__init__(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version, lora=lora)
         assert prefill_chunk >= 1 and sync_every >= 1 and max_seq_len != 1, (prefill_chunk, sync_every, max_seq_len)
         if max_seq_len:  # 0: the model's max_position_embeddings, as the dynamic engine
             self.max_seq_len = min(int(max_seq_len), self.max_seq_len)  # the server refuses prompts that do not fit
@@ -63,6 +63,8 @@ class StaticEngine(InferenceEngine):
         routed_shape = (model.num_routed_layers, int(getattr(self.config, "top_k", 0) or 0))
         self.state = SlotState(num_slots=max_batch_size, max_len=self.max_seq_len, vocab=self.config.vocab_size,
                                routed_shape=routed_shape if routed_shape[0] else (0, 0), device=self.device)
+        # LoRA mode: each slot's adapter id, written at admission; the captured decode reads [:b] in place
+        self._slot_adapter = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
@@ -144,6 +146,9 @@ class StaticEngine(InferenceEngine):
         """Chunked, right-padded prefill of ``seqs`` into their slots, then their first token."""
         st, dev = self.state, self.device
         rows = st.admit([s.slot for s in seqs], [s.req for s in seqs], dev)
+        if self.lora is not None:
+            self._slot_adapter[rows] = torch.tensor([s.adapter_id for s in seqs], device=dev)
+            self.lora.use(self._slot_adapter.index_select(0, rows))
         self.slots.reset(rows)  # recurrent (Mamba-2) states start from zero; keys are masked instead
         self.slots.live = None  # every admitted row is live
         lens = torch.tensor([len(s.req.input_ids) for s in seqs])
@@ -185,6 +190,8 @@ class StaticEngine(InferenceEngine):
         self.slots.window = window
         self.slots.live = st.active[:b] & ~st.done[:b]  # rows whose recurrent state this step may advance
         fed = st.pos[:b]
+        if self.lora is not None:
+            self.lora.use(self._slot_adapter[:b])
         out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
         routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
         st.advance(rows, out.logits[:, -1], fed, st.noise[:b] if sample else None, routed)
@@ -239,7 +246,7 @@ class StaticEngine(InferenceEngine):
 
 
 def create_engine(model: CausalLM, *, max_batch_size: int, seed: int, options=None,
-                  weight_version: int = 0) -> InferenceEngine:
+                  weight_version: int = 0, lora=None) -> InferenceEngine:
     """The engine ``options`` (an EmbeddedInferenceConfig, or None: defaults) asks for.
 
     ``static_cache``: ``auto`` is the static engine on CUDA and the dynamic one on CPU; ``on``
@@ -249,12 +256,14 @@ def create_engine(model: CausalLM, *, max_batch_size: int, seed: int, options=No
     mode = getattr(options, "static_cache", "auto")
     device = next(model.parameters()).device
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version,
+                               lora=lora)
     reason = unsupported_reason(model)
     if reason is not None:
         log.warning("static KV cache unavailable for %s (%s): using the dynamic engine",
                     getattr(model.config, "family", type(model).__name__), reason)
-        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version)
+        return InferenceEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version,
+                               lora=lora)
     kw = {k: getattr(options, k) for k in ("max_seq_len", "prefill_chunk", "sync_every", "cuda_graphs")
           if options is not None and hasattr(options, k)}
-    return StaticEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version, **kw)
+    return StaticEngine(model, max_batch_size=max_batch_size, seed=seed, weight_version=weight_version, lora=lora, **kw)

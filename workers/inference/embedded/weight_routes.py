@@ -42,6 +42,7 @@ from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
 from workers.weights.base import Received, TensorMeta, WeightLoadError
 from workers.weights.checksums import state_digest, state_hashes
+from workers.weights.lora_format import is_adapter_dir
 from workers.weights.shards import BY_NAME
 
 log = logging.getLogger("slurmrl.inference")
@@ -107,6 +108,7 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
     group: dict[str, Optional[str]] = {"name": None}  # the weight group joined (for the log and messages)
 
     known_digest: list[Optional[str]] = [None]  # what the last update's transport vouched for (patch steps)
+    adapter_digest: list[Optional[str]] = [None]  # LoRA mode: the digest of the adapter the last update loaded
 
     def digest() -> str:  # our extension field: lets the orchestrator check every update end to end
         if known_digest[0] is not None:  # patch steps: every touched tensor verified while applied (sum64)
@@ -116,6 +118,11 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
     def load_and_apply(path: str, version: int, abort_all: bool) -> int:
         if abort_all:
             engine.abort(None, wait=True)
+        if engine.lora is not None and is_adapter_dir(path):  # LoRA mode: the base stays, the adapter changes
+            n, adapter_digest[0] = engine.load_adapter(path, version)
+            adapter_digest[0] = adapter_digest[0] or ""  # "": nothing held, which confirms nothing
+            return n
+        adapter_digest[0] = None
         extra = {"sums": engine.weight_sums} if takes_sums else {}
         got: Received = receiver.load(path, expected=engine.model.state_dict(), known=engine.weight_hashes,
                                       **extra)
@@ -147,6 +154,9 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
             except WeightLoadError as e:
                 log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
                 return _refused(str(e), num_paused_requests=engine.num_running + engine.num_pending)
+            if adapter_digest[0] is not None:  # the confirmation the orchestrator waits for (lora_coordinator.py)
+                return web.json_response({"success": True, "message": f"Succeeded to load adapter v{version}.",
+                                          "num_paused_requests": n, "adapter_digest": adapter_digest[0] or None})
         return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
                                   "num_paused_requests": n, "weights_digest": await asyncio.to_thread(digest)})
 

@@ -172,6 +172,20 @@ def weight_loader_args(cfg: RunConfig) -> list[str]:
     return flag("custom-weight-loader", DELTA_LOADER)
 
 
+def lora_args(cfg: RunConfig) -> list[str]:
+    """LoRA mode (trainer.lora.rank > 0): servers serve the base plus adapters loaded by name at run time
+    (/load_lora_adapter, workers/weights/lora_coordinator.py): the largest rank, the modules, and room for
+    two adapters per batch (the one being replaced finishes its requests beside the new one) plus the base."""
+    from workers.weights.lora_steps import lora_mode, sglang_lora_modules
+
+    mode = lora_mode(cfg)
+    if mode is None:
+        return []
+    return (flag("enable-lora") + opt("max-lora-rank", mode.rank)
+            + ["--lora-target-modules", *sglang_lora_modules(mode)]
+            + opt("max-loras-per-batch", 2 * len(mode.adapters) + 1))
+
+
 def server_argv(cfg: RunConfig, p: Placement, *, python: str = "python") -> list[str]:
     """The full command line of one SGLang server task (argv, not shell-quoted), without the key."""
     inf, s = cfg.inference, cfg.inference.sglang
@@ -185,6 +199,7 @@ def server_argv(cfg: RunConfig, p: Placement, *, python: str = "python") -> list
     argv += memory_args(s, r, inf)
     argv += rl_args(s, cfg.orchestrator.return_routed_experts)
     argv += weight_loader_args(cfg)
+    argv += lora_args(cfg)
     return argv + list(r.extra_args) + list(s.extra_args)
 
 
