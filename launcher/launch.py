@@ -28,6 +28,7 @@ from launcher.render import render_script, sbatch_command
 from launcher.resume import ensure_stopped, rewrite_run_dir
 from launcher.run_dir import choose_run_dir, create_run_dir
 from launcher.run_status import next_commands
+from launcher.timeline import summary_line as timeline_summary
 from workers.common.config import RunConfig
 from workers.common.protocol import RunPaths
 from workers.common.registry import ENVS
@@ -166,6 +167,8 @@ def launch(cfg: RunConfig, *, follow: Optional[bool] = None) -> int:
         finally:
             weights_dir.settle(paths)  # tmpfs steps back into the run directory, memory given back
         print(f"[slurmrl] {'finished' if code == 0 else 'stopped'}: {backend.progress_summary}", flush=True)
+        if (line := timeline_summary(paths.root)) is not None:  # where the step interval went (launcher/timeline.py)
+            print(f"[slurmrl] {line}", flush=True)
         print(f"[slurmrl] run directory: {paths.root}", flush=True)
         for line in next_commands(paths.root, finished=code == 0):
             print(f"[slurmrl]   {line}", flush=True)

@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
+from launcher.timeline import summary_line
 from workers.common.protocol import RunPaths
 
 DRY_RUN_MARKER = "DRY_RUN"
@@ -133,6 +134,8 @@ def describe_local(root: Path) -> list[str]:
     ev = last_eval(recs)
     if ev:
         lines.append(f"  last eval {ev[0]:.3f} (weights of step {ev[1]})")
+    if (timeline := summary_line(root)) is not None:
+        lines.append(f"  {timeline}")
     lines.append(f"  logs {paths.logs_dir}")
     lines += [f"  {c}" for c in next_commands(root, finished=state == "FINISHED")]
     return lines

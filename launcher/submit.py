@@ -239,6 +239,10 @@ def status_command(target: Optional[str]) -> int:
         metrics = RunPaths(run_dir).metrics
         steps = sum(1 for ln in metrics.read_text().splitlines() if ln.strip()) if metrics.exists() else 0
         print(f"run dir {run_dir}: {steps} trainer steps logged; batch log {batch_log(run_dir, job_id)}")
+        from launcher.timeline import summary_line
+
+        if (line := summary_line(run_dir)) is not None:
+            print(line)
     return 0
 
 

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher.timeline import summarize
 from tests.integration.conftest import SMALL, slurmrl, metrics, assert_no_children_left
+from workers.common.timeline import read_timeline
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +42,14 @@ def test_synchronous_run_samples_match_trainer_step(tmp_path):
     assert all((run_dir / "weights" / w / "STABLE").exists() for w in weights)
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (tmp_path / "runs" / "latest").resolve() == run_dir.resolve()
+    # the loop's timeline (workers/common/timeline.py): every step's marks, and the one line at the end
+    tl = read_timeline(run_dir)
+    assert sorted(tl[("trainer", "step")]) == sorted(tl[("orchestrator", "batch")]) == [1, 2, 3, 4]
+    assert {1, 2, 3} <= set(tl[("orchestrator", "apply")])  # the engines moved to weights 1..3
+    s = summarize(run_dir)
+    # synchronous: a step waits for its batch, whose generation waits for the last step's weights
+    assert s["steps"] == 3 and s["loop_interval_over_bound"] >= 0.99, s
+    assert "[slurmrl] timeline (3 steps, medians): interval" in out.stdout
     assert_no_children_left(run_dir)
 
 

@@ -29,6 +29,7 @@ from workers.common.logs import get_logger
 from workers.common.protocol import (INFERENCE_HEALTH, LEDGER_FILE, USER_ERROR_EXIT, RunPaths, read_admin_token,
                                      write_json_atomic)
 from workers.common.registry import BACKENDS, TRANSPORTS
+from workers.common.timeline import TimelineWriter, now
 from workers.common.topology import Topology
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, Shaping, groups_to_launch
@@ -39,7 +40,7 @@ from workers.orchestrator.evaluation import Evaluator, log_samples, reward_metri
 from workers.orchestrator.faults import WorkerPool
 from workers.orchestrator.final_eval import evaluate_final_weights
 from workers.orchestrator.ledger import Ledger
-from workers.orchestrator.rollouts import BusyMeter
+from workers.orchestrator.rollouts import BusyMeter, RateWindow
 from workers.orchestrator.scoring import Scorers
 from workers.preflight.heartbeat import Heartbeat
 from workers.weights.lora_coordinator import (AdapterClient, AdapterNotDelivered, LoraCoordinator, SGLangLoraCoordinator,
@@ -48,6 +49,10 @@ from workers.weights.lora_steps import lora_mode
 
 
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 10.0, 5.0
+#: The longest a loop turn waits for a group to finish before it looks for new weights again: newly
+#: published weights wait for it (timeline phase ``apply_wait``), and in a generation-bound run
+#: every batch's generation waits for them. A turn that finds nothing to do costs ~0.1 ms of CPU.
+LOOP_WAIT_S = 0.01
 
 
 class Orchestrator:
@@ -72,16 +77,20 @@ class Orchestrator:
         self.version = 0
         self.next_step = 1  # the step whose batch comes next; steps are 1-based (trainer step N trains batch N)
         self.next_group_id = 0
-        self.completions: deque[tuple[float, int]] = deque()  # (time, tokens) of finished groups
+        self.rate = RateWindow()  # completion tokens/s since the first request (inference_tokens_per_s)
         self.dropped_at_last_batch = 0
         self.failed_reward_steps = 0  # consecutive batches whose every reward call failed
         self.weights = (make_lora_coordinator(cfg, self.paths, log=self.log) if lora_mode(cfg) is not None else
                         TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log))
         self.dropped_unconfirmed = 0  # LoRA mode: samples of a version their worker never confirmed
-        self.started = time.monotonic()
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
         self.meter = BusyMeter()
         self.busy_at_last_batch, self.time_at_last_batch = 0.0, time.monotonic()
+        # the timeline (workers/common/timeline.py): when each group finished, busy time spent paused for weights
+        self.timeline = TimelineWriter(topo.run_dir, "orchestrator", log=self.log)
+        self.group_done_at: dict[int, float] = {}
+        self.paused_busy_s = 0.0
+        self.gen_busy_at_last_batch = 0.0
         self.group_of: dict[asyncio.Task, tuple[int, object]] = {}  # task -> (group id, env task)
         self.retry: deque[tuple[int, object, str]] = deque()  # groups to run again (worker died / restart)
         self.pool: Optional[WorkerPool] = None
@@ -143,7 +152,7 @@ class Orchestrator:
                     await self.maybe_update_weights()
                     self.maybe_evaluate()
                     self.launch_groups()
-                    await self.collect_finished(timeout_s=0.05)
+                    await self.collect_finished(timeout_s=LOOP_WAIT_S)
                     self.write_ready_batches()
                 self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
                 for task in self.inflight:  # their groups are abandoned: free the workers for the final eval
@@ -157,12 +166,19 @@ class Orchestrator:
                     task.cancel()
                 await asyncio.gather(watcher, beats, *self.inflight, return_exceptions=True)
                 self.ledger.close()
+                self.timeline.close()
         self.paths.orchestrator_done.write_text(str(self.next_step - 1))
         self.log.info("all %d batches written; done", self.next_step - 1)
 
     async def maybe_update_weights(self) -> None:
-        """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist."""
+        """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist.
+        An update that happened is a timeline ``apply`` record; the busy time it held requests paused
+        is not generation (``generation_s``)."""
+        start, busy = now(), self.meter.busy_total()
         await self.weights.maybe_update(self.pool)
+        if self.weights.version != self.version:
+            self.paused_busy_s += self.meter.busy_total() - busy
+            self.timeline.write("apply", self.weights.version, start=start, end=now())
         self.version = self.weights.version
         if isinstance(self.weights, LoraCoordinator):  # a worker serving an unconfirmed adapter: run its groups elsewhere
             for task, worker in self.inflight.items():
@@ -263,6 +279,7 @@ class Orchestrator:
         o = self.cfg.orchestrator
         routed = o.return_routed_experts and self.cfg.model.num_experts > 0  # a dense model routes nothing
         env, inner = self.env.resolve(env_task)  # env=mix: the entry's env and its task
+        self.rate.start()  # the first request after readiness: inference_tokens_per_s counts from here
         # episodes.py, for every env: turns, tools, sandbox (+ simulated latency per env step)
         task = asyncio.create_task(run_episode_group(
             self.generation_client(worker, gid), env, inner, group_id=gid, worker=worker,
@@ -307,7 +324,8 @@ class Orchestrator:
                                gid, worker)
                 self.ledger.drop([gid])
                 continue
-            self.completions.append((time.monotonic(), sum(len(s.completion_ids) for s in group.samples)))
+            self.group_done_at[gid] = now()
+            self.rate.add(sum(len(s.completion_ids) for s in group.samples))
             group.max_model_tokens = max_model_tokens(self.env.resolve(env_task)[0].limits)
             if self.scorers:  # reference / teacher log-probs of the sampled tokens, beside the event loop
                 await asyncio.to_thread(self.scorers.apply, group)
@@ -321,11 +339,12 @@ class Orchestrator:
             self.ledger.drop(before - {g.group_id for g in self.buffer.groups} - {g.group_id for g in groups or []})
             if groups is None:
                 return
+            write_start = now()
             dropped_total = self.buffer.dropped_samples_total
             extra = {
                 "samples_dropped_stale": dropped_total - self.dropped_at_last_batch,
                 "samples_dropped_stale_total": dropped_total,
-                "inference_tokens_per_s": self.inference_rate(),
+                "inference_tokens_per_s": self.rate.rate(),
                 "orchestrator_weight_version": self.version,
                 "inflight_groups": len(self.inflight),
                 "weight_update_s": self.weights.update_s,
@@ -353,6 +372,7 @@ class Orchestrator:
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
                         top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
+            self.timeline_batch(groups, write_start)
             self.dropped_at_last_batch = dropped_total
             write_json_atomic(self.paths.root / "orchestrator_state.json",
                               {"next_step": self.next_step + 1, "weight_version": self.version,
@@ -385,20 +405,21 @@ class Orchestrator:
 
     def busy_fraction(self) -> float:
         """Fraction of wall time since the previous batch with a generate request outstanding."""
-        now, busy = time.monotonic(), self.meter.busy_total()
-        frac = (busy - self.busy_at_last_batch) / max(now - self.time_at_last_batch, 1e-6)
-        self.busy_at_last_batch, self.time_at_last_batch = busy, now
+        t, busy = time.monotonic(), self.meter.busy_total()
+        frac = (busy - self.busy_at_last_batch) / max(t - self.time_at_last_batch, 1e-6)
+        self.busy_at_last_batch, self.time_at_last_batch = busy, t
         return min(1.0, frac)
 
-    def inference_rate(self, window_s: float = 10.0) -> float:
-        """Completion tokens per second over the last ``window_s`` (batches come in bursts)."""
-        now = time.monotonic()
-        while self.completions and self.completions[0][0] < now - window_s:
-            self.completions.popleft()
-        if not self.completions:
-            return 0.0
-        span = max(now - self.completions[0][0], min(window_s, now - self.started))
-        return sum(n for _, n in self.completions) / max(span, 1e-3)
+    def timeline_batch(self, groups: list[RolloutGroup], write_start: float) -> None:
+        """The timeline's ``batch`` record of the batch just written (workers/common/timeline.py defines each mark)."""
+        done = [self.group_done_at.pop(g.group_id) for g in groups if g.group_id in self.group_done_at]
+        busy = self.meter.busy_total() - self.paused_busy_s
+        generation_s, self.gen_busy_at_last_batch = busy - self.gen_busy_at_last_batch, busy
+        env_s = [s.env_info.get("env_s") for g in groups for s in g.samples]
+        self.timeline.write("batch", self.next_step, first_group_done=min(done, default=None),
+                            last_group_done=max(done, default=None), write_start=write_start, batch_written=now(),
+                            generation_s=max(0.0, generation_s), groups=len(groups),
+                            reward_s=max((float(e) for e in env_s if isinstance(e, (int, float))), default=None))
 
 
 def max_model_tokens(limits) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
-from workers.common.protocol import READY, RunPaths, wait_for
+from workers.common.protocol import BATCH_POLL_S, READY, RunPaths, wait_for
 
 BATCH_FILE = "batch.safetensors"
 META_FILE = "meta.json"
@@ -96,7 +96,7 @@ def wait_for_batch(paths: RunPaths, step: int, *, timeout_s: float, publisher=No
     if publisher is not None:
         publisher.wait(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}")
     else:
-        wait_for(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}", peer="orchestrator", poll_s=0.02)
+        wait_for(ready.exists, timeout_s=timeout_s, what=f"training batch {ready}", peer="orchestrator", poll_s=BATCH_POLL_S)
     return time.perf_counter() - t0
 
 

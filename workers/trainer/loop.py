@@ -46,6 +46,7 @@ from workers.common.config import ConfigError, RunConfig
 from workers.common.exits import EXIT_FATAL
 from workers.common.protocol import RunPaths
 from workers.common.registry import MODELS, TRANSPORTS
+from workers.common.timeline import TimelineWriter, now
 from workers.common.topology import Topology
 from workers.models.spec import FSDP_PLAN, MESH_PLAN
 from workers.preflight.heartbeat import Heartbeat
@@ -81,6 +82,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     dims: Optional[ParallelDims] = None
     metrics: Optional[MetricsWriter] = None
     publisher: Optional[WeightPublisher] = None
+    timeline: Optional[TimelineWriter] = None
     try:
         if tcfg.num_ranks != topology.world_size:
             raise ConfigError(f"trainer.num_ranks({tcfg.num_ranks}) != trainer world size({topology.world_size}) "
@@ -105,6 +107,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
         sync = publish_version(publisher, start, weights, cfg, paths, dims)  # collective: every rank writes or sends a share
         if dims.is_rank0:
             metrics = MetricsWriter(paths, tracker=make_tracker(cfg, paths, log=log))
+            timeline = TimelineWriter(paths.root, "trainer", log=log)  # per-step marks (workers/common/timeline.py)
             beat = Heartbeat()  # host RSS, and GPU memory/utilization where NVML is present
             log.info(f"tp {dims.tp} x cp {dims.cp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
                      f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, compile "
@@ -115,7 +118,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
         for step in range(start + 1, tcfg.num_steps + 1):  # 1-based: step N publishes weights/step_N
+            marks = {"wait_start": now()}
             idle_s = wait_for_batch(paths, step, timeout_s=tcfg.batch_timeout_s, publisher=publisher)
+            marks["batch_ready"] = now()
             ckpt.begin_step()
             t0 = time.perf_counter()
             batch = load_batch(paths.rollouts(step), step=step, num_layers=model.config.num_routed_layers,
@@ -124,6 +129,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             dims.barrier()  # every rank holds batch N in memory: old rollout dirs may go
             if dims.is_rank0:
                 prune_rollouts(paths, ckpt.prune_bound(step))  # keep what a resume would redo
+            marks["loaded"] = now()
             stats = train_step(model, optimizer, shard, tcfg, dims)
             guard.check(step, model, optimizer, stats)  # skip_nonfinite: NaN/inf -> restore (never published)
             if tcfg.router_replay and stats.get("routing_disagreement", 0.0) > MISALIGNED_DISAGREEMENT and not warned:
@@ -132,9 +138,12 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                             f"the replayed experts look misaligned with their tokens (see workers/trainer/router_replay.py)")
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
+            marks["trained"] = now()  # the stats' floats synchronized the step's device work
             weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # a fresh view of the updated shards
             sync = publish_version(publisher, step, weights, cfg, paths, dims)
+            marks["published"] = now()
             if dims.is_rank0:
+                timeline.write("step", step, **marks)
                 record = step_record(step, batch, stats, sync, idle_s=idle_s, step_time_s=time.perf_counter() - t0, lr=tcfg.lr)
                 record.update(beat.sample())
                 metrics.write(record)
@@ -163,6 +172,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if timeline is not None:
+            timeline.close()
         if publisher is not None:
             publisher.close()
         if dims is not None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from workers.common.protocol import wait_for
+from workers.common.protocol import BATCH_POLL_S, wait_for
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -113,7 +113,7 @@ class WeightPublisher(abc.ABC):
         """Block until ``ready()`` (the trainer waiting for its next batch). COLLECTIVE: every trainer
         rank calls it. A transport that must act while the trainer idles (the broadcast group re-formed
         for revived workers) overrides it; by default a plain poll."""
-        wait_for(ready, timeout_s=timeout_s, what=what, peer="orchestrator", poll_s=0.02)
+        wait_for(ready, timeout_s=timeout_s, what=what, peer="orchestrator", poll_s=BATCH_POLL_S)
 
     def close(self) -> None:
         """Release threads and process groups (idempotent)."""
