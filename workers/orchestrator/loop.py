@@ -312,6 +312,7 @@ class Orchestrator:
                 "weight_updates_verified": self.weights.verified,
                 "weight_updates_mismatched": self.weights.mismatched,
                 "weight_updates_fallback": self.weights.fallbacks,
+                "weight_updates_refused": self.weights.refused,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
                 "inference_workers_live": len(self.pool.live()),
