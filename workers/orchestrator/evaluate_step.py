@@ -4,13 +4,18 @@
 
 What it does, with the same pieces a run uses (the protocol between them unchanged):
   1. reads the run's resolved config (``<run_dir>/config/run.yaml``, run_dir = STEP_DIR/../..);
-  2. makes a scratch run directory whose ``weights/`` holds only this step (a link), with its own
-     admin token, and starts one embedded inference server on it (``python -m workers.inference``,
-     the role process the launcher starts): it loads the newest stable step there, i.e. STEP_DIR;
+  2. makes a scratch run directory whose ``weights/`` holds only this step (a link; a patch step of
+     ``weights.delta`` brings its anchor and the patches in between), with its own admin token, and
+     starts one embedded inference server on it (``python -m workers.inference``, the role process
+     the launcher starts): it loads the newest stable step there, i.e. STEP_DIR. A step it cannot
+     load (damaged, a link of its chain missing) fails at once, naming why: the chain is checked
+     before the server starts, a server that exits is noticed at once, and one that fell back to an
+     older step of the chain is refused;
   3. runs the orchestrator's evaluation (evaluation.py ``Evaluator.run``: the env's eval split,
      one greedy answer per record or ``--k`` sampled ones) through an InferenceClient over HTTP;
   4. prints the eval/* metrics as JSON (and writes them to ``--out``), stops the server (SIGTERM,
-     then kill after a deadline) and removes the scratch directory.
+     then kill after a deadline) and removes the scratch directory (its admin token with it), also
+     when the tool itself gets SIGTERM or SIGINT.
 
 The step is served by the embedded engine whatever ``inference.backend`` the run used, so this
 evaluates what the embedded engine can hold (CPU, one GPU). Every built-in env has an eval split
@@ -40,16 +45,34 @@ from workers.common.config import load_run_config, structure_section, to_yaml
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.common.ports import free_port
 from workers.common.logs import get_logger
-from workers.common.protocol import RunPaths, is_marked
+from workers.common.protocol import WEIGHTS_DIR, RunPaths, is_marked
 from workers.common.registry import ENVS
 from workers.orchestrator.envs import make_env
 from workers.orchestrator.evaluation import Evaluator
+from workers.weights.filesystem.layout import referenced_steps
 
 STOP_GRACE_S = 15.0
 
 
+SCRATCH: list[Path] = []  # scratch run dirs made by this process (each holds an admin token): removed on exit
+
+
 class EvalError(ValueError):
     """A bad STEP_DIR or a run that cannot be evaluated; the message says which and why."""
+
+
+class Stopped(BaseException):
+    """SIGTERM/SIGINT: unwinds through evaluate()'s cleanup (server stopped, scratch dir removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the cleanup that follows is not interrupted again
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
 
 
 def locate(step_dir: Path) -> tuple[Path, int]:
@@ -65,9 +88,24 @@ def locate(step_dir: Path) -> tuple[Path, int]:
     return run_dir, int(step_dir.name[5:])
 
 
+def chain_of(step_dir: Path) -> list[Path]:
+    """The step dirs a worker reads to load ``step_dir``: itself, and for a patch step its anchor and every
+    patch in between (layout.referenced_steps); EvalError naming the first one missing or unpublished."""
+    wanted = sorted(referenced_steps(step_dir))
+    for name in wanted:
+        if not is_marked(step_dir.parent / name):
+            raise EvalError(f"{step_dir} is a patch step whose chain needs {step_dir.parent / name}, which is missing "
+                            f"or not completely published (retention pruned it, or it was deleted)")
+    return [step_dir.parent / name for name in wanted] + [step_dir]
+
+
 def scratch_run(run_dir: Path, step_dir: Path, cfg) -> RunPaths:
-    """A run directory holding only this step, the run's config (served by the embedded engine) and a token."""
-    paths = RunPaths(Path(tempfile.mkdtemp(prefix="slurmrl-eval-"))).ensure()
+    """A run directory holding only this step (and its chain), the run's config (served by the embedded engine)
+    and a token."""
+    chain = chain_of(step_dir.resolve())
+    paths = RunPaths(Path(tempfile.mkdtemp(prefix="slurmrl-eval-")))
+    SCRATCH.append(paths.root)
+    paths.ensure()
     if cfg.inference.backend != "embedded":  # serve the step with the embedded engine, its defaults
         cfg.inference = OmegaConf.to_object(structure_section("inference", {"backend": "embedded"}))
     paths.run_config.write_text(to_yaml(cfg))
@@ -75,8 +113,38 @@ def scratch_run(run_dir: Path, step_dir: Path, cfg) -> RunPaths:
     with os.fdopen(fd, "w") as fh:
         fh.write(secrets.token_hex(32))
     paths.weights(0).parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(step_dir.resolve(), paths.weights(int(step_dir.name[5:])))
+    for d in chain:
+        os.symlink(d, paths.root / WEIGHTS_DIR / d.name)
     return paths
+
+
+async def ready_or_refused(client: InferenceClient, proc: subprocess.Popen, paths: RunPaths, step: int,
+                           deadline_s: float) -> None:
+    """Wait for the server; EvalError at once when it exits first or serves another step than ``step``
+    (it refused ours and fell back to an older one of the chain), with the reason from its log."""
+    ready = asyncio.ensure_future(wait_until_ready([client], deadline_s))
+    try:
+        while not ready.done():
+            if proc.poll() is not None:
+                raise EvalError(f"the inference server stopped (exit {proc.returncode}) before it served step {step}: "
+                                f"{_refusal(paths, step)}")
+            await asyncio.wait({ready}, timeout=0.2)
+        ready.result()
+    finally:
+        ready.cancel()
+    served = int((await client.get_model_info()).get("weight_version", -1))
+    if served != step:
+        raise EvalError(f"the inference server refused step {step} (it loaded step {served}): {_refusal(paths, step)}")
+
+
+def _refusal(paths: RunPaths, step: int) -> str:
+    """The server log's reason for refusing ``step`` (startup.py logs one line per step it skipped)."""
+    try:
+        lines = (paths.logs_dir / "inference_0.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return "see its log"
+    why = [ln.split(f"skipping weights step {step}: ", 1)[1] for ln in lines if f"skipping weights step {step}: " in ln]
+    return why[-1][:600] if why else (lines[-1][:600] if lines else "its log is empty")
 
 
 def start_server(paths: RunPaths, url: str) -> subprocess.Popen:
@@ -121,20 +189,25 @@ async def evaluate(step_dir: Path, *, num_samples: Optional[int] = None, k: Opti
     paths = scratch_run(run_dir, step_dir, cfg)
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(paths, url)
+    proc: Optional[subprocess.Popen] = None
     try:
+        proc = start_server(paths, url)
         async with aiohttp.ClientSession() as session:
             client = InferenceClient(url, paths.admin_token.read_text().strip(), session=session,
                                      timeout_s=o.request_timeout_s)
-            await wait_until_ready([client], cfg.inference.startup_timeout_s)
+            await ready_or_refused(client, proc, paths, step, cfg.inference.startup_timeout_s)
             out = await asyncio.wait_for(evaluator.run(client, step), timeout_s)
+    except EvalError:
+        raise
     except Exception:
         log_tail = (paths.logs_dir / "inference_0.log").read_text(errors="replace")[-2000:]
         log.error("inference server log (tail):\n%s", log_tail)
         raise
     finally:
-        stop_server(proc)
+        if proc is not None:
+            stop_server(proc)
         shutil.rmtree(paths.root, ignore_errors=True)
+        SCRATCH.remove(paths.root)
     return {"step_dir": str(step_dir), "step": step, **out}
 
 
@@ -149,19 +222,46 @@ def main(argv: Optional[list[str]] = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.out is not None and (problem := out_problem(args.out)):
+        p.error(f"--out {args.out}: {problem}")  # before the server starts, not after the eval ran
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         out = asyncio.run(evaluate(args.step_dir, num_samples=args.num_samples, k=args.k))
+    except Stopped as e:
+        print(f"slurmrl-eval: stopped by signal {e.signum}", file=sys.stderr)
+        return 128 + e.signum
     except EvalError as e:
         print(f"slurmrl-eval: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the server or a request failed: one line (the server log's tail is logged above)
         print(f"slurmrl-eval: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        while SCRATCH:  # normally removed by evaluate(); a signal between mkdtemp and its try lands here
+            shutil.rmtree(SCRATCH.pop(), ignore_errors=True)
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)
     if args.out is not None:
-        args.out.write_text(text + "\n")
+        try:
+            args.out.write_text(text + "\n")
+        except OSError as e:
+            print(f"slurmrl-eval: error: --out {args.out}: {e.strerror or e} (the metrics are above)", file=sys.stderr)
+            return 1
     return 0
+
+
+def out_problem(out: Path) -> str:
+    """Why ``--out`` cannot be written ("" when it can): a directory, a missing or read-only parent."""
+    if out.is_dir():
+        return "is a directory (give a file name, e.g. DIR/eval.json)"
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        return f"its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        return "is not writable here"
+    return ""
 
 
 if __name__ == "__main__":

@@ -353,6 +353,7 @@ class Orchestrator:
                 "weight_updates_fallback": self.weights.fallbacks,
                 **(dict(self.weights.metrics(), samples_dropped_unconfirmed_total=self.dropped_unconfirmed)
                    if isinstance(self.weights, LoraCoordinator) else {}),
+                "weight_updates_refused": self.weights.refused,
                 "inference_busy_frac": self.busy_fraction(),
                 "env_wait_s_total": self.meter.env_wait_s,
                 "inference_workers_live": len(self.pool.live()),

@@ -177,6 +177,7 @@ class WeightCoordinator(abc.ABC):
         self.version = 0
         self.update_s: Optional[float] = None
         self.verified = self.mismatched = 0  # updates checked end to end (weights.verify)
+        self.refused = 0  # versions every failing worker refused for their content (checksum, NaN, malformed)
         self.fallbacks = 0  # updates that went through the filesystem after the transport's own path failed
         self.retry = RetryPolicy()  # refused versions are not retried; other failures back off
 

@@ -6,8 +6,10 @@ weight_version=V on every live worker -> continue (workers/weights/coordinator.p
 with ``weights.verify``, compare each worker's digest with index.json's. A refusal keeps
 the old version (health-checking first, so a dead worker cannot hold the version back): a
 version refused for its content (400: checksum, NaN, malformed) is never tried again, the
-newest intact one below it is; any other failure retries after a backoff (0.5 s doubling
-to 30 s: workers/weights/coordinator.RetryPolicy). Protocol: the package docstring.
+newest intact one below it is, and with ``weights.delta`` the trainer is asked for a full step at
+once (reanchor.py); a refused step written again since is tried again. Any other failure retries
+after a backoff (0.5 s doubling to 30 s: workers/weights/coordinator.RetryPolicy). Protocol: the
+package docstring.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Sequence
 
 from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
 from workers.weights.filesystem.layout import index_digest, stable_versions
+from workers.weights.filesystem.reanchor import Reanchor
 
 
 async def update_all_workers(clients: Sequence[Any], model_path: str, version: int, gone=None) -> WeightSwap:
@@ -24,15 +27,23 @@ async def update_all_workers(clients: Sequence[Any], model_path: str, version: i
 
 
 class FilesystemCoordinator(WeightCoordinator):
+    def __init__(self, cfg: Any, paths: Any, *, log: Any):
+        super().__init__(cfg, paths, log=log)
+        self.reanchor = Reanchor(paths.root / "weights", self.retry, enabled=bool(getattr(cfg.weights, "delta", False)),
+                                 log=log)
+
     async def maybe_update(self, pool: Any) -> None:
         """One try per loop turn: the newest published version above ours that no worker refused
         for its content and whose backoff is over (``self.retry``); a refused newest step falls
         back to the newest intact one in between."""
+        self.reanchor.forget_rewritten()
         newer = [v for v in stable_versions(self.paths.root / "weights") if v > self.version]
         untried = [v for v in newer if v not in self.retry.refused]
         if not untried or not self.retry.due(untried[0], context=tuple(pool.live())):
             return
         newest = untried[0]
+        self.reanchor.trying(newest)
+        before = await asyncio.to_thread(index_digest, self.paths.weights(newest)) if self.reanchor.enabled else None
         try:
             live = pool.live_clients()
             swap = await update_all_workers(live, str(self.paths.weights(newest)), newest,
@@ -45,10 +56,15 @@ class FilesystemCoordinator(WeightCoordinator):
             if self.cfg.weights.verify:
                 expected = await asyncio.to_thread(index_digest, self.paths.weights(newest))
                 kept = [(c, d) for c, d in zip(live, swap.digests) if c not in swap.left]
+                if before is not None and any(d != expected for _, d in kept):
+                    expected = before  # written again (a full step) while the workers read the patch step
                 self.verify(newest, [c for c, _ in kept], [d for _, d in kept], expected)
         except WeightUpdateError as e:  # keep serving old weights
             wait = self.retry.failed(newest, content=e.content, context=tuple(pool.live()))
-            self.log.warning("%s; %s", e, f"v{newest} will not be tried again (refused for its content)"
+            if e.content:
+                self.refused += 1
+                self.reanchor.refused(newest, str(e))
+            self.log.warning("%s; %s", e, f"v{newest} is not tried again unless it is written again (refused for its content)"
                              if e.content else f"retrying v{newest} in {wait:.1f}s")
             await pool.check_live()  # a dead worker must not hold the version back
 

@@ -22,6 +22,8 @@ Protocol for version V (T: every trainer rank; the orchestrator and workers as f
   Anchors (the first publish, every ``weights.delta_full_every`` versions): the snapshot is reset and
      a full step written; on one rank holding every tensor whole it is written from a copy of the
      snapshot in the background, otherwise synchronously through the gathered stream.
+  Anchors out of turn: a step the orchestrator refused (damaged on disk) is answered by a full step of
+     the newest version at once, while the trainer waits for its next batch (reanchor.py).
 A background failure is raised by a later publish (or close): the run stops with it, as a failed
 synchronous publish would.
 """
@@ -35,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from workers.common.protocol import STABLE, step_name, wait_for
+from workers.common.protocol import STABLE, PeerTimeout, step_name, wait_for
 from workers.weights.base import SyncStats, WeightPublisher, refuse_nonfinite
 from workers.weights.delta import DIGEST, FORMAT
 from workers.weights.delta.patch import encode
@@ -44,6 +46,7 @@ from workers.weights.delta.tracker import DeltaTracker
 from workers.weights.filesystem.layout import INDEX
 from workers.weights.base import peers_for
 from workers.weights.filesystem.publisher import FilesystemPublisher, _fsync_dir, filesystem_publisher, prune
+from workers.weights.filesystem.reanchor import read_request
 from workers.weights.stream import DictStream, as_stream
 
 
@@ -81,6 +84,9 @@ class PatchPublisher(WeightPublisher):
         self._bg = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-publish") if publish_async else None
         self._pending: list[cf.Future] = []  # background publishes in version order (at most MAX_IN_FLIGHT)
         self._done: dict[str, Any] = {}  # the last finished background publish: version, total seconds
+        self._stream = None  # the last published version's stream (the model has not moved until the next step)
+        self.handled_seq = 0  # the newest re-anchor request acted on (reanchor.py)
+        self.reanchors = 0  # anchors written out of turn for a refused step
 
     def publish(self, version: int, weights) -> SyncStats:
         t0 = time.perf_counter()
@@ -104,7 +110,7 @@ class PatchPublisher(WeightPublisher):
             frac = changed / max(compared, 1)
             self._submit(self._write_patch, version, stream.metas, raw, dsum, compared, changed, dense, rank, world,
                          self.last_version, self.last_anchor)
-        self.last_version = version
+        self.last_version, self._stream = version, stream
         blocked = time.perf_counter() - t0
         return PatchStats(bytes=0 if not anchor else dense, seconds=blocked,
                           extra=self._metrics(frac, dense, blocked, anchor=anchor))
@@ -114,7 +120,41 @@ class PatchPublisher(WeightPublisher):
         and the last background publish that finished (its version, bytes written by all ranks and
         total seconds: ``weight_published_*``, ``weight_publish_total_s``)."""
         return {"weight_changed_frac": frac, "weight_dense_bytes": dense, "weight_anchor": int(anchor),
-                "weight_blocked_s": blocked, **{f"weight_{k}": v for k, v in self._done.items()}}
+                "weight_blocked_s": blocked, "weight_reanchors_total": self.reanchors,
+                **{f"weight_{k}": v for k, v in self._done.items()}}
+
+    def wait(self, ready, *, timeout_s: float, what: str) -> None:
+        """The trainer waiting for a batch; meanwhile a request for a full step (the orchestrator refused
+        one: reanchor.py) is answered at once. Every poll is one all-gather among the trainer ranks, as
+        the broadcast publisher's: the out-of-turn anchor is collective, so all ranks decide on the same views."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = (bool(ready()), *read_request(self.root))
+            views = self.peers.all_gather_object(seen) if self.peers.world_size > 1 else [seen]
+            _, seq, refused, patch = min(views, key=lambda v: v[1])  # the newest request every rank has seen
+            if seq > self.handled_seq:
+                self.handled_seq = seq
+                if self.reanchor_due(refused, patch):
+                    continue
+            if all(r for r, *_ in views):
+                return
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"trainer rank {self.peers.rank}: no {what} from the orchestrator within "
+                                  f"{timeout_s:.0f}s; is it alive? see its log")
+            time.sleep(0.02 if self.peers.world_size == 1 else 0.1)
+
+    def reanchor_due(self, refused: int, patch: bool) -> bool:
+        """COLLECTIVE. Publish the newest version again as a full step when the refused version belongs to
+        the current chain: a patch after the last anchor, or the anchor itself; True when it did. (A patch
+        at or before the last anchor was already replaced by it.)"""
+        if self.last_version is None or self._stream is None or self.last_anchor is None:
+            return False
+        if refused < self.last_anchor or (refused == self.last_anchor and patch):
+            return False
+        self.flush()  # the refused step may still be queued: the anchor replaces it, in order
+        self._anchor(self.last_version, self._stream)
+        self.reanchors += 1
+        return True
 
     def _anchor(self, version: int, stream) -> None:
         """Write a full step (background where one rank holds it all). The first time the snapshot is
@@ -176,15 +216,19 @@ class PatchPublisher(WeightPublisher):
         _write_synced(tmp / INDEX, json.dumps(index).encode())
         _write_synced(tmp / STABLE, json.dumps({"time": time.time()}).encode())
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
+        self._place(tmp, final)
         self.full.wait_pruned()
         prune(self.root, keep_last=self.full.keep_last, newest=version)
         self._done = {"publish_total_s": time.perf_counter() - t0, "published_version": version,
                       "published_bytes": index["stats"]["bytes"], "published_dense_bytes": dense,
                       "published_changed_frac": index["stats"]["changed"] / max(index["stats"]["compared"], 1)}
+
+    def _place(self, tmp: Path, final: Path) -> None:
+        """Rename a finished patch step into place (readers see all of it or nothing)."""
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
 
     def _index(self, version: int, metas, summaries: list[dict], dense: int, base: int, anchor: int) -> dict:
         """Rank 0: the step's index.json (sum64 totals advanced by every rank's changes)."""

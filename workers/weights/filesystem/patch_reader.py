@@ -7,6 +7,9 @@ Given the newest step V (a patch step) and the sum64 of every tensor the worker 
   2. no such step down to the anchor A (a fresh or respawned worker, or one that refused a patch):
      read A in full (checksums as for any full step), apply A+1..V to the staged copy, verify, and
      hand the whole staged state over to be copied in.
+A step the worker holds need not be on disk any more: when the chain walk cannot read a step (deleted or
+damaged after the worker loaded it) and every tensor the patches above it leave alone already has its final
+sum64 in the worker, the worker is taken to hold that step; applying then verifies every tensor they touch.
 Every refusal (a missing or unstable step in the chain, a malformed index, an unreadable, truncated
 or corrupt patch file, a digest mismatch after applying) is a WeightLoadError naming the step and the
 tensor; the worker keeps the weights it had.
@@ -97,6 +100,15 @@ def read_parts(step_dir: Path, index: dict) -> dict[str, list[Part]]:
     return out
 
 
+def holds_base(held: Mapping[str, int], chain: list[tuple[Path, dict]]) -> bool:
+    """Whether sums ``held`` fit the base of ``chain`` (newest first) without reading the base: every
+    tensor no patch of the chain touches already has its final sum64 (the touched ones are checked as
+    they are applied, apply.py)."""
+    final = index_sums(chain[0][1]) or {}
+    touched = {n for _, ix in chain for n, m in ix["tensors"].items() if m["parts"]}
+    return set(held) == set(final) and all(held[n] == v for n, v in final.items() if n not in touched)
+
+
 def load_patch_step(step_dir: Path, index: dict, *, expected: Optional[Mapping[str, torch.Tensor]],
                     sums: Optional[Mapping[str, int]],
                     load_full: Callable[[Path], Received]) -> Received:
@@ -113,7 +125,13 @@ def load_patch_step(step_dir: Path, index: dict, *, expected: Optional[Mapping[s
     while True:
         base = chain[-1][1]["base"]
         base_dir = root / step_name(base)
-        base_index = read_index(base_dir)
+        try:
+            base_index = read_index(base_dir)
+        except WeightLoadError:
+            if held is not None and holds_base(held, chain):  # the worker holds it; its files went since
+                start = "held"
+                break
+            raise
         if held is not None and index_sums(base_index) == held:
             start = "held"
             break

@@ -42,6 +42,7 @@ from workers.common.protocol import STABLE, step_name, wait_for
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError, swap_weights
 from workers.weights.delta import FORMAT as PATCH_FORMAT
 from workers.weights.filesystem.layout import INDEX, stable_versions
+from workers.weights.filesystem.reanchor import Reanchor
 
 PULL_DIR = "weights_pull"
 """Under run_dir: ``verdicts/<server>/`` (the loaders' verdicts) and ``resolved/step_V`` (fallback steps)."""
@@ -91,6 +92,7 @@ class FilesystemSGLangCoordinator(WeightCoordinator):
         self.slot: dict[str, int] = {}  # server URL -> its verdict directory's number
         self._resolving = asyncio.Lock()  # servers falling back at once resolve the step once
         self._refused: list[str] = []  # servers that refused a pulled patch during the current update
+        self.reanchor = Reanchor(paths.root / "weights", self.retry, enabled=True, log=log)  # a refused step: a full one
 
     @property
     def timeout_s(self) -> float:
@@ -138,11 +140,13 @@ class FilesystemSGLangCoordinator(WeightCoordinator):
 
     async def maybe_update(self, pool: Any) -> None:
         root = self.paths.root / "weights"
+        self.reanchor.forget_rewritten()
         newer = [v for v in stable_versions(root) if v > self.version]
         untried = [v for v in newer if v not in self.retry.refused]
         if not untried or not self.retry.due(untried[0], context=tuple(pool.live())):
             return
         v = untried[0]
+        self.reanchor.trying(v)
         try:
             anchor, chain = await asyncio.to_thread(patch_chain, root, v)
             live = pool.live_clients()
@@ -159,6 +163,9 @@ class FilesystemSGLangCoordinator(WeightCoordinator):
                 self.held.pop(c.base_url, None)
         except WeightUpdateError as e:
             wait = self.retry.failed(v, content=e.content, context=tuple(pool.live()))
+            if e.content:
+                self.refused += 1
+                self.reanchor.refused(v, str(e))
             self.log.warning("%s; retrying v%d in %.1fs", e, v, wait)
             await pool.check_live()
 
