@@ -85,7 +85,8 @@ class Registry(Generic[S]):
 MODELS: Registry = Registry("model family", "model.family", "model", {
     "tiny_moe": "workers.models.tiny_moe.spec", "llama": "workers.models.llama.spec",
     "deepseek_v3": "workers.models.deepseek_v3.spec", "glm_moe_dsa": "workers.models.glm_moe_dsa.spec",
-    "nemotron_h": "workers.models.nemotron_h.spec", "qwen3_moe": "workers.models.qwen3_moe.spec"})
+    "nemotron_h": "workers.models.nemotron_h.spec", "qwen3_moe": "workers.models.qwen3_moe.spec",
+    "hf_generic": "workers.models.hf_generic.spec"})
 TRANSPORTS: Registry = Registry("weight transport", "weights.transport", "weights", {
     "filesystem": "workers.weights.filesystem", "broadcast": "workers.weights.broadcast"})
 ENVS: Registry = Registry("environment", "env.name", "env", {
