@@ -68,6 +68,9 @@ class JobPlan:
     """Each server role's and the router's command preview and step env (backends with ``plan_steps``)."""
     model: str = ""
     """``<model.name> (family <model.family>[, from <model.path>])``: what the summary names."""
+    route: str = ""
+    """Which code trains and serves the model, and why (``ModelSpec.route``: ``native family qwen3_moe``,
+    or the generic transformers path and what it lacks)."""
     weight_update: str = ""
     """The weight transport's cost per update, where it is known (:func:`weight_update_line`)."""
     lora: str = ""
@@ -97,6 +100,7 @@ class JobPlan:
         lines = [f"model: {self.model + ': ' if self.model else ''}{human(p.total)} params ({human(p.active)} active per token"
                  + (f", +{human(p.mtp)} in MTP layers: counted; skipped on load, not trained, "
                                       "not in published steps" if p.mtp else "") + ")"]
+        lines += [f"model: {self.route}"] if self.route else []
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
             lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "
@@ -399,7 +403,7 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
                    backend_steps=backend.plan_steps(cfg) if backend.plan_steps else (),
                    model=f"{cfg.model.name} (family {cfg.model.family}"
                          + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")",
-                   weight_update=weight_update_line(cfg, params),
+                   route=MODELS.get(cfg.model.family).route(cfg.model), weight_update=weight_update_line(cfg, params),
                    local_gpus=None if slurm else gpus, gpu_placement=() if slurm else placement,
                    algorithm=describe_algorithm(cfg), lora=lora_plan.summary_line(cfg) if cfg.trainer.lora.enabled else "")
 

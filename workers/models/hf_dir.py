@@ -69,10 +69,17 @@ def spec_for(config: dict, where: Path | str):
     if not (isinstance(arches, list) and len(arches) == 1 and isinstance(arches[0], str)):
         raise CheckpointError(f"{where}: key 'architectures' must be a list of one class name, got {arches!r}")
     supported = {a: s for s in MODELS.specs() for a in s.hf_architectures if s.from_hf_config is not None}
-    if arches[0] not in supported:
-        raise CheckpointError(f"{where}: architectures={arches} is not supported; supported architectures: "
-                              f"{sorted(supported) or 'none registered'}")
-    return supported[arches[0]]
+    if arches[0] in supported:
+        return supported[arches[0]]
+    why_not = []
+    for spec in MODELS.specs():  # no native family: the generic path, when transformers can build it
+        if spec.catch_all is not None:
+            takes, why = spec.catch_all(config)
+            if takes:
+                return spec
+            why_not.append(why)
+    raise CheckpointError(f"{where}: architectures={arches} is not supported; supported architectures: "
+                          f"{sorted(supported) or 'none registered'}" + "".join(f"; {w}" for w in why_not))
 
 
 def model_fields(directory: Path | str) -> tuple[Any, dict]:

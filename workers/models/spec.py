@@ -81,6 +81,16 @@ class ModelSpec(PluginSpec):
     from_hf_config: Optional[Callable[[dict], dict]] = None
     """``config.json dict -> {model field: value}`` for ``model.path``; raises ValueError naming any
     config.json key whose value the family does not implement. Torch-free (the launcher calls it)."""
+    catch_all: Optional[Callable[[dict], tuple[bool, str]]] = None
+    """``config.json dict -> (takes it, why not)``: a family that takes checkpoints whose ``architectures``
+    no family's ``hf_architectures`` names (the generic transformers path: when transformers builds it)."""
+    route_line: Optional[Callable[[Any], str]] = None
+    """``model_cfg -> str``: the plan's line on which code path trains and serves the model and why;
+    None: ``native family <name>`` (the generic transformers path says what it lacks)."""
+
+    def route(self, model_cfg) -> str:
+        """What the plan prints after ``model:`` for the path a run's model takes (torch-free)."""
+        return self.route_line(model_cfg) if self.route_line is not None else f"native family {self.name}"
 
     def trainer_plan(self, tp: int, ep: int) -> str:
         """The sharding plan a run with these degrees uses (plan time and every trainer rank agree):

@@ -83,12 +83,14 @@ class CompiledForward:
     def __init__(self, fn, inner, backend: str):
         self.fn, self.inner, self.backend = fn, inner, backend  # inner: the uncompiled forward
 
-    def __call__(self, x: torch.Tensor, ctx, *args, **kwargs):
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        ctx = args[0] if args else None  # our layers: (x, ctx); transformers' (the generic path): (x, **kwargs)
         _mark(x, (0, 1))
         for name in ("position_ids", "valid", "forced", "forced_mask"):
             _mark(getattr(ctx, name, None), (0, 1))
         _mark(getattr(ctx, "mask", None), (0, -2, -1))
-        return self.fn(x, ctx, *args, **kwargs)
+        _mark(kwargs.get("position_ids"), (0, 1))
+        return self.fn(x, *args, **kwargs)
 
 
 def _mark(t, dims: tuple[int, ...]) -> None:

@@ -81,4 +81,7 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     engine = create_engine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank),
                            options=cfg.inference, lora=lora)
     load_newest_valid(engine, paths)
+    check = getattr(model, "self_check", None)  # the generic path: our head against transformers' forward
+    if check is not None:
+        log.info("logits agree with transformers' own forward (relative difference %.2e)", check())
     return engine

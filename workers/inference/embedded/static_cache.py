@@ -53,7 +53,10 @@ def _cached_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 def unsupported_reason(model: nn.Module) -> Optional[str]:
-    """None when every layer caches at most one GQA k/v, MLA latent (+ DSA keys) or Mamba-2 state."""
+    """None when every layer caches at most one GQA k/v, MLA latent (+ DSA keys) or Mamba-2 state
+    (a model that keeps another cache says why in ``static_cache_unsupported``: the generic path)."""
+    if getattr(model, "static_cache_unsupported", None):
+        return model.static_cache_unsupported
     for i, layer in enumerate(model.model.layers):
         found = _cached_modules(layer)
         if len(found) > 1:
