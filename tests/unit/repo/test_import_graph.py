@@ -3,7 +3,8 @@
 Why a test: cycles crept in three times (an interface module holding its factory, a server and its
 routes importing each other's private helpers, a report module and the bandwidth judge), and each
 one made an import order matter. Edges are read from the source (ast), lazy imports inside
-functions included; only ``if TYPE_CHECKING:`` blocks are left out (they never run).
+functions and ``if TYPE_CHECKING:`` blocks included: a type-only cycle never breaks an import,
+but it still ties two modules into one that neither a reader nor a move can take apart.
 """
 from __future__ import annotations
 
@@ -31,12 +32,6 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
 
 
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Modules of this repo that ``name`` imports (a ``from pkg import sub`` counts as ``pkg.sub``)."""
     tree = ast.parse(path.read_text())
@@ -45,10 +40,6 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
             if isinstance(child, ast.Import):
                 out.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -109,6 +100,16 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_checking_imports_are_edges(tmp_path):
+    """An import only a type checker runs still ties the two modules (module docstring)."""
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import B\n")
+    (tmp_path / "b.py").write_text("def f():\n    import a\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    edges = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert edges == {"a": {"b"}, "b": {"a"}}
+    assert cycles(edges) == [["a", "b"]]
 
 
 def test_no_import_cycles():
