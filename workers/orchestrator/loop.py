@@ -41,7 +41,7 @@ from workers.orchestrator.final_eval import evaluate_final_weights
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter
 from workers.orchestrator.scoring import Scorers
-from workers.preflight.heartbeat import Heartbeat
+from workers.common.heartbeat import Heartbeat
 
 
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 10.0, 5.0

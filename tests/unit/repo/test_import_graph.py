@@ -136,6 +136,43 @@ def test_common_imports_no_role():
     assert not bad, f"workers/common imports role code: {bad}"
 
 
+#: The processes of a run. Each imports what every role shares and its own package only: a role
+#: importing another role's module loads that role's code (and its torch, NVML, HTTP stack) into a
+#: process that never runs it, and ties two packages that change for different reasons.
+PROCESS_ROLES = ("orchestrator", "trainer", "inference", "preflight", "router")
+#: What every role may import: below the roles (models and weights import no role either).
+SHARED = ("common", "models", "weights")
+
+
+def role_crossings(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs of workers/ where a role imports another role, or a shared
+    package imports a role."""
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "workers" and len(parts) > 1 else ""
+
+    bad = []
+    for name, deps in edges.items():
+        own = package(name)
+        if own not in PROCESS_ROLES + SHARED:
+            continue
+        bad += [(name, d) for d in deps if package(d) in PROCESS_ROLES and package(d) != own]
+    return sorted(bad)
+
+
+def test_role_crossing_finder_finds_one():
+    edges = {"workers.orchestrator.a": {"workers.trainer.b", "workers.common.c", "workers.orchestrator.d"},
+             "workers.weights.e": {"workers.inference.f", "workers.models.g"}, "workers.trainer.b": {"workers.weights.e"}}
+    assert role_crossings(edges) == [("workers.orchestrator.a", "workers.trainer.b"),
+                                     ("workers.weights.e", "workers.inference.f")]
+
+
+def test_roles_import_only_shared_code_and_their_own():
+    bad = role_crossings(graph())
+    assert not bad, "a role imports another role (move the shared piece to workers/common or workers/models):\n" + \
+        "\n".join(f"{a} -> {b}" for a, b in bad)
+
+
 def test_benchmarks_and_tools_never_import_tests():
     """Benchmarks and tools run where tests/ is not installed (the GPU machine): they import the
     project, never the test tree."""
