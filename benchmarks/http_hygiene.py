@@ -29,7 +29,8 @@ import torch
 from aiohttp import web
 
 from workers.common.inference_client import InferenceClient
-from workers.inference.embedded.engine import InferenceEngine, model_from_config
+from workers.inference.embedded.engine import InferenceEngine
+from workers.models.build import model_from_config
 from workers.inference.embedded.server import make_app
 from workers.models.tiny_moe.config import TinyMoeConfig
 from benchmarks.record import results_dir

@@ -51,7 +51,8 @@ def compose(overrides: list[str]):
 def evaluate(cfg, state: dict, *, num_tasks: int, temperature: float, seed: int = 0, num_words: int = 0) -> dict:
     """Mean similarity and exact rate of ``state`` on ``num_tasks`` held-out tasks (one sample each);
     ``num_words`` > 0 asks for texts of that many words (e.g. longer than the run trained on)."""
-    from workers.inference.embedded.engine import GenRequest, InferenceEngine, model_from_config
+    from workers.inference.embedded.engine import GenRequest, InferenceEngine
+    from workers.models.build import model_from_config
     from workers.orchestrator.envs.reverse_text import ReverseTextEnv
 
     env_cfg = dataclasses.replace(cfg.env, seed=EVAL_ENV_SEED)

@@ -1,7 +1,7 @@
 """fake_nvml: a stand-in for the ``pynvml`` module (nvidia-ml-py) with GPUs and faults you choose.
 
 There is no GPU in CI, so workers/preflight is tested against this module: it implements the
-subset of pynvml that workers/preflight/gpu.py and heartbeat.py call, with the same function
+subset of pynvml that workers/common/nvml.py, workers/preflight/gpu.py and workers/common/heartbeat.py call, with the same function
 names, argument order, return shapes (``c_nvmlMemory_t``-like objects with ``.total/.free/.used``)
 and error classes (``NVMLError`` and its ``NVMLError_NotSupported``-style subclasses carrying
 ``.value``), so the code under test is the real code. Faults are plain fields of

@@ -54,7 +54,8 @@ async def with_embedded_app(model_cfg, fn, *, token: str = TOKEN):
     import aiohttp
     from aiohttp.test_utils import TestServer
 
-    from workers.inference.embedded.engine import InferenceEngine, model_from_config
+    from workers.inference.embedded.engine import InferenceEngine
+    from workers.models.build import model_from_config
     from workers.inference.embedded.server import make_app
 
     engine = InferenceEngine(model_from_config(model_cfg, "float32", "cpu"), max_batch_size=4, seed=0).start()

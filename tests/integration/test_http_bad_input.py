@@ -13,7 +13,8 @@ import torch
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
-from workers.inference.embedded.engine import InferenceEngine, model_from_config
+from workers.inference.embedded.engine import InferenceEngine
+from workers.models.build import model_from_config
 from workers.inference.embedded.server import MAX_BODY_BYTES, make_app
 from workers.models.tiny_moe.config import TinyMoeConfig
 

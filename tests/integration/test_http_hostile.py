@@ -25,7 +25,8 @@ from aiohttp import web
 from tests.helpers import engine_fault
 from workers.common.inference_client import InferenceClient, InferenceError
 from workers.inference.embedded import guards
-from workers.inference.embedded.engine import InferenceEngine, model_from_config
+from workers.inference.embedded.engine import InferenceEngine
+from workers.models.build import model_from_config
 from workers.inference.embedded.parsing import BODY_TIMEOUT
 from workers.inference.embedded.server import make_app
 from workers.models.tiny_moe.config import TinyMoeConfig

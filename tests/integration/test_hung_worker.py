@@ -26,7 +26,7 @@ from tests.integration.test_http_hostile import MODEL, TOKEN, serve
 from tests.unit.launcher.test_failure_classes import SLEEP, local_backend
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import INFERENCE_HEALTH, RunPaths
-from workers.inference.embedded.engine import model_from_config
+from workers.models.build import model_from_config
 from workers.orchestrator.faults import WorkerPool
 from workers.weights.filesystem.coordinator import FilesystemCoordinator
 from workers.weights.filesystem.publisher import publish_step

@@ -79,7 +79,7 @@ def _worker(rank, world, port, tp, ep, model_name, out, extra=None, capacity_fac
     cfg = moe.tcfg(**(extra or {}))
     calls = []
     fixed = expert_parallel.fixed_exchange
-    expert_parallel.fixed_exchange = lambda *a: calls.append(1) or fixed(*a)  # this forked process only
+    expert_parallel.fixed_exchange = lambda *a, **k: calls.append(1) or fixed(*a, **k)  # this forked process only
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)

@@ -19,7 +19,7 @@ from tests.integration.test_http_hostile import MODEL, TOKEN, serve
 from tests.netutil import free_port
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths
-from workers.inference.embedded.engine import model_from_config
+from workers.models.build import model_from_config
 from workers.orchestrator.faults import WorkerPool
 from workers.weights.coordinator import RetryPolicy
 from workers.weights.filesystem.coordinator import FilesystemCoordinator

@@ -19,7 +19,7 @@ from tests.integration.test_http_hostile import AUTH, MODEL, TOKEN, raw, serve
 from workers.common.inference_client import InferenceClient, InferenceError
 from workers.common.protocol import latest_stable_step
 from workers.inference.embedded import guards
-from workers.inference.embedded.engine import model_from_config
+from workers.models.build import model_from_config
 from workers.inference.embedded.startup import stable_steps
 from workers.orchestrator.faults import WorkerPool
 from workers.weights.base import WeightLoadError

@@ -60,7 +60,7 @@ def write_records(orch: Any, n: int, results: list[dict], deadline: float) -> No
     if not orch.paths.trainer_done.exists():
         orch.log.warning("final eval results not written: the trainer did not finish (no %s)", orch.paths.trainer_done)
         return
-    from workers.trainer.metrics import MetricsWriter  # TensorBoard (torch) only here, once
+    from workers.common.metrics import MetricsWriter  # TensorBoard (torch) only here, once
 
     writer = MetricsWriter(orch.paths)
     try:

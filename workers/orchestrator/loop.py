@@ -42,7 +42,7 @@ from workers.orchestrator.final_eval import evaluate_final_weights
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter, RateWindow
 from workers.orchestrator.scoring import Scorers
-from workers.preflight.heartbeat import Heartbeat
+from workers.common.heartbeat import Heartbeat
 from workers.weights.lora_coordinator import (AdapterClient, AdapterNotDelivered, LoraCoordinator, SGLangLoraCoordinator,
                                               make_lora_coordinator)
 from workers.weights.lora_steps import lora_mode

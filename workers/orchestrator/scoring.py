@@ -6,7 +6,7 @@
 - **teacher** (``algorithm=on_policy_distill``): any checkpoint with the student's tokenizer
   (launcher/teacher.py checks that), loaded from its Hugging Face directory.
 
-Locally both are the embedded engine's model (workers/inference/embedded/engine.py
+Locally both are the model the embedded engine serves (workers/models/build.py
 ``model_from_config``) held by the orchestrator process; scoring one group is one forward over
 its samples, run in a worker thread so the event loop keeps serving rollouts (torch releases the
 GIL). The log-prob of completion token t is taken from the logits at t - 1, divided by the
@@ -62,7 +62,7 @@ def reference_scorer(cfg: Any, weights_dir: Path, run_dir: Path) -> PolicyScorer
     tensors (the first time; copied to ``run_dir/REFERENCE_FILE`` for a restarted orchestrator)."""
     from safetensors.torch import load_file, save_file
 
-    from workers.inference.embedded.engine import model_from_config
+    from workers.models.build import model_from_config
     from workers.weights.filesystem.receiver import load_step
 
     model = model_from_config(cfg.model, "float32")
@@ -80,7 +80,7 @@ def reference_scorer(cfg: Any, weights_dir: Path, run_dir: Path) -> PolicyScorer
 
 def teacher_scorer(cfg: Any) -> PolicyScorer:
     """The teacher of ``algorithm.teacher.path``: its family and sizes from its config.json."""
-    from workers.inference.embedded.engine import model_from_config
+    from workers.models.build import model_from_config
     from workers.models.hf_checkpoint import load_pretrained
     from workers.models.hf_dir import model_fields
 

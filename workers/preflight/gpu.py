@@ -15,39 +15,13 @@ import socket
 import time
 from typing import Any, Callable, Optional
 
+from workers.common.nvml import GIB, close_nvml, open_nvml, visible_indices
 from workers.preflight.limits import THROTTLE_BITS
 
-GIB = float(1 << 30)
 MAX_NVLINKS = 18
 """NVLinks queried per GPU (Hopper has 18; NVML_NVLINK_MAX_LINKS may be larger in new bindings)."""
 _SILENT = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
 """Errors that mean "this GPU or driver has no such counter": recorded as None, not as a problem."""
-
-
-def open_nvml(nvml: Any = None) -> tuple[Any, Optional[str]]:
-    """(initialized NVML module, None) or (None, why not). Pass a fake module in tests."""
-    if nvml is None:
-        try:
-            import pynvml as nvml  # nvidia-ml-py
-        except ImportError:
-            return None, "pynvml is not installed (pip install nvidia-ml-py, or the [gpu] extra)"
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as e:
-        kind = type(e).__name__
-        if kind == "NVMLError_LibraryNotFound":
-            return None, "NVML library not found (libnvidia-ml.so): no NVIDIA driver on this node"
-        if kind == "NVMLError_DriverNotLoaded":
-            return None, "NVIDIA driver not loaded (nvmlInit: Driver Not Loaded)"
-        return None, f"nvmlInit failed: {kind}: {e}"
-    return nvml, None
-
-
-def close_nvml(nvml: Any) -> None:
-    try:
-        nvml.nvmlShutdown()
-    except nvml.NVMLError:
-        pass
 
 
 def _text(value: Any) -> Any:
@@ -77,31 +51,6 @@ class _Query:
             if type(e).__name__ not in _SILENT:
                 self.errors.append(f"{name}: {type(e).__name__}: {e}")
             return None
-
-
-def visible_indices(count: int, cuda_visible: Optional[str], uuids: Optional[list[str]] = None) -> list[int]:
-    """NVML indices of the GPUs this process may use, from CUDA_VISIBLE_DEVICES.
-
-    Unset: all. UUIDs (``GPU-...``, prefixes allowed as CUDA does): matched against ``uuids``.
-    Indices: those, unless NVML already shows exactly that many GPUs (Slurm's cgroup device
-    constraint hides the others and renumbers), or they do not exist (then all: the count
-    check reports the mismatch).
-    """
-    if cuda_visible is None:
-        return list(range(count))
-    items = [x.strip() for x in cuda_visible.split(",") if x.strip()]
-    if not items:
-        return []
-    if uuids is not None and any(x.startswith(("GPU-", "MIG-")) for x in items):
-        return [i for i, u in enumerate(uuids) if any(str(u).startswith(x) for x in items)]
-    if all(x.lstrip("-").isdigit() for x in items):
-        ints = [int(x) for x in items]
-        if any(i < 0 for i in ints):  # CUDA stops at the first invalid index
-            ints = ints[:[i < 0 for i in ints].index(True)]
-        if len(ints) == count or any(i >= count for i in ints):
-            return list(range(count))
-        return ints
-    return list(range(count))
 
 
 def nvlink_states(q: _Query, handle: Any) -> tuple[Optional[int], list[int]]:

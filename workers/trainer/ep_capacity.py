@@ -9,16 +9,8 @@ every rank sends each EP peer exactly ``C`` rows, a size fixed for the whole ste
       of the largest forward any rank runs this step (/ tp when the tp ranks split the tokens),
       agreed by one all-reduce (max) and host read when the step starts.
 
-Per MoE block (:func:`fixed_exchange`), all on the device:
-  1. per-(destination, local expert) counts exchanged as in the exact path (one small
-     all-to-all whose result stays on the device);
-  2. the send buffer ``[ep * C, h]``: row ``d * C + j`` is the j-th slot bound for peer d (slots
-     are sorted by global expert, so by destination), or a zero row past that peer's count;
-  3. rows all-to-all with equal splits ``[C] * ep`` (autograd: the backward is the reverse one);
-  4. the arrived rows, regrouped by local expert with the padding last, go through the local
-     experts with device-side offsets (the grouped GEMM; padding rows are past the last offset
-     and come out zero);
-  5. the reverse all-to-all, and each slot picks its row back out of the returned buffer.
+Per MoE block the rows go through :func:`~workers.trainer.ep_exchange.fixed_exchange` (all on
+the device: equal splits, padded buffers, device-side offsets).
 
 Overflow: a rank with more than C slots for one peer sends only the first C (the rest come back
 zero) and sets the block's device flag. The step (:class:`StepCapacity`, driven by
@@ -39,7 +31,6 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 if TYPE_CHECKING:
     from workers.trainer.expert_parallel import ExpertParallel
@@ -55,47 +46,6 @@ def capacity(max_tokens: int, *, factor: float, top_k: int, ep: int, tp: int) ->
     slots = -(-max_tokens // tp) * top_k
     rows = math.ceil(factor * slots / ep)
     return max(8, -(-rows // 8) * 8)
-
-
-def fixed_exchange(par: "ExpertParallel", xs: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
-    """Rows sorted by global expert (``counts [E]`` of them per expert) -> this EP rank's experts ->
-    back in the same order, every peer sent exactly ``cap`` rows. Sets ``par.overflow``."""
-    ep, local, group = par.ep, par.num_local, par.ep_group
-    n, h = xs.shape
-    dev = xs.device
-    send = counts.view(ep, local)  # [destination EP rank, its local expert]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)  # [source EP rank, my expert]: stays on the device
-    per_peer = send.sum(1)
-    start = per_peer.cumsum(0) - per_peer  # first slot bound for each peer
-    overflow = (per_peer > cap).any()
-    par.overflow = overflow if par.overflow is None else par.overflow | overflow
-    j = torch.arange(cap, device=dev)
-    src = torch.where(j < per_peer[:, None], start[:, None] + j, n).flatten()  # n: the zero row
-    buf = torch.cat([xs, xs.new_zeros(1, h)]).index_select(0, src)
-    got = all_to_all_single_autograd(buf, [cap] * ep, [cap] * ep, group)  # source-major blocks of cap rows
-    # Source s sent its first cap rows, sorted by my local expert: the expert of its row j is the
-    # number of cumulative counts <= j; rows past what it sent get ``local`` (the padding, sorted last).
-    cum = recv.cumsum(1).clamp(max=cap)
-    kept = torch.diff(cum, dim=1, prepend=cum.new_zeros(ep, 1)).sum(0)  # rows per local expert that arrived
-    expert_of_row = torch.searchsorted(cum, j.expand(ep, cap).contiguous(), right=True).flatten()
-    regroup = expert_of_row.argsort(stable=True)
-    ys = par.experts(got.index_select(0, regroup), kept, padded=True)
-    back = ys.index_select(0, inverse(regroup)).contiguous()
-    ret = all_to_all_single_autograd(back, [cap] * ep, [cap] * ep, group)
-    # Slot i (peer d) is row d * cap + (i - start[d]) of what came back; slots past cap: zero row.
-    slot = torch.arange(n, device=dev)
-    peer = torch.searchsorted(per_peer.cumsum(0), slot, right=True)
-    pos = slot - start[peer]
-    row = torch.where(pos < cap, peer * cap + pos, ep * cap)
-    return torch.cat([ret, ret.new_zeros(1, h)]).index_select(0, row)
-
-
-def inverse(order: torch.Tensor) -> torch.Tensor:
-    """The permutation that undoes ``order`` (``x[order][inverse(order)] == x``)."""
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return inv
 
 
 def configure(model: nn.Module, factor: float) -> None:

@@ -41,11 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from workers.common.config.trainer import experts_per_rank
 from workers.models.blocks.experts import StackedExperts
-from workers.trainer.ep_capacity import fixed_exchange, inverse
+from workers.trainer.ep_exchange import exact_exchange, fixed_exchange, inverse
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -87,7 +86,7 @@ class ExpertParallel:
     def __init__(self, experts: StackedExperts, *, num_experts: int, top_k: int, ep_group: Optional[dist.ProcessGroup],
                  ep: int, tp_group: Optional[dist.ProcessGroup], tp: int, tp_rank: int):
         self.experts, self.num_experts, self.top_k = experts, num_experts, top_k
-        self.ep_group, self.ep, self.num_local = ep_group, ep, num_experts // ep
+        self.ep_group, self.ep = ep_group, ep
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
         self.capacity_factor = 0.0  # trainer.parallel.ep_capacity_factor (ep_capacity.configure)
         self.capacity: Optional[int] = None  # rows per peer this step (ep_capacity.StepCapacity); None: exact
@@ -120,20 +119,12 @@ class ExpertParallel:
 
     def _exchange(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert -> this rank's experts (all-to-all) -> back, same order."""
-        if self.capacity is not None:  # no host sync: workers/trainer/ep_capacity.py
-            return fixed_exchange(self, xs, counts, self.capacity)
-        send = counts.view(self.ep, self.num_local)  # [destination EP rank, its local expert]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # [source EP rank, my expert]
-        in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the block's one host sync
-        got = all_to_all_single_autograd(xs.contiguous(), out_splits, in_splits, self.ep_group)
-        # Arrived rows are grouped by source rank, then expert: regroup by local expert (stable).
-        expert_of_row = torch.arange(self.num_local, device=xs.device).repeat(self.ep).repeat_interleave(
-            recv.flatten(), output_size=sum(out_splits))
-        regroup = expert_of_row.argsort(stable=True)
-        ys = self.experts(got.index_select(0, regroup), recv.sum(0))
-        back = ys.index_select(0, inverse(regroup)).contiguous()
-        return all_to_all_single_autograd(back, in_splits, out_splits, self.ep_group)
+        if self.capacity is None:
+            return exact_exchange(xs, counts, self.experts, ep=self.ep, group=self.ep_group)
+        # No host sync: workers/trainer/ep_capacity.py sized ``capacity`` for the step.
+        ys, overflow = fixed_exchange(xs, counts, self.experts, ep=self.ep, group=self.ep_group, cap=self.capacity)
+        self.overflow = overflow if self.overflow is None else self.overflow | overflow
+        return ys
 
 
 def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int,

@@ -49,11 +49,12 @@ from workers.common.registry import MODELS, TRANSPORTS
 from workers.common.timeline import TimelineWriter, now
 from workers.common.topology import Topology
 from workers.models.spec import FSDP_PLAN, MESH_PLAN
-from workers.preflight.heartbeat import Heartbeat
+from workers.common.heartbeat import Heartbeat
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.divergence import DivergenceGuard
 from workers.trainer.batch import RolloutBatch, batch_staleness, load_batch, prune_rollouts, shard_rows, wait_for_batch
-from workers.trainer.metrics import MetricsWriter, get_logger, progress_line
+from workers.common.metrics import MetricsWriter
+from workers.trainer.metrics import get_logger, progress_line
 from workers.trainer.tracking import make_tracker
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.parallel import ParallelDims

@@ -22,7 +22,7 @@ from numbers import Number
 from typing import Any, Optional
 
 from workers.common.protocol import RunPaths
-from workers.trainer.metrics import SAMPLE_COLUMNS
+from workers.common.metrics import SAMPLE_COLUMNS
 
 
 class WandbTracker:

@@ -62,7 +62,8 @@ def test_launcher_writes_it_and_a_role_loads_it_back(tmp_path):
 
 @pytest.mark.slow  # starts an embedded inference server
 def test_episode_runner_plays_it_against_the_embedded_server():
-    from workers.inference.embedded.engine import InferenceEngine, model_from_config
+    from workers.inference.embedded.engine import InferenceEngine
+    from workers.models.build import model_from_config
     from workers.inference.embedded.server import make_app
 
     torch.set_num_threads(1)

@@ -47,7 +47,8 @@ def test_the_cli_dry_run_records_the_plugin_for_the_roles(tmp_path, monkeypatch)
 
 
 def test_trainer_and_engine_build_it_with_its_own_weights():
-    from workers.inference.embedded.engine import GenRequest, InferenceEngine, model_from_config
+    from workers.inference.embedded.engine import GenRequest, InferenceEngine
+    from workers.models.build import model_from_config
     from workers.trainer.loop import initial_model, parallelize
 
     cfg, plain_cfg = compose(SCALED), compose([])

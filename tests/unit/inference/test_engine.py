@@ -236,7 +236,7 @@ def test_pause_abort_finishes_in_flight_requests(model):
 
 
 def test_bfloat16_engine_from_config_keeps_float32_logprobs(model):
-    from workers.inference.embedded.engine import model_from_config
+    from workers.models.build import model_from_config
     mc = TinyMoeConfig(name="tiny_moe", **{f: getattr(CFG, f) for f in ("vocab_size", "hidden_size", "num_layers",
                      "num_heads", "num_experts", "top_k", "expert_intermediate_size", "max_position_embeddings")})
     with pytest.raises(ValueError, match="float32"):

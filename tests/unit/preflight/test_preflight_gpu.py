@@ -11,8 +11,9 @@ from tests.fakes.fake_nvml import (UNSUPPORTED, FakeGPU, FakeNVML, NVMLError_Dri
                                    NVMLError_LibraryNotFound)
 from workers.common.config import PreflightConfig
 from workers.preflight.checks import NodeExpectation, check_node, check_versions, failed, limit_errors
-from workers.preflight.gpu import collect_node, cuda_version_text, visible_indices
-from workers.preflight.heartbeat import Heartbeat
+from workers.common.nvml import visible_indices
+from workers.preflight.gpu import collect_node, cuda_version_text
+from workers.common.heartbeat import Heartbeat
 from workers.preflight.checks import report_lines, summarize
 
 LIMITS = PreflightConfig()

@@ -3,7 +3,8 @@
 Why a test: cycles crept in three times (an interface module holding its factory, a server and its
 routes importing each other's private helpers, a report module and the bandwidth judge), and each
 one made an import order matter. Edges are read from the source (ast), lazy imports inside
-functions included; only ``if TYPE_CHECKING:`` blocks are left out (they never run).
+functions and ``if TYPE_CHECKING:`` blocks included: a type-only cycle never breaks an import,
+but it still ties two modules into one that neither a reader nor a move can take apart.
 """
 from __future__ import annotations
 
@@ -31,12 +32,6 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
 
 
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Modules of this repo that ``name`` imports (a ``from pkg import sub`` counts as ``pkg.sub``)."""
     tree = ast.parse(path.read_text())
@@ -45,10 +40,6 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
             if isinstance(child, ast.Import):
                 out.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -111,6 +102,16 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_type_checking_imports_are_edges(tmp_path):
+    """An import only a type checker runs still ties the two modules (module docstring)."""
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import B\n")
+    (tmp_path / "b.py").write_text("def f():\n    import a\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    edges = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert edges == {"a": {"b"}, "b": {"a"}}
+    assert cycles(edges) == [["a", "b"]]
+
+
 def test_no_import_cycles():
     found = cycles(graph())
     assert not found, "import cycles (break each by moving the shared part to its own module):\n" + "\n".join(
@@ -133,6 +134,43 @@ def test_common_imports_no_role():
     bad = sorted((name, dep) for name, deps in graph().items() if name.startswith("workers.common")
                  for dep in deps if dep.startswith(ROLES))
     assert not bad, f"workers/common imports role code: {bad}"
+
+
+#: The processes of a run. Each imports what every role shares and its own package only: a role
+#: importing another role's module loads that role's code (and its torch, NVML, HTTP stack) into a
+#: process that never runs it, and ties two packages that change for different reasons.
+PROCESS_ROLES = ("orchestrator", "trainer", "inference", "preflight", "router")
+#: What every role may import: below the roles (models and weights import no role either).
+SHARED = ("common", "models", "weights")
+
+
+def role_crossings(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs of workers/ where a role imports another role, or a shared
+    package imports a role."""
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "workers" and len(parts) > 1 else ""
+
+    bad = []
+    for name, deps in edges.items():
+        own = package(name)
+        if own not in PROCESS_ROLES + SHARED:
+            continue
+        bad += [(name, d) for d in deps if package(d) in PROCESS_ROLES and package(d) != own]
+    return sorted(bad)
+
+
+def test_role_crossing_finder_finds_one():
+    edges = {"workers.orchestrator.a": {"workers.trainer.b", "workers.common.c", "workers.orchestrator.d"},
+             "workers.weights.e": {"workers.inference.f", "workers.models.g"}, "workers.trainer.b": {"workers.weights.e"}}
+    assert role_crossings(edges) == [("workers.orchestrator.a", "workers.trainer.b"),
+                                     ("workers.weights.e", "workers.inference.f")]
+
+
+def test_roles_import_only_shared_code_and_their_own():
+    bad = role_crossings(graph())
+    assert not bad, "a role imports another role (move the shared piece to workers/common or workers/models):\n" + \
+        "\n".join(f"{a} -> {b}" for a, b in bad)
 
 
 def test_benchmarks_and_tools_never_import_tests():

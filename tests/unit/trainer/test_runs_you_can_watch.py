@@ -9,8 +9,8 @@ import sys
 
 from tests.conftest import REPO
 from workers.common.protocol import RunPaths
-from workers.trainer.metrics import MetricsWriter
-from workers.trainer.tb_tags import tb_tag
+from workers.common.metrics import MetricsWriter
+from workers.common.tb_tags import tb_tag
 
 
 def test_tags_are_grouped_and_weights_has_its_slot():

@@ -13,7 +13,7 @@ from launcher.plan import PlanError, build_plan
 from tests.conftest import compose
 from tests.fakes.fake_wandb import FakeWandb
 from workers.common.protocol import RunPaths
-from workers.trainer.metrics import MetricsWriter
+from workers.common.metrics import MetricsWriter
 from workers.trainer.tracking import make_tracker
 
 

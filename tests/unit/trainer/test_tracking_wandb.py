@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import compose
 from tests.wandb_files import read_run
 from workers.common.protocol import RunPaths
-from workers.trainer.metrics import MetricsWriter
+from workers.common.metrics import MetricsWriter
 from workers.trainer.tracking import make_tracker
 
 

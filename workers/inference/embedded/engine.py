@@ -29,10 +29,8 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from workers.common.dtypes import check_name, torch_dtype
 from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
 from workers.inference.embedded.slot_state import nucleus
-from workers.common.registry import MODELS
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.decoder import CausalLM
 from workers.weights.base import WeightLoadError
@@ -417,9 +415,3 @@ class InferenceEngine:
             s.on_done(out)
         except Exception:  # a broken callback must not take the engine down
             log.exception("on_done callback of request %s failed", s.req.rid)
-
-
-def model_from_config(model_cfg, dtype: str, device: str = "cpu") -> CausalLM:
-    """Model skeleton of ``model_cfg``'s family (``ModelSpec.build``; weights come from a published step)."""
-    check_name("inference.dtype", dtype)
-    return MODELS.get(model_cfg.family).build(model_cfg, device=device, dtype=torch_dtype(dtype))

@@ -40,7 +40,7 @@ from workers.inference.embedded.generate_request import parse_generate
 from workers.inference.embedded.parsing import BODY_TIMEOUT, BadRequest, _bool, _json, _version
 from workers.inference.embedded.startup import build_engine  # noqa: F401  (its home before; tools import it here)
 from workers.inference.embedded.weight_routes import weight_routes
-from workers.preflight.heartbeat import Heartbeat
+from workers.common.heartbeat import Heartbeat
 from workers.weights.base import WeightLoadError
 
 log = logging.getLogger("slurmrl.inference")
@@ -188,7 +188,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
         return web.json_response(model_info())
 
     async def server_info(request):
-        # heartbeat: this process's RSS and GPU memory/utilization (workers/preflight/heartbeat.py);
+        # heartbeat: this process's RSS and GPU memory/utilization (workers/common/heartbeat.py);
         # the orchestrator polls it into every batch's metrics (loop.py watch_inference)
         return web.json_response({**model_info(), "version": "slurmrl-embedded", "rank": rank, "heartbeat": beat.sample(),
                                   "max_batch_size": engine.max_batch_size, "paused": engine.paused,

@@ -19,7 +19,8 @@ from pathlib import Path
 from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, step_name, wait_for
 from workers.inference.embedded.lora import EngineLora
 from workers.inference.embedded.static_engine import create_engine
-from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
+from workers.inference.embedded.engine import InferenceEngine, engine_seed
+from workers.models.build import model_from_config
 from workers.weights.base import WeightLoadError
 from workers.weights.lora_steps import BASE_STEP, lora_mode
 

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from workers.preflight.gpu import GIB, close_nvml, open_nvml, visible_indices
+from workers.common.nvml import GIB, close_nvml, open_nvml, visible_indices
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
