@@ -20,6 +20,7 @@ import dataclasses
 from launcher.estimate import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, MemoryEstimate, human
 from launcher.resources import PlanError
 from workers.common.config.lora import (EXPERTS, FULL_FT_LR_MAX, MLP_NAMES, SHARED_OUTER, linear_targets)
+from workers.common.registry import BACKENDS
 from workers.common.config.ranges import ConfigError
 from workers.models.spec import architecture
 
@@ -126,9 +127,17 @@ def _bytes(n: float) -> str:
 
 
 def update_line(cfg) -> str:
-    """Bytes per weight update: the adapter (after the step-0 base) against the dense model's."""
+    """The plan's ``weights:`` line in LoRA mode: an update is the adapter (after the step-0 base), read by
+    every server from run_dir/weights (SGLang: ``/load_lora_adapter``; embedded: unmerged buffers), its
+    bytes against the dense model's, and the read time at ``cluster.shared_fs_gb_s``."""
     f = lora_facts(cfg)
     b = DTYPE_BYTES[cfg.trainer.dtype]
     adapter, dense = f.published * b, f.base * b
-    return (f"per update the adapter, {_bytes(adapter)} in {cfg.trainer.dtype} vs {_bytes(dense)} dense "
-            f"({100 * adapter / dense:.3g}%; step 0 publishes the base)")
+    backend = BACKENDS.get(cfg.inference.backend)
+    how = ("SGLang /load_lora_adapter" if "sglang" in (backend.name, *backend.serves_api_of)
+           else "/update_weights_from_disk, unmerged")
+    fs = cfg.cluster.shared_fs_gb_s
+    return (f"LoRA rank {cfg.trainer.lora.rank}: every update is the adapter, {_bytes(adapter)} in {cfg.trainer.dtype} "
+            f"vs {_bytes(dense)} dense ({100 * adapter / dense:.3g}%), read by each server ({how}; "
+            f"~{adapter / (fs * 1e9):.3f} s at cluster.shared_fs_gb_s={fs:g}); step 0 publishes the base; each "
+            f"version is confirmed by the digest of what the engine holds before it is sampled")

@@ -35,7 +35,6 @@ from workers.common.config.ranges import check_fields
 from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
-from workers.weights.lora_steps import check_serving as check_lora_serving, lora_mode, update_line as lora_update_line
 from workers.weights.spec import check_transport as _transport_check
 
 if TYPE_CHECKING:
@@ -220,7 +219,6 @@ def check_transport(cfg: RunConfig) -> None:
     """The weight transport's plan check (workers/weights/spec.py), reported as a PlanError."""
     with plan_errors():
         _transport_check(cfg)
-        check_lora_serving(cfg)  # LoRA mode: what the inference backend can serve (workers/weights/lora_steps.py)
 
 
 def check_group_flags(cfg: RunConfig, components) -> None:
@@ -351,8 +349,8 @@ def check_sections(cfg: RunConfig) -> None:
 def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
     """The weight transport's own line on one update's cost (TransportSpec.update_line; the SGLang
     protocol's bytes per inference GPU and seconds, the simulator's figure too); "" where it has none."""
-    if lora_mode(cfg) is not None:  # the update is the adapter, whatever the transport (workers/weights/lora_steps.py)
-        return lora_update_line(cfg)
+    if cfg.trainer.lora.enabled:  # the update is the adapter, whatever the transport (launcher/lora_plan.py)
+        return lora_plan.update_line(cfg)
     spec = TRANSPORTS.get(cfg.weights.transport)
     return spec.update_line(cfg, params.total) if spec.update_line is not None else ""
 

@@ -22,7 +22,8 @@ from tests.integration.test_http_hostile import MODEL, TOKEN
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths
 from workers.inference.embedded import guards
-from workers.inference.embedded.engine import InferenceEngine, model_from_config
+from workers.inference.embedded.engine import InferenceEngine
+from workers.models.build import model_from_config
 from workers.inference.embedded.lora import EngineLora
 from workers.inference.embedded.server import make_app
 from workers.orchestrator.faults import WorkerPool

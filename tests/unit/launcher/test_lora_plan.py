@@ -17,7 +17,7 @@ def test_plan_prints_trainable_params_memory_and_adapter_bytes():
     lora = next(line for line in lines if line.startswith("lora: "))
     assert "rank 8" in lora and "trainable params" in lora and "no fp32 master" in lora
     update = next(line for line in lines if line.startswith("weights: "))
-    assert "per update the adapter" in update and "dense" in update
+    assert "every update is the adapter" in update and "dense" in update
     assert not any("looks like a full-fine-tuning" in line for line in lines)
 
 

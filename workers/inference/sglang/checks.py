@@ -18,6 +18,7 @@ from workers.inference.sglang.config import RouterConfig, SGLangConfig, SGLangRo
 from workers.inference.sglang.ports import ports_needed
 from workers.inference.spec import BackendConfigError as PlanError  # the launcher shows it as its PlanError
 from workers.inference.spec import BackendStep
+from workers.weights.lora_steps import lora_mode, sglang_lora_modules
 
 A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
@@ -163,6 +164,12 @@ def check_sglang(cfg: RunConfig) -> None:
     if not r.routing_key_header:
         raise PlanError("inference.sglang.router.routing_key_header is empty: sticky routing of an episode's turns "
                         "needs a header name (smg reads x-smg-routing-key)")
+    mode = lora_mode(cfg)  # LoRA mode: every trainer.lora target must be one SGLang serves
+    if mode is not None:
+        try:
+            sglang_lora_modules(mode)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     roles = server_roles(cfg)
     for role, lay, key in roles:
         check_role(cfg, role, lay, key)
