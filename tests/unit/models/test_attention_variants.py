@@ -313,3 +313,4 @@ def test_windowed_attention_in_query_blocks_equals_the_banded_mask(window, monke
     b = torch.autograd.grad(want.square().sum(), (q, k, v, sinks))
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y)
+
