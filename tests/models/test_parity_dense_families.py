@@ -31,10 +31,8 @@ CONFIGS = {
     "qwen3-tied-hd24": Qwen3Config(**{**SMALL, "head_dim": 24}, tie_word_embeddings=True),
     "qwen3-untied-bias-window": Qwen3Config(**{**SMALL, "num_layers": 3}, attention_bias=True, sliding_window=4,
                                             layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
-    "qwen2-untied": Qwen2Config(**SMALL),
-    "qwen2-tied-mha": Qwen2Config(**{**SMALL, "num_kv_heads": 4}, tie_word_embeddings=True),
+    "qwen2-untied-mha": Qwen2Config(**{**SMALL, "num_kv_heads": 4}),
     "mistral-window5-hd32": MistralConfig(**{**SMALL, "head_dim": 32}, sliding_window=5),
-    "mistral-no-window": MistralConfig(**SMALL),
 }
 IDS = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
 ERRORS: dict[str, dict[str, float]] = {}  # printed with -s: the measured parity errors
@@ -164,3 +162,41 @@ def test_released_qwen_configs_read_as_transformers_reads_them():
     m = MistralConfig(name="t", **MODELS.get("mistral").from_hf_config({**sparse, "architectures": ["MistralForCausalLM"],
                                                                         "model_type": "mistral"}))
     assert (m.kv_heads, m.attention_head_dim, m.sliding_window, m.max_position_embeddings) == (8, 16, 4096, 131072)
+
+
+QWEN3_0_6B = {  # public config.json of Qwen/Qwen3-0.6B
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+QWEN2_5_7B = {  # public config.json of Qwen/Qwen2.5-7B-Instruct
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.1",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+MISTRAL_7B_V01 = {  # public config.json of mistralai/Mistral-7B-v0.1
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("config, schema, total, window", [
+    (QWEN3_0_6B, Qwen3Config, 596_049_920, 0), (QWEN2_5_7B, Qwen2Config, 7_615_616_512, 0),
+    (MISTRAL_7B_V01, MistralConfig, 7_241_732_096, 4096)], ids=["qwen3-0.6b", "qwen2.5-7b", "mistral-7b-v0.1"])
+def test_released_config_json_reads_and_counts_as_transformers(config, schema, total, window):
+    """The config.json of a released checkpoint is accepted as it is, and the model it describes has
+    transformers' (and the model card's) parameter count; mistral v0.1 keeps its 4096-key window."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    m = schema(name="real", **MODELS.get(schema.family).from_hf_config(config))
+    assert m.sliding_window == window and m.layer_types == []
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(CONFIG_MAPPING[config["model_type"]](**config))
+    assert MODELS.get(m.family).params(m).total == sum(p.numel() for p in hf.parameters()) == total

@@ -44,19 +44,21 @@ def test_preset_facts_are_unchanged(preset):
         assert MODELS.get(family).kv_bytes_per_token(m, 2) / 1024 == KV_KIB_BF16[preset]
 
 
-@pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "qwen3_moe",
+                                    "qwen3", "qwen2", "mistral"])
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
     assert spec.buildable  # every family builds now (the trainer plans differ: test below)
-    dense = family == "llama"
+    dense = family in ("llama", "qwen3", "qwen2", "mistral")
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
     assert (spec.router_hook is None) == dense
     assert architecture(m).is_moe != dense
 
 
-@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b", "qwen3_tiny",
+                                    "qwen2_tiny", "mistral_tiny"])
 def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
     m = compose([f"model={preset}"]).model
     spec = MODELS.get(m.family)
