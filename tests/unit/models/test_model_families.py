@@ -28,9 +28,12 @@ PRESETS = {  # preset -> (family, total, active, mtp): the plan's counts before 
     "nemotron3_ultra": ("nemotron_h", 549_308_968_960, 56_058_818_560, 0),  # real hybrid counts (was MHA+MoE)
     "qwen3_moe_tiny": ("qwen3_moe", 280_144, 132_688, 0),
     "qwen3_30b_a3b": ("qwen3_moe", 30_532_122_624, 3_353_032_704, 0),  # published: 30.5B total, 3.3B activated
+    "gemma3_1b": ("gemma3_text", 999_885_952, 999_885_952, 0),
+    "gpt_oss_20b": ("gpt_oss", 20_914_757_184, 4_187_440_704, 0),  # published 3.6B active excludes the embedding
 }
 # nemotron: its 12 attention layers only (the Mamba state is per sequence, not per token)
-KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 12.0, "qwen3_30b_a3b": 96.0}
+KV_KIB_BF16 = {"glm5": 87.75, "kimi_k2": 68.625, "nemotron3_ultra": 12.0, "qwen3_30b_a3b": 96.0,
+               "gemma3_1b": 26.0, "gpt_oss_20b": 48.0}  # sliding-window layers counted whole (the cache keeps all)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -45,12 +48,12 @@ def test_preset_facts_are_unchanged(preset):
 
 
 @pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "qwen3_moe",
-                                    "qwen3", "qwen2", "mistral"])
+                                    "qwen3", "qwen2", "mistral", "gemma3_text", "gpt_oss"])
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
     assert spec.buildable  # every family builds now (the trainer plans differ: test below)
-    dense = family in ("llama", "qwen3", "qwen2", "mistral")
+    dense = family in ("llama", "qwen3", "qwen2", "mistral", "gemma3_text")
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
     assert (spec.router_hook is None) == dense
@@ -58,7 +61,7 @@ def test_every_family_answers_the_generic_facts(family):
 
 
 @pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b", "qwen3_tiny",
-                                    "qwen2_tiny", "mistral_tiny"])
+                                    "qwen2_tiny", "mistral_tiny", "gemma3_1b", "gpt_oss_20b"])
 def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
     m = compose([f"model={preset}"]).model
     spec = MODELS.get(m.family)
