@@ -31,11 +31,10 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
-from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
+from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
-from workers.weights.lora_steps import check_serving as check_lora_serving, lora_mode, update_line as lora_update_line
-from workers.weights.spec import check_transport as _transport_check
+from workers.weights.spec import check_transport as _transport_check, update_line as _update_line
 
 if TYPE_CHECKING:
     from workers.inference.spec import BackendStep
@@ -212,7 +211,6 @@ def check_transport(cfg: RunConfig) -> None:
     """The weight transport's plan check (workers/weights/spec.py), reported as a PlanError."""
     with plan_errors():
         _transport_check(cfg)
-        check_lora_serving(cfg)  # LoRA mode: what the inference backend can serve (workers/weights/lora_steps.py)
 
 
 def check_group_flags(cfg: RunConfig, components) -> None:
@@ -340,10 +338,7 @@ def check_sections(cfg: RunConfig) -> None:
 def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
     """The weight transport's own line on one update's cost (TransportSpec.update_line; the SGLang
     protocol's bytes per inference GPU and seconds, the simulator's figure too); "" where it has none."""
-    if lora_mode(cfg) is not None:  # the update is the adapter, whatever the transport (workers/weights/lora_steps.py)
-        return lora_update_line(cfg)
-    spec = TRANSPORTS.get(cfg.weights.transport)
-    return spec.update_line(cfg, params.total) if spec.update_line is not None else ""
+    return _update_line(cfg, params.total)  # LoRA mode: the adapter's bytes, whatever the transport
 
 
 def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError, swap_weights
 from workers.weights.filesystem.layout import stable_versions
-from workers.weights.lora_steps import expected_digest, lora_mode
+from workers.weights.lora_steps import expected_digest, lora_mode, speaks_sglang
 
 MAX_UNCONFIRMED = 3
 """Consecutive published versions confirmed by no worker before the run stops."""
@@ -246,6 +246,4 @@ class AdapterClient:
 
 
 def make_lora_coordinator(cfg: Any, paths: Any, *, log: Any) -> LoraCoordinator:
-    from workers.weights.broadcast import speaks_sglang
-
     return (SGLangLoraCoordinator if speaks_sglang(cfg) else LoraCoordinator)(cfg, paths, log=log)

@@ -61,6 +61,15 @@ def lora_mode(cfg: Any) -> Optional[LoraMode]:
     return LoraMode(rank=rank, alpha=float(getattr(lora, "alpha", rank)), targets=targets, adapters=names)
 
 
+def speaks_sglang(cfg: Any) -> bool:
+    """Are the servers SGLang's (the registry's answer; not through workers/weights/broadcast, which imports
+    the transports' spec, which imports this module)?"""
+    from workers.common.registry import BACKENDS
+
+    backend = BACKENDS.get(cfg.inference.backend)
+    return "sglang" in (backend.name, *backend.serves_api_of)
+
+
 def is_adapter_step(step_dir) -> bool:
     p = Path(step_dir)
     return (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
@@ -152,8 +161,6 @@ def update_line(cfg: Any) -> str:
     mode = lora_mode(cfg)
     if mode is None:
         return ""
-    from workers.weights.broadcast import speaks_sglang
-
     item = 2 if cfg.inference.dtype in ("bfloat16", "float16") else 4
     nbytes = adapter_numel(cfg, mode.targets, mode.rank) * item
     fs = cfg.cluster.shared_fs_gb_s
@@ -166,8 +173,6 @@ def update_line(cfg: Any) -> str:
 
 def check_serving(cfg: Any) -> None:
     """Plan-time: in LoRA mode, SGLang servers must be able to serve every target (ValueError naming the key)."""
-    from workers.weights.broadcast import speaks_sglang
-
     mode = lora_mode(cfg)
     if mode is not None and speaks_sglang(cfg):
         sglang_lora_modules(mode)

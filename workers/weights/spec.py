@@ -54,7 +54,21 @@ def check_transport(run_cfg: Any) -> None:
     check_fields(run_cfg.weights, "weights")  # every field in its range (rules beside the transport's schema)
     if spec.check is not None:
         spec.check(run_cfg)
+    from workers.weights.lora_steps import check_serving  # LoRA mode: what the inference backend can serve
+
+    check_serving(run_cfg)
     backend = BACKENDS.get(run_cfg.inference.backend)
     if spec.backends is not None and not {backend.name, *backend.serves_api_of} & set(spec.backends):
         raise ValueError(f"weights.transport={spec.name} cannot update inference.backend="
                          f"{run_cfg.inference.backend} servers; it talks to {list(spec.backends)}")
+
+
+def update_line(run_cfg: Any, num_params: float) -> str:
+    """The plan's line on one update's cost: in LoRA mode the adapter's (workers/weights/lora_steps.py: the
+    update is the adapter whatever the transport), else the transport's ``update_line`` ("" where none)."""
+    from workers.weights.lora_steps import lora_mode, update_line as lora_line
+
+    if lora_mode(run_cfg) is not None:
+        return lora_line(run_cfg)
+    spec: TransportSpec = TRANSPORTS.get(run_cfg.weights.transport)
+    return spec.update_line(run_cfg, num_params) if spec.update_line is not None else ""
