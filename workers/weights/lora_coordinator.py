@@ -146,6 +146,9 @@ class LoraCoordinator(WeightCoordinator):
             why = self.confirmed_by(answer, expected, version)
             (ok if self.confirm_worker(w, version, why) else bad).append((w, why))
         self.update_s = seconds
+        if not ok and not bad:  # every worker left during the delivery: nothing was refused, try again later
+            self.retry.failed(version, content=False, context=tuple(live))
+            return
         if ok:
             self.version, self.streak = version, 0
             self.retry.succeeded(version)
