@@ -114,6 +114,10 @@ def test_an_undelivered_adapter_is_detected_and_not_sampled(published, caplog):
         del engines[1].lora.load  # repaired: the next version confirms and lifts the quarantine
         pub.publish(3, ads[2])
         await coord.maybe_update(pool)
+        pool.mark_dead(1, "test: a restart")  # a revived worker gets the current adapter, confirmed, before it is live
+        engines[1].lora.clear(0)
+        revived = await coord.revive(pool, 1, None)
+        assert revived and pool.alive[1] and engines[1].lora.digest() == engines[0].lora.digest()
         return first, second, out, coord
 
     with caplog.at_level(logging.ERROR, logger=log.name):

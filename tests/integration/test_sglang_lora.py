@@ -54,6 +54,9 @@ def test_sglang_servers_load_confirm_and_serve_adapters_by_name(tmp_path, caplog
                 await coord.maybe_update(pool)
                 await asyncio.sleep(0.2)  # the replaced name is unloaded in the background
                 sent = [r["body"].get("lora_path") for r in fake0.requests if r["path"] == "/generate"]
+                pool.mark_dead(0, "test: a restart")
+                fake0.loras.clear()  # a restarted server holds the base alone
+                assert await coord.revive(pool, 0, None) and pool.alive[0] and list(fake0.loras) == ["default@v2"]
                 return base, first, out, (coord.version, dict(fake0.loras)), sent
 
     with caplog.at_level(logging.ERROR, logger=log.name):

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError, swap_weights
 from workers.weights.filesystem.layout import stable_versions
-from workers.weights.lora_steps import expected_digest, lora_mode
+from workers.weights.lora_steps import expected_digest, lora_mode, speaks_sglang
 
 MAX_UNCONFIRMED = 3
 """Consecutive published versions confirmed by no worker before the run stops."""
@@ -61,6 +61,44 @@ class LoraCoordinator(WeightCoordinator):
 
     def metrics(self) -> dict:
         return {"weight_updates_unconfirmed": self.unconfirmed, "inference_workers_quarantined": len(self.quarantined)}
+
+    # ---- a worker coming back ------------------------------------------------------------
+    async def revive(self, pool: Any, worker: int, current: Any) -> bool:
+        """Dead ``worker`` answers again (workers/orchestrator/faults.py): it booted from the base (step 0) or
+        its own newest adapter; deliver the current version to it and confirm it like an update before it
+        is live (unconfirmed: live but quarantined, and said so)."""
+        from workers.common.inference_client import InferenceError
+
+        if pool.alive[worker] or not await pool.healthy(worker):
+            return False
+        version = self.version
+        if version > 0:
+            step = self.paths.weights(version)
+            try:
+                answer = await self.deliver_one(pool.clients[worker], str(step), version)
+            except InferenceError as e:
+                self.log.warning("revived worker %d refused adapter v%d: %s", worker, version, e)
+                return False
+            expected = await asyncio.to_thread(expected_digest, step)
+            self.confirm_worker(worker, version, self.confirmed_by(answer, expected, version))
+        pool.readmit(worker, version)
+        return True
+
+    async def deliver_one(self, client: Any, step: str, version: int) -> dict:
+        """One worker's load of adapter step ``step`` outside a swap (it serves nothing yet)."""
+        return await client.update_weights_from_disk(step, version, allow_rollback=True)
+
+    def confirm_worker(self, worker: int, version: int, why: Optional[str]) -> bool:
+        """Record one worker's confirmation of ``version`` (``why``: None when confirmed); True when confirmed."""
+        if why is None:
+            self.quarantined.pop(worker, None)
+            return True
+        self.unconfirmed += 1
+        self.quarantined[worker] = version
+        self.bad.add((worker, version))
+        self.log.error("weights v%d NOT confirmed by inference worker %d: %s; not sampling from it (its tokens "
+                       "under v%d are dropped) until it confirms a later version", version, worker, why, version)
+        return False
 
     # ---- one update ----------------------------------------------------------------------
     async def maybe_update(self, pool: Any) -> None:
@@ -104,18 +142,13 @@ class LoraCoordinator(WeightCoordinator):
         ok, bad = [], []
         for w, answer in zip(live, answers):
             if answer is None:
-                continue  # left behind: it loads the current version when it comes back
+                continue  # left behind: it loads the current version when it comes back (revive)
             why = self.confirmed_by(answer, expected, version)
-            (ok if why is None else bad).append((w, why))
-        for w, why in bad:
-            self.unconfirmed += 1
-            self.quarantined[w] = version
-            self.bad.add((w, version))
-            self.log.error("weights v%d NOT confirmed by inference worker %d: %s; not sampling from it (its tokens "
-                           "under v%d are dropped) until it confirms a later version", version, w, why, version)
-        for w, _ in ok:
-            self.quarantined.pop(w, None)
+            (ok if self.confirm_worker(w, version, why) else bad).append((w, why))
         self.update_s = seconds
+        if not ok and not bad:  # every worker left during the delivery: nothing was refused, try again later
+            self.retry.failed(version, content=False, context=tuple(live))
+            return
         if ok:
             self.version, self.streak = version, 0
             self.retry.succeeded(version)
@@ -153,6 +186,14 @@ class SGLangLoraCoordinator(LoraCoordinator):
         answers = await asyncio.gather(*(c.load_lora_adapter(name, step) for c in clients), return_exceptions=True)
         out = [a if isinstance(a, dict) else {"success": False, "error_message": str(a)} for a in answers]
         return out, time.perf_counter() - t0
+
+    async def deliver_one(self, client: Any, step: str, version: int) -> dict:
+        """A revived server: the current adapter under its name (dropped first if it survived a hiccup)."""
+        try:
+            await client.unload_lora_adapter(self.name(version))
+        except Exception:  # noqa: BLE001 - not loaded: the usual case after a restart
+            pass
+        return await client.load_lora_adapter(self.name(version), step)
 
     def confirmed_by(self, answer: Optional[dict], expected: Optional[str], version: int) -> Optional[str]:
         if not (answer or {}).get("success"):
@@ -208,6 +249,4 @@ class AdapterClient:
 
 
 def make_lora_coordinator(cfg: Any, paths: Any, *, log: Any) -> LoraCoordinator:
-    from workers.weights.broadcast import speaks_sglang
-
     return (SGLangLoraCoordinator if speaks_sglang(cfg) else LoraCoordinator)(cfg, paths, log=log)

@@ -86,7 +86,10 @@ class _Pair:
 
 def grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` sorted by expert (group ends ``offs``) times their expert's ``w`` [E, out, in]^T.
-    ``F.grouped_mm`` (one kernel for all experts) where it runs: CPU, or CUDA bf16 with 16-byte widths."""
+    ``F.grouped_mm`` (one kernel for all experts) where it runs: CPU, or CUDA bf16 with 16-byte widths
+    (slots are padded to 8 ranks on CUDA for it). Else (CUDA float32: tiny models under the static
+    engine's graphs, as the base experts run dense there) each row's expert matrix is gathered and
+    batched: n x out x in elements, for tiny shapes only."""
     if not x.is_cuda or (x.dtype == torch.bfloat16 and not any(d % 8 for d in w.shape[1:])):
         return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
     # CUDA float32 (tiny models under the static engine's graphs): each row's expert matrix, batched
@@ -105,12 +108,13 @@ class EngineLora:
                  names: Optional[Sequence[str]] = None):
         if rank < 1 or num_adapters < 1:
             raise ValueError(f"lora: rank {rank} and num_adapters {num_adapters} must be >= 1")
-        self.rank, self.slots = int(rank), int(num_adapters)
+        like = next(model.parameters())
+        # on CUDA each slot is padded to a multiple of 8 ranks (zeros): bf16 grouped GEMMs need 16-byte widths
+        self.rank, self.slots = (-(-int(rank) // 8) * 8 if like.is_cuda else int(rank)), int(num_adapters)
         self.names = list(names) if names is not None else (["default"] if num_adapters == 1 else
                                                             [f"adapter{i}" for i in range(num_adapters)])
         assert len(self.names) == self.slots, (self.names, self.slots)
         targets = set(targets)
-        like = next(model.parameters())
         self.dense: dict[str, _Pair] = {}
         self.stacks: dict[str, _Pair] = {}
         self.versions: list[Optional[int]] = [None] * self.slots  # the version each slot holds
