@@ -121,7 +121,8 @@ def bench(family: str, args, dims) -> list[dict]:
     interleaved warm-up per head)."""
     model_type, kw = model_parity.real_configs()[family]
     mcfg = family_config(family, model_type, kw)
-    compile_mode = "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none"
+    compile_mode = ("none" if args.compile_backend == "none" else
+                    "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none")
     tcfg = TrainerConfig(dtype="bfloat16" if dims.device.type == "cuda" else "float32", master_dtype="float32",
                          compile=compile_mode, lr=1e-5, logprob_head=args.heads[0],
                          micro_batch_tokens=args.micro_batch_tokens)
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
                     help="comma list of trainer.logprob_head values, one row each on the same model")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="trainer.micro_batch_tokens: gradient accumulation over micro-batches of this many tokens")
-    ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke")
+    ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke; none: no compilation")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths (model_parity --toy), 2 x 32 tokens")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
         ap.error(f"--heads: {unknown} not in {list(LOGPROB_HEADS)}")
     if a.smoke:
         model_parity._shrink_real()
-        a.rows, a.seq_len, a.warmup, a.iters, a.compile_backend = 2, 32, 1, 1, "aot_eager"
+        a.rows, a.seq_len, a.warmup, a.iters = 2, 32, 1, 1
+        a.compile_backend = "aot_eager" if a.compile_backend == "inductor" else a.compile_backend
     dims = world_of_one()
     info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     a.out.mkdir(parents=True, exist_ok=True)
