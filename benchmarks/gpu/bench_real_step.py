@@ -10,10 +10,24 @@ the policy loss through each ``--heads`` log-prob head, AdamW) on the model conf
 Weights are drawn on the device (normal 0.02, norms 1; a speed benchmark). MFU = model FLOPs per
 step (``benchmarks.model_parity.train_flops_per_token``: 6 x active parameters + causal attention)
 / step time / 989 TFLOP/s. Writes ``real_step.json`` under ``--out``.
+
+An RL step takes many micro-batches per optimizer step: ``--micro-batch-tokens N`` is
+``trainer.micro_batch_tokens`` (gradient accumulation, workers/trainer/micro.py), so
+``--rows 8 --seq-len 4096 --micro-batch-tokens 8192`` is one optimizer step over 32768 tokens in 4
+forward/backward passes (``tokens_per_optimizer_step``, ``micro_batches``). Each row also splits
+its step (``split``: seconds, synchronized around each part, medians over the timed steps):
+``forward_backward`` (every micro-batch's forward, loss and backward; FSDP2's casts of the fp32
+masters to bf16 happen inside it), ``grad_sync_clip`` (gradient reduction and clipping),
+``optimizer`` (AdamW over the fp32 masters), ``bookkeeping`` (the rest: loss aggregation, the
+micro-batch split, the statistics' one host read), and ``master_cast_est`` (one cast of every
+master weight to the compute dtype, timed alone, times the casts FSDP2 does per step: one per
+micro-batch forward and one per backward; an estimate of the share forward_backward holds).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import json
 import time
@@ -28,7 +42,56 @@ from workers.common.config.trainer import LOGPROB_HEADS
 from workers.common.registry import MODELS
 from workers.trainer.compile import apply_compile
 from workers.trainer.loop import build_optimizer, parallelize
+from workers.trainer import step as step_module
+from workers.trainer.micro import split_micro_batches
 from workers.trainer.step import train_step
+
+
+class StepSplit:
+    """Seconds per part of train_step, each part synchronized before and after (``wrap``)."""
+
+    def __init__(self, sync):
+        self.sync, self.seconds = sync, collections.defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            self.sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.sync()
+                self.seconds[name] += time.perf_counter() - t
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self, model, opt):
+        """The step's parts wrapped where train_step calls them (restored after)."""
+        saved = step_module._forward_backward
+        step_module._forward_backward = self.wrap("forward_backward", saved)
+        model.sync_grads = self.wrap("grad_sync_clip", model.sync_grads)
+        model.clip_grad_norm_ = self.wrap("grad_sync_clip", model.clip_grad_norm_)
+        opt.step = self.wrap("optimizer", opt.step)
+        try:
+            yield self
+        finally:
+            step_module._forward_backward = saved
+            for obj, name in ((model, "sync_grads"), (model, "clip_grad_norm_"), (opt, "step")):
+                del obj.__dict__[name]
+
+
+def master_cast_s(model, dtype: torch.dtype, sync) -> float:
+    """One cast of every (local) master weight to ``dtype``: what FSDP2 does per all-gather under mixed precision."""
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    times = []
+    for _ in range(3):
+        sync()
+        t = time.perf_counter()
+        casts = [p.detach().to(dtype) for p in params]
+        sync()
+        times.append(time.perf_counter() - t)
+        del casts
+    return sorted(times)[1]
 
 
 def family_config(family: str, model_type: str, kw: dict):
@@ -58,9 +121,11 @@ def bench(family: str, args, dims) -> list[dict]:
     interleaved warm-up per head)."""
     model_type, kw = model_parity.real_configs()[family]
     mcfg = family_config(family, model_type, kw)
-    compile_mode = "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none"
+    compile_mode = ("none" if args.compile_backend == "none" else
+                    "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none")
     tcfg = TrainerConfig(dtype="bfloat16" if dims.device.type == "cuda" else "float32", master_dtype="float32",
-                         compile=compile_mode, lr=1e-5, logprob_head=args.heads[0])
+                         compile=compile_mode, lr=1e-5, logprob_head=args.heads[0],
+                         micro_batch_tokens=args.micro_batch_tokens)
     cfg = RunConfig(experiment="bench_real_step", model=mcfg, trainer=tcfg)
     t0 = time.perf_counter()
     full = MODELS.get(family).build(mcfg, device=dims.device, dtype=torch.float32)
@@ -74,12 +139,15 @@ def bench(family: str, args, dims) -> list[dict]:
                                 replay=False, seed=1)
     build_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if dims.device.type == "cuda" else (lambda: None)
+    num_micro = len(split_micro_batches(batch, args.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims))
+    compute = torch.bfloat16 if tcfg.dtype == "bfloat16" else torch.float32
+    cast_s = master_cast_s(model, compute, sync) if compute != torch.float32 else 0.0
     rows = []
     for head in args.heads:
         tcfg = dataclasses.replace(tcfg, logprob_head=head)
         if dims.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = []
+        times, splits = [], []
         for i in range(args.warmup + args.iters):
             sync()
             t = time.perf_counter()
@@ -87,15 +155,28 @@ def bench(family: str, args, dims) -> list[dict]:
             sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
+        for _ in range(args.iters):  # the split: the same steps again, each part synchronized
+            with StepSplit(sync).installed(model, opt) as split:
+                t = time.perf_counter()
+                train_step(model, opt, batch, tcfg, dims)
+                sync()
+                total = time.perf_counter() - t
+            splits.append({**split.seconds, "bookkeeping": total - sum(split.seconds.values())})
         step_s = sorted(times)[len(times) // 2]
+        split = {k: sorted(s.get(k, 0.0) for s in splits)[len(splits) // 2]
+                 for k in ("forward_backward", "grad_sync_clip", "optimizer", "bookkeeping")}
+        split["master_cast_est"] = cast_s * 2 * num_micro
         peak = torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else None
         row = {"family": family, "shape": "real", "vocab_size": kw["vocab_size"], "params": params,
                "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"), "top_k": kw["num_experts_per_tok"],
-               "tokens_per_step": args.rows * args.seq_len, "logprob_head": head, "compile": compile_mode,
+               "tokens_per_step": args.rows * args.seq_len, "tokens_per_optimizer_step": args.rows * args.seq_len,
+               "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": num_micro, "split": split,
+               "logprob_head": head, "compile": compile_mode,
                "step_s": step_s, "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s,
                "mfu": flops / step_s / model_parity.H200_BF16_PEAK, "peak_bytes": peak}
         print(f"{family:12s} {head:10s} params {params:>13,d}  step {step_s:7.3f} s  "
-              f"{row['tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:5.1f}%", flush=True)
+              f"{row['tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:5.1f}%  ({num_micro} micro-batches: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " s)", flush=True)
         rows.append(row)
     del model, opt, full
     if dims.device.type == "cuda":
@@ -112,7 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--heads", default="fused,fused_loss",
                     help="comma list of trainer.logprob_head values, one row each on the same model")
-    ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke")
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="trainer.micro_batch_tokens: gradient accumulation over micro-batches of this many tokens")
+    ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke; none: no compilation")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths (model_parity --toy), 2 x 32 tokens")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
@@ -121,7 +204,8 @@ def main(argv=None) -> int:
         ap.error(f"--heads: {unknown} not in {list(LOGPROB_HEADS)}")
     if a.smoke:
         model_parity._shrink_real()
-        a.rows, a.seq_len, a.warmup, a.iters, a.compile_backend = 2, 32, 1, 1, "aot_eager"
+        a.rows, a.seq_len, a.warmup, a.iters = 2, 32, 1, 1
+        a.compile_backend = "aot_eager" if a.compile_backend == "inductor" else a.compile_backend
     dims = world_of_one()
     info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     a.out.mkdir(parents=True, exist_ok=True)

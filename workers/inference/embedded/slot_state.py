@@ -30,9 +30,23 @@ GREEDY_EPS = 1e-6  # as workers/inference/embedded/engine.py: SGLang treats lowe
 MAX_STOP_IDS = 16  # stop tokens a request may name (a fixed column count, for the graphs)
 
 
+#: Decode modes (a CUDA graph per mode): every row greedy; sampling; sampling with a top-p nucleus.
+GREEDY, SAMPLE, NUCLEUS = 0, 1, 2
+
+
+def decode_mode(reqs) -> int:
+    """The cheapest mode that serves ``reqs``: the nucleus (a sort of every row's vocabulary: the
+    costliest kernel of a small model's decode step) only when a sampled request asks for top_p < 1."""
+    sampled = [r for r in reqs if r.temperature >= GREEDY_EPS]
+    if not sampled:
+        return GREEDY
+    return NUCLEUS if any(float(getattr(r, "top_p", 1.0)) < 1.0 for r in sampled) else SAMPLE
+
+
 def sample_tokens(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
-                  noise: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its logprob [B] float32) for logits [B, V]; ``noise`` None: greedy only."""
+                  noise: Optional[torch.Tensor], cut: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its logprob [B] float32) for logits [B, V]; ``noise`` None: greedy only.
+    ``cut`` False skips the top-p cut (every row's top_p is 1: the whole distribution)."""
     greedy = temp < GREEDY_EPS
     logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, temp)[:, None], dim=-1)
     tok = logp.argmax(-1)
@@ -41,7 +55,7 @@ def sample_tokens(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
         # weights that overflow (a diverged trainer) give inf/NaN rows: those are drawn uniformly, as in the
         # dynamic engine, so the engine keeps serving and the non-finite logprob reaches the trainer's check
         broken = ~torch.isfinite(probs).all(-1, keepdim=True)
-        probs = torch.where(broken, torch.ones_like(probs), nucleus(probs, top_p))
+        probs = torch.where(broken, torch.ones_like(probs), nucleus(probs, top_p) if cut else probs)
         tok = torch.where(greedy, tok, (probs / noise).argmax(-1))
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
@@ -100,11 +114,11 @@ class SlotState:
             self.routed[rows[:, None], torch.where(valid, pos, self.max_len)] = routed.to(self.routed.dtype)
 
     def advance(self, rows: torch.Tensor, logits: torch.Tensor, fed_pos: torch.Tensor,
-                noise: Optional[torch.Tensor], routed: Optional[torch.Tensor] = None) -> None:
+                noise: Optional[torch.Tensor], routed: Optional[torch.Tensor] = None, cut: bool = True) -> None:
         """Sample after the tokens fed at ``fed_pos`` [B] in slots ``rows`` [B]; record, test stop,
         set up the next input. Rows not live (inactive or done) change nothing but scratch."""
         live = self.active[rows] & ~self.done[rows]
-        tok, lp = sample_tokens(logits, self.temp[rows], self.top_p[rows], noise)
+        tok, lp = sample_tokens(logits, self.temp[rows], self.top_p[rows], noise, cut)
         nxt = fed_pos + 1
         at = torch.where(live, nxt, self.max_len)
         self.tokens[rows, at] = tok

@@ -91,6 +91,7 @@ class StaticKVCache(KVCache):
         self.all_slots = torch.arange(num_slots, device=device)
         self.slots, self.prefix, self.window = self.all_slots, True, max_len
         self._pos: Optional[torch.Tensor] = None
+        self._grouped: Optional[tuple] = None  # (mask, (g, dtype), additive grouped mask) of this forward
         self.live: Optional[torch.Tensor] = None  # [B] bool: rows whose recurrent state may change (None: all)
 
     @property
@@ -118,8 +119,20 @@ class StaticKVCache(KVCache):
     def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Starts a forward at ``position_ids`` [B, T] (remembered for the writes); returns the
         attention mask [B, T, window]: a query sees the keys at indices up to its position."""
-        self._pos = position_ids
+        self._pos, self._grouped = position_ids, None
         return self.key_index[None, None, :self.window] <= position_ids[:, :, None]
+
+    def _grouped_mask(self, mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` [B, 1, T, window] (the forward's ``ctx.mask``) as the additive [B, 1, g*T, window] mask of :meth:`attend`'s grouped
+        query rows, made once per forward, not once per layer: SDPA would turn a bool mask into an
+        additive one in every layer, and the expand is a copy (two of a decode step's few hundred
+        tiny kernels, per layer). Same values as SDPA's own conversion (0 where seen, -inf else)."""
+        if self._grouped is None or self._grouped[0] is not mask or self._grouped[1] != (g, dtype):
+            b, _, t, n = mask.shape
+            m = mask[:, :, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
+            add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            self._grouped = (mask, (g, dtype), add)
+        return self._grouped[2]
 
     def _rows(self, buf: torch.Tensor) -> torch.Tensor:
         n, w = self.slots.shape[0], self.window
@@ -147,10 +160,9 @@ class StaticKVCache(KVCache):
         if sinks is not None:
             q, keys, values, mask = with_sinks(q, keys, values, mask, sinks, scale)
         b, h, t, d = q.shape
-        hkv, g, n = keys.shape[1], h // keys.shape[1], mask.shape[-1]
+        hkv, g = keys.shape[1], h // keys.shape[1]
         rows = q.reshape(b, hkv, g * t, d)
-        m = mask[:, :, None].expand(b, 1, g, t, n).reshape(b, 1, g * t, n)
-        out = kernels.attend(rows, keys, values, m, scale)
+        out = kernels.attend(rows, keys, values, self._grouped_mask(mask, g, q.dtype), scale)
         return out.reshape(b, h, t, out.shape[-1])
 
     def write_latent(self, layer: int, entry: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from workers.inference.embedded.cuda_graphs import DecodeGraphs, first_at_least, graph_batch_sizes, key_buckets
 from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.requests import GenRequest, _Seq
-from workers.inference.embedded.slot_state import GREEDY_EPS, MAX_STOP_IDS, SlotState
+from workers.inference.embedded.slot_state import GREEDY, MAX_STOP_IDS, NUCLEUS, SlotState, decode_mode
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.latent_moe import LatentMoE
@@ -128,7 +128,7 @@ class StaticEngine(InferenceEngine):
         finally:
             self.state.active.copy_(active)
 
-    def _step(self, b: int, window: int, sample: bool) -> None:
+    def _step(self, b: int, window: int, sample: int) -> None:
         """One decode step: a graph replay (captured on first use), or eagerly. A failed capture
         leaves the slots as they were, so the engine goes on eagerly, saying so loudly:
         ``graph_error`` keeps why (the GPU tests and the benchmark report it)."""
@@ -173,17 +173,17 @@ class StaticEngine(InferenceEngine):
                 last[ends.to(dev)] = out.logits.float()
             if out.routed_experts.shape[2]:
                 st.record_routing(rows, pos, valid, out.routed_experts)
-        sample = any(s.req.temperature >= GREEDY_EPS for s in seqs)
-        st.advance(rows, last, lens_d - 1, self._noise(n) if sample else None)
+        mode = decode_mode([s.req for s in seqs])
+        st.advance(rows, last, lens_d - 1, self._noise(n) if mode != GREEDY else None, cut=mode == NUCLEUS)
         for s in seqs:
             s.next_pos = len(s.req.input_ids)  # an upper bound of the position each row feeds next
 
     def _noise(self, n: int) -> torch.Tensor:
         return self.state.noise[:n].exponential_(generator=self._gen)
 
-    def _decode_step(self, b: int, window: int, sample: bool) -> None:
+    def _decode_step(self, b: int, window: int, sample: int) -> None:
         """One token for slots 0..b-1 attending over key positions [0, window): pure device work
-        (what the graphs capture)."""
+        (what the graphs capture). ``sample``: slot_state's GREEDY, SAMPLE or NUCLEUS (True: SAMPLE)."""
         st = self.state
         rows = st.arange[:b]
         self.slots.use(rows, prefix=True)
@@ -194,11 +194,11 @@ class StaticEngine(InferenceEngine):
             self.lora.use(self._slot_adapter[:b])
         out = self.model(st.tok[:b, None], position_ids=fed[:, None], cache=self.slots)
         routed = out.routed_experts[:, 0] if out.routed_experts.shape[2] else None
-        st.advance(rows, out.logits[:, -1], fed, st.noise[:b] if sample else None, routed)
+        st.advance(rows, out.logits[:, -1], fed, st.noise[:b] if sample else None, routed, cut=sample == NUCLEUS)
 
     def _decode_block(self) -> None:
         n = 1 + max(s.slot for s in self._rows)
-        sample = any(s.req.temperature >= GREEDY_EPS for s in self._rows)
+        sample = decode_mode([s.req for s in self._rows])
         b = first_at_least(self._sizes, n)
         # Rows feed positions up to next_pos + sync_every - 1 in this block; a query sees keys <= its position.
         window = first_at_least(self._windows, min(self.max_seq_len, max(s.next_pos for s in self._rows) + self.sync_every))

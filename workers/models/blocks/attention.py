@@ -55,6 +55,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)``
+    exactly (a negation is exact), one kernel fewer per rotation (:func:`apply_rope_qk`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rope` of q and k, bit for bit, in 5 kernels instead of 10: both rotated as one
+    tensor, the negation folded into ``sin_signed`` (computed once per forward). The static engine's
+    decode step is a few hundred tiny kernels per CUDA-graph replay; each costs its launch slot."""
+    nh, half = q.shape[1], q.shape[-1] // 2
+    qk = torch.cat([q, k], dim=1)
+    out = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin_signed
+    return out[:, :nh], out[:, nh:]
+
+
 class Attention(nn.Module):
     """q/k/v/o projections over ``num_heads`` query and ``num_kv_heads`` kv heads of ``head_dim``
     (the keyword options: module docstring)."""
@@ -97,17 +115,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.rope is not None:
-            cos, sin = ctx.shared(("rope", self.rope), lambda: self.rope.cos_sin(ctx.position_ids, x.dtype))
+            rope_key = ("rope", self.rope)
+            cos, sin = ctx.shared(rope_key, lambda: self.rope.cos_sin(ctx.position_ids, x.dtype))
         else:
-            cos, sin = ctx.shared(("rope", self.hd, self.rope_theta),
-                                  lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rope_key = ("rope", self.hd, self.rope_theta)
+            cos, sin = ctx.shared(rope_key, lambda: rope_cos_sin(ctx.position_ids, self.hd, self.rope_theta, x.dtype))
         cache, layer = ctx.cache, ctx.layer
         window, scale, sinks = self.sliding_window, self.scaling, self.local_sinks()
         mask = ctx.window_mask(window)
         if cache is not None and cache.static:  # preallocated slots: it writes k/v and attends (grouped heads)
+            q, k = apply_rope_qk(q, k, cos, ctx.shared(rope_key + ("signed_sin",), lambda: signed_sin(sin)))
             out = cache.attend(layer, q, k, v, mask, scale=scale, sinks=sinks)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the cache holds the kv heads only (GQA's memory saving)
             if cache.keys[layer] is not None:
                 k = torch.cat([cache.keys[layer], k], dim=2)

@@ -1,0 +1,69 @@
+"""What the static engine's decode step launches (benchmarks/gpu/bench_decode_step.py counts it).
+
+A small model's decode step is a few hundred tiny kernels in one CUDA-graph replay, so their count
+is its cost (issue 45). Checked on CPU: the per-layer kernel count at SmolLM2-135M's layer shapes
+stays at what the fused rotary and the once-per-forward attention mask gave (44 -> 38); the
+sampling graph skips the top-p sort when no request asks for top_p < 1; and every shortcut is
+bit-exact (rotary of q and k together; SAMPLE equals NUCLEUS at top_p = 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.gpu.bench_decode_step import build_engine, kernel_counts, kernels_per_step, smollm2_config
+from tests.unit.inference.test_engine import PROMPTS, run
+from workers.inference.embedded.engine import GenRequest
+from workers.inference.embedded.slot_state import GREEDY, NUCLEUS, SAMPLE, decode_mode
+from workers.models.blocks.attention import apply_rope, apply_rope_qk, rope_cos_sin, signed_sin
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return smollm2_config(num_layers=2, vocab_size=512)
+
+
+def test_kernels_per_layer_at_smollm2_shapes(cfg):
+    counts = kernel_counts(cfg, rows=8, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert counts["kernels_per_layer"] <= 38, counts  # 44 before: q and k rotated apart, the mask made per layer
+    assert counts["kernels_outside_layers"] <= 95, counts
+
+
+def test_nucleus_only_when_asked(cfg):
+    reqs = [GenRequest(input_ids=[1, 2], temperature=t, top_p=p, max_new_tokens=1)
+            for t, p in ((0.0, 0.5), (1.0, 1.0))]
+    assert decode_mode(reqs[:1]) == GREEDY  # a greedy request's top_p does not matter
+    assert decode_mode(reqs) == SAMPLE
+    assert decode_mode([*reqs, dataclasses.replace(reqs[1], top_p=0.9)]) == NUCLEUS
+    engine = build_engine(cfg, rows=4, device=torch.device("cpu"), dtype=torch.float32, max_seq_len=64)
+    try:  # the sort of every row's vocabulary and its cumsum/scatter are gone from SAMPLE
+        assert kernels_per_step(engine, 4, NUCLEUS) - kernels_per_step(engine, 4, SAMPLE) >= 6
+    finally:
+        engine.shutdown()
+
+
+def test_sample_equals_nucleus_at_top_p_one(cfg, monkeypatch):
+    """Same seed, same requests at top_p 1: forcing the nucleus path changes no token and no logprob."""
+    import workers.inference.embedded.static_engine as se
+
+    reqs = [GenRequest(input_ids=p, temperature=1.0, max_new_tokens=7) for p in PROMPTS[:4]]
+
+    def outs():
+        engine = build_engine(cfg, rows=4, device=torch.device("cpu"), dtype=torch.float32, max_seq_len=64, start=False)
+        return [(o.output_ids, o.logprobs) for o in run(engine, [dataclasses.replace(r) for r in reqs])]
+
+    plain = outs()
+    monkeypatch.setattr(se, "decode_mode", lambda rs: NUCLEUS)
+    assert outs() == plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_of_q_and_k_together_is_bit_exact(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 9, 5, 64, generator=g).to(dtype)
+    k = torch.randn(3, 3, 5, 64, generator=g).to(dtype)
+    cos, sin = rope_cos_sin(torch.randint(0, 4000, (3, 5), generator=g), 64, 100000.0, dtype)
+    q2, k2 = apply_rope_qk(q, k, cos, signed_sin(sin))
+    assert torch.equal(q2, apply_rope(q, cos, sin)) and torch.equal(k2, apply_rope(k, cos, sin))
