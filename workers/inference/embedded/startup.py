@@ -10,16 +10,23 @@ moves the worker to its current version before sending work (orchestrator/faults
 refused update there keeps the step loaded here. Steps pruned by retention between listing
 and loading are simply skipped too; the listing is retried a few times, since newer steps
 may appear meanwhile.
+
+When no published step loads at all (a respawned worker finds only steps it refuses: a damaged patch chain
+while the trainer writes a full step to replace it), the worker does not exit at once, which used up its
+restarts while the other workers were healthy: it waits for a step it has not refused yet (a newer one, or
+one written again) up to ``inference.startup_timeout_s``, then exits naming every refusal.
 """
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, wait_for
 from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed, model_from_config
 from workers.weights.base import WeightLoadError
+from workers.weights.filesystem.reanchor import stable_mark
 
 log = logging.getLogger("slurmrl.inference")
 LIST_ROUNDS = 3
@@ -36,25 +43,38 @@ def stable_steps(weights_root: Path) -> list[tuple[int, Path]]:
     return sorted(steps, reverse=True)
 
 
-def load_newest_valid(engine: InferenceEngine, paths: RunPaths) -> int:
-    """Load the newest intact published step into ``engine``; returns it. WeightLoadError
-    (listing every step refused and why) when none is intact."""
+def load_newest_valid(engine: InferenceEngine, paths: RunPaths, *, wait_s: float = 0.0, poll_s: float = 0.5) -> int:
+    """Load the newest intact published step into ``engine``; returns it. None intact: wait up to ``wait_s``
+    for a step not refused yet (a new one, or one written again: its STABLE marker changed), then
+    WeightLoadError listing every step refused and why."""
     weights_root = paths.root / WEIGHTS_DIR
-    refused: dict[int, str] = {}
-    for _ in range(LIST_ROUNDS):
-        for step, step_dir in stable_steps(weights_root):
-            if step in refused:
-                continue
-            try:
-                engine.update_weights_from_disk(str(step_dir), step)
-            except (WeightLoadError, OSError) as e:
-                refused[step] = str(e)[:500]
-                log.warning("skipping weights step %d: %s", step, refused[step])
-                continue
-            if refused:
-                log.warning("loaded weights step %d; skipped newer steps %s (see above)", step, sorted(refused))
-            return step
-    reasons = "; ".join(f"step {s}: {r}" for s, r in sorted(refused.items(), reverse=True)[:5])
+    refused: dict[int, tuple[object, str]] = {}  # step -> (its STABLE marker when refused, why)
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        for _ in range(LIST_ROUNDS):
+            for step, step_dir in stable_steps(weights_root):
+                mark = stable_mark(weights_root, step)  # written again (an anchor out of turn): tried again
+                if step in refused and refused[step][0] == mark:
+                    continue
+                try:
+                    engine.update_weights_from_disk(str(step_dir), step)
+                except (WeightLoadError, OSError) as e:
+                    refused[step] = (mark, str(e)[:500])
+                    log.warning("skipping weights step %d: %s", step, refused[step][1])
+                    continue
+                if refused:
+                    log.warning("loaded weights step %d; skipped newer steps %s (see above)", step,
+                                sorted(s for s in refused if s > step))
+                return step
+        if time.monotonic() >= deadline:
+            break
+        if not waiting:
+            waiting = True
+            log.warning("no published weights step loads (%d refused): waiting up to %.0fs for the next one "
+                        "(inference.startup_timeout_s)", len(refused), wait_s)
+        time.sleep(poll_s)
+    reasons = "; ".join(f"step {s}: {r}" for s, (_, r) in sorted(refused.items(), reverse=True)[:5])
     raise WeightLoadError(f"no intact published weights step in {weights_root} ({len(refused)} refused: "
                           f"{reasons or 'none listed'})")
 
@@ -69,5 +89,5 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
              what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
     engine = create_engine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank),
                            options=cfg.inference)
-    load_newest_valid(engine, paths)
+    load_newest_valid(engine, paths, wait_s=cfg.inference.startup_timeout_s)
     return engine
