@@ -20,14 +20,6 @@ TAIL_BYTES = 8 << 20
 samples is a few KB)."""
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _record_of(line: str) -> Optional[dict]:
     try:
         rec = json.loads(line)
