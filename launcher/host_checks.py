@@ -2,7 +2,8 @@
 
 ``build_plan`` is a pure function of the config; these look at this host instead: the run
 directory and the runs root must be creatable directories on a real filesystem (not under
-``/proc``, ``/sys`` or ``/dev``, not below a regular file, writable), and a local run's
+``/proc``, ``/sys`` or ``/dev``, not below a regular file, writable; never the filesystem root, and
+a new run never goes into a non-empty directory that is not a run), and a local run's
 ``inference.host`` must be an address of this machine. Each failure is a :class:`HostCheckError`
 naming the key, raised before anything is written (the CLI answers exit 2).
 """
@@ -45,10 +46,37 @@ def check_dir_usable(key: str, path: Path) -> None:
         raise HostCheckError(f"{key}={str(path)!r}: {str(existing)!r} is not writable by this user")
 
 
-def check_bind_host(key: str, host: str) -> None:
-    """``host`` resolves and is an address of this machine (the local servers bind to it)."""
+def check_run_target(key: str, root: Path, runs_root: str, *, resume: bool) -> None:
+    """The run directory may be written: ``cluster.runs_root`` is not ``/``; a new run's directory is new,
+    empty, or already a run (refused later by name); a resumed one can be read and written."""
+    if Path(os.path.realpath(os.path.expanduser(runs_root))) == Path("/"):
+        raise HostCheckError(f"cluster.runs_root={runs_root!r} is the filesystem root: runs would be written "
+                             f"straight into /; choose a directory for runs, e.g. cluster.runs_root=$HOME/runs")
     try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        if resume:
+            with open(root / "config" / "run.yaml", "rb"):
+                pass
+            probe = root / f".slurmrl-write-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        elif root.is_dir() and not (root / "config" / "run.yaml").exists() and any(root.iterdir()):
+            raise HostCheckError(f"{key}={str(root)!r} is a non-empty directory that is not a run: slurmrl would "
+                                 f"write config/, logs/ and weights/ among what is there; choose a new or empty "
+                                 f"directory")
+    except OSError as e:
+        raise HostCheckError(f"{key}={str(root)!r} cannot be {'read and written' if resume else 'read'}: "
+                             f"{e.strerror or e} (check its permissions for this user)") from None
+
+
+def check_bind_host(key: str, host: str) -> None:
+    """``host`` resolves to an IPv4 address of this machine (the local servers bind to it). IPv6 is refused
+    here: the roles' URLs, ports and process groups are IPv4 (``::1`` passed the plan, then every role
+    failed to bind or to parse its URL)."""
+    if ":" in host:
+        raise HostCheckError(f"{key}={host!r} is an IPv6 address; local runs use IPv4: 127.0.0.1 or this "
+                             f"machine's name")
+    try:
+        infos = socket.getaddrinfo(host, 0, family=socket.AF_INET, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise HostCheckError(f"{key}={host!r} does not resolve here ({e}); use 127.0.0.1 or this "
                              f"machine's name") from None

@@ -19,7 +19,7 @@ from typing import Optional
 from launcher import weights_dir
 from launcher.estimate import human
 from launcher.gpus import detect_gpus, gpu_hint
-from launcher.host_checks import check_bind_host, check_dir_usable
+from launcher.host_checks import check_bind_host, check_dir_usable, check_run_target
 from launcher.model_path import check_model_path, check_tensors
 from launcher.plan import JobPlan, build_plan, plan_errors
 from launcher.pretrained import ensure_converted, pin_pretrained_dir
@@ -72,8 +72,9 @@ def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     check_teacher(cfg)  # algorithm.teacher.path: a checkpoint with the student's tokenizer
     cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
     root = root or choose_run_dir(cfg)
-    check_dir_usable("launcher.resume" if cfg.launcher.resume else "launcher.run_dir" if cfg.launcher.run_dir
-                     else "cluster.runs_root", root)
+    key = "launcher.resume" if cfg.launcher.resume else "launcher.run_dir" if cfg.launcher.run_dir else "cluster.runs_root"
+    check_dir_usable(key, root)
+    check_run_target(key, root, cfg.cluster.runs_root, resume=bool(cfg.launcher.resume))
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, run_dir=str(root)))
     script = None
     if plan.backend == "slurm":

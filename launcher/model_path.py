@@ -55,7 +55,7 @@ def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
     try:
         spec, fields = model_fields(directory)
     except CheckpointError as e:
-        raise PlanError(str(e)) from None
+        raise PlanError(named("model.path", m.path, str(e))) from None
     names = {f.name for f in dataclasses.fields(spec.config)}
     kept, problems = {}, []
     for key in sorted(explicit - {"path"}):
@@ -99,6 +99,11 @@ def checkpoint_overrides_message(directory: Path, problems: list[str], from_conf
             f"{', '.join(f'model.{k}' for k in settable)}")
 
 
+def named(key: str, value: str, message: str) -> str:
+    """``message`` led by ``key=value`` (a checkpoint's messages name the file, not the key that chose it)."""
+    return message if message.startswith(key) else f"{key}={value}: {message}"
+
+
 def check_model_path(cfg: RunConfig) -> None:
     """PlanError unless ``model.path`` is a usable checkpoint that the model section describes."""
     m = cfg.model
@@ -107,7 +112,7 @@ def check_model_path(cfg: RunConfig) -> None:
     try:
         check_directory(Path(m.path), m)
     except CheckpointError as e:
-        raise PlanError(str(e)) from None
+        raise PlanError(named("model.path", m.path, str(e))) from None
 
 
 def check_tensors(cfg: RunConfig) -> None:
@@ -119,5 +124,5 @@ def check_tensors(cfg: RunConfig) -> None:
     proc = subprocess.run(cmd, input=to_yaml(cfg.model), capture_output=True, text=True)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
-        raise PlanError(lines[-1].removeprefix("error: ") if lines else f"{' '.join(cmd)} failed "
-                        f"(exit {proc.returncode})")
+        raise PlanError(named("model.path", cfg.model.path, lines[-1].removeprefix("error: ") if lines else
+                              f"{' '.join(cmd)} failed (exit {proc.returncode})"))

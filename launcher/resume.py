@@ -78,8 +78,14 @@ def resume_root(value: Optional[str]) -> Path:
     if not value:
         raise RunDirError("launcher.resume: name the run directory to resume")
     root = Path(value).expanduser().resolve()
-    if not (root / "config" / "run.yaml").is_file():
-        raise RunDirError(f"launcher.resume={value!r}: {root} holds no run (no config/run.yaml)")
+    try:
+        if not (root / "config" / "run.yaml").is_file():
+            raise RunDirError(f"launcher.resume={value!r}: {root} holds no run (no config/run.yaml)")
+        with open(root / "config" / "run.yaml", "rb"):
+            pass
+    except OSError as e:  # a run dir (or its config) this user may not read
+        raise RunDirError(f"launcher.resume={value!r}: {root} cannot be read: {e.strerror or e} (check its "
+                          f"permissions for this user)") from None
     return root
 
 

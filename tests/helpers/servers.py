@@ -28,13 +28,14 @@ SERVER_MODEL = dict(vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, nu
 INIT_SEED = 5
 
 
-def start_server(run_dir: Path, *, fault_at_version: int | None = None):
+def start_server(run_dir: Path, *, fault_at_version: int | None = None, startup_timeout_s: float = 60):
     """The real server process; ``fault_at_version``: its engine fails (tests/helpers/engine_fault.py)
     once weights of that version are live."""
     port = free_port()
     cfg = RunConfig(cluster=ClusterConfig(name="local"), env=ReverseDigitsConfig(),
                     model=TinyMoeConfig(name="tiny_moe", init_seed=INIT_SEED, **SERVER_MODEL),
-                    inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=60, num_threads=1))
+                    inference=EmbeddedInferenceConfig(max_batch_size=8, startup_timeout_s=startup_timeout_s,
+                                                              num_threads=1))
     paths = RunPaths(run_dir).ensure()
     paths.run_config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     paths.admin_token.write_text(TOKEN)

@@ -1,6 +1,7 @@
 """``slurmrl launcher.resume=<run_dir>``: a local run killed (SIGKILL of the launcher), resumed,
 stopped (SIGINT to the launcher, as Ctrl-C), resumed again with more steps, then, finished,
-resumed with more steps once more (from the trainer's final checkpoint), ends with one
+resumed with more steps once more (from the trainer's final checkpoint, its metrics line cut in half
+before: put back from the copy kept at that checkpoint), ends with one
 continuous curve: every step in metrics.jsonl exactly once, no group trained twice, nothing
 pending (the orchestrator's ledger), the trainer resumed from its SIGTERM checkpoints.
 Overrides that change the run's shape are refused with the key named, before anything starts.
@@ -88,7 +89,10 @@ def test_killed_then_stopped_run_resumes_with_every_step_once(tmp_path):
 
     done = slurmrl([f"launcher.resume={run_dir}"], tmp_path, timeout=60, check=False)
     assert done.returncode == 2 and "already finished" in done.stderr, done.stderr
+    text = (run_dir / "metrics.jsonl").read_text()  # the final checkpoint's line cut in half (issue 47 item 4)
+    (run_dir / "metrics.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
     slurmrl([f"launcher.resume={run_dir}", f"trainer.num_steps={MORE_STEPS + 2}"], tmp_path, timeout=400)
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, MORE_STEPS + 3))  # a finished run trains further
+    # a finished run trains further; the cut record of its checkpointed last step is put back, not lost
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, MORE_STEPS + 3))
     assert _resumes(run_dir)[-1] == {**_resumes(run_dir)[-1], "step": MORE_STEPS, "steps_lost": 0}  # final checkpoint
     assert read_ledger(run_dir / "orchestrator_ledger.jsonl").summary()["groups_trained_twice"] == 0

@@ -125,6 +125,8 @@ async def ready_or_refused(client: InferenceClient, proc: subprocess.Popen, path
     ready = asyncio.ensure_future(wait_until_ready([client], deadline_s))
     try:
         while not ready.done():
+            if why := _skipped(paths, step):  # a server with no loadable step waits for a newer one: not here
+                raise EvalError(f"the inference server refused step {step}: {why}")
             if proc.poll() is not None:
                 raise EvalError(f"the inference server stopped (exit {proc.returncode}) before it served step {step}: "
                                 f"{_refusal(paths, step)}")
@@ -137,14 +139,26 @@ async def ready_or_refused(client: InferenceClient, proc: subprocess.Popen, path
         raise EvalError(f"the inference server refused step {step} (it loaded step {served}): {_refusal(paths, step)}")
 
 
+def _skipped(paths: RunPaths, step: int) -> str:
+    """The server log's reason for refusing ``step`` ("" if it did not: startup.py logs each step it skips)."""
+    try:
+        text = (paths.logs_dir / "inference_0.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    why = [ln.split(f"skipping weights step {step}: ", 1)[1] for ln in text.splitlines()
+           if f"skipping weights step {step}: " in ln]
+    return why[-1][:600] if why else ""
+
+
 def _refusal(paths: RunPaths, step: int) -> str:
-    """The server log's reason for refusing ``step`` (startup.py logs one line per step it skipped)."""
+    """Why the server did not serve ``step``: its refusal, else the last line of its log."""
+    if why := _skipped(paths, step):
+        return why
     try:
         lines = (paths.logs_dir / "inference_0.log").read_text(errors="replace").splitlines()
     except OSError:
         return "see its log"
-    why = [ln.split(f"skipping weights step {step}: ", 1)[1] for ln in lines if f"skipping weights step {step}: " in ln]
-    return why[-1][:600] if why else (lines[-1][:600] if lines else "its log is empty")
+    return lines[-1][:600] if lines else "its log is empty"
 
 
 def start_server(paths: RunPaths, url: str) -> subprocess.Popen:

@@ -29,7 +29,8 @@ remain for models without DTensor parameters (one process, nothing sharded).
 
 Resume (``load``): newest complete checkpoint (per-rank files: of the same world size); rank 0 cuts
 ``metrics.jsonl`` back to the records before the resume step (so the curve continues with
-no duplicate steps) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}. A
+no duplicate steps; a checkpointed step's record that is missing or torn is put back from the copy
+kept when it was saved: metrics_durable.py) and appends ``checkpoints/resumes.jsonl`` {step, steps_lost, skipped}. A
 trainer restarted before any checkpoint (an earlier one published or recorded a step) resumes
 from step 0 the same way: its metrics are cut to nothing and the redo is counted.
 Rollout batches the resumed trainer needs again are kept: ``prune_bound``.
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, WEIGHTS_DIR, step_name
-from workers.trainer import dcp_state
+from workers.trainer import dcp_state, metrics_durable
 from workers.trainer.batch import KEEP_ROLLOUTS
 
 RESUMES_FILE = "resumes.jsonl"
@@ -168,6 +169,8 @@ class Checkpointer:
         final = self.root / step_name(step)
         if (final / COMPLETE).exists():
             return final  # the same step saved before a rewind: identical by construction
+        if self.rank == 0:  # the metrics record of this step is as durable as the checkpoint (metrics_durable.py)
+            metrics_durable.keep_record(self.run_dir / METRICS_FILE, self.root, step)
         tmp = self.root / f".{final.name}.tmp"
         if dcp_state.reshardable(model):  # the FSDP plan: one collective DCP save, resumable at another dp
             if dcp_state.save(tmp, final, step, model, optimizer, rank=self.rank, world_size=self.world_size):
@@ -276,15 +279,21 @@ class Checkpointer:
         if not path.exists():
             return 0
         kept, cut = [], 0
-        for line in path.read_text().splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a torn last line
-            if rec.get("step", 0) <= step:
+            if not isinstance(rec, dict) or type(rec.get("step")) is not int:
+                continue  # not a step record: nothing of ours
+            if rec["step"] <= step:
                 kept.append(line)
             else:
                 cut += 1
+        kept, back = metrics_durable.restore_records(kept, self.root, step)
+        if back:
+            self.log.warning(f"metrics.jsonl lacked the records of checkpointed steps {back} (a cut or torn line): "
+                             f"put back from {self.root / metrics_durable.BACKUP_FILE}")
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from workers.common.config.ranges import NONEMPTY, TEXT, Each, Pattern, between, ge, gt, limits, one_of
+from workers.common.config.ranges import LINE, NONEMPTY, TEXT, Each, Pattern, between, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -196,10 +196,10 @@ limits(PreflightConfig, expect_gpus_per_node=Each(ge(0)), gpu_name=TEXT, min_fre
        min_busbw_gbps_intra_node=Each(ge(0)), timeout_s=gt(0))
 limits(GroupSlurmOptions, sbatch_flags=Each(TEXT))
 limits(ContainerConfig, runtime=one_of("none", "pyxis", "apptainer"), image=TEXT, mounts=Each(TEXT), workdir=TEXT)
-limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition=TEXT, account=TEXT, qos=TEXT,
+limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition=LINE, account=LINE, qos=LINE,
        num_gpus_per_node=ge(0), num_cpus_per_node=gt(0), mem_per_node_gb=ge(0), runs_root=NONEMPTY, template_dir=TEXT,
        time_limit=Pattern(r"(\d+-)?\d+(:\d{2}){0,2}", "a Slurm time: MM, HH:MM:SS or D-HH:MM:SS"), env=Each(TEXT),
-       cpu_partition=TEXT, gpu_memory_gb=ge(0), nic_gb_s=gt(0), shared_fs_gb_s=gt(0), node_address=NONEMPTY, port_min=between(1024, 65535),
+       cpu_partition=LINE, gpu_memory_gb=ge(0), nic_gb_s=gt(0), shared_fs_gb_s=gt(0), node_address=NONEMPTY, port_min=between(1024, 65535),
        port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), server_respawns=between(0, 100),
-       respawn_backoff_s=between(0, 3600), respawn_backoff_max_s=between(0, 3600), sbatch_flags=Each(TEXT),
+       respawn_backoff_s=between(0, 3600), respawn_backoff_max_s=between(0, 3600), sbatch_flags=Each(LINE),
        setup=Each(TEXT), python=TEXT, shared_root=TEXT)

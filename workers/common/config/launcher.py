@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
-from workers.common.config.ranges import NONEMPTY, TEXT, ConfigError, ge, gt, limits, one_of
+from workers.common.config.ranges import LINE, NONEMPTY, ConfigError, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,6 +78,6 @@ class LauncherConfig:
 
 limits(RoleResources, num_cpus_per_task=gt(0), mem_gb=ge(0))
 limits(TrainerLayout, num_nodes=gt(0), num_cpus_per_task=gt(0), mem_gb=ge(0))
-limits(LauncherConfig, run_dir=TEXT, resume=TEXT, job_name=TEXT, control_placement=one_of("own_node", "trainer"),
+limits(LauncherConfig, run_dir=LINE, resume=LINE, job_name=LINE, control_placement=one_of("own_node", "trainer"),
        shutdown_grace_s=ge(0), max_restarts=ge(0), num_gpu_nodes=ge(0), local_weights_dir=NONEMPTY,
        hung_worker_kill_s=ge(0))

@@ -114,6 +114,8 @@ TEXT = Text()
 ANY_NUMBER = Range()
 """Any finite number (a field whose sign means something, e.g. a seed offset)."""
 NONEMPTY = Pattern(r".+", "a non-empty string")
+LINE = Pattern(r"[^\n\r\x00]*", "one line of text (no newline, carriage return or NUL: it lands in a line of the "
+                                  "sbatch script)")
 
 
 def gt(lo: float, *, also: tuple = ()) -> Range:

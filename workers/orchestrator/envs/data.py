@@ -42,6 +42,14 @@ class Record:
 
 def data_files(path: str, key: str = "env.path") -> list[Path]:
     """The files behind ``path`` (a file or a directory of shards); ValueError naming ``key``."""
+    try:
+        return _data_files(path, key)
+    except OSError as e:  # a directory we may not list, a path we may not reach
+        raise ValueError(f"{key}={path!r} cannot be read: {e.strerror or e} (check its permissions for this "
+                         f"user, and on a cluster for the job's user)") from None
+
+
+def _data_files(path: str, key: str) -> list[Path]:
     p = Path(path)
     if not path:
         raise ValueError(f"{key} is required: a .jsonl or .parquet file, or a directory of them")
@@ -88,7 +96,13 @@ def load_records(path: str, *, key: str = "env.path") -> list[Record]:
     """Every record under ``path``; ValueError for a missing/empty/unreadable source."""
     records: list[Record] = []
     for f in data_files(path, key):
-        records.extend(_read_parquet(f) if f.suffix == ".parquet" else _read_jsonl(f))
+        try:
+            records.extend(_read_parquet(f) if f.suffix == ".parquet" else _read_jsonl(f))
+        except OSError as e:  # unreadable for this user, a directory named like a data file
+            raise ValueError(f"{key}={path!r}: {f} cannot be read: {e.strerror or e} (check its permissions for "
+                             f"this user, and on a cluster for the job's user)") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{key}={path!r}: {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not records:
         raise ValueError(f"{key}={path!r} holds no records")
     return records
