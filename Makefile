@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install install-sglang install-pretrained run run-smollm2 bench-smollm2 test test-fast bench lint clean-runs
+.PHONY: install install-gpu install-sglang install-pretrained run run-smollm2 bench-smollm2 test test-fast bench lint clean-runs
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,13 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# A GPU node or a cluster's shared filesystem (docs/guide/one_gpu_node.md, "Install"): the CUDA torch,
+# then -e .[gpu,sglang] with that torch held (tools/install_gpu.py says why these pins).
+#   make install-gpu VENV=/shared/venvs/slurmrl    SGLANG=0: no SGLang    DRY=1: print and check, install nothing
+install-gpu:
+	python3 tools/install_gpu.py --venv $(VENV) $(if $(CUDA),--cuda $(CUDA)) $(if $(filter 0,$(SGLANG)),--no-sglang) \
+		$(if $(DRY),--dry-run)
 
 # The pinned SGLang and its router, for the tests that parse every generated command line with
 # their own parsers (tests/unit/inference/test_sglang_parser.py). --no-deps: their full dependency set pulls a

@@ -9,6 +9,9 @@ explicitly (``model.init_seed=7``, ``model.name=mine``) is kept, and an explicit
 contradicts config.json (``model.num_layers=2`` for a 30-layer checkpoint) is refused naming both.
 ``model=<preset> model.path=DIR`` is refused: the preset would be silently replaced.
 
+A hub id (``model.path=Qwen/Qwen3-8B``, not an existing path) is first resolved to its snapshot
+directory in the Hugging Face cache every node mounts, downloaded once if needed (launcher/hub.py).
+
 Then :func:`check_model_path` (every launch, resumes and Python-built configs included) re-reads
 the directory: family and fields equal to config.json, every shard the index names present, a
 tokenizer that fits the embedding; and, before roles start, :func:`check_tensors` runs
@@ -24,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from launcher.hub import resolve_hub_path
 from launcher.resources import PlanError
 from workers.common.config import RunConfig
 from workers.common.config.run import to_yaml
@@ -51,6 +55,8 @@ def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
     if "model" in explicit:
         raise PlanError(f"model.path={m.path} takes the family and architecture from its config.json; drop the "
                         f"model=<preset> choice (its fields would be replaced), or set model.* keys one by one")
+    cfg, repo_name = resolve_hub_path(cfg)  # a hub id: its snapshot in the shared HF cache (launcher/hub.py)
+    m = cfg.model
     directory = Path(m.path).expanduser().resolve()
     try:
         spec, fields = model_fields(directory)
@@ -69,7 +75,7 @@ def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
             problems.append(f"model.{key}={value!r} contradicts {directory}/config.json, which says {fields[key]!r}")
         else:
             kept[key] = value
-    values = {"name": directory.name, **fields, **kept, "family": spec.name, "path": str(directory)}
+    values = {"name": repo_name or directory.name, **fields, **kept, "family": spec.name, "path": str(directory)}
     resolved = dataclasses.replace(cfg, model=spec.config(**values))
     if problems:
         message = checkpoint_overrides_message(directory, problems, sorted(fields), sorted(names - set(fields)))

@@ -28,6 +28,7 @@ MAKE_NOT_RUN = {  # make targets the README shows that are not a training run, a
     "bench": "a 10-minute benchmark (benchmarks/async_vs_sync.py), not a config",
     "clean-runs": "deletes runs/",
     "run-smollm2": "needs make install-pretrained (a 93 MB wheel); its experiment composes in test_compose_all_configs",
+    "install-gpu": "installs a CUDA torch; its dry form runs in tests/unit/repo/test_install_gpu.py",
 }
 
 

@@ -182,6 +182,12 @@ class ClusterConfig:
     """Python interpreter on compute nodes; None: the launcher's own (a shared-filesystem venv)."""
     shared_root: Optional[str] = None
     """Shared filesystem root visible from every node (models, caches); documentation for site profiles."""
+    hf_home: str = ""
+    """The Hugging Face home (``HF_HOME``) every node mounts: a hub id in ``model.path``
+    (``Qwen/Qwen3-8B``) is downloaded once by the launcher into ``<hf_home>/hub`` and every role reads
+    it there with ``HF_HUB_OFFLINE=1`` (launcher/hub.py). "": ``cluster.env.HF_HOME``, else
+    ``<shared_root>/hf``, else the launcher's own HF_HOME (~/.cache/huggingface: one machine only,
+    unless home directories are shared)."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """Limits of the GPU health and bandwidth checks (run with top-level ``preflight=true``)."""
 
@@ -202,4 +208,4 @@ limits(ClusterConfig, name=NONEMPTY, backend=one_of("local", "slurm"), partition
        cpu_partition=LINE, gpu_memory_gb=ge(0), nic_gb_s=gt(0), shared_fs_gb_s=gt(0), node_address=NONEMPTY, port_min=between(1024, 65535),
        port_span=gt(0), num_port_slots=gt(0), signal_grace_s=gt(0), max_requeues=ge(0), server_respawns=between(0, 100),
        respawn_backoff_s=between(0, 3600), respawn_backoff_max_s=between(0, 3600), sbatch_flags=Each(LINE),
-       setup=Each(TEXT), python=TEXT, shared_root=TEXT)
+       setup=Each(TEXT), python=TEXT, shared_root=TEXT, hf_home=TEXT)

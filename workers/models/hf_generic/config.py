@@ -29,15 +29,13 @@ class GenericConfig(ModelConfig):
     """config.json ``model_type``: how transformers finds the config and model classes."""
     max_position_embeddings: int = 0
     """Longest sequence (prompt + completion) the model accepts: config.json's (``max_position_embeddings``
-    or its attribute-map spelling, ``n_positions`` for GPT-2); 0 when config.json has none (then set it)."""
+    or its attribute-map spelling, ``n_positions`` for GPT-2); when config.json has none, set it (0 is refused)."""
     num_kv_heads: int = 0
     """Key/value heads (``num_key_value_heads``); 0: num_heads. For the KV-cache estimate only."""
     head_dim: int = 0
     """Head width (``head_dim``); 0: hidden_size / num_heads. For the KV-cache estimate only."""
     tie_word_embeddings: bool = False
     """The output projection is the input embedding (config.json ``tie_word_embeddings``)."""
-    num_parameters: int = 0
-    """Parameters of the checkpoint, summed from its safetensors headers by the launcher (plan facts)."""
     attn_implementation: str = "sdpa"
     """transformers' attention kernel: ``sdpa`` (torch's scaled_dot_product_attention) or ``eager``."""
 
@@ -51,4 +49,4 @@ class GenericConfig(ModelConfig):
 
 
 limits(GenericConfig, architecture=NONEMPTY, model_type=NONEMPTY, max_position_embeddings=ge(0), num_kv_heads=ge(0),
-       head_dim=ge(0), num_parameters=ge(0), attn_implementation=one_of(*ATTENTION))
+       head_dim=ge(0), attn_implementation=one_of(*ATTENTION))

@@ -101,9 +101,12 @@ def config_facts(model_type: str) -> tuple[dict[str, str], dict[str, Any]]:
     root = transformers_dir()
     if root is None:
         return {}, {}
-    mappings = root / "models" / "auto" / "auto_mappings.py"
-    class_name = _literal_mapping(mappings, "CONFIG_MAPPING_NAMES").get(model_type)
-    module = _literal_mapping(mappings, "SPECIAL_MODEL_TYPE_TO_MODULE_NAME").get(model_type, model_type.replace("-", "_"))
+    auto = root / "models" / "auto"
+    class_name = module = None
+    for mappings in (auto / "auto_mappings.py", auto / "configuration_auto.py"):  # newer / older transformers
+        class_name = class_name or _literal_mapping(mappings, "CONFIG_MAPPING_NAMES").get(model_type)
+        module = module or _literal_mapping(mappings, "SPECIAL_MODEL_TYPE_TO_MODULE_NAME").get(model_type)
+    module = module or model_type.replace("-", "_")
     if not class_name:
         return {}, {}
     for node in _module(root / "models" / module / f"configuration_{module}.py"):
@@ -113,9 +116,20 @@ def config_facts(model_type: str) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _class_facts(cls: ast.ClassDef) -> tuple[dict[str, str], dict[str, Any]]:
+    """Class-level literals (transformers 5's dataclass configs) and ``__init__`` keyword defaults (older ones)."""
     attribute_map: dict[str, str] = {}
     defaults: dict[str, Any] = {}
     for stmt in cls.body:
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+            args = stmt.args.args[len(stmt.args.args) - len(stmt.args.defaults):] + stmt.args.kwonlyargs
+            values = list(stmt.args.defaults) + list(stmt.args.kw_defaults)
+            for arg, value in zip(args, values):
+                if value is None:  # a keyword-only argument without a default
+                    continue
+                try:
+                    defaults.setdefault(arg.arg, ast.literal_eval(value))
+                except (ValueError, TypeError, SyntaxError):
+                    continue
         target, value = None, None
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
             target, value = stmt.target.id, stmt.value

@@ -81,7 +81,8 @@ def from_hf_config(config: dict) -> dict:
     for name, field in (("num_key_value_heads", "num_kv_heads"), ("head_dim", "head_dim"),
                         ("max_position_embeddings", "max_position_embeddings")):
         value = values.get(name)
-        out[field] = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:  # else left to the model section
+            out[field] = value
     out["tie_word_embeddings"] = bool(values.get("tie_word_embeddings", False))
     return out
 
@@ -134,15 +135,12 @@ def arch(m: GenericConfig) -> Architecture:
 
 
 def check(cfg) -> None:
-    """Plan time: a checkpoint to load, a position limit, and the settings this path does not have,
-    each refused by its key."""
+    """Plan time: a checkpoint to load, and the settings this path does not have, each refused by its key
+    (a config.json without a position limit leaves model.max_position_embeddings 0: check_base refuses it)."""
     m, par = cfg.model, cfg.trainer.parallel
     if not m.path:
         raise ValueError("model.family=hf_generic trains a Hugging Face checkpoint through transformers: set "
                          "model.path=DIR (config.json + safetensors)")
-    if m.max_position_embeddings <= 0:
-        raise ValueError(f"{m.path}/config.json names no position limit (max_position_embeddings or its "
-                         f"{m.model_type} spelling): set model.max_position_embeddings")
     for key in ("tp", "ep", "cp", "pp"):
         value = getattr(par, key)
         if value != 1:
