@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 from torch.optim.adam import adam
 
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 
 
 class ShardLocalAdamW(torch.optim.AdamW):

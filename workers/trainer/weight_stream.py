@@ -28,7 +28,8 @@ from torch import nn
 
 from workers.models.blocks.experts import StackedExperts, checkpoint_named, checkpoint_order, stacked_state_names
 from workers.weights.checksums import nonfinite_names
-from workers.weights.stream import DictStream, cast, full_tensor, local_part, meta_of
+from workers.common.dtensor import full_tensor, local_part
+from workers.weights.stream import DictStream, ExpertSlot, cast, meta_of
 
 
 class ModelWeights(DictStream):
@@ -57,9 +58,9 @@ class ModelWeights(DictStream):
         self._held: Optional[tuple[tuple[str, int], dict[str, list[torch.Tensor]]]] = None  # (block, EP rank) stacks
 
     @staticmethod
-    def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int, int]]:
-        """{per-expert name: (module, its prefix, stack name, owning EP rank, index in split_stack)} of
-        every block's experts, those of other EP ranks included (names only: nothing is sliced)."""
+    def _stack_slots(model: nn.Module) -> dict[str, ExpertSlot]:
+        """{per-expert name: its slot} of every block's experts, those of other EP ranks included
+        (names only: nothing is sliced)."""
         dims = getattr(model, "dims", None)
         ep = dims.ep if dims is not None else 1
         out = {}
@@ -69,7 +70,8 @@ class ModelWeights(DictStream):
                 per = mod.num_local
                 for r in range(ep):
                     for s in mod.stacks():
-                        out.update((pre + n, (mod, pre, s, r, k)) for k, n in enumerate(mod.stack_names(s, r * per)))
+                        out.update((pre + n, ExpertSlot(mod, pre, s, r, k))
+                                   for k, n in enumerate(mod.stack_names(s, r * per)))
         return out
 
     def _from_stack(self, name: str) -> torch.Tensor:
