@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.llama.config import LlamaConfig
 from workers.models.tiny_moe.model import build_model

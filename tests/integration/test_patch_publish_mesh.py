@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import compose
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import step0_model
 from workers.trainer.weight_stream import ModelWeights

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import compose
-from tests.held_stream import Held
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.held_stream import Held
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import initial_model, step0_model
 from workers.trainer import weight_stream

@@ -1,8 +1,7 @@
 """The trainer's weights as a :class:`~workers.weights.stream.WeightStream`: what the loop publishes.
 
-Why: publishing used to call ``full_state_dict(to_rank=None)``, so every rank held the whole model
-in the compute dtype next to its shards (item 4 of issue 19). :class:`ModelWeights` gathers one
-tensor at a time, when the publisher reaches it, and the publisher drops it once written or sent.
+Why: a full state dict on every rank (``full_state_dict(to_rank=None)``) would hold the whole
+model in the compute dtype next to its shards. :class:`ModelWeights` gathers one tensor at a time, when the publisher reaches it, and the publisher drops it once written or sent.
 
 Per tensor, under each plan (every rank asks for the same names in the same order):
   plain module      the tensor itself (nothing to gather);
