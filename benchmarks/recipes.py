@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.record import results_dir
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 TINY = ["experiment=tiny_local", "model=tiny_dense", "orchestrator.num_prompts_per_step=8",
@@ -50,12 +52,6 @@ def smollm2_installed() -> bool:
         return True
     except PretrainedMissing:
         return False
-
-
-def output_dir(record: bool) -> Path:
-    out = REPO / "benchmarks" / ("results" if record else "out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def run(name: str, base: list[str], steps: int, root: Path, extra: list[str]) -> dict:
@@ -139,11 +135,10 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated algorithm names")
     p.add_argument("--window", type=int, default=5, help="steps averaged at each end of a curve")
     p.add_argument("--tiny", action="store_true", help="the tiny model even where SmolLM2 is installed")
-    p.add_argument("--record", action="store_true", help="write into the tracked benchmarks/results/")
     p.add_argument("--root", default="", help="runs root (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
-    out = output_dir(args.record)
+    out = results_dir()  # benchmarks/out/, or with --record the tracked benchmarks/results/ (benchmarks/record.py)
     smollm2 = not args.tiny and smollm2_installed()
     base, model = (SMOLLM2, "SmolLM2-135M-Instruct, reverse_text") if smollm2 else (TINY, "tiny_dense, reverse_digits")
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="recipes-"))

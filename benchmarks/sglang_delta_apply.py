@@ -10,7 +10,8 @@ positions. Reported per patch: payload MB, seconds to decode (checksums included
 the changed elements per second; the first patch also computes every touched tensor's digest once (the
 loader does that after each full load), the second shows the steady state.
 
-CPU (small): ``python -m benchmarks.sglang_delta_apply``. GPU, a GLM-5 decode rank's expert shapes
+CPU (small): ``python -m benchmarks.sglang_delta_apply`` (-> benchmarks/out/; ``--record``: the tracked
+benchmarks/results/, benchmarks/record.py). GPU, a GLM-5 decode rank's expert shapes
 (H 6144, I 2048, 8 local experts; 20 of its ~75 MoE layers, ~23 GB):
 ``python -m benchmarks.sglang_delta_apply --device cuda --layers 20 --experts 8 --hidden 6144
 --intermediate 2048 --fraction 0.011 --out benchmarks/results/gpu/sglang_delta_apply.json``.
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.record import results_dir
 from workers.weights.broadcast.delta_wire import patch_payload
 from workers.weights.broadcast.sglang_delta_loader import apply_patch
 from workers.weights.delta.patch import Part
@@ -98,7 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--fraction", type=float, default=0.011)
-    ap.add_argument("--out", default="benchmarks/results/sglang_delta_apply.json")
+    ap.add_argument("--out", default=str(results_dir() / "sglang_delta_apply.json"))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model = build(args)

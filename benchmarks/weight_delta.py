@@ -13,7 +13,7 @@ every patch after it). Per step: changed fraction of the published elements, pat
 dense bytes of the same step, seconds the trainer was blocked. JSON keys:
 ``bytes_ratio_delta_over_dense`` (median over patch steps; target <= 0.10) and ``bit_exact``
 (both receivers' every tensor equal to a dense publish of the same weights, after every step).
-Writes FILE (default benchmarks/out/weight_delta.json; ``--record`` also benchmarks/results/).
+Writes FILE (default benchmarks/out/weight_delta.json; ``--record``: benchmarks/results/, benchmarks/record.py).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.record import results_dir
 from workers.common.protocol import step_name
 from workers.common.registry import MODELS
 from workers.trainer.weight_stream import ModelWeights
@@ -38,7 +39,6 @@ from workers.weights.filesystem.patch_publisher import PatchPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.filesystem.receiver import DiskReader
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def compose_model(prefer_smollm2: bool):
@@ -96,13 +96,12 @@ class Receiver:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "weight_delta.json"))
+    ap.add_argument("--out", default=str(results_dir() / "weight_delta.json"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--full-every", type=int, default=20)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="the tiny MoE even when SmolLM2 is prepared")
-    ap.add_argument("--record", action="store_true", help="also write benchmarks/results/weight_delta.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     cfg, name = compose_model(not args.tiny)
@@ -165,8 +164,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    if args.record:
-        (REPO / "benchmarks" / "results" / "weight_delta.json").write_text(json.dumps(result, indent=1))
     print(f"[weight_delta] {name}: median changed fraction {result['changed_frac_median']:.4f}, bytes delta/dense "
           f"{result['bytes_ratio_delta_over_dense']:.4f} (target <= 0.10), bit_exact {exact}, loss "
           f"{result['loss_first']:.4f} -> {result['loss_last']:.4f}; wrote {out}")

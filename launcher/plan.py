@@ -40,8 +40,6 @@ from workers.weights.spec import check_transport as _transport_check
 if TYPE_CHECKING:
     from workers.inference.spec import BackendStep
 
-TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobPlan:
@@ -122,11 +120,6 @@ class JobPlan:
         return lines
 
 
-def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise PlanError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
 @contextlib.contextmanager
 def plan_errors() -> Iterator[None]:
     """Entries' checks raise ValueError (workers/ never imports the launcher's PlanError; ConfigError
@@ -141,9 +134,12 @@ def plan_errors() -> Iterator[None]:
 
 def check_ranges(cfg: RunConfig) -> None:
     """Every field of the run's own sections in its range or choices (the rules beside each schema,
-    workers/common/config/ranges.py); the four plugin sections are checked by their entries' checks."""
+    workers/common/config/ranges.py); the four plugin sections are checked by their entries' checks,
+    and the inference section here too: placement (launcher/resources.py) reads its sizes before the
+    backend's own check runs."""
     with plan_errors():
         check_fields(cfg, "", skip=SECTIONS)
+        check_fields(cfg.inference, "inference")
     for mod in cfg.plugins:  # every role imports them first: a missing one would stop each of them
         try:
             found = importlib.util.find_spec(mod) is not None
@@ -169,12 +165,7 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_env(cfg: RunConfig) -> None:
     """The env's own checks (latency, vocabulary or tokenizer, its fields) through its spec
-    (workers/orchestrator/envs/spec.py), and the orchestrator's episode policies."""
-    policies = ("drop", "truncate", "keep")
-    if cfg.orchestrator.long_episode_policy not in policies:
-        raise PlanError(f"orchestrator.long_episode_policy={cfg.orchestrator.long_episode_policy!r}; choose one of "
-                        f"{list(policies)}")
-    _positive("orchestrator.num_spare_groups", cfg.orchestrator.num_spare_groups, allow_zero=True)
+    (workers/orchestrator/envs/spec.py)."""
     with plan_errors():
         spec = ENVS.get(cfg.env.name)
         spec.check(cfg)
@@ -185,33 +176,18 @@ def check_env(cfg: RunConfig) -> None:
 
 
 def check_loop(cfg: RunConfig) -> int:
-    o, t, i = cfg.orchestrator, cfg.trainer, cfg.inference
-    _positive("orchestrator.num_prompts_per_step", o.num_prompts_per_step)
-    _positive("orchestrator.num_samples_per_prompt", o.num_samples_per_prompt)
-    _positive("orchestrator.max_off_policy_steps", o.max_off_policy_steps, allow_zero=True)
-    _positive("orchestrator.temperature", o.temperature)
-    _positive("orchestrator.request_timeout_s", o.request_timeout_s)
+    """The rules that span fields of the loop (each field's own range: :func:`check_ranges`)."""
+    o, t = cfg.orchestrator, cfg.trainer
     samples = o.num_prompts_per_step * o.num_samples_per_prompt
     if o.max_inflight_rollouts < o.num_samples_per_prompt:
         raise PlanError(f"orchestrator.max_inflight_rollouts({o.max_inflight_rollouts}) must hold at least one prompt "
                         f"group (orchestrator.num_samples_per_prompt={o.num_samples_per_prompt})")
-    if o.num_samples_per_prompt < 2:
-        raise PlanError("orchestrator.num_samples_per_prompt must be >= 2: advantages are relative to the prompt's group")
-    _positive("trainer.num_ranks", t.num_ranks)
-    _positive("trainer.num_steps", t.num_steps)
-    _positive("trainer.lr", t.lr)
-    _positive("trainer.grad_clip", t.grad_clip)
     if t.num_ranks > samples:
         raise PlanError(f"trainer.num_ranks({t.num_ranks}) > samples per step ({samples} = orchestrator."
                         f"num_prompts_per_step({o.num_prompts_per_step}) * num_samples_per_prompt({o.num_samples_per_prompt}))")
     if not 0 < t.ratio_mask_low <= 1 <= t.ratio_cap <= t.ratio_mask_high:
         raise PlanError(f"need 0 < trainer.ratio_mask_low({t.ratio_mask_low}) <= 1 <= trainer.ratio_cap({t.ratio_cap}) "
                         f"<= trainer.ratio_mask_high({t.ratio_mask_high})")
-    _positive("inference.num_workers", i.num_workers, allow_zero=True)
-    _positive("inference.max_batch_size", i.max_batch_size)
-    _positive("weights.keep_last", cfg.weights.keep_last)
-    if cfg.weights.keep_last < 2:
-        raise PlanError(f"weights.keep_last({cfg.weights.keep_last}) must be >= 2 so a step being loaded is never pruned")
     return samples
 
 
@@ -245,9 +221,6 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
         if not c.container.image:
             raise PlanError(f"cluster.container.image is empty; cluster.container.runtime={c.container.runtime} needs "
                             f"an image ({'an enroot image or .sqsh' if c.container.runtime == 'pyxis' else 'a .sif file'})")
-    if not TIME_LIMIT.match(c.time_limit):
-        raise PlanError(f"cluster.time_limit={c.time_limit!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
-    _positive("cluster.num_port_slots", c.num_port_slots)
     need = PORT_SERVERS + 2 * num_servers
     if c.port_span < need:
         raise PlanError(f"cluster.port_span({c.port_span}) < {need} ports this job needs "
@@ -256,8 +229,6 @@ def check_cluster(cfg: RunConfig, num_servers: int) -> None:
     if c.port_min < 1024 or top > 65536:
         raise PlanError(f"ports [cluster.port_min({c.port_min}), +num_port_slots({c.num_port_slots}) * "
                         f"port_span({c.port_span}) = {top}) must lie in [1024, 65536)")
-    _positive("cluster.signal_grace_s", c.signal_grace_s)
-    _positive("cluster.max_requeues", c.max_requeues, allow_zero=True)
     if c.respawn_backoff_max_s < c.respawn_backoff_s:
         raise PlanError(f"cluster.respawn_backoff_max_s({c.respawn_backoff_max_s:g}) < "
                         f"cluster.respawn_backoff_s({c.respawn_backoff_s:g}): the cap is below the first wait")

@@ -152,11 +152,6 @@ class SlurmJobPlan:
                    respawn_backoff_s=c.respawn_backoff_s, respawn_backoff_max_s=c.respawn_backoff_max_s)
 
 
-def _need_positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise PlanError(f"{key} must be > 0, got {value}")
-
-
 def _check_cpus(cfg: RunConfig, what: str, key: str, tasks_per_node: int, cpus: int) -> None:
     have = cfg.cluster.num_cpus_per_node
     if have and tasks_per_node * cpus > have:
@@ -166,8 +161,6 @@ def _check_cpus(cfg: RunConfig, what: str, key: str, tasks_per_node: int, cpus: 
 
 def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerDims]:
     lt, ranks, gpn = cfg.launcher.trainer, cfg.trainer.num_ranks, cfg.cluster.num_gpus_per_node
-    _need_positive("launcher.trainer.num_nodes", lt.num_nodes)
-    _need_positive("launcher.trainer.num_cpus_per_task", lt.num_cpus_per_task)
     if gpn and lt.num_nodes == 1 and ranks <= gpn:
         tpn = gpn = ranks  # a small trainer on part of one GPU node
     elif gpn:
@@ -286,12 +279,9 @@ def _server_kinds(cfg: RunConfig, backend) -> list[tuple[str, int, ServerLayout,
 def plan_servers(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
     """Server roles of ``backend`` (its BackendSpec): GPU replicas sized by tp, or one CPU process each."""
     i, gpn_cluster = cfg.inference, cfg.cluster.num_gpus_per_node
-    _need_positive("inference.num_cpus_per_task", i.num_cpus_per_task)
     out = []
     for role, num, lay, key in _server_kinds(cfg, backend):
         count_key = "inference.num_workers" if role == "inference" else f"inference.num_{role}_replicas"
-        for f in ("num_nodes_per_replica", "num_replicas_per_node", "tp", "ep", "dp_attention"):
-            _need_positive(f"{key}.{f}", getattr(lay, f))
         npr, rpn = lay.num_nodes_per_replica, lay.num_replicas_per_node
         if npr > 1 and rpn > 1:
             raise PlanError(f"{key}: num_nodes_per_replica({npr}) and num_replicas_per_node({rpn}) cannot both be > 1")
@@ -334,12 +324,10 @@ def plan_servers(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
 def plan_control(cfg: RunConfig, backend, *, check_fit: bool) -> list[RolePlan]:
     """Orchestrator, plus the router of a backend that needs one (SGLang: smg; the embedded engine: none)."""
     lo, lr = cfg.launcher.orchestrator, cfg.launcher.router
-    _need_positive("launcher.orchestrator.num_cpus_per_task", lo.num_cpus_per_task)
     roles = [RolePlan(role="orchestrator", num_procs=1, module="workers.orchestrator",
                       num_cpus_per_task=lo.num_cpus_per_task, mem_gb=lo.mem_gb, main=True,
                       config_key="launcher.orchestrator", description="orchestrator: 1 process")]
     if backend.needs_router:
-        _need_positive("launcher.router.num_cpus_per_task", lr.num_cpus_per_task)
         roles.append(RolePlan(role="router", num_procs=1, module="workers.router", num_cpus_per_task=lr.num_cpus_per_task,
                               mem_gb=lr.mem_gb, config_key="launcher.router",
                               description=backend.router_description or f"router: {backend.name} router"))

@@ -41,7 +41,7 @@ from benchmarks.gpu.common import (GPU_MOE, H200_BF16_PEAK, TINY_MOE, device_inf
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.ports import free_port
 from workers.trainer.batch import RolloutBatch
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing

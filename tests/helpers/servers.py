@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tests.helpers.configs import REPO
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from workers.common.config import ClusterConfig, RunConfig
 from workers.common.protocol import RunPaths
 from workers.inference.embedded.config import EmbeddedInferenceConfig

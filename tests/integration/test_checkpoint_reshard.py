@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer

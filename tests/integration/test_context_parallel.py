@@ -27,7 +27,7 @@ from tests.conftest import compose
 from tests.integration import test_parity_parallel as moe
 from tests.integration import test_parity_trainer_loop as loop
 from tests.integration.step_parity import assert_step_matches, step_and_save
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.blocks.ulysses import SeqShard

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.integration import test_parity_mesh as mesh
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches
-from tests.netutil import gloo_dims
+from tests.helpers.netutil import gloo_dims
 from workers.trainer import ep_capacity, expert_parallel
 from workers.trainer.batch import shard_rows
 from workers.trainer.step import backward_step

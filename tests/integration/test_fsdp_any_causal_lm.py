@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.integration import test_parity_parallel as moe
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.models.blocks.router_sigmoid import SigmoidTopkRouter
 from workers.models.blocks.experts import StackedExperts
 from workers.models.tiny_moe.model import build_model

@@ -20,7 +20,7 @@ from workers.common.inference_client import InferenceClient, InferenceError, wai
 from workers.common.protocol import PeerTimeout
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.filesystem.publisher import publish_step
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from tests.integration.conftest import TOKEN, SERVER_MODEL as MODEL, INIT_SEED, start_server
 
 torch.set_num_threads(1)

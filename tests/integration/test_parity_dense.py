@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.llama.config import LlamaConfig
 from workers.models.qwen3.config import Qwen3Config

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.integration import test_parity_dense as dense
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows

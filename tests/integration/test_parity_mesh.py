@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches, step_and_save
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.trainer.plans import shard
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels

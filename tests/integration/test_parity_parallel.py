@@ -34,7 +34,7 @@ from workers.models.tiny_moe.model import TinyMoeConfig
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import load_balance_loss, policy_loss, router_stats, token_logprobs
 from tests.integration.step_parity import assert_step_matches, step_and_save, weight_error
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.objective import aggregation
 from workers.trainer.step import capture_gate_logits

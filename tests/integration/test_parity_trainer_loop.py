@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from tests.integration.conftest import RANKS_MODEL as MODEL, make_batch, publish_batch, start_rank, wait_all
 
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from workers.common.config import (ClusterConfig, ParallelConfig, RunConfig, TrainerConfig,
                                    WeightsConfig)
 from workers.models.tiny_moe.config import TinyMoeConfig

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import compose
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import step0_model
 from workers.trainer.weight_stream import ModelWeights
@@ -24,7 +24,7 @@ from workers.weights.delta.apply import apply_chain
 from workers.weights.filesystem.patch_publisher import PatchPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.filesystem.receiver import DiskReader
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 
 TINY = ["model=tiny_moe", "model.hidden_size=64", "model.num_layers=2", "model.expert_intermediate_size=32",
         "model.num_experts=8", "trainer.num_ranks=2", "trainer.dtype=bfloat16"]

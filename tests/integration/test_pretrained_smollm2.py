@@ -49,7 +49,7 @@ def test_conversion_matches_transformers_and_is_complete(converted):
 
 
 def test_one_generate_and_one_train_step(cfg, tmp_path):
-    from tests.netutil import free_port, gloo_dims
+    from tests.helpers.netutil import free_port, gloo_dims
     from workers.inference.embedded.engine import GenRequest, InferenceEngine
     from workers.models.build import model_from_config
     from workers.models.pretrained import load_state_dict, require_prepared

@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import compose
-from tests.held_stream import Held
-from tests.netutil import gloo_dims, run_ranks
+from tests.helpers.held_stream import Held
+from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.protocol import step_name
 from workers.trainer.loop import initial_model, step0_model
 from workers.trainer import weight_stream
 from workers.trainer.weight_stream import ModelWeights
 from workers.weights.base import DistPeers
 from workers.weights.filesystem.publisher import FilesystemPublisher
-from workers.weights.stream import full_tensor
+from workers.common.dtensor import full_tensor
 
 TINY = ["model=tiny_moe", "model.hidden_size=64", "model.num_layers=3", "model.expert_intermediate_size=32",
         "model.num_experts=16", "trainer.num_ranks=2", "trainer.dtype=bfloat16"]
@@ -111,7 +111,7 @@ def _mesh_rank(rank: int, world: int, port: int, cfg, tp: int, ep: int) -> None:
                 assert (m.dtype, m.shape, m.nbytes) == ("bfloat16", tuple(t.shape), t.numel() * 2), name
         finally:
             weight_stream.full_tensor = full_tensor
-        mine = {(pre, s) for _, pre, s, owner, _ in stream.slots.values() if owner == dims.ep_rank}
+        mine = {(slot.prefix, slot.stack) for slot in stream.slots.values() if slot.owner == dims.ep_rank}
         dense = [n for n in stream.names if n not in stream.slots]
         assert mine and len(gathers) == len(dense) + len(mine), "each expert stack is gathered once"
         sub = [n for n in reversed(stream.names) if ".experts." in n][:5]  # any order, as broadcast buckets ask

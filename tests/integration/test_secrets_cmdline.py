@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 from tests.integration.conftest import SMALL, assert_no_children_left, metrics
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 
 
 def descendants(root: int) -> list[int]:

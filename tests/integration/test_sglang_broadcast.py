@@ -181,7 +181,7 @@ def test_sharded_trainer_ranks_stream_into_one_server_rank():
     the server rank receives the whole model bit for bit."""
     import multiprocessing as mp
 
-    from tests.netutil import free_port
+    from tests.helpers.netutil import free_port
 
     ctx = mp.get_context("spawn")
     out, ports = ctx.Queue(), (free_port(), free_port())

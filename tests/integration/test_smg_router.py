@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO, compose
 from tests.integration.conftest import INIT_SEED, SERVER_MODEL, TOKEN, start_server
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.inference.sglang.router import router_argv
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model

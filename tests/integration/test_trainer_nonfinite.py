@@ -18,7 +18,7 @@ import yaml
 from workers.common.exits import EXIT_FATAL
 from workers.common.protocol import STABLE
 from workers.weights.filesystem.receiver import load_step
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from tests.integration.conftest import make_batch, publish_batch, start_rank, write_ranks_run
 
 NUM_STEPS = 4

@@ -26,7 +26,7 @@ import torch
 from workers.common.protocol import STABLE, RunPaths
 from workers.trainer.batch import BatchFormatError, load_batch, prune_rollouts
 from workers.weights.filesystem.receiver import load_step
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from tests.integration.conftest import RANKS_MODEL as MODEL, write_ranks_run as write_run, make_batch, publish_batch, start_rank, wait_all
 
 REPO = Path(__file__).resolve().parents[2]

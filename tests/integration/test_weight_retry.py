@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 
 from tests.integration.test_http_hostile import MODEL, TOKEN, serve
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths
 from workers.models.build import model_from_config

@@ -36,7 +36,7 @@ from workers.weights.broadcast.publisher import BroadcastPublisher, BucketSender
 from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.broadcast.handshake import Handshake
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.netutil import free_port, gloo_dims
+from tests.helpers.netutil import free_port, gloo_dims
 
 from tests.helpers.cli import slurmrl  # noqa: F401
 from tests.helpers.rendering import GOLDEN, PATHS, render, sbatch_blocks, srun_steps  # noqa: F401

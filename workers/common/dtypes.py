@@ -1,7 +1,7 @@
 """The one dtype table: config names -> torch dtypes, safetensors codes and byte sizes.
 
-Why one table: the trainer, the embedded engine, the weight shards and the planner each used to keep
-their own copy, and a name accepted by one was refused by another. Importing this module does not
+Why one table: the trainer, the embedded engine, the weight shards and the planner all name dtypes;
+with a copy each, a name accepted by one could be refused by another. Importing this module does not
 import torch (the launcher uses :data:`COMPUTE_DTYPES` and :func:`itemsize`); :func:`torch_dtype`
 imports it when called.
 """

@@ -3,7 +3,7 @@
 
 The one place that imports by path: user objects named in a config (:func:`import_object`, errors
 that name the key) and the project's own lazy references, ``"package.module:name"`` strings that
-keep role code (torch) out of the torch-free specs the launcher reads (:func:`resolve`, :func:`lazy`).
+keep role code (torch) out of the torch-free specs the launcher reads (:func:`lazy`).
 
 Both spellings work: ``module.path:attr`` (the attribute may be dotted: ``mod:Outer.inner``) and
 Hydra's ``module.path.attr`` (split at the last dot). The module is imported in this process:
@@ -27,12 +27,6 @@ def split_target(target: str, *, key: str, example: str) -> tuple[str, str]:
         return module, attr
     raise ValueError(f"{key}={target!r}: write an import path such as {example!r} (module on PYTHONPATH, "
                      f"then ':' or '.', then the name)")
-
-
-def resolve(ref: str) -> Any:
-    """The object a ``"package.module:attribute"`` reference of the project names (imports the module)."""
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def lazy(target: str) -> Callable[..., Any]:

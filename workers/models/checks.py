@@ -7,13 +7,9 @@ the other functions are what a family's check calls for the blocks it has.
 """
 from __future__ import annotations
 
+from workers.common.config.ranges import positive  # the families' checks take it from here too
 from workers.models.pretrained import SOURCES as PRETRAINED_SOURCES
 from workers.models.pretrained import fact_mismatches
-
-
-def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def check_base(cfg, spec) -> None:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from workers.models.blocks.experts import checkpoint_named, shard_placement
 from workers.trainer.grad_clip import clip_sharded_grads_
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.precision import Precision
 from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 
 
 @torch.no_grad()

@@ -2,9 +2,9 @@
 
 Why: under FSDP2 / DTensor every parameter, gradient and moment is a DTensor, and
 ``torch.optim.AdamW`` sends its foreach or fused ops through DTensor's dispatcher, which
-propagates shardings over every argument of the list each call. On the H200 (1.5B MoE, ~830
-parameters, 16k tokens a step, 2026-12-03) that dispatch was ~15 ms of host time per step for
-the fused kernel, enough that ``fused=True`` was SLOWER than foreach (269 vs 238 ms a step).
+propagates shardings over every argument of the list each call: host time that grows with the
+number of parameters, on a MoE of several hundred parameters enough to make the fused kernel
+slower than foreach (benchmarks/results/gpu/mesh_step.json records the step with this optimizer).
 AdamW is elementwise, so each rank can update its own shards as plain tensors: the same
 ``torch.optim.adam.adam`` functional (decoupled weight decay = AdamW), fused on CUDA, on
 ``to_local()`` views that share storage with the DTensors.
@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 from torch.optim.adam import adam
 
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
 
 
 class ShardLocalAdamW(torch.optim.AdamW):

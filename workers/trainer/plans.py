@@ -4,7 +4,9 @@ Why a table owned by the trainer: the plans are trainer code (FSDP2, DTensor TP,
 trainer says where they live; a family only declares, by name, which plan its tensor/expert-parallel
 runs use (``ModelSpec.parallelize``, default ``"mesh"``), and ``ModelSpec.trainer_plan`` picks the
 name for a run (plan time and every trainer rank agree). Nothing under workers/models names a
-trainer module. Torch-free: the modules load when a plan is first used.
+trainer module. The table holds the functions themselves, so an editor follows a name to its plan
+and a renamed plan function fails when this module is imported, not when a run first asks for it
+(the trainer imports both plans anyway; the launcher never imports this module).
 
     "fsdp"  workers/trainer/fsdp.py       FSDP2 over all trainer ranks, any CausalLM (tp = ep = 1)
     "mesh"  workers/trainer/mesh_plan.py  FSDP2 + DTensor TP + EP (+ CP) on one DeviceMesh, any
@@ -16,17 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.common.import_path import resolve
 from workers.models.spec import FSDP_PLAN, MESH_PLAN
+from workers.trainer import fsdp, mesh_plan
 
-PLANS = {FSDP_PLAN: "workers.trainer.fsdp:parallelize", MESH_PLAN: "workers.trainer.mesh_plan:parallelize"}
+PLANS = {FSDP_PLAN: fsdp.parallelize, MESH_PLAN: mesh_plan.parallelize}
 
 
 def plan_function(name: str):
     """The ``parallelize`` of the plan called ``name``; ValueError listing the plans for another name."""
     if name not in PLANS:
         raise ValueError(f"no trainer plan {name!r} (ModelSpec.parallelize); the trainer has {sorted(PLANS)}")
-    return resolve(PLANS[name])
+    return PLANS[name]
 
 
 def shard(spec, full: Any, dims, *, precision=None):

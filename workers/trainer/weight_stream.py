@@ -1,8 +1,7 @@
 """The trainer's weights as a :class:`~workers.weights.stream.WeightStream`: what the loop publishes.
 
-Why: publishing used to call ``full_state_dict(to_rank=None)``, so every rank held the whole model
-in the compute dtype next to its shards (item 4 of issue 19). :class:`ModelWeights` gathers one
-tensor at a time, when the publisher reaches it, and the publisher drops it once written or sent.
+Why: a full state dict on every rank (``full_state_dict(to_rank=None)``) would hold the whole
+model in the compute dtype next to its shards. :class:`ModelWeights` gathers one tensor at a time, when the publisher reaches it, and the publisher drops it once written or sent.
 
 Per tensor, under each plan (every rank asks for the same names in the same order):
   plain module      the tensor itself (nothing to gather);
@@ -29,7 +28,8 @@ from torch import nn
 from workers.models.blocks.experts import StackedExperts, checkpoint_named, checkpoint_order, stacked_state_names
 from workers.models.lora.inject import is_lora_name
 from workers.weights.checksums import nonfinite_names
-from workers.weights.stream import DictStream, cast, full_tensor, local_part, meta_of
+from workers.common.dtensor import full_tensor, local_part
+from workers.weights.stream import DictStream, ExpertSlot, cast, meta_of
 
 
 class ModelWeights(DictStream):
@@ -59,9 +59,9 @@ class ModelWeights(DictStream):
         self._held: Optional[tuple[tuple[str, int], dict[str, list[torch.Tensor]]]] = None  # (block, EP rank) stacks
 
     @staticmethod
-    def _stack_slots(model: nn.Module) -> dict[str, tuple[StackedExperts, str, str, int, int]]:
-        """{per-expert name: (module, its prefix, stack name, owning EP rank, index in split_stack)} of
-        every block's experts, those of other EP ranks included (names only: nothing is sliced)."""
+    def _stack_slots(model: nn.Module) -> dict[str, ExpertSlot]:
+        """{per-expert name: its slot} of every block's experts, those of other EP ranks included
+        (names only: nothing is sliced)."""
         dims = getattr(model, "dims", None)
         ep = dims.ep if dims is not None else 1
         out = {}
@@ -71,7 +71,8 @@ class ModelWeights(DictStream):
                 per = mod.num_local
                 for r in range(ep):
                     for s in mod.stacks():
-                        out.update((pre + n, (mod, pre, s, r, k)) for k, n in enumerate(mod.stack_names(s, r * per)))
+                        out.update((pre + n, ExpertSlot(mod, pre, s, r, k))
+                                   for k, n in enumerate(mod.stack_names(s, r * per)))
         return out
 
     def _from_stack(self, name: str) -> torch.Tensor:

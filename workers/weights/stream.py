@@ -18,12 +18,16 @@ workers/trainer/weight_stream.py.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from workers.common.dtensor import full_tensor, local_part
 from workers.weights.base import TensorMeta
 from workers.weights.checksums import nonfinite_names
+
+if TYPE_CHECKING:
+    from workers.models.blocks.experts import StackedExperts
 
 
 class WeightStream:
@@ -49,13 +53,35 @@ class WeightStream:
         return sum(m.nbytes for m in self.metas)
 
 
+class ExpertSlot(NamedTuple):
+    """Where one routed expert's tensor lives in a sharded model: a view of row block ``index`` of
+    ``module``'s stacked parameter ``stack`` (``module.split_stack``), held by EP rank ``owner``.
+    What the trainer's stream hands a delta tracker instead of its private tuples."""
+
+    module: "StackedExperts"
+    prefix: str
+    """The module's name in the model with a trailing dot ("" at the root)."""
+    stack: str
+    owner: int
+    index: int
+
+
 class DictStream(WeightStream):
     """A state dict as a stream: plain tensors as they are, DTensors gathered one at a time when
-    reached (``full_tensor``: a collective over their mesh), floating ones cast to ``dtype``."""
+    reached (``full_tensor``: a collective over their mesh), floating ones cast to ``dtype``.
+
+    ``state`` holds the tensors by this stream's own names; ``ours`` maps each published name to its
+    own name, and ``slots`` names the published tensors that are views into a stacked ``state``
+    entry (none here; the trainer's stream: workers/trainer/weight_stream.py)."""
+
+    state: Mapping[str, torch.Tensor]
+    ours: Mapping[str, str]
+    slots: Mapping[str, ExpertSlot]
 
     def __init__(self, state: Mapping[str, torch.Tensor], dtype: Optional[torch.dtype] = None):
         self.state, self.dtype = state, dtype
         self.metas = [_meta(n, t, dtype) for n, t in state.items()]  # a DTensor's shape is the full one
+        self.ours, self.slots = {n: n for n in state}, {}
 
     def items(self, names: Optional[Sequence[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names if names is None else names:
@@ -63,18 +89,6 @@ class DictStream(WeightStream):
 
     def local_nonfinite(self) -> list[str]:
         return nonfinite_names((n, local_part(t.detach())) for n, t in self.state.items())
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective over its mesh for a DTensor: every rank of it calls, in step)."""
-    fn = getattr(t, "full_tensor", None)
-    return fn() if callable(fn) else t
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor itself."""
-    fn = getattr(t, "to_local", None)
-    return fn() if callable(fn) else t
 
 
 def cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:

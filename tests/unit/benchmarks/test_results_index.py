@@ -58,3 +58,14 @@ def test_benchmarks_write_to_the_scratch_folder_unless_recording():
     assert rec.stdout.strip() == "True ['--rec', 'x']", rec.stdout + rec.stderr  # --record is taken off argv
     ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/out/x.json"], cwd=REPO)
     assert ignored.returncode == 0, "benchmarks/out/ must be in .gitignore"
+
+
+def test_one_record_switch():
+    """``--record`` is benchmarks/record.py's alone: no benchmark parses its own, or defaults to the record
+    (split_results.py is no benchmark: it files a lent GPU machine's results into the record)."""
+    own = []
+    for path in (REPO / "benchmarks").rglob("*.py"):
+        text = path.read_text()
+        if path.name not in ("record.py", "split_results.py") and ('"--record"' in text or re.search(r'default="benchmarks/results|/ "results"', text)):
+            own.append(str(path.relative_to(REPO)))
+    assert not own, f"benchmarks with their own way into benchmarks/results/ (use benchmarks.record.results_dir): {own}"

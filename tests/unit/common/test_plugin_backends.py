@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 import tests.plugins.backends_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from tests.conftest import compose
 from workers.common.config import ClusterConfig, RunConfig
 from workers.common.inference_client import InferenceClient, wait_until_ready

@@ -12,7 +12,7 @@ import torch
 import tests.plugins.models_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
-from tests.netutil import free_port, gloo_dims
+from tests.helpers.netutil import free_port, gloo_dims
 from tests.conftest import compose
 from tests.unit.conftest import slurmrl
 from workers.common.config import load_run_config

@@ -20,7 +20,7 @@ from aiohttp import web
 import tests.plugins.weights_plugin as plugin
 from launcher.config_store import register
 from launcher.plan import PlanError, build_plan
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from tests.conftest import compose
 from workers.common.config import conform_sections
 from workers.common.inference_client import InferenceClient

@@ -7,6 +7,8 @@ wrong types and unknown keys are caught exactly as on the command line), then th
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
@@ -15,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from launcher.config_store import register, reject_unknown_keys
 from launcher.plan import PlanError, build_plan
+from workers.common.config.ranges import ConfigError, check_fields
 
 register()
 
@@ -267,6 +270,48 @@ def test_invalid_config_is_refused_naming_the_key(override, key, tmp_path):
     text = str(err.value) + str(getattr(err.value, "__cause__", "") or "")
     assert key in text, f"{override!r} was refused, but the message does not name {key!r}:\n{text}"
     assert not (tmp_path / "runs").exists(), "a run directory was written for an invalid config"
+
+
+#: Ranges the plan used to check again by hand: each is a rule beside its schema (limits()), so the
+#: run's field check alone refuses it, and the plan refuses it naming the key before anything is written.
+RULES_IN_LIMITS = [
+    ("orchestrator.num_spare_groups=-1", "orchestrator.num_spare_groups"),
+    ("orchestrator.num_prompts_per_step=0", "orchestrator.num_prompts_per_step"),
+    ("orchestrator.num_samples_per_prompt=1", "orchestrator.num_samples_per_prompt"),
+    ("orchestrator.max_off_policy_steps=-1", "orchestrator.max_off_policy_steps"),
+    ("orchestrator.temperature=0", "orchestrator.temperature"),
+    ("orchestrator.request_timeout_s=0", "orchestrator.request_timeout_s"),
+    ("orchestrator.long_episode_policy=maybe", "orchestrator.long_episode_policy"),
+    ("orchestrator.health_check_timeout_s=0", "orchestrator.health_check_timeout_s"),
+    ("orchestrator.num_health_misses=0", "orchestrator.num_health_misses"),
+    ("trainer.num_ranks=0", "trainer.num_ranks"),
+    ("trainer.num_steps=0", "trainer.num_steps"),
+    ("trainer.lr=0", "trainer.lr"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip"),
+    ("inference.num_workers=-1", "inference.num_workers"),
+    ("inference.max_batch_size=0", "inference.max_batch_size"),
+    ("inference.num_cpus_per_task=0", "inference.num_cpus_per_task"),
+    ("inference.worker.num_nodes_per_replica=0", "inference.worker.num_nodes_per_replica"),
+    ("inference.worker.dp_attention=0", "inference.worker.dp_attention"),
+    ("weights.keep_last=1", "weights.keep_last"),
+    ("cluster.time_limit=soon", "cluster.time_limit"),
+    ("cluster.num_port_slots=0", "cluster.num_port_slots"),
+    ("cluster.signal_grace_s=0", "cluster.signal_grace_s"),
+    ("cluster.max_requeues=-1", "cluster.max_requeues"),
+    ("launcher.trainer.num_nodes=0", "launcher.trainer.num_nodes"),
+    ("launcher.orchestrator.num_cpus_per_task=0", "launcher.orchestrator.num_cpus_per_task"),
+    ("launcher.router.num_cpus_per_task=0", "launcher.router.num_cpus_per_task"),
+]
+
+
+@pytest.mark.parametrize("override, key", RULES_IN_LIMITS, ids=[c[0] for c in RULES_IN_LIMITS])
+def test_each_range_has_one_home_its_schemas_rule(override, key, tmp_path):
+    cfg = OmegaConf.to_object(compose_cfg(override.split() + [f"cluster.runs_root={tmp_path / 'runs'}"]))
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        check_fields(cfg, "")  # the rules beside the schemas, nothing of the plan's
+    with pytest.raises(PlanError, match=re.escape(key)):
+        build_plan(cfg)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_cli_refuses_another_backends_option_with_exit_2(tmp_path):

@@ -128,11 +128,11 @@ def test_env_and_plan_json_of_each_process(tmp_path, monkeypatch):
 
 
 def test_real_child_processes_get_their_gpus(tmp_path):
-    """Every role's process, started by the local backend as in a run (tests/env_probe.py in place of
+    """Every role's process, started by the local backend as in a run (tests/helpers/env_probe.py in place of
     the role's module), sees its own CUDA_VISIBLE_DEVICES and its topology."""
     cfg = compose(["trainer.num_ranks=2", "inference.num_workers=2", *CUDA, "launcher.shutdown_grace_s=2"])
     plan = build_plan(cfg, gpus=LocalGPUs(("1", "2", "4", "7"), "NVML"))
-    plan = dataclasses.replace(plan, roles=tuple(dataclasses.replace(r, module="tests.env_probe") for r in plan.roles))
+    plan = dataclasses.replace(plan, roles=tuple(dataclasses.replace(r, module="tests.helpers.env_probe") for r in plan.roles))
     paths = RunPaths(tmp_path).ensure()
     assert LocalBackend(cfg, plan, paths).run() == 0
     got = {f.stem[len("probe_"):]: json.loads(f.read_text()) for f in tmp_path.glob("probe_*.json")}

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from tests.conftest import compose
-from tests.wandb_files import read_run
+from tests.helpers.wandb_files import read_run
 from workers.common.protocol import RunPaths
 from workers.common.metrics import MetricsWriter
 from workers.trainer.tracking import make_tracker

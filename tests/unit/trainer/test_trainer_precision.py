@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import plan
-from tests.netutil import free_port, gloo_dims
+from tests.helpers.netutil import free_port, gloo_dims
 from workers.common.config import TrainerConfig
 from workers.common.config.trainer import check_precision
 from workers.common.registry import MODELS

@@ -274,7 +274,7 @@ def test_senders_pack_streamed_tensors_one_at_a_time(tmp_path):
     """The trainer hands a stream (gathered tensor by tensor on a sharded model): each sender walks
     the whole plan, copies its buckets' tensors into the send slots and drops them, so the
     tensors held at once stay ~one per sender although a 1 MiB bucket holds this whole model."""
-    from tests.held_stream import Held
+    from tests.helpers.held_stream import Held
     from workers.weights.stream import DictStream
 
     state = build_model(CFG, seed=3).state_dict()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import ANY_NUMBER, ConfigError, between, ge, gt, limits, one_of
+from workers.common.config.ranges import ANY_NUMBER, between, ge, gt, limits, one_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -15,7 +15,7 @@ class OrchestratorConfig:
     num_prompts_per_step: int = 16
     """Distinct prompts in one trainer batch."""
     num_samples_per_prompt: int = 4
-    """Samples per prompt; advantages are relative to the prompt's group."""
+    """Samples per prompt (at least 2): advantages are relative to the prompt's group."""
     temperature: float = 1.0
     """Sampling temperature (the trainer scores with the same one)."""
     request_timeout_s: float = 120.0
@@ -84,11 +84,6 @@ class OrchestratorConfig:
     """Stop the run (orchestrator exit code 78, not restarted) when every reward call of this many
     consecutive batches failed (raised, timed out or returned a non-number), naming the first
     failure; 0 = never stop (failures still score 0 and are counted)."""
-
-    def __post_init__(self) -> None:
-        for key in ("health_check_interval_s", "health_check_timeout_s", "num_health_misses"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"orchestrator.{key}({getattr(self, key)}) must be > 0")
 
 
 limits(OrchestratorConfig, max_off_policy_steps=ge(0), max_inflight_rollouts=gt(0), num_prompts_per_step=gt(0),

@@ -185,6 +185,14 @@ def _nonfinite(value: Any) -> Optional[str]:
     return None
 
 
+def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    """``value > 0`` (``>= 0`` with ``allow_zero``), else ConfigError naming ``key``: for a check that
+    spans fields (a difference, a derived size) or is asked only in some modes, where a per-field rule
+    of :func:`limits` cannot say it."""
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
 def check_fields(obj: Any, prefix: str, *, skip: Collection[str] = ()) -> None:
     """Every field of the dataclass ``obj`` (section ``prefix``; "" for the whole run) but ``skip``
     meets its rule; raises ConfigError naming the first key that does not, its value and what is valid."""

@@ -18,7 +18,7 @@ class WeightsConfig:
     ``broadcast`` (torch.distributed), or a plugin's."""
     keep_last: int = 3
     """Published weight steps kept on disk (older ones are deleted, unless a kept delta step
-    still points at their files)."""
+    still points at their files); at least 2, so a step being loaded is never pruned."""
     skip_nonfinite: bool = False
     """A step whose weights hold NaN or inf is never published (found in the checksum pass). False:
     the trainer stops with an error naming the tensor and the step (exit EXIT_FATAL: not restarted).

@@ -39,8 +39,7 @@ import time
 from typing import Any, Optional, Protocol
 
 from workers.common.config import EnvConfig
-from workers.common.config.ranges import gt, limits
-from workers.orchestrator.envs.spec import positive
+from workers.common.config.ranges import gt, limits, positive
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -4,9 +4,9 @@ Why bytes: code, paths and tool output use every printable character, and the ti
 MoE has no pretrained tokenizer; a byte vocabulary covers all text losslessly with 264
 ids, so ``model.vocab_size`` only needs to be >= ``VOCAB_SIZE`` (tiny_code_repair sets it).
 
-Token ids (specials first, like reverse_digits, so PAD stays 0):
-  0 PAD, 1 BOS, 2 EOT (end of turn; the stop token), 3 USER, 4 ASSISTANT, 5 TOOL,
-  6..7 reserved, 8 + b for byte b (0..255).
+Token ids (workers/common/byte_vocab.py, shared with the tokenizer files the published weights
+carry): 0 PAD, 1 BOS, 2 EOT (end of turn; the stop token), 3 USER, 4 ASSISTANT, 5 TOOL,
+6..7 reserved, 8 + b for byte b (0..255).
 
 Template (every message = role token + UTF-8 bytes + EOT; the prompt ends with ASSISTANT
 so the model speaks next)::
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-PAD, BOS, EOT, USER, ASSISTANT, TOOL = 0, 1, 2, 3, 4, 5
-BYTE_OFFSET = 8
-VOCAB_SIZE = BYTE_OFFSET + 256
-SPECIAL_NAMES = {PAD: "<|pad|>", BOS: "<|bos|>", EOT: "<|eot|>", USER: "<|user|>", ASSISTANT: "<|assistant|>",
-                 TOOL: "<|tool|>"}
+from workers.common.byte_vocab import ASSISTANT, BOS, BYTE_OFFSET, EOT, SPECIAL_NAMES, TOOL, USER, VOCAB_SIZE
+
 ROLE_TOKENS = {"user": USER, "assistant": ASSISTANT, "tool": TOOL, "system": USER}
 
 

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from workers.common.config.ranges import NONEMPTY, TEXT, gt, limits, one_of
+from workers.common.config.ranges import NONEMPTY, TEXT, gt, limits, one_of, positive
 from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import GeneratedEvalSplit, MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.code_tasks import Task, make_task
 from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxSetupError
-from workers.orchestrator.envs.spec import EnvSpec, positive
+from workers.orchestrator.envs.spec import EnvSpec
 from workers.orchestrator.envs.tools import ToolCall, ToolCallError, ToolSpec, parse_patch, parse_tool_call, usage
 
 TOOLS = {t.name: t for t in (

@@ -19,10 +19,10 @@ import random
 from typing import Any
 
 from workers.common.config import EnvConfig
-from workers.common.config.ranges import gt, limits
+from workers.common.config.ranges import gt, limits, positive
 from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import GeneratedEvalSplit, SingleTurnEnv
-from workers.orchestrator.envs.spec import EnvSpec, positive
+from workers.orchestrator.envs.spec import EnvSpec
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_DIGIT = 4

@@ -26,11 +26,11 @@ import random
 from typing import Any
 
 from workers.common.config import EnvConfig
-from workers.common.config.ranges import TEXT, between, gt, limits
+from workers.common.config.ranges import TEXT, between, gt, limits, positive
 from workers.common.registry import ENVS
 from workers.models.pretrained import require_prepared, tokenizer_dir
 from workers.orchestrator.envs.base import GeneratedEvalSplit, SingleTurnEnv
-from workers.orchestrator.envs.spec import EnvSpec, positive
+from workers.orchestrator.envs.spec import EnvSpec
 
 #: One-token English words (SmolLM2's BPE), so the task is about order, not spelling.
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "book", "fish", "bird", "milk", "rain", "door",

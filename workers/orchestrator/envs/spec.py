@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from workers.common.config.ranges import check_fields
+from workers.common.config.ranges import check_fields, positive
 from workers.common.registry import PluginSpec
 
 LATENCIES = ("none", "lognormal", "pareto")
@@ -66,11 +66,6 @@ class EnvSpec(PluginSpec):
         check_vocabulary(self, run_cfg)
         if self.env_check is not None:
             self.env_check(run_cfg)
-
-
-def positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def check_latency(e: Any) -> None:

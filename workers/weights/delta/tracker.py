@@ -25,7 +25,8 @@ import torch
 from workers.weights.base import Peers, TensorMeta
 from workers.weights.delta.patch import Part
 from workers.weights.delta.sum64 import CHUNK, MASK, bits, segment_sums_device
-from workers.weights.stream import local_part
+from workers.common.dtensor import local_part
+from workers.weights.stream import DictStream
 
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -67,21 +68,19 @@ def _box(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
 
 
-def sources_of(weights, metas: list[TensorMeta]) -> list[Source]:
-    """The sources of a weight stream: a trainer's ModelWeights (stacks split by its slot map) or
-    any DictStream (each tensor its own single segment)."""
+def sources_of(weights: DictStream, metas: list[TensorMeta]) -> list[Source]:
+    """The sources of a weight stream: its ``state`` entries, an expert stack split into the
+    published experts its ``slots`` name (the trainer's ModelWeights), any other tensor its own
+    single segment."""
     dtypes = {m.name: m.dtype for m in metas}
-    hf_of = {ours: hf for hf, ours in getattr(weights, "ours", {m.name: m.name for m in metas}).items()}
-    slots = getattr(weights, "slots", {})
-    stacks: dict[str, tuple[Any, str, str]] = {}
-    for mod, pre, stack, _, _ in slots.values():
-        stacks[pre + stack] = (mod, pre, stack)
+    hf_of = {ours: hf for hf, ours in weights.ours.items()}
+    stacks = {slot.prefix + slot.stack: slot for slot in weights.slots.values()}
     out = []
     for name, t in weights.state.items():
         gshape, offset, lshape = _box(t)
         if name in stacks:
-            mod, pre, stack = stacks[name]
-            ep = max(1, len({s[3] for s in slots.values() if s[1] == pre}))
+            mod, pre, stack = stacks[name].module, stacks[name].prefix, stacks[name].stack
+            ep = max(1, len({s.owner for s in weights.slots.values() if s.prefix == pre}))
             gshape = (gshape[0] * ep, *gshape[1:])
             offset = (offset[0] + mod.first, *offset[1:])
             full = torch.empty(gshape, device="meta")

@@ -3,7 +3,7 @@ step of a model that has no tokenizer of its own, so ``AutoTokenizer.from_pretra
 prompts the trained model exactly as the run did (torch-free; plain JSON, no ``tokenizers`` needed
 to write them).
 
-The ids are envs/chat.py's: 0 PAD, 1 BOS, 2 EOT, 3 USER, 4 ASSISTANT, 5 TOOL, 6..7 reserved, 8 + b
+The ids are workers/common/byte_vocab.py's (the envs' too): 0 PAD, 1 BOS, 2 EOT, 3 USER, 4 ASSISTANT, 5 TOOL, 6..7 reserved, 8 + b
 for byte b. ``tokenizer.json`` is a byte-level BPE with no merges (each UTF-8 byte is one token,
 spelled with GPT-2's printable byte alphabet) and the specials as added tokens;
 ``tokenizer_config.json`` carries a chat template rendering ``BOS (<role> text EOT)* ASSISTANT``,
@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 
-PAD, BOS, EOT, USER, ASSISTANT, TOOL = 0, 1, 2, 3, 4, 5
-BYTE_OFFSET, VOCAB_SIZE = 8, 264  # envs/chat.py (the launcher-side weights code does not import the orchestrator)
-SPECIALS = {PAD: "<|pad|>", BOS: "<|bos|>", EOT: "<|eot|>", USER: "<|user|>", ASSISTANT: "<|assistant|>",
-            TOOL: "<|tool|>", 6: "<|reserved_6|>", 7: "<|reserved_7|>"}
+from workers.common.byte_vocab import BOS, BYTE_OFFSET, EOT, PAD, SPECIAL_NAMES, VOCAB_SIZE
+
+SPECIALS = {**SPECIAL_NAMES, 6: "<|reserved_6|>", 7: "<|reserved_7|>"}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
                  "{% if m['role'] == 'assistant' %}<|assistant|>{% elif m['role'] == 'tool' %}<|tool|>"
                  "{% else %}<|user|>{% endif %}{{ m['content'] }}<|eot|>{% endfor %}"

@@ -1,4 +1,4 @@
-"""``python -m tests.env_probe``: a stand-in role process that records what the launcher gave it.
+"""``python -m tests.helpers.env_probe``: a stand-in role process that records what the launcher gave it.
 
 The local backend starts it in place of a role's module (tests/unit/launcher/test_local_gpu_placement.py):
 it writes its GPU environment and its topology (workers/common/topology.py, as every role reads
