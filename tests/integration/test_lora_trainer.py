@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.integration.conftest import make_batch, publish_batch, start_rank, wait_all, write_ranks_run
-from tests.netutil import free_port
+from tests.helpers.netutil import free_port
 from workers.common.protocol import RunPaths
 from workers.weights.lora_format import is_adapter_dir, read_adapter
 

@@ -214,7 +214,7 @@ def _ulysses_worker(rank: int, world: int, port: int, heads: int, out: str) -> N
     import torch.distributed as dist
 
     from workers.models.blocks import ulysses
-    from tests.netutil import gloo_dims
+    from tests.helpers.netutil import gloo_dims
 
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, cp=world)
@@ -245,7 +245,7 @@ def _cp_inputs(heads: int):
 def test_context_parallel_paths_take_the_window_and_sinks(tmp_path, heads):
     """cp = 2 on gloo: each rank's outputs and gradients (q/k/v of its chunk, its share of the sink
     gradient) equal the one-process ``kernels.attend`` of the whole rows, plain causal and packed."""
-    from tests.netutil import run_ranks
+    from tests.helpers.netutil import run_ranks
 
     out = str(tmp_path / "cp")
     run_ranks(_ulysses_worker, 2, (heads, out), what=f"ulysses window+sinks heads={heads}")
