@@ -12,6 +12,9 @@ kernel's launch slot (a few microseconds), not FLOPs or bytes. Two numbers, one 
   sampled at temperature 1 (the RL setting): the wall time of a batch of ``--long`` new tokens
   minus one of ``--short`` tokens (same prompts, same engine), over the extra steps: prefill,
   admission and the last block's collection cancel out. ``graph_replay_ms``: one replay alone.
+  ``batch_fixed_ms``: what the short batch cost besides its decode steps (admission, the eager
+  chunked prefill, the first token, the last collection): per batch, not per token, and in an RL
+  step of short answers it can weigh as much as the decode steps.
 - ``kernels_per_step`` / ``kernels_per_layer``: the non-view ATen ops one eager decode step
   dispatches (each a kernel on a GPU, counted on any device with a dispatch mode), from two model
   depths so the per-layer and the fixed parts separate. CPU-countable: the test guards them.
@@ -122,7 +125,8 @@ def decode_step_ms(cfg, args, device: torch.device, dtype: torch.dtype) -> dict:
         (w_s, s_s), (w_l, s_l) = walls[args.short], walls[args.long]
         step_ms = 1e3 * (w_l - w_s) / max(s_l - s_s, 1)
         replay = graph_step_ms(engine, args.rows) if device.type == "cuda" else None
-        return {"decode_step_ms": step_ms, "graph_replay_ms": replay, "wall_s": {str(args.short): w_s, str(args.long): w_l},
+        # what a batch costs besides its decode steps: admission, chunked prefill, first token, last collection
+        return {"decode_step_ms": step_ms, "graph_replay_ms": replay, "batch_fixed_ms": 1e3 * w_s - s_s * step_ms, "wall_s": {str(args.short): w_s, str(args.long): w_l},
                 "decode_steps": {str(args.short): s_s, str(args.long): s_l}, "graph_error": engine.graph_error,
                 "cuda_graphs": len(getattr(engine._graphs, "graphs", ()) or ())}
     finally:

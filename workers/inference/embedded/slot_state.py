@@ -69,6 +69,15 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(torch.zeros_like(outside).scatter_(1, si, outside), 0.0)
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (on the host) on ``device`` without making the host wait for the device's queue: on CUDA
+    through pinned memory (torch's caching host allocator keeps the block until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SlotState:
     """Device buffers for ``num_slots`` sequences of up to ``max_len`` positions."""
 
@@ -94,18 +103,24 @@ class SlotState:
         self.routed = torch.zeros(s, n + 1, layers, k, dtype=torch.int16, device=d) if layers else None
 
     def admit(self, slots: list[int], reqs: list, device) -> torch.Tensor:
-        """Reset ``slots`` for new requests (host -> device, once per admission); returns them as a tensor."""
-        idx = torch.tensor(slots, device=device)
-        stop = torch.full((len(reqs), MAX_STOP_IDS), -1, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            stop[i, :len(r.stop_token_ids)] = torch.tensor(list(r.stop_token_ids), dtype=torch.long)
+        """Reset ``slots`` for new requests; returns them as a device tensor.
+
+        Every field travels in ONE host -> device copy (float64 holds slot numbers, token ids and
+        the float32 temperatures exactly), from pinned memory on CUDA: a copy from pageable memory
+        makes the host wait until the device's queue drains, and one per field did so five times
+        per admission while other requests were decoding."""
+        fields = [[s, r.max_new_tokens, float(r.temperature), float(getattr(r, "top_p", 1.0))]
+                  + list(r.stop_token_ids) + [-1] * (MAX_STOP_IDS - len(r.stop_token_ids)) for s, r in zip(slots, reqs)]
+        host = torch.tensor(fields, dtype=torch.float64)
+        dev = to_device(host, device)
+        idx = dev[:, 0].long()
         self.active[idx] = True
-        self.done[idx] = torch.tensor([r.max_new_tokens <= 0 for r in reqs], device=device)
+        self.done[idx] = dev[:, 1] <= 0
         self.ngen[idx] = 0
-        self.max_new[idx] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
-        self.temp[idx] = torch.tensor([float(r.temperature) for r in reqs], device=device)
-        self.top_p[idx] = torch.tensor([float(getattr(r, "top_p", 1.0)) for r in reqs], device=device)
-        self.stop[idx] = stop.to(device)
+        self.max_new[idx] = dev[:, 1].long()
+        self.temp[idx] = dev[:, 2].float()
+        self.top_p[idx] = dev[:, 3].float()
+        self.stop[idx] = dev[:, 4:].long()
         return idx
 
     def record_routing(self, rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, routed: torch.Tensor) -> None:

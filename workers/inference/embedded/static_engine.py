@@ -37,7 +37,7 @@ import torch
 from workers.inference.embedded.cuda_graphs import DecodeGraphs, first_at_least, graph_batch_sizes, key_buckets
 from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.requests import GenRequest, _Seq
-from workers.inference.embedded.slot_state import GREEDY, MAX_STOP_IDS, NUCLEUS, SlotState, decode_mode
+from workers.inference.embedded.slot_state import GREEDY, MAX_STOP_IDS, NUCLEUS, SlotState, decode_mode, to_device
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.latent_moe import LatentMoE
@@ -156,7 +156,7 @@ class StaticEngine(InferenceEngine):
         ids = torch.zeros(n, t_max, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, :len(s.req.input_ids)] = torch.tensor(s.req.input_ids)
-        ids, lens_d = ids.to(dev), lens.to(dev)
+        ids, lens_d = to_device(ids, dev), to_device(lens, dev)  # no wait for the decode queue (slot_state.to_device)
         last = torch.empty(n, self.config.vocab_size, device=dev, dtype=torch.float32)
         self.slots.use(rows, prefix=False)
         for c0 in range(0, t_max, self.prefill_chunk):
@@ -168,9 +168,9 @@ class StaticEngine(InferenceEngine):
             want = torch.zeros(n, t, dtype=torch.bool)
             want[ends, lens[ends] - 1 - c0] = True
             out = self.model(ids[:, c0:c0 + t], position_ids=pos, attention_mask=valid, cache=self.slots,
-                             logits_mask=want.to(dev))
+                             logits_mask=to_device(want, dev))
             if len(ends):
-                last[ends.to(dev)] = out.logits.float()
+                last[to_device(ends, dev)] = out.logits.float()
             if out.routed_experts.shape[2]:
                 st.record_routing(rows, pos, valid, out.routed_experts)
         mode = decode_mode([s.req for s in seqs])
