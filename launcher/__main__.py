@@ -91,6 +91,8 @@ commands:
   plot RUN [RUN...] [--out F]   reward, eval and timing curves of runs as one PNG (matplotlib)
   resume                        slurmrl launcher.resume=RUN_DIR [OVERRIDES]: continue a stopped run
   preflight                     slurmrl-preflight (GPU, NCCL, filesystem and port checks; --help)
+  export [--merge] RUN_OR_STEP OUT   a published step as one HF directory; --merge: a LoRA adapter merged
+                                into its base (launcher/export.py)
   submit preflight|export|eval [--nodes N --cluster NAME ...] -- ARGS
                                 a standalone Slurm job through submitit: preflight on N nodes, a step
                                 exported as one HF directory, or slurmrl-eval of a step (--help)
@@ -117,6 +119,10 @@ def main() -> None:
         from launcher.plot import main as plot_main
 
         sys.exit(plot_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "export":
+        from launcher.export import main as export_main
+
+        sys.exit(export_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "submit":
         from launcher.standalone import main as submit_main
 

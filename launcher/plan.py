@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from launcher.activations import FIT_FRACTION, longest_sample, trainer_fit
 from launcher.estimate import (MemoryEstimate, ParamCount, count_params, human, server_memory, states_formula,
                                trainer_memory)
+from launcher import lora_plan
 from launcher.gpus import LocalGPUs, ProcessGPUs, check_preset, place_local, placement_lines
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
@@ -31,10 +32,10 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
-from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS
+from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
-from workers.weights.spec import check_transport as _transport_check, update_line as _update_line
+from workers.weights.spec import check_transport as _transport_check, lora_delivery_line as _lora_delivery
 
 if TYPE_CHECKING:
     from workers.inference.spec import BackendStep
@@ -68,6 +69,8 @@ class JobPlan:
     """``<model.name> (family <model.family>[, from <model.path>])``: what the summary names."""
     weight_update: str = ""
     """The weight transport's cost per update, where it is known (:func:`weight_update_line`)."""
+    lora: str = ""
+    """``trainer.lora``'s line (launcher/lora_plan.py summary_line): trainable params, memory, bytes per update."""
     algorithm: str = ""
     """The RL recipe and its effective settings, one line (workers/common/config/algorithm.py ``describe``)."""
     local_gpus: Optional[LocalGPUs] = None
@@ -102,6 +105,7 @@ class JobPlan:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
         lines += [f"algorithm {self.algorithm}"] if self.algorithm else []
+        lines += [self.lora] if self.lora else []
         lines += [f"WARNING {w}" for w in self.trainer_dims.warnings]
         if self.backend == "slurm" and self.roles and not any(r.role == "router" for r in self.roles):
             lines.append(f"router: none ({self.inference_backend} inference: the orchestrator balances over the "
@@ -268,12 +272,15 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
     out, warnings = [], []
     for r in roles:
         if r.role == "trainer":
-            est = trainer_memory(params, r.num_procs, gpu_gb, cfg.trainer.master_dtype)
+            lora = cfg.trainer.lora.enabled  # a frozen base + adapters: launcher/lora_plan.py
+            est = (lora_plan.trainer_memory(cfg, r.num_procs, gpu_gb) if lora
+                   else trainer_memory(params, r.num_procs, gpu_gb, cfg.trainer.master_dtype))
             key = "launcher.trainer.num_nodes"
             if est.fits:
                 total, line, need = trainer_fit(cfg, est.per_gpu_gb, gpu_gb, num_ranks=r.num_procs,
                                                 rows_per_rank=rows_per_rank,
-                                                states_how=states_formula(params, r.num_procs, cfg.trainer.master_dtype))
+                                                states_how=lora_plan.states_formula(cfg, r.num_procs) if lora
+                                                else states_formula(params, r.num_procs, cfg.trainer.master_dtype))
                 if total > FIT_FRACTION * gpu_gb:
                     t = cfg.trainer
                     cures = ([f"trainer.parallel.cp >= {need} (context parallel)"] if need else []) + (
@@ -338,7 +345,10 @@ def check_sections(cfg: RunConfig) -> None:
 def weight_update_line(cfg: RunConfig, params: ParamCount) -> str:
     """The weight transport's own line on one update's cost (TransportSpec.update_line; the SGLang
     protocol's bytes per inference GPU and seconds, the simulator's figure too); "" where it has none."""
-    return _update_line(cfg, params.total)  # LoRA mode: the adapter's bytes, whatever the transport
+    if cfg.trainer.lora.enabled:  # adapters are the update (launcher/lora_plan.py), delivered as lora_steps.py says
+        return f"{lora_plan.update_line(cfg)}; {_lora_delivery(cfg, lora_plan.lora_facts(cfg).published)}"
+    spec = TRANSPORTS.get(cfg.weights.transport)
+    return spec.update_line(cfg, params.total) if spec.update_line is not None else ""
 
 
 def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
@@ -353,6 +363,7 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
     samples = check_loop(cfg)
     with plan_errors():  # the recipe's cross-section rules; warnings for a user's checkpoint
         algorithm_warnings = check_algorithm(cfg)
+    lora_warnings = lora_plan.check_lora(cfg)  # trainer.lora: layout, targets, the learning-rate hint
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
@@ -377,7 +388,8 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
     params = count_params(cfg.model)
     memory, memory_warnings = estimate_memory(cfg, params, roles,
                                               rows_per_rank=-(-samples // (dims.dp * dims.ep)))
-    dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings + tuple(algorithm_warnings))
+    dims = dataclasses.replace(dims, warnings=dims.warnings + memory_warnings + tuple(algorithm_warnings)
+                               + tuple(lora_warnings))
     return JobPlan(experiment=cfg.experiment, backend=cfg.cluster.backend, roles=roles, components=components,
                    num_params=params.total, params=params, samples_per_step=samples, trainer_dims=dims,
                    slurm=SlurmJobPlan.from_config(cfg), memory=memory,
@@ -387,5 +399,5 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
                          + (f", from {cfg.model.path}" if getattr(cfg.model, "path", "") else "") + ")",
                    weight_update=weight_update_line(cfg, params),
                    local_gpus=None if slurm else gpus, gpu_placement=() if slurm else placement,
-                   algorithm=describe_algorithm(cfg))
+                   algorithm=describe_algorithm(cfg), lora=lora_plan.summary_line(cfg) if cfg.trainer.lora.enabled else "")
 

@@ -109,7 +109,9 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             log.info(f"tp {dims.tp} x cp {dims.cp} x ep {dims.ep} x dp {dims.dp} ({dims.backend}, {dims.device}), plan "
                      f"{trainer_plan(cfg)}, master {tcfg.master_dtype} / compute {tcfg.dtype}, compile "
                      f"{resolve_compile(tcfg.compile, dims.device)}, "
-                     f"{num_parameters(cfg) / 1e6:.2f}M params, router_replay={tcfg.router_replay}; "
+                     f"{num_parameters(cfg) / 1e6:.2f}M params"
+                     + (f" (LoRA rank {tcfg.lora.rank}: {num_trainable(model) / 1e6:.3f}M trainable on this rank)"
+                        if tcfg.lora.enabled else "") + f", router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
         warned = False
         for step in range(start + 1, tcfg.num_steps + 1):  # 1-based: step N publishes weights/step_N
@@ -298,6 +300,11 @@ def parallelize(cfg: RunConfig, full, dims: ParallelDims):
 def num_parameters(cfg: RunConfig) -> int:
     """Parameters of the full model (built on the meta device: nothing allocated)."""
     return sum(p.numel() for p in MODELS.get(cfg.model.family).build(cfg.model, device="meta").parameters())
+
+
+def num_trainable(model) -> int:
+    """Trainable parameter elements this rank holds (LoRA: its shards of the adapters)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters() if p.requires_grad)
 
 
 _STOPPING: list[bool] = []  # non-empty once SIGTERM arrived

@@ -56,7 +56,8 @@ def lora_mode(cfg: Any) -> Optional[LoraMode]:
     from workers.common.config.lora import EXPERTS, adapts_experts, linear_targets
 
     wanted = list(getattr(lora, "targets", None) or ())
-    targets = tuple(sorted(linear_targets(wanted))) + ((EXPERTS,) if adapts_experts(wanted) else ())
+    moe = bool(getattr(getattr(cfg, "model", None), "num_experts", 0))  # MoE: no dense-MLP adapters (config/lora.py)
+    targets = tuple(sorted(linear_targets(wanted, moe=moe))) + ((EXPERTS,) if adapts_experts(wanted) else ())
     names = tuple(getattr(a, "name", a) for a in (getattr(lora, "adapters", None) or ())) or ("default",)
     return LoraMode(rank=rank, alpha=float(getattr(lora, "alpha", rank)), targets=targets, adapters=names)
 
@@ -116,26 +117,6 @@ def file_digest(path) -> Optional[str]:
     return state_digest(hashes)
 
 
-def adapter_numel(cfg: Any, targets: tuple[str, ...], rank: int) -> int:
-    """Elements of one adapter of ``rank`` on ``cfg.model`` (``r * (in + out)`` per target module, per expert
-    for ``experts``), from the model section's widths alone (the plan's bytes per update)."""
-    m = cfg.model
-    h, layers = int(m.hidden_size), int(m.num_layers)
-    heads = int(getattr(m, "num_heads", 0) or 0)
-    hd = int(getattr(m, "head_dim", 0) or 0) or (h // max(heads, 1))
-    kv = int(getattr(m, "num_kv_heads", 0) or heads)
-    inter = int(getattr(m, "intermediate_size", 0) or 0)
-    experts = int(getattr(m, "num_experts", 0) or 0)
-    e_inter = int(getattr(m, "expert_intermediate_size", 0) or 0)
-    shapes = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h)}
-    if inter and not experts:
-        shapes.update(gate_proj=(h, inter), up_proj=(h, inter), down_proj=(inter, h))
-    per_layer = sum(rank * (i + o) for t, (i, o) in shapes.items() if t in targets)
-    if "experts" in targets and experts:  # gate_up [2I, H] and down [H, I] per expert
-        per_layer += experts * rank * ((h + 2 * e_inter) + (e_inter + h))
-    return per_layer * layers
-
-
 SGLANG_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
                   "gate_proj", "up_proj", "down_proj")
 """``trainer.lora`` targets SGLang 0.5.23 serves (its SUPPORTED_LORA_TARGET_MODULES, less fused names we never
@@ -156,19 +137,15 @@ def sglang_lora_modules(mode: LoraMode) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def update_line(cfg: Any) -> str:
-    """The plan's ``weights:`` line in LoRA mode: an update is the adapter, read by every server."""
-    mode = lora_mode(cfg)
-    if mode is None:
-        return ""
+def delivery_line(cfg: Any, adapter_params: float) -> str:
+    """How a LoRA update reaches the servers and what it costs (the plan's ``weights:`` line, after the
+    adapter's size that launcher/lora_plan.py prints): written once in the inference dtype, read by every server."""
     item = 2 if cfg.inference.dtype in ("bfloat16", "float16") else 4
-    nbytes = adapter_numel(cfg, mode.targets, mode.rank) * item
-    fs = cfg.cluster.shared_fs_gb_s
-    how = "SGLang /load_lora_adapter" if speaks_sglang(cfg) else "/update_weights_from_disk, unmerged"
-    return (f"LoRA rank {mode.rank}: every update is the adapter, ~{nbytes / 1e6:.1f} MB ({cfg.inference.dtype}) "
-            f"written once to run_dir/weights and read by each server ({how}; ~{nbytes / (fs * 1e9):.3f} s at "
-            f"cluster.shared_fs_gb_s={fs:g}); the base (step 0) is loaded once; each version is confirmed by the "
-            f"digest of what the engine holds before it is sampled")
+    nbytes, fs = adapter_params * item, cfg.cluster.shared_fs_gb_s
+    how = "SGLang's /load_lora_adapter by name" if speaks_sglang(cfg) else "/update_weights_from_disk, applied unmerged"
+    return (f"written once to run_dir/weights in {cfg.inference.dtype} and read by each server ({how}: "
+            f"{nbytes / (fs * 1e9):.3f} s at cluster.shared_fs_gb_s={fs:g}, whatever weights.transport); each version is "
+            f"confirmed by the digest of what the engine holds before it is sampled")
 
 
 def check_serving(cfg: Any) -> None:

@@ -63,12 +63,10 @@ def check_transport(run_cfg: Any) -> None:
                          f"{run_cfg.inference.backend} servers; it talks to {list(spec.backends)}")
 
 
-def update_line(run_cfg: Any, num_params: float) -> str:
-    """The plan's line on one update's cost: in LoRA mode the adapter's (workers/weights/lora_steps.py: the
-    update is the adapter whatever the transport), else the transport's ``update_line`` ("" where none)."""
-    from workers.weights.lora_steps import lora_mode, update_line as lora_line
 
-    if lora_mode(run_cfg) is not None:
-        return lora_line(run_cfg)
-    spec: TransportSpec = TRANSPORTS.get(run_cfg.weights.transport)
-    return spec.update_line(run_cfg, num_params) if spec.update_line is not None else ""
+def lora_delivery_line(run_cfg: Any, adapter_params: float) -> str:
+    """The plan's words on how a LoRA run's adapter (``adapter_params`` numbers per update, launcher/lora_plan.py
+    counts them) reaches the servers, whatever the transport, and what that costs (workers/weights/lora_steps.py)."""
+    from workers.weights.lora_steps import delivery_line
+
+    return delivery_line(run_cfg, adapter_params)

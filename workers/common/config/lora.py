@@ -38,7 +38,8 @@ TARGETS = (*TARGET_GROUPS, EXPERTS, *LINEAR_TARGETS)
 """``trainer.lora.targets`` choices."""
 ROUTER_NAMES = ("gate", "router", "mlp.gate", "e_score_correction_bias")
 """What a user may write for the router; refused with a reason (module docstring)."""
-EXPERT_MODES = ("per_expert", "shared_outer")
+PER_EXPERT, SHARED_OUTER = "per_expert", "shared_outer"
+EXPERT_MODES = (PER_EXPERT, SHARED_OUTER)
 """``trainer.lora.experts`` choices (workers/trainer/lora/experts.py explains them)."""
 FULL_FT_LR_MAX = 2e-5
 """A LoRA run at or below this learning rate gets the plan's hint: full-fine-tuning RL recipes use

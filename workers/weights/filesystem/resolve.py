@@ -23,12 +23,17 @@ from workers.weights.filesystem.layout import INDEX
 from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, TOKENIZER_FILES
 from workers.weights.base import WeightLoadError
 from workers.weights.filesystem.receiver import DiskReader
+from workers.weights.lora_format import is_adapter_dir
 from workers.weights.shards import write_shard
 
 
 def resolve(step_dir: Path, out_dir: Path) -> Path:
     """Write the full checkpoint of ``step_dir`` into ``out_dir`` (created; must not exist)."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
+    if is_adapter_dir(step_dir):  # a LoRA step: merged into its base (workers/weights/lora_merge.py)
+        from workers.weights.lora_merge import merge
+
+        return merge(step_dir, out_dir)
     files_dir = _anchor_of(step_dir)  # a patch step (weights.delta) takes config and tokenizer from its anchor
     if not (files_dir / CONFIG).is_file():
         raise WeightLoadError(f"{files_dir} has no {CONFIG}: its family publishes no Hugging Face config")
