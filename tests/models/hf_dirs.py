@@ -30,3 +30,22 @@ def llama_dir(directory: Path, *, max_shard_size: str | None = None, tokenizer_v
     if tokenizer_vocab:
         save_tokenizer(directory, tokenizer_vocab)
     return Path(directory)
+
+
+TINY_DENSE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def hf_dir(directory: Path, architecture: str, model_type: str, *, tokenizer_vocab: int = 0, seed: int = 0,
+           **overrides) -> Path:
+    """Save a tiny seeded ``architecture`` (any transformers model type: ``CONFIG_MAPPING[model_type]``
+    with :data:`TINY_DENSE` and ``overrides``) into ``directory``, as ``save_pretrained`` writes it."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = CONFIG_MAPPING[model_type](**{**TINY_DENSE, **overrides})
+    config.architectures = [architecture]
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    if tokenizer_vocab:
+        save_tokenizer(directory, tokenizer_vocab)
+    return Path(directory)

@@ -86,6 +86,7 @@ MODELS: Registry = Registry("model family", "model.family", "model", {
     "tiny_moe": "workers.models.tiny_moe.spec", "llama": "workers.models.llama.spec",
     "deepseek_v3": "workers.models.deepseek_v3.spec", "glm_moe_dsa": "workers.models.glm_moe_dsa.spec",
     "nemotron_h": "workers.models.nemotron_h.spec", "qwen3_moe": "workers.models.qwen3_moe.spec",
+    "qwen3": "workers.models.qwen3.spec", "qwen2": "workers.models.qwen2.spec", "mistral": "workers.models.mistral.spec",
     "gemma3_text": "workers.models.gemma3_text.spec", "gpt_oss": "workers.models.gpt_oss.spec"})
 TRANSPORTS: Registry = Registry("weight transport", "weights.transport", "weights", {
     "filesystem": "workers.weights.filesystem", "broadcast": "workers.weights.broadcast"})

@@ -71,6 +71,14 @@ CASES = [
     ("model=tiny_dense model.top_k=2", "model.top_k"),
     ("model=tiny_dense model.dense_intermediate_size=0", "model.dense_intermediate_size"),
     ("model=tiny_dense trainer.parallel.ep=2 trainer.num_ranks=2", "trainer.parallel.ep"),
+    # the dense decoder families (workers/models/dense/)
+    ("inference=sglang cluster=h200_ib model=mistral_tiny", "model.sliding_window"),  # SGLang: no window there
+    ("model=mistral_tiny model.layer_types=[sliding_attention]", "model.layer_types"),
+    ("model=qwen2_tiny model.sliding_window=0 model.layer_types=[full_attention,sliding_attention]",
+     "model.layer_types"),
+    ("model=qwen3_tiny model.head_dim=15", "model.head_dim"),
+    ("model=qwen3_tiny model.layer_types=[full_attention,local]", "model.layer_types"),
+    ("model=qwen2_tiny model.sliding_window=-1", "model.sliding_window"),
     ("model.num_kv_heads=3", "model.num_kv_heads"),
     ("experiment=smollm2_reverse_text env.max_words=99", "env.max_words"),
     ("experiment=smollm2_reverse_text env.num_examples=5", "env.num_examples"),

@@ -292,3 +292,25 @@ def test_the_gpu_varlen_branches_get_flash_attentions_window_size(monkeypatch):
     assert seen == [(2, 0), (2, 0)]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_windowed_attention_in_query_blocks_equals_the_banded_mask(window, monkeypatch):
+    """The CPU / float32 windowed path (varlen.windowed_sdpa: query blocks against their band of keys,
+    no [T, T] mask) with blocks of 4 over 11 tokens: every block boundary equals one masked SDPA."""
+    from workers.models.blocks import masking, varlen
+
+    monkeypatch.setattr(varlen, "WINDOW_BLOCK", 4)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 11, 4, generator=g, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(3, generator=g, requires_grad=True)
+    got = varlen.windowed_sdpa(q, k, v, 0.5, window, sinks)
+    mask = masking.causal_mask(11, "cpu", window)[None, None]
+    q1, k1, v1, m1 = masking.with_sinks(q, k, v, mask, sinks, 0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q1, k1, v1, attn_mask=m1, scale=0.5)
+    torch.testing.assert_close(got, want)
+    a = torch.autograd.grad(got.square().sum(), (q, k, v, sinks))
+    b = torch.autograd.grad(want.square().sum(), (q, k, v, sinks))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+

@@ -48,19 +48,20 @@ def test_preset_facts_are_unchanged(preset):
 
 
 @pytest.mark.parametrize("family", ["tiny_moe", "llama", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "qwen3_moe",
-                                    "gemma3_text", "gpt_oss"])
+                                    "qwen3", "qwen2", "mistral", "gemma3_text", "gpt_oss"])
 def test_every_family_answers_the_generic_facts(family):
     spec = MODELS.get(family)
     assert spec.name == family and spec.config().family == family
     assert spec.buildable  # every family builds now (the trainer plans differ: test below)
-    dense = family in ("llama", "gemma3_text")
+    dense = family in ("llama", "qwen3", "qwen2", "mistral", "gemma3_text")
     m = spec.config()
     assert (m.num_experts == 0) == dense and (m.top_k == 0) == dense  # fields of MoE schemas, 0 from the base
     assert (spec.router_hook is None) == dense
     assert architecture(m).is_moe != dense
 
 
-@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b", "gemma3_1b", "gpt_oss_20b"])
+@pytest.mark.parametrize("preset", ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "qwen3_30b_a3b", "qwen3_tiny",
+                                    "qwen2_tiny", "mistral_tiny", "gemma3_1b", "gpt_oss_20b"])
 def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
     m = compose([f"model={preset}"]).model
     spec = MODELS.get(m.family)

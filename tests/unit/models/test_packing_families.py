@@ -18,7 +18,8 @@ from workers.trainer.packing import plan_packing
 
 torch.set_num_threads(1)
 
-PRESETS = ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "deepseek_v3_tiny", "glm_moe_dsa_tiny", "nemotron_h_tiny"]
+PRESETS = ["tiny_moe", "tiny_dense", "qwen3_moe_tiny", "deepseek_v3_tiny", "glm_moe_dsa_tiny", "nemotron_h_tiny",
+           "mistral_tiny"]  # mistral_tiny: a sliding window (8) shorter than the 11-token document
 LENGTHS = [5, 11, 3, 7, 0]  # FFD packs these into rows of 12: [11], [7, 5], [3]
 
 

@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embedding and the inference KV cache (Llama, Qwen3, tiny_moe).
+"""Grouped-query attention with rotary embedding and the inference KV cache (Llama, Qwen3, Qwen2, Mistral, tiny_moe).
 
 One block for the softmax-attention families whose checkpoints hold q/k/v/o projections:
 

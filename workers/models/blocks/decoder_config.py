@@ -1,4 +1,5 @@
-"""The schema every pre-norm rotary decoder family shares: tiny_moe, llama and qwen3_moe subclass it.
+"""The schema every pre-norm rotary decoder family shares: tiny_moe, llama, qwen3_moe and the dense
+decoder of qwen3 / qwen2 / mistral (workers/models/dense/config.py) subclass it.
 
 ``DecoderConfig`` holds what the shared decoder (blocks/decoder.py, blocks/layer.py) reads beyond the
 base ModelConfig: grouped-query attention, tied embeddings, rotary base, norm epsilon. Each family

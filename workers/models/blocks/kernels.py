@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.models.blocks.masking import causal_mask, narrows, with_sinks
-from workers.models.blocks.varlen import Documents, attend_docs, attend_rows, varlen_ok
+from workers.models.blocks.varlen import Documents, attend_docs, attend_rows, varlen_ok, windowed_sdpa
 
 FAST_PATH_ON_CPU = False
 
@@ -48,8 +48,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optiona
         t = q.shape[-2]
         if narrows(window, t) and sinks is None and varlen_ok(q, v, window):  # one banded flash launch, O(T) memory
             return attend_rows(q, k, v, scale, window)
-        if narrows(window, t) or sinks is not None:
-            attn_mask = causal_mask(t, q.device, window if narrows(window, t) else None)[None, None]
+        if narrows(window, t):  # no [T, T] mask: blocks of queries under their band
+            return windowed_sdpa(q, k, v, scale, window, sinks)
+        if sinks is not None:
+            attn_mask = causal_mask(t, q.device)[None, None]
         elif CAUSAL_SDPA_BACKENDS is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:

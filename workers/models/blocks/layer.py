@@ -1,4 +1,4 @@
-"""The pre-norm decoder layer of the attention + MLP families (Llama, Qwen3-MoE, tiny_moe).
+"""The pre-norm decoder layer of the attention + MLP families (Llama, Qwen3, Qwen2, Mistral, Qwen3-MoE, tiny_moe).
 
 ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, HF module names (``input_layernorm``,
 ``self_attn``, ``post_attention_layernorm``, ``mlp``). The MLP is either a dense SwiGLU or a

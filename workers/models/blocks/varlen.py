@@ -152,12 +152,34 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docum
         if not doc:
             return v[r:r + 1, :, a:b]  # padding attends to itself only
         mask = None if doc_masks is None else doc_masks.get((r, a))
+        x = (q[r:r + 1, :, a:b], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b])
+        if narrows(window, b - a) and mask is None:
+            return windowed_sdpa(*x, scale, window, sinks)
         if narrows(window, b - a):
-            band = causal_mask(b - a, q.device, window)[None, None]
-            mask = band if mask is None else mask & band
-        return causal_sdpa(q[r:r + 1, :, a:b], k[r:r + 1, :, a:b], v[r:r + 1, :, a:b], scale, mask, sinks=sinks)
+            mask = mask & causal_mask(b - a, q.device, window)[None, None]
+        return causal_sdpa(*x, scale, mask, sinks=sinks)
 
     return docs.map_runs(run, time_dim=2)
+
+
+WINDOW_BLOCK = 256
+"""Queries per block of :func:`windowed_sdpa` (at least the window)."""
+
+
+def windowed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal sliding-window attention over ``[B, H, T, D]`` without a [T, T] mask: queries in blocks of
+    ``n = max(window, WINDOW_BLOCK)``, block ``[a, a + n)`` against keys ``[a - window + 1, a + n)``
+    under their band, so memory is O(T x (n + window)). What the paths without a windowed kernel run
+    (CPU, float32): long documents keep linear memory as on the GPU's varlen kernel."""
+    t, n = q.shape[-2], max(window, WINDOW_BLOCK)
+    out = []
+    for a in range(0, t, n):
+        b, lo = min(a + n, t), max(0, a - window + 1)
+        rows, keys = torch.arange(a, b, device=q.device), torch.arange(lo, b, device=q.device)
+        mask = (keys[None, :] <= rows[:, None]) & window_band(rows, keys, window)
+        out.append(causal_sdpa(q[..., a:b, :], k[..., lo:b, :], v[..., lo:b, :], scale, mask[None, None], sinks=sinks))
+    return torch.cat(out, dim=-2)
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

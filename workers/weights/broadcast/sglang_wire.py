@@ -41,9 +41,10 @@ FORMATS = ("flattened_bucket", "per_tensor")
 DELTA_LOADER = "workers.weights.broadcast.sglang_delta_loader.load_patch"
 """Import path of the function SGLang calls to apply a sparse patch (``--custom-weight-loader`` on the
 server's command line, ``load_format`` of ``/update_weights_from_tensor``; weights.delta only)."""
-WEIGHTS_BY_NAME_ARCHITECTURES = ("LlamaForCausalLM",)
+WEIGHTS_BY_NAME_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 """Those of our families' SGLang model classes that implement ``get_weights_by_name`` in 0.5.23
-(srt/models/llama.py; qwen3_moe, deepseek_v2, glm and nemotron_h do not): sampled verification
+(srt/models/llama.py, and mistral.py's subclass of it; qwen2, qwen3, qwen3_moe, deepseek_v2, glm and
+nemotron_h do not): sampled verification
 works only for them (checked against the pinned source by the protocol test)."""
 
 
