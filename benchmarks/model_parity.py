@@ -58,6 +58,22 @@ def tiny_configs() -> dict[str, tuple[str, dict]]:
             conv_kernel=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=64, moe_latent_size=32, n_shared_experts=1, n_group=2, topk_group=1,
             routed_scaling_factor=2.5, max_position_embeddings=512)),
+        "qwen3": ("qwen3", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512)),
+        "qwen2": ("qwen2", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)),
+        "mistral": ("mistral", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                                    max_position_embeddings=512)),
+        "gemma3_text": ("gemma3_text", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            sliding_window=24, query_pre_attn_scalar=16,
+                                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                            max_position_embeddings=512)),
+        "gpt_oss": ("gpt_oss", dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                    num_experts_per_tok=2, sliding_window=24,
+                                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)),
     }
 
 
@@ -92,6 +108,16 @@ def real_configs() -> dict[str, tuple[str, dict]]:
                                             kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
                                             qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
                                             max_position_embeddings=8192, num_nextn_predict_layers=0)),
+        # Qwen3-8B's layer (hidden 4096, 32 heads over 8 kv heads of 128, SwiGLU 12288, 152k vocabulary, untied)
+        "qwen3": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=3,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                                max_position_embeddings=8192)),
+        # GPT-OSS-20B's MoE layer (32 experts top-4 of width 2880, 64 heads of 64 over 8 kv heads with sinks and
+        # biases, a 128-token window, 201k vocabulary): one (sliding) layer, so four models fit one 80 GB card
+        "gpt_oss": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=1,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention"],
+                                    max_position_embeddings=8192)),
     }
 
 
@@ -104,17 +130,23 @@ def train_flops_per_token(model: torch.nn.Module, kw: dict, seq: int) -> float:
     active = 0.0
     expert_params = {id(p) for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()}
     top_k = kw.get("num_experts_per_tok", 1)
-    num_experts = kw.get("num_experts") or kw.get("n_routed_experts") or 1
+    num_experts = kw.get("num_experts") or kw.get("n_routed_experts") or kw.get("num_local_experts") or 1
     for name, p in model.named_parameters():
         if "embed_tokens" in name and model.lm_head is not None:
             continue
-        active += p.numel() * (top_k / num_experts if id(p) in expert_params else 1.0)
+        routed = id(p) in expert_params or ".mlp.experts." in name  # GPT-OSS keeps transformers' fused experts
+        active += p.numel() * (top_k / num_experts if routed else 1.0)
     heads = kw["num_attention_heads"]
     if "kv_lora_rank" in kw:
         d_qk, d_v = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"], kw["v_head_dim"]
     else:
         d_qk = d_v = kw.get("head_dim") or kw["hidden_size"] // heads
-    attn = 6.0 * kw["num_hidden_layers"] * heads * (d_qk + d_v) * seq / 2
+    window = kw.get("sliding_window") or seq
+    types = kw.get("layer_types") or ["sliding_attention" if "sliding_window" in kw else "full_attention"] * kw[
+        "num_hidden_layers"]
+    keys = sum(min(window, seq) * (1 - min(window, seq) / (2 * seq)) if t == "sliding_attention" else seq / 2
+               for t in types)  # mean keys a query sees, summed over layers (a window caps them)
+    attn = 6.0 * heads * (d_qk + d_v) * keys
     return 6.0 * active + attn
 
 
@@ -148,10 +180,13 @@ def grad_errors(hf, ours, ids: torch.Tensor) -> tuple[float, float]:
     (out_hf * w).sum().backward()
     (out_ours * w).sum().backward()
     hf_grads = {}
+    ours_params = dict(ours.named_parameters())
     for name, p in hf.named_parameters():
         if p.grad is None:
             continue
-        if p.grad.dim() == 3 and name.endswith(("gate_up_proj", "down_proj", "up_proj")):  # fused experts
+        if name in ours_params and ours_params[name].shape == p.shape:  # the same layout (GPT-OSS's experts too)
+            hf_grads[name] = p.grad
+        elif p.grad.dim() == 3 and name.endswith(("gate_up_proj", "down_proj", "up_proj")):  # fused experts
             kind = name.rsplit(".", 1)[1]
             pre = name[: -len(kind) - 1]
             for e in range(p.grad.shape[0]):
@@ -336,7 +371,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(tiny_configs()))
     ap.add_argument("--size", choices=("tiny", "1b", "real"), default="tiny",
-                    help="real: 128 experts top-8, 152k / 164k vocabularies (qwen3_moe, deepseek_v3)")
+                    help="real: 128 experts top-8, 152k / 164k vocabularies (qwen3_moe, deepseek_v3); Qwen3-8B's dense "
+                         "layer (qwen3); GPT-OSS-20B's MoE layer (gpt_oss)")
     ap.add_argument("--ours-head", choices=("auto",) + HEADS, default="auto",
                     help="ours' loss from logits, the fused log-prob head or the loss-in-forward head (the "
                          "trainer's paths); auto: fused_loss at --size real, else logits")
