@@ -1,6 +1,7 @@
-"""``slurmrl plot RUN [RUN...] [--out FILE]``: reward, eval and timing curves of one or more runs,
+"""``slurmrl plot RUN [RUN...] [--out FILE|DIR]``: reward, eval and timing curves of one or more runs,
 read from each run's metrics.jsonl, as one PNG (three panels; one line per run, labelled with the
-run directory's name). Default output: ``<first run>/plot.png``.
+run directory's name). Default output: ``<first run>/plot.png``; ``--out DIR`` writes ``DIR/plot.png``.
+It prints the path it wrote. Lines of metrics.jsonl that are not step records are skipped.
 
     slurmrl plot runs/latest
     slurmrl plot runs/lr-1e-4 runs/lr-3e-4 --out lr.png
@@ -35,10 +36,11 @@ def curves(root: Path) -> dict[str, tuple[list[int], list[float]]]:
             out[name][1].append(v)
 
     for r in recs:
-        add("reward", int(r["step"]), r.get("reward_mean"))
-        add("step_time", int(r["step"]), r.get("step_time_s"))
+        add("reward", r["step"], r.get("reward_mean"))
+        add("step_time", r["step"], r.get("step_time_s"))
         if "eval/reward" in r:
-            add("eval", int(r.get("eval/weights_step", r.get("eval/policy_version", r["step"]))), r["eval/reward"])
+            at = r.get("eval/weights_step", r.get("eval/policy_version", r["step"]))
+            add("eval", at if isinstance(at, int) else r["step"], r["eval/reward"])
     if "reward" in out:
         steps, values = out["reward"]
         out["reward_avg"] = (steps, [sum(values[max(0, i - WINDOW + 1): i + 1]) / len(values[max(0, i - WINDOW + 1): i + 1])
@@ -86,14 +88,27 @@ def plot(runs: list[Path], out: Path) -> Path:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="slurmrl plot", description="reward, eval and timing curves of runs (PNG)")
     p.add_argument("runs", nargs="+", help="run directories (runs/latest, runs/NAME, ...)")
-    p.add_argument("--out", help="PNG to write (default: <first run>/plot.png)")
+    p.add_argument("--out", help="PNG to write, or a directory to write plot.png into (default: <first run>/plot.png)")
     a = p.parse_args(argv)
     runs = [Path(r).expanduser().resolve() for r in a.runs]
     for r in runs:
-        if not RunPaths(r).metrics.exists():
+        if not RunPaths(r).metrics.is_file():
             print(f"slurmrl plot: error: {r} has no metrics.jsonl (not a run directory, or no step finished yet)",
                   file=sys.stderr)
             return 2
-    out = plot(runs, Path(a.out).expanduser() if a.out else runs[0] / "plot.png")
+    out = output_path(a.out, runs[0])
+    try:
+        out = plot(runs, out)
+    except OSError as e:  # an unwritable --out: one line, not a traceback
+        print(f"slurmrl plot: error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
+
+
+def output_path(given: Optional[str], first_run: Path) -> Path:
+    """``--out``: a file, or a directory (existing, or written with a trailing /) to put plot.png into."""
+    if not given:
+        return first_run / "plot.png"
+    out = Path(given).expanduser()
+    return out / "plot.png" if out.is_dir() or given.endswith("/") else out

@@ -31,14 +31,21 @@ def mark_dry_run(root: Path) -> None:
 
 
 def records(paths: RunPaths) -> list[dict]:
-    if not paths.metrics.exists():
+    """The step records of metrics.jsonl: JSON objects with an integer ``step``. Anything else (a line being
+    written, bytes that are not UTF-8, a line that is not an object or has no step, an unreadable file) is
+    skipped, so status and plot never stop on a damaged file."""
+    try:
+        text = paths.metrics.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
         return []
     out = []
-    for line in paths.metrics.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
             continue  # a line being written
+        if isinstance(rec, dict) and type(rec.get("step")) is int:
+            out.append(rec)
     return out
 
 
@@ -68,14 +75,18 @@ def local_state(root: Path, steps: int) -> str:
 
 
 def finite(value) -> Optional[float]:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    try:
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    except OverflowError:  # an int too large for a float
+        return None
 
 
 def last_eval(recs: list[dict]) -> Optional[tuple[float, int]]:
     """(eval reward, the step whose weights it evaluated) of the last evaluation."""
     for r in reversed(recs):
         if finite(r.get("eval/reward")) is not None:
-            return float(r["eval/reward"]), int(r.get("eval/weights_step", r.get("eval/policy_version", r["step"])))
+            at = r.get("eval/weights_step", r.get("eval/policy_version", r["step"]))
+            return float(r["eval/reward"]), at if type(at) is int else r["step"]
     return None
 
 
@@ -83,7 +94,7 @@ def num_steps_of(root: Path) -> Optional[int]:
     """trainer.num_steps from config/run.yaml (a plain text scan: no config classes needed)."""
     try:
         text = (Path(root) / "config" / "run.yaml").read_text()
-    except OSError:
+    except (OSError, ValueError):
         return None
     section = text.split("\ntrainer:\n", 1)[-1]
     for line in section.splitlines():
@@ -106,7 +117,7 @@ def next_commands(root: Path, *, finished: bool) -> list[str]:
     """The commands a user wants next: resume (unless finished), TensorBoard, eval of the newest
     published weights (when the env has an eval split: the user knows; we show it when weights exist), plot."""
     q = shlex.quote(str(root))
-    out = [] if finished else [f"resume:      slurmrl launcher.resume={q}"]
+    out = [] if finished else [f"resume:      slurmrl resume {q}"]
     out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(RunPaths(root).tb_dir))}")
     weights = latest_weights(root)
     if weights is not None:

@@ -87,16 +87,21 @@ def collect(runs_root: Path) -> list[RunRow]:
     """Every run directory (one holding config/run.yaml) under ``runs_root``, newest first."""
     dirs = sorted((p.parent.parent for p in Path(runs_root).glob("**/config/run.yaml")),
                   key=lambda d: d.stat().st_mtime, reverse=True)
-    ids = {d: job_id_file(d).read_text().strip() for d in dirs if job_id_file(d).exists()}
+    ids = {}
+    for d in dirs:
+        try:
+            if job_id_file(d).exists():
+                ids[d] = job_id_file(d).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            pass  # its row says what is wrong
     states = slurm_states(sorted(set(ids.values())))
     rows = []
-    for d in dirs:
-        paths = RunPaths(d)
-        steps, reward = last_metrics(paths)
-        if d in ids:
-            state, reason = states[ids[d]]
-        else:
-            state, reason = local_state(d, steps), ""
+    for d in dirs:  # one damaged run must not hide the others: its row says what is wrong
+        try:
+            steps, reward = last_metrics(RunPaths(d))
+            state, reason = states[ids[d]] if d in ids else (local_state(d, steps), "")
+        except (OSError, ValueError) as e:
+            steps, reward, state, reason = 0, None, "UNREADABLE", f"{type(e).__name__}: {e}"[:120]
         rows.append(RunRow(name=str(d.relative_to(runs_root)), job_id=ids.get(d), state=state, steps=steps,
                            last_reward=reward, reason=reason))
     return rows

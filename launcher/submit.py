@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -68,10 +69,14 @@ def record_job_id(run_dir: Path, job_id: str) -> None:
 
 def read_job_id(run_dir: Path) -> str:
     path = job_id_file(run_dir)
+    if not Path(run_dir).is_dir():
+        raise SubmitError(f"{run_dir} is not a run directory (give RUN_DIR or a Slurm JOB_ID)")
     try:
         return path.read_text().strip()
     except FileNotFoundError:
         raise SubmitError(f"{path} does not exist: {run_dir} was not submitted to Slurm (a local or dry run?)") from None
+    except (OSError, ValueError) as e:
+        raise SubmitError(f"{path} cannot be read: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +241,9 @@ def status_command(target: Optional[str]) -> int:
     comps = components(job_id)
     print(f"job {job_id}: {overall_state(comps)} ({describe(comps)})")
     if run_dir is not None:
-        metrics = RunPaths(run_dir).metrics
-        steps = sum(1 for ln in metrics.read_text().splitlines() if ln.strip()) if metrics.exists() else 0
+        from launcher.run_status import records, trained
+
+        steps = len(trained(records(RunPaths(run_dir))))
         print(f"run dir {run_dir}: {steps} trainer steps logged; batch log {batch_log(run_dir, job_id)}")
         from launcher.timeline import summary_line
 
@@ -259,8 +265,11 @@ USAGE = ("usage: slurmrl status|cancel [RUN_DIR | JOB_ID]   (default: runs/lates
 
 
 def command_line(mode: str, args: list[str]) -> int:
-    if len(args) > 1 or (args and args[0].startswith("-")):
+    if any(a in ("--help", "-h") for a in args):
         print(USAGE)
+        return 0
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        print(USAGE, file=sys.stderr)
         return 2
     try:
         return (status_command if mode == "status" else cancel_command)(args[0] if args else None)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.integration.conftest import INIT_SEED, SERVER_MODEL as MODEL, start_server
 from tests.integration.test_inference_recovery import arun, stop
 from workers.common.inference_client import InferenceClient, wait_until_ready
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.weights.filesystem.publisher import publish_step
+
+pytestmark = pytest.mark.slow  # two server processes (~10-20 s)
 
 
 def _damaged_step(root, step, state):

@@ -54,7 +54,7 @@ def test_status_of_a_local_run_reads_its_directory(tmp_path):
     assert lines[0] == f"run {root}: STOPPED (not submitted to Slurm)"
     assert "  step 2/10, last reward 0.300" in lines and "  last eval 0.500 (weights of step 1)" in lines
     text = "\n".join(lines)
-    assert f"slurmrl launcher.resume={root}" in text and f"slurmrl-eval {root}/weights/step_000002" in text
+    assert f"slurmrl resume {root}" in text and f"slurmrl-eval {root}/weights/step_000002" in text
     assert f"slurmrl plot {root}" in text and "tensorboard --logdir" in text
     (root / "TRAINER_DONE").write_text("")
     assert local_state(root, 2) == "FINISHED" and not any("resume" in c for c in next_commands(root, finished=True))

@@ -86,5 +86,6 @@ def _apply_one(params: Mapping[str, torch.Tensor], parts: Mapping[str, list[Part
     if bad:
         raise WeightLoadError(f"{where}: tensor {bad[0]} does not match the trainer's digest after applying the "
                               f"patch (sum64 {new_sums.get(bad[0], 0):016x} != {expected.get(bad[0], 0):016x}; "
-                              f"{len(bad)} tensors): the receiver did not hold the patch's base")
+                              f"{len(bad)} tensors): either the receiver did not hold the patch's base, or the "
+                              f"patch's values are not the trainer's (the step was altered after it was published)")
     return new_sums
