@@ -29,12 +29,12 @@ part() {  # part NAME SECONDS CMD...: one part under a time limit, its log in $O
   echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
   [ $rc -eq 0 ] || STATUS=1
 }
-part gpu_tests 110 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemma3_gpt_oss_gpu.py \
+part gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemma3_gpt_oss_gpu.py \
   tests/gpu/test_static_engine_gpu.py tests/gpu/test_lora_engine_gpu.py
-part parity_qwen3 140 python3 -m benchmarks.model_parity --device cuda --dtype bfloat16 --size real --families qwen3 --compile on \
+part parity_qwen3 120 python3 -m benchmarks.model_parity --device cuda --dtype bfloat16 --size real --families qwen3 --compile on \
   --iters 3 --batch 2 --seq 4096 --adamw fused --out "$OUT/model_parity_real_qwen3.json"
-part parity_gpt_oss 140 python3 -m benchmarks.model_parity --device cuda --dtype bfloat16 --size real --families gpt_oss --compile on \
+part parity_gpt_oss 120 python3 -m benchmarks.model_parity --device cuda --dtype bfloat16 --size real --families gpt_oss --compile on \
   --iters 3 --batch 2 --seq 4096 --adamw fused --out "$OUT/model_parity_real_gpt_oss.json"
-part limit 185 python3 -m benchmarks.gpu.one_gpu_node_limit --out "$OUT" --work /tmp/one_gpu_node_limit \
-  --budget-s 180 --loop-limit-s 70 --steps 30
+part limit 255 python3 -m benchmarks.gpu.one_gpu_node_limit --out "$OUT" --work /tmp/one_gpu_node_limit \
+  --budget-s 250 --loop-limit-s 80 --engine-limit-s 60 --steps 30
 exit $STATUS

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.record import recording, results_dir
+
 REPO = Path(__file__).resolve().parents[2]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARTS = (".ckpt_a", ".ckpt_b")
@@ -187,10 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="loop steps (60; --cpu-smoke 3)")
     ap.add_argument("--budget-s", type=float, default=530.0, help="every part together stops within this")
     ap.add_argument("--loop-limit-s", type=float, default=240.0)
+    ap.add_argument("--engine-limit-s", type=float, default=150.0, help="the decode-step part's own limit")
     ap.add_argument("--work", type=Path, default=None,
                     help="scratch (checkpoints, the run; default OUT/one_gpu_node_limit): OUT gets only the JSON, "
                          "the three parts' logs, the run's metrics and its timeline (7 files)")
-    ap.add_argument("--record", action="store_true", help="also write benchmarks/results/gpu/one_gpu_node_limit.json")
     ap.add_argument("--split-gguf", action="store_true", help="cut the installed wheel's GGUF into .ckpt_a/.ckpt_b, exit")
     a = ap.parse_args(argv)
     if a.split_gguf:
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
     loop_part(a, work, env, left, res)
     py = [sys.executable, "-m"]
     decode = py + ["benchmarks.gpu.bench_decode_step", "--out", str(work)] + (["--toy"] if a.cpu_smoke else [])
-    res["parts"]["engine"] = run_part("engine", decode, env, left(150), work / "engine.log")
+    res["parts"]["engine"] = run_part("engine", decode, env, left(a.engine_limit_s), work / "engine.log")
     if (f := work / "decode_step.json").exists():
         res["engine"] = json.loads(f.read_text())
         res["engine_decode_step_ms"] = res["engine"]["decode_step_ms"]
@@ -251,8 +253,8 @@ def write(res: dict, a) -> Path:
     path = a.out / "one_gpu_node_limit.json"
     a.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")
-    if a.record:
-        shutil.copy(path, REPO / "benchmarks/results/gpu/one_gpu_node_limit.json")
+    if recording():  # --record (benchmarks/record.py): also into the tracked results
+        shutil.copy(path, results_dir("gpu") / "one_gpu_node_limit.json")
     return path
 
 
