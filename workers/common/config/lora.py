@@ -70,8 +70,17 @@ class LoraConfig:
     ``shared_outer`` (the hidden-size side shared by all experts: one A [r, hidden] into gate/up and
     one B [hidden, r] out of down, the expert-width side per expert; about half the adapter bytes of
     per_expert at E >> 1; published expanded to the per-expert PEFT layout)."""
+    adapters: list[str] = field(default_factory=list)
+    """Several adapters trained in one run on one frozen base, each with its own env and reward: NOT
+    IMPLEMENTED yet (the embedded engine already serves several named adapters in one batch; the trainer's
+    per-row adapters, the orchestrator's per-adapter batches and per-adapter steps are missing). Must stay
+    empty: one adapter per run."""
 
     def __post_init__(self) -> None:
+        if self.adapters:
+            raise ConfigError(f"trainer.lora.adapters={list(self.adapters)}: several adapters in one run are not "
+                              f"implemented yet (one adapter per run: leave trainer.lora.adapters empty; train the "
+                              f"others as separate runs on the same base)")
         if isinstance(self.targets, str):  # a Hydra override ``trainer.lora.targets=q_proj`` without brackets
             self.targets = [self.targets]
         for t in self.targets:
@@ -120,4 +129,4 @@ def adapts_experts(targets) -> bool:
 
 
 limits(LoraConfig, rank=between(0, 4096), alpha=gt(0), dropout=between(0, 1, hi_open=True),
-       targets=Each(one_of(*TARGETS)), experts=one_of(*EXPERT_MODES))
+       targets=Each(one_of(*TARGETS)), experts=one_of(*EXPERT_MODES), adapters=Each(one_of("default")))
