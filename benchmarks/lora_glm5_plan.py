@@ -41,7 +41,7 @@ def full_numbers(cfg, plan) -> dict:
 
     ranks, dtype, nic = cfg.trainer.num_ranks, cfg.inference.dtype, cfg.cluster.nic_gb_s
     dense_bytes, dense_s = update_cost(plan.params.total * DTYPE_BYTES[dtype], nic)
-    out = {"trainer_ranks": ranks, "trainer_dims": plan.trainer_dims.describe(),
+    out = {"lr": cfg.trainer.lr, "trainer_ranks": ranks, "trainer_dims": plan.trainer_dims.describe(),
            "trainer_states_gb_per_gpu": trainer_memory(plan.params, ranks, cfg.cluster.gpu_memory_gb,
                                                        cfg.trainer.master_dtype).per_gpu_gb,
            "trainer_total_gb_per_gpu": _trainer_estimate(plan).per_gpu_gb,
