@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -216,9 +217,10 @@ def main(argv=None) -> int:
     summary = compare(runs)
     out = {"benchmark": "lora", "mode": "toy" if args.toy else "smollm2", "model": preset["model"],
            "date": time.strftime("%Y-%m-%d"), "machine": "2 CPU cores (shared with other jobs)",
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
            "steps": steps, "prompts_per_step": prompts, "samples_per_prompt": samples, "common_overrides": common, "lr_full": base_lr,
            "lr_scale_lora": LR_SCALE, "target": f"lora_over_full >= {TARGET_RATIO} (LoRA within 10% of full)",
-           "size_note": "same steps and seeds for every run; sized so 3 runs fit ~25 min on the shared 2-core "
+           "size_note": "same steps and seeds for every run; sized so 3 runs fit ~30 min on the shared 2-core "
                         "machine (module docstring)", "summary": summary, "runs": runs}
     if not args.no_plan:
         from benchmarks.lora_glm5_plan import glm5_plans, summary_lines
