@@ -116,6 +116,24 @@ def random_init_(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+def timed_steps(model, opt, batch, tcfg, dims, *, warmup: int, iters: int) -> tuple[float, int | None]:
+    """Median seconds of ``iters`` trainer steps after ``warmup`` (compiles), and the peak CUDA bytes
+    allocated over all of them (None on the CPU)."""
+    cuda = dims.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + iters):
+        sync()
+        t = time.perf_counter()
+        train_step(model, opt, batch, tcfg, dims)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() if cuda else None
+
+
 def bench(family: str, args, dims) -> list[dict]:
     """One row per ``trainer.logprob_head`` in ``args.heads``, all on one built model (same weights,
     interleaved warm-up per head)."""
@@ -145,16 +163,8 @@ def bench(family: str, args, dims) -> list[dict]:
     rows = []
     for head in args.heads:
         tcfg = dataclasses.replace(tcfg, logprob_head=head)
-        if dims.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times, splits = [], []
-        for i in range(args.warmup + args.iters):
-            sync()
-            t = time.perf_counter()
-            train_step(model, opt, batch, tcfg, dims)
-            sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t)
+        step_s, peak = timed_steps(model, opt, batch, tcfg, dims, warmup=args.warmup, iters=args.iters)
+        splits = []
         for _ in range(args.iters):  # the split: the same steps again, each part synchronized
             with StepSplit(sync).installed(model, opt) as split:
                 t = time.perf_counter()
@@ -162,11 +172,9 @@ def bench(family: str, args, dims) -> list[dict]:
                 sync()
                 total = time.perf_counter() - t
             splits.append({**split.seconds, "bookkeeping": total - sum(split.seconds.values())})
-        step_s = sorted(times)[len(times) // 2]
         split = {k: sorted(s.get(k, 0.0) for s in splits)[len(splits) // 2]
                  for k in ("forward_backward", "grad_sync_clip", "optimizer", "bookkeeping")}
         split["master_cast_est"] = cast_s * 2 * num_micro
-        peak = torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else None
         row = {"family": family, "shape": "real", "vocab_size": kw["vocab_size"], "params": params,
                "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"), "top_k": kw["num_experts_per_tok"],
                "tokens_per_step": args.rows * args.seq_len, "tokens_per_optimizer_step": args.rows * args.seq_len,

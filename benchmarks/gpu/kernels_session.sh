@@ -9,13 +9,14 @@
 #   bash benchmarks/gpu/kernels_session.sh --record   # also copy the JSON into benchmarks/results/gpu/ (tracked)
 #   bash benchmarks/gpu/kernels_session.sh --smoke    # CPU, toy sizes: the same commands, in a minute or two
 #   bash benchmarks/gpu/kernels_session.sh --parts model_parity_real,real_step   # only those parts
+#   bash benchmarks/gpu/kernels_session.sh --parts lora_step   # issue 44: LoRA r8 / r32 step vs full (bench_lora_step.py)
 # Each part has its own time limit, so one that overruns leaves the others' results.
 set -u
 SMOKE=0; RECORD=0; PARTS=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;; --record) RECORD=1 ;;
-    --parts) PARTS=${2:?--parts needs a comma list: logprob_head,long_context_dsa,model_parity_real,real_step,profile}; shift ;;
+    --parts) PARTS=${2:?--parts needs a comma list: logprob_head,long_context_dsa,model_parity_real,real_step,profile,lora_step}; shift ;;
     *) echo "unknown argument $1 (--smoke, --record, --parts LIST)"; exit 2 ;;
   esac
   shift
@@ -44,6 +45,7 @@ if [ $SMOKE = 1 ]; then
   part model_parity_real 600 $PY -m benchmarks.model_parity --size real --toy --families qwen3_moe,deepseek_v3 \
     --compile on --compile-backend aot_eager --iters 1 --batch 2 --seq 32 --out "$OUT/model_parity_real.json"
   part real_step 600 $PY -m benchmarks.gpu.bench_real_step --smoke --out "$OUT"
+  part lora_step 300 $PY -m benchmarks.lora --gpu-step --toy --out "$OUT"
   part profile 600 $PY -m benchmarks.gpu.profile_model_parity --toy --device cpu --backend aot_eager --iters 1 \
     --top 5 --families qwen3_moe --out "$OUT"
 else
@@ -54,11 +56,13 @@ else
   part model_parity_real 250 $PY -m benchmarks.model_parity --size real --device cuda --dtype bfloat16 \
     --families qwen3_moe,deepseek_v3 --batch 2 --seq 4096 --iters 3 --out "$OUT/model_parity_real.json"
   part real_step 200 $PY -m benchmarks.gpu.bench_real_step --out "$OUT"
+  part lora_step 300 $PY -m benchmarks.lora --gpu-step --out "$OUT"
   part profile 300 $PY -m benchmarks.gpu.profile_model_parity --fused-adamw --top 40 --out "$OUT"
 fi
 
 if [ $RECORD = 1 ]; then
-  for f in logprob_head.json long_context_dsa.json model_parity_real.json real_step.json profile_model_parity.json; do
+  for f in logprob_head.json long_context_dsa.json model_parity_real.json real_step.json profile_model_parity.json \
+           lora_step.json; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "benchmarks/results/gpu/$f" && echo "recorded benchmarks/results/gpu/$f"
   done
 fi

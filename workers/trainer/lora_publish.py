@@ -46,8 +46,9 @@ def add_adapters(cfg: RunConfig, full, tensors: Iterable) -> Iterable:
 @torch.no_grad()
 def init_in_place(cfg: RunConfig, full) -> None:
     """A fully built (not meta) model: make it the LoRA model and fill the adapters' initial values."""
+    stream = add_adapters(cfg, full, ())  # adds the adapter parameters: read the names after it
     state = dict(full.named_parameters())
-    for name, t in add_adapters(cfg, full, ()):
+    for name, t in stream:
         state[name].copy_(t)
 
 
