@@ -72,7 +72,11 @@ def test_bf16_cuda_paths_match_the_float32_reference(family):
     ref, gpu = _model(family, torch.float32, "cpu"), _model(family, torch.bfloat16, "cuda")
     gpu.train()  # the trainer's forward: mask-free causal / banded kernels, grouped GEMM experts
     ids = torch.tensor([p[:40] + [1] * (40 - len(p[:40])) for p in PROMPTS[3:7]])
-    out_ref, out_gpu = ref(ids), gpu(ids.cuda())
+    out_ref = ref(ids)
+    # the reference's routing replayed (Router Replay): in bf16 a near-tie among the top-k can pick another
+    # expert, which moves a tiny model's logits by ~10% and says nothing about the kernels compared here
+    routed = out_ref.routed_experts.cuda() if out_ref.routed_experts.numel() else None
+    out_gpu = gpu(ids.cuda(), forced_experts=routed)
     err = _rel(out_gpu.logits.cpu(), out_ref.logits)
     assert err < 2e-2, err
     w = torch.randn(out_ref.logits.shape, generator=torch.Generator().manual_seed(0))

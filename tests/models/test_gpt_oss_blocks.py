@@ -135,3 +135,18 @@ def test_mxfp4_config_key_is_stripped_by_model_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     spec, fields = model_fields(tmp_path)
     assert spec.name == "gpt_oss" and fields["num_experts"] == 4 and fields["rope_truncate"] is False
+
+
+def test_gathered_path_equals_the_loop_and_never_syncs():
+    """The CUDA path without grouped GEMM (float32, odd widths: what CUDA graphs capture) gathers each row's
+    expert matrices instead of splitting on the host (``counts.tolist()``): the same outputs as the loop,
+    padded rows zero."""
+    ours, _ = _pair(seed=2, h=32, inter=12)
+    experts = ours.experts
+    rows = torch.randn(11, 32)
+    counts = torch.tensor([3, 0, 4, 1, 0, 2])  # 10 real rows sorted by expert, one padded row at the end
+    scale = torch.rand(11)
+    loop = experts(rows, counts, True, scale)
+    gathered = experts.gathered(rows, counts, True, scale)
+    assert rel_err(gathered[:10], loop[:10]) < 1e-6
+    assert torch.equal(gathered[10], torch.zeros(32))

@@ -88,6 +88,8 @@ class ClampedSwiGLUExperts(nn.Module):
                 real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
                 out = torch.where(real[:, None], out, out.new_zeros(()))
             return out
+        if rows.is_cuda:  # no host sync (CUDA-graph capture refuses one): each row gathers its expert's matrices
+            return self.gathered(rows, counts, padded, row_scale)
         sizes = counts.tolist()
         if padded:
             sizes.append(rows.shape[0] - sum(sizes))
@@ -98,6 +100,26 @@ class ClampedSwiGLUExperts(nn.Module):
         if padded:
             outs.append(torch.zeros_like(segs[-1]))
         return torch.cat(outs) if outs else rows
+
+
+    def gathered(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool,
+                 row_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """The experts with no host sync and no grouped GEMM (float32 on CUDA, odd widths): each row's
+        expert found by ``bucketize`` on the offsets, its matrices gathered, one batched matmul per
+        projection. Memory grows with rows x matrix size: the path of small decode batches (CUDA graphs)."""
+        offs = counts.cumsum(0)
+        expert_of = torch.bucketize(torch.arange(rows.shape[0], device=rows.device), offs, right=True)
+        expert_of = expert_of.clamp_max(self.num_local - 1)
+        h = torch.bmm(rows[:, None], self.gate_up_proj.index_select(0, expert_of)).squeeze(1)
+        h = self.activation(h + self.gate_up_proj_bias.index_select(0, expert_of))
+        out = torch.bmm(h[:, None], self.down_proj.index_select(0, expert_of)).squeeze(1)
+        out = out + self.down_proj_bias.index_select(0, expert_of)
+        if row_scale is not None:
+            out = out * row_scale[:, None].to(out.dtype)
+        if padded:
+            real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
+            out = torch.where(real[:, None], out, out.new_zeros(()))
+        return out
 
 
 class GptOssMoe(MoeBlock):

@@ -36,7 +36,8 @@ class ScaledEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(ids)
-        return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        # a fill on the device, not torch.tensor (a host-to-device copy that CUDA-graph capture refuses)
+        return x * torch.full((), self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
 
 def rope_of(cfg: Gemma3TextConfig, sliding: bool) -> Rope:
