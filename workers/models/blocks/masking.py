@@ -52,8 +52,8 @@ def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     extra = 1 + ((-(d + 1)) % 8 if q.is_cuda else 0)
     col = (sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, tq, 1)
     q = torch.cat([q, F.pad(col, (0, extra - 1))], dim=-1)
-    unit = torch.zeros(extra, dtype=k.dtype, device=k.device)
-    unit[0] = 1
+    # e_0 built on the device (``unit[0] = 1`` copies a host scalar: CUDA-graph capture refuses it)
+    unit = (torch.arange(extra, device=k.device) == 0).to(k.dtype)
     sink_key = torch.cat([torch.zeros(d, dtype=k.dtype, device=k.device), unit]).expand(b, k.shape[1], 1, d + extra)
     k = torch.cat([F.pad(k, (0, extra)), sink_key], dim=-2)
     v = torch.cat([v, v.new_zeros(b, v.shape[1], 1, v.shape[-1])], dim=-2)
