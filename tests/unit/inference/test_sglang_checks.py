@@ -46,7 +46,7 @@ CASES = [
     (GLM5 + ["inference.sglang.router.routing_key_header="], "routing_key_header is empty"),
     (GLM5 + ["cluster.port_span=24"], "cluster.port_span(24) < 32 ports this SGLang job needs"),
     (GLM5 + [f"{D}.cuda_graph_max_bs=0"], "inference.decode.sglang.cuda_graph_max_bs must be > 0"),
-    (GLM5 + ["inference.dtype=float16"], "weights.delta=true into SGLang: patches carry the trainer's bfloat16"),
+    (GLM5 + ["inference.dtype=float32"], "weights.delta=true into SGLang: patches carry the trainer's bfloat16"),
     (GLM5 + ["weights.delta_fraction_assumed=1.5"], "weights.delta_fraction_assumed"),
 ]
 
