@@ -76,18 +76,11 @@ class ClampedSwiGLUExperts(nn.Module):
         Fast path: one grouped GEMM per projection, each row's biases gathered by its expert id
         (found by ``bucketize`` on the offsets: no host sync)."""
         if kernels.fast(rows) and self.grouped_ok(rows):
-            offs = counts.cumsum(0)
-            expert_of = torch.bucketize(torch.arange(rows.shape[0], device=rows.device), offs, right=True)
-            expert_of = expert_of.clamp_max(self.num_local - 1)  # padded rows past the last offset
+            offs, expert_of = self._offsets(rows, counts)
             offs = offs.to(torch.int32)
             h = F.grouped_mm(rows, self.gate_up_proj, offs=offs) + self.gate_up_proj_bias.index_select(0, expert_of)
             out = F.grouped_mm(self.activation(h), self.down_proj, offs=offs) + self.down_proj_bias.index_select(0, expert_of)
-            if row_scale is not None:
-                out = out * row_scale[:, None].to(out.dtype)
-            if padded:
-                real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
-                out = torch.where(real[:, None], out, out.new_zeros(()))
-            return out
+            return self._finish(out, counts, padded, row_scale)
         if rows.is_cuda:  # no host sync (CUDA-graph capture refuses one): each row gathers its expert's matrices
             return self.gathered(rows, counts, padded, row_scale)
         sizes = counts.tolist()
@@ -101,23 +94,32 @@ class ClampedSwiGLUExperts(nn.Module):
             outs.append(torch.zeros_like(segs[-1]))
         return torch.cat(outs) if outs else rows
 
-
     def gathered(self, rows: torch.Tensor, counts: torch.Tensor, padded: bool,
                  row_scale: Optional[torch.Tensor]) -> torch.Tensor:
         """The experts with no host sync and no grouped GEMM (float32 on CUDA, odd widths): each row's
-        expert found by ``bucketize`` on the offsets, its matrices gathered, one batched matmul per
-        projection. Memory grows with rows x matrix size: the path of small decode batches (CUDA graphs)."""
-        offs = counts.cumsum(0)
-        expert_of = torch.bucketize(torch.arange(rows.shape[0], device=rows.device), offs, right=True)
-        expert_of = expert_of.clamp_max(self.num_local - 1)
+        matrices gathered by its expert id, one batched matmul per projection. Memory grows with rows x
+        matrix size: the path of small decode batches (CUDA graphs)."""
+        _, expert_of = self._offsets(rows, counts)
         h = torch.bmm(rows[:, None], self.gate_up_proj.index_select(0, expert_of)).squeeze(1)
         h = self.activation(h + self.gate_up_proj_bias.index_select(0, expert_of))
         out = torch.bmm(h[:, None], self.down_proj.index_select(0, expert_of)).squeeze(1)
         out = out + self.down_proj_bias.index_select(0, expert_of)
+        return self._finish(out, counts, padded, row_scale)
+
+    def _offsets(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(end offset of each expert's rows, each row's expert id) on the device: ``bucketize``, no host sync;
+        padded rows past the last offset are given the last expert (their output is zeroed)."""
+        offs = counts.cumsum(0)
+        expert_of = torch.bucketize(torch.arange(rows.shape[0], device=rows.device), offs, right=True)
+        return offs, expert_of.clamp_max(self.num_local - 1)
+
+    @staticmethod
+    def _finish(out: torch.Tensor, counts: torch.Tensor, padded: bool, row_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """Scale each row by its gate weight; zero the padded rows (past ``counts.sum()``)."""
         if row_scale is not None:
             out = out * row_scale[:, None].to(out.dtype)
         if padded:
-            real = torch.arange(rows.shape[0], device=rows.device) < counts.sum()
+            real = torch.arange(out.shape[0], device=out.device) < counts.sum()
             out = torch.where(real[:, None], out, out.new_zeros(()))
         return out
 
