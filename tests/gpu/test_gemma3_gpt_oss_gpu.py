@@ -85,8 +85,16 @@ def test_bf16_cuda_paths_match_the_float32_reference(family):
     want = checkpoint_named(ref, {n: p.grad for n, p in ref.named_parameters()})
     got = checkpoint_named(gpu, {n: p.grad for n, p in gpu.named_parameters()})
     worst = max(_rel(got[n].cpu(), g) for n, g in want.items() if g.norm() > 0)
-    print(f"{family}: bf16 cuda vs fp32 cpu logits {err:.2e}, worst gradient {worst:.2e}")
-    assert worst < 0.1, worst
+    # bf16's own floor on this stressed config (experts x20 past swiglu_limit): the CPU eager bf16 model
+    # (the per-expert loop, plain attention) against the same float32 reference. GPT-OSS's is ~0.13-0.20
+    # (H100 and CPU alike; transformers' own bf16 model is further off), Gemma's far lower.
+    cpu16 = _model(family, torch.bfloat16, "cpu").train()
+    out16 = cpu16(ids, forced_experts=None if routed is None else routed.cpu())
+    (out16.logits.float() * w).sum().backward()
+    low = checkpoint_named(cpu16, {n: p.grad for n, p in cpu16.named_parameters()})
+    floor = max(_rel(low[n], g) for n, g in want.items() if g.norm() > 0)
+    print(f"{family}: bf16 cuda vs fp32 cpu logits {err:.2e}, worst gradient {worst:.2e} (bf16 cpu floor {floor:.2e})")
+    assert worst < max(0.1, 1.5 * floor), (worst, floor)
 
 
 @needs_cuda
