@@ -181,8 +181,10 @@ def place_local(cfg: RunConfig, backend, servers: Sequence[RolePlan], others: Se
     if not have:
         wants = [r.role for r, n in per_server if n]
         if wants:
-            cure = ("inference.device=cpu" if not backend.uses_gpus else
-                    "a GPU machine (or cluster.num_gpus_per_node if detection is wrong)")
+            cure = ("inference.device=cpu to run it here, or cluster.num_gpus_per_node=N launcher.dry_run=true to "
+                    "preview the placement on an N-GPU node" if not backend.uses_gpus else
+                    "a GPU machine (or cluster.num_gpus_per_node=N if detection is wrong, with launcher.dry_run=true "
+                    "to preview the placement)")
             raise PlanError(f"{_ask(cfg, backend, servers)} GPUs asked, but this machine has none ({gpus.source}); "
                             f"use {cure}")
         return ()

@@ -94,7 +94,7 @@ def test_no_gpus_sets_nothing():
     (["trainer.num_ranks=2", "inference.num_workers=1", *CUDA], ONE, ["the roles ask for 3 GPUs", "trainer.num_ranks(2)"]),
     (["trainer.num_ranks=2", "inference.num_workers=2"], ONE, ["trainer.num_ranks(2)", "NCCL refuses two ranks"]),
     (CUDA, LocalGPUs((), "no NVIDIA driver (libnvidia-ml.so.1 not found)"),
-     ["inference.num_workers(2) x inference.device=cuda: 1", "has none (no NVIDIA driver", "inference.device=cpu"]),
+     ["inference.num_workers(2) x inference.device=cuda: 1", "has none (no NVIDIA driver", "inference.device=cpu", "cluster.num_gpus_per_node=N launcher.dry_run=true"]),
     (["inference.device=cuda:3"], EIGHT, ["inference.device=cuda:3", "use inference.device=cuda"]),
     ([*CUDA, "weights=broadcast"], ONE, ["weights.transport=broadcast over NCCL on one shared GPU", "weights=filesystem"]),
     (["weights=broadcast"], EIGHT, ["the engines are on the CPU (inference.device=cpu)", "weights.backend=gloo"]),
