@@ -122,7 +122,7 @@ def announce(prep: Prepared) -> None:
             print(f"[slurmrl]   {line}", flush=True)
         return
     for line in plan.summary():  # local runs: the model's path, the RL recipe's settings and the plan's warnings
-        if line.startswith(("algorithm ", "WARNING ")) or line == f"model: {plan.route}":
+        if line.startswith(("algorithm ", "WARNING ")) or line == f"model path: {plan.route}":
             print(f"[slurmrl]   {line}", flush=True)
     if plan.local_gpus is not None:
         hint = gpu_hint(prep.cfg, plan.local_gpus)

@@ -97,7 +97,7 @@ class JobPlan:
         lines = [f"model: {self.model + ': ' if self.model else ''}{human(p.total)} params ({human(p.active)} active per token"
                  + (f", +{human(p.mtp)} in MTP layers: counted; skipped on load, not trained, "
                                       "not in published steps" if p.mtp else "") + ")"]
-        lines += [f"model: {self.route}"] if self.route else []
+        lines += [f"model path: {self.route}"] if self.route else []
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
             lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "

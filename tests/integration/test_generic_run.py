@@ -23,7 +23,7 @@ def test_a_gpt2_checkpoint_trains_through_the_generic_path(tmp_path):
     proc = slurmrl([*SMALL, f"model.path={source}", "env=reverse_text", "orchestrator.max_off_policy_steps=0",
                     "trainer.num_steps=3", "trainer.num_ranks=2", "weights.keep_last=10",
                     f"launcher.run_dir={run_dir}"], tmp_path)
-    assert ("model: generic transformers path (architectures=['GPT2LMHeadModel'] has no native family"
+    assert ("model path: generic transformers path (architectures=['GPT2LMHeadModel'] has no native family"
             in proc.stdout), proc.stdout
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]

@@ -34,8 +34,8 @@ def test_an_architecture_no_family_covers_takes_the_generic_path(phi):
     assert (m.family, m.architecture, m.model_type) == ("hf_generic", "PhiForCausalLM", "phi")
     assert (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.max_position_embeddings) == (128, 32, 2, 4, 128)
     plan = prepare(cfg).plan  # the tensor check (a child process with torch) passes too
-    route = [ln for ln in plan.summary() if ln.startswith("model: generic")]
-    assert route == [f"model: generic transformers path (architectures=['PhiForCausalLM'] has no native family; "
+    route = [ln for ln in plan.summary() if ln.startswith("model path: generic")]
+    assert route == [f"model path: generic transformers path (architectures=['PhiForCausalLM'] has no native family; "
                      f"transformers {__import__('transformers').__version__} builds it); data parallel only (no "
                      f"TP/EP/CP, no Router Replay); embedded engine: dynamic KV cache, no CUDA graphs"]
     assert plan.num_params == 25344  # summed from the safetensors header: every tensor of the checkpoint
@@ -43,8 +43,8 @@ def test_an_architecture_no_family_covers_takes_the_generic_path(phi):
 
 def test_native_families_say_so(tmp_path):
     cfg = resolved(llama_dir(tmp_path / "llama"))
-    assert "model: native family llama" in build_plan(cfg).summary()
-    assert "model: native family tiny_moe" in build_plan(compose([])).summary()
+    assert "model path: native family llama" in build_plan(cfg).summary()
+    assert "model path: native family tiny_moe" in build_plan(compose([])).summary()
 
 
 @pytest.mark.parametrize("override, message", [
