@@ -110,7 +110,7 @@ class LocalBackend:
         if BACKENDS.get(self.cfg.inference.backend).uses_gpus:  # SGLang: the Slurm job's port layout
             ports = self.job_ports(host, n_inf)
         else:
-            free = free_ports(n_inf + 1, host)
+            free = self.local_ports(host, n_inf + 1)
             ports = {"SLURMRL_INFERENCE_URLS": ",".join(f"http://{host}:{p}" for p in free[:n_inf]),
                      "MASTER_PORT": str(free[-1])}
         base = {"SLURMRL_RUN_DIR": str(self.paths.root), "SLURMRL_LOCAL": "1", **ports,
@@ -125,6 +125,18 @@ class LocalBackend:
                 if (role.role, r) in gpus:  # launcher/gpus.py: this process's GPUs (cuda:0.. inside it)
                     env["CUDA_VISIBLE_DEVICES"] = gpus[role.role, r]
         return envs
+
+    def local_ports(self, host: str, n: int) -> list[int]:
+        """``n`` ports for the embedded servers and the trainer's MASTER_PORT, from a free block of
+        ``cluster.port_span`` at ``cluster.port_min`` (20000: below Linux's ephemeral range, 32768-60999):
+        a port the kernel hands out to any socket (a gloo pair, an HTTP client) can be taken between this
+        check and the server's bind, and under load it was (a CI run lost a worker to EADDRINUSE).
+        More ports than a block holds: the kernel's free ports, as before."""
+        c = self.cfg.cluster
+        if n > c.port_span:
+            return free_ports(n, host)
+        base = free_block(host, c.port_min, c.port_span, c.num_port_slots)
+        return list(range(base, base + n))
 
     def job_ports(self, host: str, n_inf: int) -> dict[str, str]:
         """Ports as a Slurm job lays them out (workers/common/topology.py offsets) in one free block of
