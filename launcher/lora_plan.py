@@ -19,7 +19,8 @@ import dataclasses
 
 from launcher.estimate import DTYPE_BYTES, TRAIN_BYTES_PER_PARAM, MemoryEstimate, human
 from launcher.resources import PlanError
-from workers.common.config.lora import (EXPERTS, FULL_FT_LR_MAX, MLP_NAMES, SHARED_OUTER, linear_targets)
+from workers.common.config.lora import (EXPERTS, FULL_FT_LR_MAX, MLP_NAMES, SHARED_OUTER, linear_targets,
+                                        several_adapters_error)
 from workers.common.registry import BACKENDS
 from workers.common.config.ranges import ConfigError
 from workers.models.spec import architecture
@@ -70,7 +71,8 @@ def lora_facts(cfg) -> LoraFacts:
         raise ConfigError(f"trainer.lora.targets={list(lcfg.targets)} adapts nothing in model family {cfg.model.family} "
                           f"(its projections: {sorted(_attention(a))}"
                           + (", experts" if a.is_moe else f", {list(MLP_NAMES)}") + ")")
-    return LoraFacts(trainable=trained, published=published, base=params.total + params.mtp)
+    n = max(1, len(lcfg.adapters))  # several adapters (trainer.lora.adapters): N of them, side by side
+    return LoraFacts(trainable=trained * n, published=published * n, base=params.total + params.mtp)
 
 
 def check_lora(cfg) -> list[str]:
@@ -83,6 +85,9 @@ def check_lora(cfg) -> list[str]:
         raise PlanError(f"trainer.lora.rank={lcfg.rank} with trainer.parallel.tp={par.tp} / trainer.parallel.ep={par.ep}: "
                         f"LoRA runs on the FSDP plan only for now (tp = ep = 1; dp and cp are fine): set "
                         f"trainer.parallel.tp=1 and trainer.parallel.ep=1, or trainer.lora.rank=0")
+    why = several_adapters_error(cfg)
+    if why:
+        raise PlanError(why)
     try:
         lora_facts(cfg)
     except ConfigError as e:
@@ -116,7 +121,9 @@ def summary_line(cfg) -> str:
     b = DTYPE_BYTES[cfg.trainer.dtype]
     n = cfg.trainer.num_ranks
     mem = (f.base * b + f.trainable * TRAIN_BYTES_PER_PARAM) / n / 1e9
-    return (f"lora: rank {lcfg.rank}, alpha {lcfg.alpha:g}, targets {list(lcfg.targets)}, experts {lcfg.experts}: "
+    several = (f"{len(lcfg.adapters)} adapters {list(lcfg.adapters)} on one frozen base (one env=mix entry each), "
+               if lcfg.adapters else "")
+    return (f"lora: {several}rank {lcfg.rank}, alpha {lcfg.alpha:g}, targets {list(lcfg.targets)}, experts {lcfg.experts}: "
             f"{human(f.trainable)} trainable params ({100 * f.trainable / f.base:.3g}% of {human(f.base)}); trainer "
             f"states {mem:.3g} GB/rank over {n} rank(s) (frozen {cfg.trainer.dtype} base, no fp32 master; fp32 "
             f"adapters + AdamW)")
@@ -137,7 +144,10 @@ def update_line(cfg) -> str:
     how = ("SGLang /load_lora_adapter" if "sglang" in (backend.name, *backend.serves_api_of)
            else "/update_weights_from_disk, unmerged")
     fs = cfg.cluster.shared_fs_gb_s
-    return (f"LoRA rank {cfg.trainer.lora.rank}: every update is the adapter, {_bytes(adapter)} in {cfg.trainer.dtype} "
+    names = list(cfg.trainer.lora.adapters)
+    what = (f"the {len(names)} adapters {names} (weights/step_N/adapters/<name>/, {_bytes(adapter / len(names))} each)"
+            if names else "the adapter")
+    return (f"LoRA rank {cfg.trainer.lora.rank}: every update is {what}, {_bytes(adapter)} in {cfg.trainer.dtype} "
             f"vs {_bytes(dense)} dense ({100 * adapter / dense:.3g}%), read by each server ({how}; "
             f"~{adapter / (fs * 1e9):.3f} s at cluster.shared_fs_gb_s={fs:g}); step 0 publishes the base; each "
             f"version is confirmed by the digest of what the engine holds before it is sampled")

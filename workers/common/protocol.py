@@ -145,9 +145,10 @@ def publish_dir(final: Path, write: Callable[[Path], None], marker: str) -> None
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in sorted(tmp.rglob("*")):  # subdirectories too (several LoRA adapters: adapters/<name>/)
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     (tmp / marker).write_text(json.dumps({"time": time.time()}))
     if final.exists():
         shutil.rmtree(final)

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from safetensors.numpy import save_file
 
 from workers.common.protocol import READY, RunPaths, publish_dir
+from workers.orchestrator.adapters import adapter_ids
 from workers.orchestrator.buffer import RolloutGroup, staleness
 
 PAD = 0
 
 
-def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: int) -> dict[str, np.ndarray]:
+def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: int,
+                       adapters: Sequence[str] = ()) -> dict[str, np.ndarray]:
     samples = [s for g in groups for s in g.samples]
     seq_len = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     b = len(samples)
@@ -68,6 +70,8 @@ def build_batch_arrays(groups: list[RolloutGroup], *, num_layers: int, top_k: in
     if have_routing:
         arrays["routed_experts"] = routed
         arrays["routed_mask"] = routed_mask
+    if adapters:  # several LoRA adapters: the adapter each row trains (workers/orchestrator/adapters.py)
+        arrays["adapter_ids"] = adapter_ids(groups, adapters)
     return arrays
 
 
@@ -91,9 +95,9 @@ def batch_metrics(step: int, groups: list[RolloutGroup]) -> dict[str, Any]:
 
 
 def write_batch(paths: RunPaths, step: int, groups: list[RolloutGroup], *, num_layers: int, top_k: int,
-                temperature: float, extra_metrics: dict[str, Any]) -> None:
+                temperature: float, extra_metrics: dict[str, Any], adapters: Sequence[str] = ()) -> None:
     """Publish rollouts/step_N atomically: batch.safetensors, meta.json, then READY."""
-    arrays = build_batch_arrays(groups, num_layers=num_layers, top_k=top_k)
+    arrays = build_batch_arrays(groups, num_layers=num_layers, top_k=top_k, adapters=adapters)
     metrics = {**batch_metrics(step, groups), **extra_metrics}
     meta = {
         "step": step,

@@ -69,6 +69,8 @@ class RolloutGroup:
     env_metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_model_tokens: int = 0
     """Most model tokens a sample may generate (the env's limits; overlong shaping's L; 0: unknown, no shaping)."""
+    adapter: str = ""
+    """Several LoRA adapters: the one this group sampled with and trains (workers/orchestrator/adapters.py)."""
 
     @property
     def policy_version(self) -> int:

@@ -43,6 +43,7 @@ from omegaconf import OmegaConf
 
 from workers.common.config import load_run_config, structure_section, to_yaml
 from workers.common.inference_client import InferenceClient, wait_until_ready
+from workers.orchestrator.adapters import trained_adapters
 from workers.common.ports import free_port
 from workers.common.logs import get_logger
 from workers.common.protocol import WEIGHTS_DIR, RunPaths, is_marked
@@ -199,7 +200,8 @@ async def evaluate(step_dir: Path, *, num_samples: Optional[int] = None, k: Opti
     if cfg.env.name == "dataset" and not env.eval_tasks(1):
         raise EvalError("the run's env=dataset has no eval split: it set neither env.eval_path nor env.eval_fraction")
     evaluator = Evaluator(env, every=1, num_samples=num_samples or o.eval_num_samples, log=log, k=k or o.eval_k,
-                          temperature=o.temperature, success_reward=o.eval_success_reward)
+                          temperature=o.temperature, success_reward=o.eval_success_reward,
+                          adapters=trained_adapters(cfg))
     paths = scratch_run(run_dir, step_dir, cfg)
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"

@@ -33,6 +33,7 @@ from typing import Any, Optional
 import numpy as np
 
 from workers.common.inference_client import InferenceError
+from workers.orchestrator.adapters import client_for
 from workers.orchestrator.buffer import RolloutGroup, Sample
 from workers.orchestrator.episodes import run_episode
 
@@ -94,8 +95,9 @@ class Evaluator:
     """At most one eval in flight; its metrics wait for the next batch (module docstring)."""
 
     def __init__(self, env, *, every: int, num_samples: int, log: logging.Logger, k: int = 1,
-                 temperature: float = 1.0, success_reward: float = 1.0):
+                 temperature: float = 1.0, success_reward: float = 1.0, adapters: tuple = ()):
         self.env, self.every, self.num_samples, self.log = env, every, num_samples, log
+        self.adapters = adapters  # several LoRA adapters: each eval task is sampled with its own (adapters.py)
         self.k, self.success_reward = k, success_reward
         self.temperature = GREEDY if k == 1 else temperature
         self.last_version: Optional[int] = None
@@ -113,7 +115,7 @@ class Evaluator:
     async def run(self, client, version: int) -> dict[str, Any]:
         tasks = self.env.eval_tasks(self.num_samples)
         samples: list[Sample] = await asyncio.gather(*(
-            run_episode(client, *self.env.resolve(t), episode_id=f"eval-v{version}-{i}-{j}",
+            run_episode(client_for(client, t, self.adapters), *self.env.resolve(t), episode_id=f"eval-v{version}-{i}-{j}",
                         temperature=self.temperature, return_routed_experts=False)
             for i, t in enumerate(tasks) for j in range(self.k)))
         answered = [s for s in samples if s.finish_reason != "abort"]

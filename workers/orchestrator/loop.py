@@ -31,6 +31,7 @@ from workers.common.protocol import (INFERENCE_HEALTH, LEDGER_FILE, USER_ERROR_E
 from workers.common.registry import BACKENDS, TRANSPORTS
 from workers.common.timeline import TimelineWriter, now
 from workers.common.topology import Topology
+from workers.orchestrator.adapters import adapter_metrics, adapter_of, client_for, trained_adapters
 from workers.orchestrator.batch_builder import write_batch
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, Shaping, groups_to_launch
 from workers.orchestrator.envs import make_env
@@ -97,8 +98,10 @@ class Orchestrator:
         self.ledger = Ledger(self.paths.root / LEDGER_FILE)
         self.beat = Heartbeat()  # the orchestrator's own host memory (and GPUs, where it has any)
         self.inference_beats: dict[int, dict] = {}  # worker -> its last heartbeat (watch_inference)
+        self.adapters = trained_adapters(cfg)  # several LoRA adapters: one per env=mix entry (adapters.py)
         self.evaluator = Evaluator(self.env, every=o.eval_every_steps, num_samples=o.eval_num_samples, log=self.log,
-                                   k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward)
+                                   k=o.eval_k, temperature=o.temperature, success_reward=o.eval_success_reward,
+                                   adapters=self.adapters)
         self.resume_from_ledger()
 
     def resume_from_ledger(self) -> None:
@@ -281,8 +284,9 @@ class Orchestrator:
         env, inner = self.env.resolve(env_task)  # env=mix: the entry's env and its task
         self.rate.start()  # the first request after readiness: inference_tokens_per_s counts from here
         # episodes.py, for every env: turns, tools, sandbox (+ simulated latency per env step)
-        task = asyncio.create_task(run_episode_group(
-            self.generation_client(worker, gid), env, inner, group_id=gid, worker=worker,
+        task = asyncio.create_task(run_episode_group(  # several adapters: requests name the group's
+            client_for(self.generation_client(worker, gid), env_task, self.adapters), env, inner, group_id=gid,
+            worker=worker,
             num_samples=self.group_size, temperature=o.temperature, return_routed_experts=routed,
             started_version=self.version, meter=self.meter, latency=self.latency,
             env_tag=getattr(env_task, "label", None)))
@@ -325,6 +329,7 @@ class Orchestrator:
                 self.ledger.drop([gid])
                 continue
             self.group_done_at[gid] = now()
+            group.adapter = adapter_of(env_task, self.adapters)
             self.rate.add(sum(len(s.completion_ids) for s in group.samples))
             group.max_model_tokens = max_model_tokens(self.env.resolve(env_task)[0].limits)
             if self.scorers:  # reference / teacher log-probs of the sampled tokens, beside the event loop
@@ -359,7 +364,8 @@ class Orchestrator:
                 "inference_workers_live": len(self.pool.live()),
                 "inference_worker_deaths_total": self.pool.deaths,
                 "groups_resubmitted_total": sum(self.ledger.resubmits.values()),
-                **env_batch_metrics(groups), **self.long_episode_counters(), **self.buffer.sampling_metrics(groups),
+                **env_batch_metrics(groups), **adapter_metrics(groups, self.adapters),
+                **self.long_episode_counters(), **self.buffer.sampling_metrics(groups),
                 **reward_metrics([s for g in groups for s in g.samples]), **self.env.metrics(),
                 **self.evaluator.take_result(),
                 **{f"orchestrator_{k}": v for k, v in self.beat.sample().items()},
@@ -371,7 +377,8 @@ class Orchestrator:
                 extra["samples"] = log_samples(self.log, self.env, self.next_step, groups,
                                                self.cfg.orchestrator.num_logged_samples)
             write_batch(self.paths, self.next_step, groups, num_layers=self.cfg.model.num_routed_layers,
-                        top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra)
+                        top_k=self.cfg.model.top_k, temperature=self.cfg.orchestrator.temperature, extra_metrics=extra,
+                        adapters=self.adapters)
             self.ledger.batch(self.next_step, [g.group_id for g in groups])  # after READY: recover_batches covers the gap
             self.timeline_batch(groups, write_start)
             self.dropped_at_last_batch = dropped_total

@@ -46,6 +46,7 @@ _OPTIONAL = {
     "routed_experts": ((np.uint8, np.uint16), 4),
     "routed_mask": ((np.uint8, np.bool_), 2),
     "ref_logprobs": ((np.float32,), 2),
+    "adapter_ids": ((np.int32,), 1),  # several LoRA adapters: each row's index in trainer.lora.adapters
 }
 
 
@@ -69,6 +70,7 @@ class RolloutBatch:
     meta: dict
     ref_logprobs: Optional[torch.Tensor] = None  # float32 [B, T]: the reference policy's (KL, distillation)
     token_weight: Optional[torch.Tensor] = None  # float32 [B, T]: loss aggregation (objective.py), set by the step
+    adapter_ids: Optional[torch.Tensor] = None  # int64 [B]: each row's adapter (trainer.lora.adapters), or None
 
     @property
     def num_rows(self) -> int:
@@ -100,8 +102,10 @@ def wait_for_batch(paths: RunPaths, step: int, *, timeout_s: float, publisher=No
     return time.perf_counter() - t0
 
 
-def load_batch(step_dir: Path, *, step: int, num_layers: int, top_k: int, num_experts: int) -> RolloutBatch:
-    """Read and check one batch directory; the model facts check ``routed_experts``."""
+def load_batch(step_dir: Path, *, step: int, num_layers: int, top_k: int, num_experts: int,
+               adapters: tuple = ()) -> RolloutBatch:
+    """Read and check one batch directory; the model facts check ``routed_experts``; ``adapters``
+    (trainer.lora.adapters, several): every row must name one by its index in ``adapter_ids``."""
     try:
         arrays = load_file(str(step_dir / BATCH_FILE))
         meta = json.loads((step_dir / META_FILE).read_text())
@@ -137,6 +141,13 @@ def load_batch(step_dir: Path, *, step: int, num_layers: int, top_k: int, num_ex
             r, c = (int(i[0]) for i in np.nonzero(stray))
             raise BatchFormatError(f"{where}: routed_mask marks pad position {c} of row {r}: routing rows must sit "
                                    f"on the tokens they were computed for (Router Replay would replay them elsewhere)")
+    if adapters or "adapter_ids" in arrays:
+        ids = arrays.get("adapter_ids")
+        if not adapters or ids is None or (b and (ids.min() < 0 or ids.max() >= len(adapters))):
+            raise BatchFormatError(
+                f"{where}: adapter_ids {'absent' if ids is None else sorted(set(ids.tolist()))[:8]} but the run trains "
+                f"trainer.lora.adapters={list(adapters)}: each row needs its adapter's index 0..{len(adapters) - 1} "
+                f"(a run of one adapter has no adapter_ids)")
     if b and arrays["loss_mask"][:, 0].any():
         raise BatchFormatError(f"{where}: loss_mask[:, 0] must be 0 (token 0 has no preceding logits to score it)")
     return _to_torch(arrays, meta)
@@ -181,6 +192,7 @@ def _to_torch(arrays: dict[str, np.ndarray], meta: dict) -> RolloutBatch:
         routed_mask=t("routed_mask", torch.bool) if routed else None,
         meta=meta,
         ref_logprobs=t("ref_logprobs", torch.float32) if "ref_logprobs" in arrays else None,
+        adapter_ids=t("adapter_ids", torch.int64) if "adapter_ids" in arrays else None,
     )
 
 

@@ -125,7 +125,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             ckpt.begin_step()
             t0 = time.perf_counter()
             batch = load_batch(paths.rollouts(step), step=step, num_layers=model.config.num_routed_layers,
-                               top_k=model.config.top_k, num_experts=model.config.num_experts)
+                               top_k=model.config.top_k, num_experts=model.config.num_experts,
+                               adapters=tuple(tcfg.lora.adapters))
             shard = shard_rows(batch, dims.batch_rank, dims.num_batch_shards).to(dims.device)
             dims.barrier()  # every rank holds batch N in memory: old rollout dirs may go
             if dims.is_rank0:

@@ -21,9 +21,10 @@ from typing import Iterable
 import torch
 
 from workers.common.config import ConfigError, RunConfig
+from workers.common.config.lora import several_adapters_error
 from workers.common.protocol import STABLE, RunPaths, publish_dir
 from workers.common.registry import MODELS
-from workers.models.lora.inject import apply_lora, gather_adapter, init_tensors
+from workers.models.lora.inject import apply_lora, gather_adapter, init_tensors, split_adapters
 from workers.weights.base import SyncStats, WeightPublisher
 from workers.weights.lora_format import Adapter, peft_state, write_adapter
 
@@ -34,6 +35,9 @@ def check_layout(cfg: RunConfig) -> None:
     if cfg.trainer.lora.enabled and (par.tp > 1 or par.ep > 1):
         raise ConfigError(f"trainer.lora.rank={cfg.trainer.lora.rank} with trainer.parallel.tp={par.tp} / "
                           f"trainer.parallel.ep={par.ep}: LoRA runs on the FSDP plan only (tp = ep = 1) for now")
+    why = several_adapters_error(cfg)
+    if why:
+        raise ConfigError(why)
 
 
 def add_adapters(cfg: RunConfig, full, tensors: Iterable) -> Iterable:
@@ -67,12 +71,18 @@ def adapter_bytes(adapter: Adapter, dtype: torch.dtype) -> int:
 
 def publish_adapter(publisher: WeightPublisher, version: int, model, cfg: RunConfig, paths: RunPaths, *,
                     rank: int, dtype: torch.dtype) -> dict:
-    """Publish version ``version``'s adapter (COLLECTIVE: every rank gathers it); the weight_sync_* metrics."""
+    """Publish version ``version``'s adapter (COLLECTIVE: every rank gathers it); the weight_sync_* metrics.
+    Several adapters (trainer.lora.adapters): ``{name: Adapter}``, one PEFT directory each."""
     t0 = time.perf_counter()
     adapter = gather_adapter(model, cfg.trainer.lora, to_hf=MODELS.get(cfg.model.family).to_hf,
                              base_model=base_model_of(cfg, paths))
+    if len(cfg.trainer.lora.adapters) > 1:
+        adapter = split_adapters(adapter, cfg.trainer.lora.adapters)
     if hasattr(publisher, "publish_adapter"):  # the transport handles adapters itself
         return publisher.publish_adapter(version, adapter).metrics()
+    if isinstance(adapter, dict):
+        raise TypeError(f"lora: {type(publisher).__name__} has no publish_adapter, which several adapters need "
+                        f"(workers/weights/lora_publisher.py AdapterPublisher)")
     if rank == 0:
         publish_dir(paths.weights(version), lambda tmp: write_step_adapter(tmp, adapter, version=version, dtype=dtype),
                     STABLE)

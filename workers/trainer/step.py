@@ -45,6 +45,7 @@ from workers.trainer.packing import plan_packing
 from workers.trainer.parallel import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
 from workers.trainer.fsdp import FsdpTrainerModel
+from workers.models.lora.rows import rows_of
 
 
 @dataclasses.dataclass
@@ -97,6 +98,12 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
                                                                                         entropy_grad),
                                          fused_temperature=batch.temperature if fused else None,
                                          token_loss=token_loss)}
+    rows = rows_of(model)
+    if rows is not None:  # several LoRA adapters: each token's adapter, in the forward's layout (models/lora/rows.py)
+        if batch.adapter_ids is None:
+            raise ValueError(f"trainer.lora.adapters={list(rows.names)}: the batch has no adapter_ids")
+        tok = batch.adapter_ids[:, None].expand(batch.input_ids.shape)
+        rows.use(tok if packing is None else packing.pack(tok))
     with compute_context(model), capture_routing(model, valid=inputs["attention_mask"]) as routers:
         out = model(**inputs)
     logp, entropy = place(at, out.logp), place(at, out.entropy)

@@ -16,6 +16,8 @@ Protocol (collective: every trainer rank calls ``publish``):
                              base); the other ranks' adapter is ignored; one gather at the end, so every
                              rank returns after the step exists.
 A NaN/inf adapter is refused like a full step's (weights.skip_nonfinite: skipped instead).
+Several adapters (``trainer.lora.adapters``): ``adapter`` is ``{name: Adapter}`` and the step holds
+``adapters/<name>/`` per adapter under one side file (lora_steps.py).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from workers.common.protocol import STABLE, publish_dir, step_name
 from workers.weights.base import Peers, SyncStats, WeightPublisher, peers_for, refuse_nonfinite
 from workers.weights.checksums import state_digest, tensor_hash
 from workers.weights.lora_format import Adapter, peft_state, write_adapter
-from workers.weights.lora_steps import BASE_STEP, FORMAT, SIDECAR
+from workers.weights.lora_steps import ADAPTERS_DIR, BASE_STEP, FORMAT, SIDECAR, combined_digest
 
 
 def adapter_files_digest(state: dict[str, torch.Tensor]) -> str:
@@ -57,29 +59,43 @@ class AdapterPublisher(WeightPublisher):
             return self.base.publish(version, weights)
         return self.publish_adapter(version, weights)
 
-    def publish_adapter(self, version: int, adapter: Optional[Adapter]) -> SyncStats:
-        """COLLECTIVE: rank 0 writes ``adapter`` as step ``version`` (workers/trainer/lora_publish.py calls
-        this hook); every rank returns once the step exists or was refused."""
+    def publish_adapter(self, version: int, adapter: Optional[Adapter | dict[str, Adapter]]) -> SyncStats:
+        """COLLECTIVE: rank 0 writes ``adapter`` (several: ``{name: Adapter}``) as step ``version``
+        (workers/trainer/lora_publish.py calls this hook); every rank returns once the step exists or
+        was refused."""
         t0 = time.perf_counter()
         nbytes, skipped = 0, False
         if self.peers.rank == 0:
-            if not isinstance(adapter, Adapter):
-                raise TypeError(f"lora: version {version} must be an Adapter on rank 0 (got {type(adapter).__name__})")
-            state = peft_state(adapter, self.dtype)
-            bad = [k for k, t in state.items() if not bool(torch.isfinite(t).all())]
+            several = adapter if isinstance(adapter, dict) else None
+            if not (isinstance(adapter, Adapter) or (several and all(isinstance(a, Adapter) for a in several.values()))):
+                raise TypeError(f"lora: version {version} must be an Adapter (or {{name: Adapter}}) on rank 0 "
+                                f"(got {type(adapter).__name__})")
+            states = {n: peft_state(a, self.dtype) for n, a in (several or {"": adapter}).items()}
+            bad = [f"{n}/{k}".lstrip("/") for n, st in states.items() for k, t in st.items()
+                   if not bool(torch.isfinite(t).all())]
             skipped = refuse_nonfinite(version, bad, skip=self.skip_nonfinite)
             if not skipped:
-                nbytes = self._write(version, adapter, state)
+                nbytes = self._write(version, adapter, states)
         self.peers.all_gather_object(None)
         return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0, skipped=skipped)
 
-    def _write(self, version: int, adapter: Adapter, state: dict[str, torch.Tensor]) -> int:
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        side = {"format": FORMAT, "step": version, "base_step": BASE_STEP, "digest": adapter_files_digest(state),
-                "bytes": nbytes, "rank": adapter.rank, "alpha": adapter.alpha}
+    def _write(self, version: int, adapter: Adapter | dict[str, Adapter], states: dict[str, dict]) -> int:
+        nbytes = sum(t.numel() * t.element_size() for st in states.values() for t in st.values())
+        digests = {n: adapter_files_digest(st) for n, st in states.items()}
+        first = adapter if isinstance(adapter, Adapter) else next(iter(adapter.values()))
+        side = {"format": FORMAT, "step": version, "base_step": BASE_STEP, "bytes": nbytes, "rank": first.rank,
+                "alpha": first.alpha}
+        if isinstance(adapter, dict):  # several adapters: the step's digest is the combination of theirs
+            side.update(digest=combined_digest(digests), adapters=digests)
+        else:
+            side["digest"] = digests[""]
 
         def write(tmp: Path) -> None:
-            write_adapter(tmp, adapter, step=version, dtype=self.dtype)
+            if isinstance(adapter, dict):
+                for name, one in adapter.items():
+                    write_adapter(tmp / ADAPTERS_DIR / name, one, step=version, dtype=self.dtype)
+            else:
+                write_adapter(tmp, adapter, step=version, dtype=self.dtype)
             (tmp / SIDECAR).write_text(json.dumps(side, indent=1) + "\n")
 
         publish_dir(self.root / step_name(version), write, STABLE)  # STABLE last, then one rename

@@ -13,6 +13,12 @@ their bytes per update), so the broadcast group is not used for them; embedded w
 ``/update_weights_from_disk`` (it is recognised as an adapter by its files), SGLang servers with their own
 ``/load_lora_adapter`` (workers/weights/lora_coordinator.py).
 
+Several adapters on one base (``trainer.lora.adapters=[a, b]``): each step N >= 1 holds one PEFT
+directory per adapter, ``weights/step_N/adapters/<name>/`` (each loads with
+``peft.PeftModel.from_pretrained(base, that_dir)``), and one side file at the step's top whose
+``digest`` is :func:`combined_digest` of the adapters' own digests (listed under ``adapters``): an
+engine confirms the step only when it serves every adapter of it.
+
 ``digest`` is the confirmation checksum: ``state_digest`` (workers/weights/digest.py) of the xxh3 of
 every tensor's bytes under its PEFT name, computed by the trainer over what it wrote. A worker answers
 the same over what it read and copied into its buffers; the orchestrator samples from version N only
@@ -34,6 +40,8 @@ BASE_STEP = 0
 """The version whose step holds the frozen base (the first publish)."""
 WEIGHTS_FILE = "adapter_model.safetensors"  # lora_format's names (that module imports torch)
 CONFIG_FILE = "adapter_config.json"
+ADAPTERS_DIR = "adapters"
+"""Several adapters: the subdirectory of a step holding one PEFT directory per adapter name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +80,26 @@ def speaks_sglang(cfg: Any) -> bool:
 
 def is_adapter_step(step_dir) -> bool:
     p = Path(step_dir)
-    return (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
+    return ((p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()) or bool(adapter_dirs(p))
+
+
+def adapter_dirs(step_dir) -> dict[str, Path]:
+    """Several adapters: name -> its PEFT directory in ``step_dir/adapters/`` ({} for a one-adapter step)."""
+    root = Path(step_dir) / ADAPTERS_DIR
+    try:
+        subs = sorted(root.iterdir())
+    except OSError:
+        return {}
+    return {d.name: d for d in subs if (d / CONFIG_FILE).is_file() and (d / WEIGHTS_FILE).is_file()}
+
+
+def combined_digest(digests: dict[str, Optional[str]]) -> Optional[str]:
+    """One digest of a several-adapter step from each adapter's (None when any is missing)."""
+    from workers.weights.digest import state_digest
+
+    if not digests or any(d is None for d in digests.values()):
+        return None
+    return state_digest(digests)
 
 
 def sidecar(step_dir) -> Optional[dict]:
@@ -89,6 +116,9 @@ def expected_digest(step_dir) -> Optional[str]:
     side = sidecar(step_dir)
     if side is not None and isinstance(side.get("digest"), str):
         return side["digest"]
+    several = adapter_dirs(step_dir)
+    if several:
+        return combined_digest({name: file_digest(d / WEIGHTS_FILE) for name, d in several.items()})
     return file_digest(Path(step_dir) / WEIGHTS_FILE)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 
-from workers.common.config.ranges import ConfigError, Each, between, gt, limits, one_of
+from workers.common.config.ranges import ConfigError, Each, Pattern, between, gt, limits, one_of
 
 TARGET_GROUPS = {
     "attention": ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
@@ -41,6 +41,13 @@ ROUTER_NAMES = ("gate", "router", "mlp.gate", "e_score_correction_bias")
 PER_EXPERT, SHARED_OUTER = "per_expert", "shared_outer"
 EXPERT_MODES = (PER_EXPERT, SHARED_OUTER)
 """``trainer.lora.experts`` choices (workers/trainer/lora/experts.py explains them)."""
+ADAPTER_NAME = Pattern(r"[A-Za-z][A-Za-z0-9_-]{0,31}", "an adapter name: a letter, then up to 31 letters, digits, "
+                       "'_' or '-' (it names a directory and a request's lora_path)")
+MAX_ADAPTERS = 8
+"""Most adapters in one run (``trainer.lora.adapters``): the engine's per-target buffers are ``N * rank``
+wide and every row's LoRA product spans all of them (workers/models/lora/linear.py)."""
+RESERVED_NAMES = ("base", "default")
+"""Names a request's ``lora_path`` already means something for (the base alone; the single adapter)."""
 FULL_FT_LR_MAX = 2e-5
 """A LoRA run at or below this learning rate gets the plan's hint: full-fine-tuning RL recipes use
 1e-6..1e-5 (GRPO/DAPO presets), and LoRA needs ~10x the full learning rate (module docstring)."""
@@ -71,16 +78,18 @@ class LoraConfig:
     one B [hidden, r] out of down, the expert-width side per expert; about half the adapter bytes of
     per_expert at E >> 1; published expanded to the per-expert PEFT layout)."""
     adapters: list[str] = field(default_factory=list)
-    """Several adapters trained in one run on one frozen base, each with its own env and reward: NOT
-    IMPLEMENTED yet (the embedded engine already serves several named adapters in one batch; the trainer's
-    per-row adapters, the orchestrator's per-adapter batches and per-adapter steps are missing). Must stay
-    empty: one adapter per run."""
+    """Several adapters trained in one run on one frozen base (empty, the default: one adapter, named
+    ``default``). Each name is an entry of ``env=mix``'s ``env.envs`` (its own env and reward), so a
+    group drawn from entry ``a`` is sampled with adapter ``a`` (the request names it) and trains adapter
+    ``a`` only; ``env.weights`` sets each adapter's share of a step's groups. 2 to 8 unique names
+    (letters, digits, ``_``, ``-``; not ``base`` or ``default``); published as
+    ``weights/step_N/adapters/<name>/`` (workers/weights/lora_steps.py). Embedded engine only; dense and
+    attention targets only on a MoE model (routed-expert adapters are one per run)."""
 
     def __post_init__(self) -> None:
-        if self.adapters:
-            raise ConfigError(f"trainer.lora.adapters={list(self.adapters)}: several adapters in one run are not "
-                              f"implemented yet (one adapter per run: leave trainer.lora.adapters empty; train the "
-                              f"others as separate runs on the same base)")
+        if isinstance(self.adapters, str):
+            self.adapters = [self.adapters]
+        check_adapter_names(list(self.adapters), self.rank)
         if isinstance(self.targets, str):  # a Hydra override ``trainer.lora.targets=q_proj`` without brackets
             self.targets = [self.targets]
         for t in self.targets:
@@ -99,6 +108,57 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def check_adapter_names(names: list[str], rank: int) -> None:
+    """ConfigError naming ``trainer.lora.adapters`` for a list that cannot name N adapters of one run."""
+    if not names:
+        return
+    key = f"trainer.lora.adapters={names}"
+    if rank <= 0:
+        raise ConfigError(f"{key} with trainer.lora.rank=0: several adapters are LoRA adapters; set "
+                          f"trainer.lora.rank > 0 (e.g. 8)")
+    if not 2 <= len(names) <= MAX_ADAPTERS:
+        raise ConfigError(f"{key}: name 2 to {MAX_ADAPTERS} adapters (one adapter: leave it empty)")
+    for n in names:
+        why = ADAPTER_NAME.error(n)
+        if why or n in RESERVED_NAMES:
+            raise ConfigError(f"{key}: {n!r} {why or f'is reserved ({list(RESERVED_NAMES)} mean the base and the single adapter)'}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{key}: names must be unique, {dup} repeat")
+
+
+def several_adapters_error(cfg) -> str | None:
+    """Why this run cannot train ``trainer.lora.adapters`` (None: it can, or it names none): each adapter
+    is an ``env=mix`` entry of the same name, the servers are the embedded engine (SGLang's multi-LoRA
+    serving is not wired here), context parallelism is off (the per-token adapter ids are not split
+    over cp ranks), and routed-expert adapters stay one per run (workers/models/lora/rows.py)."""
+    names = list(cfg.trainer.lora.adapters)
+    if not names or not cfg.trainer.lora.enabled:
+        return None
+    key = f"trainer.lora.adapters={names}"
+    env = cfg.env
+    labels = sorted(getattr(env, "envs", None) or {}) if env.name == "mix" else None
+    if labels is None:
+        return (f"{key} with env={env.name}: each adapter trains on its own env; use env=mix with one env.envs "
+                f"entry per adapter, named like it (env.envs.{names[0]}: {{name: reverse_digits, ...}})")
+    if labels != sorted(names):
+        return (f"{key}: env.envs labels are {labels}; they must be the adapters' names (one env per adapter, "
+                f"env.weights sets each adapter's share of a step)")
+    from workers.weights.lora_steps import speaks_sglang
+
+    if speaks_sglang(cfg):
+        return (f"{key} with inference={cfg.inference.backend}: several adapters on SGLang servers are not "
+                f"implemented (the embedded engine serves them: inference=embedded)")
+    if cfg.trainer.parallel.cp > 1:
+        return (f"{key} with trainer.parallel.cp={cfg.trainer.parallel.cp}: several adapters run with context "
+                f"parallelism off for now (trainer.parallel.cp=1)")
+    if EXPERTS in cfg.trainer.lora.targets and (cfg.model.num_experts or 0) > 0:
+        return (f"{key} with trainer.lora.targets={list(cfg.trainer.lora.targets)} on a MoE model: several adapters "
+                f"adapt dense projections only (routed-expert adapters are one per run); set "
+                f"trainer.lora.targets=[attention]")
+    return None
 
 
 MLP_NAMES = TARGET_GROUPS["mlp"]
@@ -129,4 +189,4 @@ def adapts_experts(targets) -> bool:
 
 
 limits(LoraConfig, rank=between(0, 4096), alpha=gt(0), dropout=between(0, 1, hi_open=True),
-       targets=Each(one_of(*TARGETS)), experts=one_of(*EXPERT_MODES), adapters=Each(one_of("default")))
+       targets=Each(one_of(*TARGETS)), experts=one_of(*EXPERT_MODES), adapters=Each(ADAPTER_NAME))

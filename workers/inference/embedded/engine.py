@@ -36,7 +36,7 @@ from workers.models.blocks.decoder import CausalLM
 from workers.weights.base import WeightLoadError
 from workers.weights.delta.apply import apply_chain
 from workers.weights.filesystem.receiver import DiskReader
-from workers.weights.lora_format import is_adapter_dir
+from workers.weights.lora_steps import adapter_dirs, combined_digest, is_adapter_step
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -168,7 +168,7 @@ class InferenceEngine:
         corrupt or mis-shaped step raises WeightLoadError and leaves the old weights in place."""
         if abort_all:
             self.abort(None, wait=True)
-        if self.lora is not None and is_adapter_dir(model_path):
+        if self.lora is not None and is_adapter_step(model_path):
             return self.load_adapter(model_path, weight_version)[0]
         with self._update_lock:  # a second update must not read against a half-applied first
             step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes,
@@ -182,22 +182,36 @@ class InferenceEngine:
     def load_adapter(self, path: str, weight_version: int, *, slot: int = 0) -> tuple[int, str]:
         """LoRA mode: read a published adapter step (outside the model lock) and copy it into adapter
         ``slot`` between steps, verified (workers/inference/embedded/lora.py); the engine then serves
-        ``weight_version``. Returns (requests in flight, the digest of the adapter's tensors)."""
+        ``weight_version``. A several-adapter step (``adapters/<name>/``, workers/weights/lora_steps.py)
+        fills every slot by name, all files read before any is copied. Returns (requests in flight, the
+        digest of the adapter's tensors; several: the combination of every slot's)."""
         from workers.inference.embedded.lora import read_step
 
         if self.lora is None:
             raise WeightLoadError(f"{path} is a LoRA adapter but this engine serves no adapters (trainer.lora.rank=0)")
         with self._update_lock:
-            adapter = read_step(path)
+            several = adapter_dirs(path)
+            if several and sorted(several) != sorted(self.lora.names):
+                raise WeightLoadError(f"{path} holds adapters {sorted(several)}; this engine serves "
+                                      f"{sorted(self.lora.names)} (trainer.lora.adapters)")
+            adapters = ({self.lora.index(n): read_step(d) for n, d in several.items()} if several
+                        else {slot: read_step(path)})
             with self._model_lock:
-                self.lora.load(adapter, slot=slot, version=int(weight_version))
-                digest = self.lora.digest(slot)  # of the buffers the forward reads, not of the file
+                for s, adapter in adapters.items():
+                    self.lora.load(adapter, slot=s, version=int(weight_version))
+                # of the buffers the forward reads, not of the files
+                digests = {self.lora.names[s]: self.lora.digest(s) for s in adapters}
+                digest = combined_digest(digests) if several else digests[self.lora.names[slot]]
                 self.weight_version = int(weight_version)
                 self.model_path = str(path)
                 self._weights_changed_locked()
                 n = self.num_running + self.num_pending
-        log.info("loaded adapter v%d (rank %d, %d targets) from %s into slot %d, digest %s, %d requests in flight",
-                 weight_version, adapter.rank, len(adapter.tensors), path, slot, digest, n)
+        for s, adapter in adapters.items():
+            log.info("loaded adapter v%d (rank %d, %d targets) from %s into slot %d (%s), digest %s, %d requests in "
+                     "flight", weight_version, adapter.rank, len(adapter.tensors), path, s, self.lora.names[s],
+                     digests[self.lora.names[s]], n)
+        if several:
+            log.info("loaded adapters v%d %s, step digest %s", weight_version, sorted(several), digest)
         return n, digest
 
     def _use_adapters(self, seqs) -> None:

@@ -42,7 +42,7 @@ from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
 from workers.weights.base import Received, TensorMeta, WeightLoadError
 from workers.weights.checksums import state_digest, state_hashes
-from workers.weights.lora_format import is_adapter_dir
+from workers.weights.lora_steps import is_adapter_step
 from workers.weights.shards import BY_NAME
 
 log = logging.getLogger("slurmrl.inference")
@@ -118,7 +118,7 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
     def load_and_apply(path: str, version: int, abort_all: bool) -> int:
         if abort_all:
             engine.abort(None, wait=True)
-        if engine.lora is not None and is_adapter_dir(path):  # LoRA mode: the base stays, the adapter changes
+        if engine.lora is not None and is_adapter_step(path):  # LoRA mode: the base stays, the adapter changes
             n, adapter_digest[0] = engine.load_adapter(path, version)
             adapter_digest[0] = adapter_digest[0] or ""  # "": nothing held, which confirms nothing
             return n

@@ -15,6 +15,7 @@ in-memory adapter of workers/weights/lora_format.py under Hugging Face names.
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Callable, Iterator, Optional
 
@@ -26,6 +27,7 @@ from workers.common.config.ranges import ConfigError
 from workers.models.blocks.experts import StackedExperts
 from workers.models.lora.experts import LoraExperts, lora_experts
 from workers.models.lora.linear import LoraLinear, lora_linear
+from workers.models.lora.rows import AdapterRows
 from workers.weights.lora_format import Adapter
 
 LORA_PARAM_MARK = ("lora_A", "lora_B")
@@ -51,10 +53,16 @@ def is_lora(model: nn.Module) -> bool:
 def apply_lora(model: nn.Module, lcfg, *, family: str = "", adapter_dtype: torch.dtype = torch.float32) -> list[str]:
     """Make ``model`` (a CausalLM; any device, meta included) a LoRA model per ``lcfg`` (trainer.lora) and
     freeze its base; returns the adapted module paths. ConfigError naming trainer.lora.targets when
-    nothing in the model matches."""
+    nothing in the model matches. Several adapters (``lcfg.adapters``): every target holds them side by
+    side and shares one :class:`AdapterRows`, also set as ``model.lora_rows`` (rows.py)."""
     moe = any(isinstance(m, StackedExperts) for m in model.modules())
     names, experts = linear_targets(lcfg.targets, moe=moe), adapts_experts(lcfg.targets)
     scale = lcfg.alpha / lcfg.rank
+    rows = AdapterRows(lcfg.adapters, lcfg.rank) if len(lcfg.adapters) > 1 else None
+    if rows is not None and experts and moe:
+        raise ConfigError(f"trainer.lora.adapters={list(lcfg.adapters)} with routed-expert adapters "
+                          f"(trainer.lora.targets has 'experts'): several adapters adapt dense projections only; "
+                          f"set trainer.lora.targets=[attention] on a MoE model")
     done = []
     for path, mod in list(model.named_modules()):
         if ".layers." not in f".{path}.":  # decoder layers only (never embeddings, lm_head)
@@ -63,13 +71,15 @@ def apply_lora(model: nn.Module, lcfg, *, family: str = "", adapter_dtype: torch
             lora_experts(mod, rank=lcfg.rank, scale=scale, mode=lcfg.experts, dtype=adapter_dtype)
             done.append(path)
         elif type(mod) is nn.Linear and path.rpartition(".")[2] in names:
-            lora_linear(mod, rank=lcfg.rank, scale=scale, dropout=lcfg.dropout, dtype=adapter_dtype)
+            lora_linear(mod, rank=lcfg.rank, scale=scale, dropout=lcfg.dropout, dtype=adapter_dtype, rows=rows)
             done.append(path)
     if not done:
         raise ConfigError(f"trainer.lora.targets={list(lcfg.targets)} matches no projection of model family "
                           f"{family or type(model).__name__}; choose groups (attention, mlp, experts...) it has")
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora_name(name))
+    if rows is not None:
+        model.lora_rows = rows
     return done
 
 
@@ -120,6 +130,16 @@ def gather_adapter(model: nn.Module, lcfg, *, to_hf: Optional[Callable[[dict], d
             probe = f".{mod.first}.{'gate_proj' if stack == 'gate_up_proj' else stack}.weight"
             tensors[f"{_hf_path(path, probe, to_hf)}.{stack}"] = (a, b)
     return Adapter(tensors, rank=lcfg.rank, alpha=lcfg.alpha, dropout=lcfg.dropout, base_model=base_model)
+
+
+def split_adapters(adapter: Adapter, names) -> dict[str, Adapter]:
+    """A several-adapter model's gathered factors (``[N*r, in]`` / ``[out, N*r]``, rows.py) as one
+    Adapter per name, each its own block (contiguous copies: each is written as its own PEFT file)."""
+    r = adapter.rank
+    return {name: dataclasses.replace(adapter, tensors={t: (a.narrow(0, i * r, r).contiguous(),
+                                                           b.narrow(1, i * r, r).contiguous())
+                                                       for t, (a, b) in adapter.tensors.items()})
+            for i, name in enumerate(names)}
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -22,18 +22,28 @@ class LoraLinear(nn.Linear):
 
     lora_scale: float
     lora_dropout: float
+    lora_rows = None
+    """Several adapters (rows.py): the shared per-token adapter choice; None with one adapter."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         a, b = self.lora_A, self.lora_B
         inp = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return y + F.linear(F.linear(inp, a.to(x.dtype)), b.to(x.dtype)) * self.lora_scale
+        xa = F.linear(inp, a.to(x.dtype))
+        if self.lora_rows is not None:  # N adapters side by side: each token keeps its own block
+            xa = xa * self.lora_rows.mask(xa)
+        return y + F.linear(xa, b.to(x.dtype)) * self.lora_scale
 
 
-def lora_linear(mod: nn.Linear, *, rank: int, scale: float, dropout: float, dtype: torch.dtype) -> LoraLinear:
+def lora_linear(mod: nn.Linear, *, rank: int, scale: float, dropout: float, dtype: torch.dtype,
+                rows=None) -> LoraLinear:
     """Turn ``mod`` into a :class:`LoraLinear` in place (same object): ``lora_A``/``lora_B`` of ``dtype`` on
-    its weight's device (meta stays meta; values come from :func:`workers.models.lora.inject.init_tensors`)."""
+    its weight's device (meta stays meta; values come from :func:`workers.models.lora.inject.init_tensors`).
+    ``rows`` (several adapters, rows.py): the factors are ``rows.num_adapters`` adapters side by side."""
     out_f, in_f = mod.weight.shape
+    if rows is not None:
+        rank = rank * rows.num_adapters
+        mod.lora_rows = rows
     dev = mod.weight.device
     mod.__class__ = LoraLinear
     mod.lora_A = nn.Parameter(torch.zeros(rank, in_f, dtype=dtype, device=dev))
