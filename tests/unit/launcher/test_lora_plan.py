@@ -52,9 +52,50 @@ def test_the_router_is_refused_by_name():
         compose(["trainer.lora.rank=8", "trainer.lora.targets=[attention,gate]"])
 
 
-def test_several_adapters_in_one_run_are_refused_as_not_implemented():
-    """Issue 44 item 5 is not built (the engine serves several named adapters; the trainer and the
-    orchestrator's per-adapter batches are missing): the key exists so the refusal can say so."""
-    with pytest.raises(ConfigError, match=r"trainer.lora.adapters=\['math', 'code'\]: several adapters in one run are "
-                                          r"not implemented"):
-        compose(["trainer.lora.rank=8", "trainer.lora.adapters=[math,code]"])
+MIX = ["env=mix", "trainer.lora.rank=8", "trainer.lr=1e-4", "trainer.lora.targets=[attention]"]
+
+
+def test_several_adapters_plan_prints_each_and_the_bytes_per_update():
+    lines = plan([*MIX, "trainer.lora.adapters=[short,long]"]).summary()
+    lora = next(line for line in lines if line.startswith("lora: "))
+    assert "2 adapters ['short', 'long'] on one frozen base" in lora
+    update = next(line for line in lines if line.startswith("weights: "))
+    assert "the 2 adapters ['short', 'long'] (weights/step_N/adapters/<name>/" in update
+    one = next(line for line in plan(MIX).summary() if line.startswith("lora: "))
+    assert one.split(": ")[-1] != lora.split(": ")[-1]  # twice the adapter parameters
+
+
+@pytest.mark.parametrize("adapters, match", [
+    ("[short,short]", "names must be unique"),
+    ("[short,base]", "'base' is reserved"),
+    ("[short]", "name 2 to 8 adapters"),
+    ("[a,b,c,d,e,f,g,h,i]", "name 2 to 8 adapters"),
+    ("['9lives',long]", "must be an adapter name"),
+    ("['../x',long]", "must be an adapter name"),
+])
+def test_bad_adapter_names_are_refused_naming_the_key(adapters, match):
+    with pytest.raises(ConfigError, match=rf"trainer.lora.adapters=.*{match}"):
+        compose([*MIX, f"trainer.lora.adapters={adapters}"])
+
+
+def test_several_adapters_need_lora():
+    with pytest.raises(ConfigError, match="trainer.lora.adapters=.* with trainer.lora.rank=0"):
+        compose(["env=mix", "trainer.lora.adapters=[short,long]"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["env=reverse_digits", "trainer.lora.rank=8", "trainer.lora.targets=[attention]"], "with env=reverse_digits: "
+                                                                                        "each adapter trains on its own env"),
+    ([*MIX[1:], "env=mix", "env.weights.long=2"], None),  # labels short/long: accepted below, refused with other names
+    (["trainer.lora.rank=8", "env=mix", "trainer.lora.targets=[attention]", "trainer.parallel.cp=2",
+      "trainer.num_ranks=2"], "trainer.parallel.cp=1"),
+    (["trainer.lora.rank=8", "env=mix"], "on a MoE model: several adapters adapt dense projections only"),
+    (["inference=sglang", "cluster=h200_ib", *MIX], "with inference=sglang: several adapters on SGLang servers are "
+                                                    "not implemented"),
+])
+def test_several_adapters_refused_at_plan_time_where_not_built(overrides, match):
+    if match is None:
+        assert plan([*overrides, "trainer.lora.adapters=[short,long]"]).summary()
+        assert "env.envs labels are ['long', 'short']" in plan_error([*overrides, "trainer.lora.adapters=[a,b]"])
+        return
+    assert match in plan_error([*overrides, "trainer.lora.adapters=[short,long]"])
