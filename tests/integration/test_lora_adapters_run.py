@@ -53,7 +53,8 @@ def test_two_adapters_each_learn_their_own_task(tmp_path):
     for a, (start, end) in rewards.items():
         assert end > start + 0.15, rewards
     print("rewards (first 4 steps, last 4 steps):", rewards)
-    assert sum(end for _, end in rewards.values()) > 1.3, rewards  # out of reach of one shared policy
+    # one shared policy: even + odd <= 1 in expectation (~130 samples per adapter: +-0.06 on the sum)
+    assert sum(end for _, end in rewards.values()) > 1.15, rewards
     weights = run_dir / "weights"
     side = json.loads((weights / f"step_{STEPS - 1:06d}" / "slurmrl_adapter.json").read_text())
     assert sorted(side["adapters"]) == ["even", "odd"] and side["adapters"]["even"] != side["adapters"]["odd"]
