@@ -24,12 +24,17 @@ from workers.models.hf_dir import CONFIG, INDEX as HF_INDEX, TOKENIZER_FILES
 from workers.weights.base import WeightLoadError
 from workers.weights.filesystem.receiver import DiskReader
 from workers.weights.lora_format import is_adapter_dir
+from workers.weights.lora_steps import adapter_dirs
 from workers.weights.shards import write_shard
 
 
 def resolve(step_dir: Path, out_dir: Path) -> Path:
     """Write the full checkpoint of ``step_dir`` into ``out_dir`` (created; must not exist)."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
+    several = adapter_dirs(step_dir)
+    if several:  # trainer.lora.adapters: one merged model per adapter, so the caller names it
+        raise WeightLoadError(f"{step_dir} holds several LoRA adapters {sorted(several)}: resolve one of "
+                              f"{step_dir}/adapters/<name>")
     if is_adapter_dir(step_dir):  # a LoRA step: merged into its base (workers/weights/lora_merge.py)
         from workers.weights.lora_merge import merge
 
