@@ -77,8 +77,10 @@ def resolve_repo_id(repo_id: str, revision: Optional[str], cache: Path, *, where
     from huggingface_hub import snapshot_download
 
     label = repo_id + (f"@{revision}" if revision else "")
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+    try:  # the same patterns as the download: huggingface_hub (2.x) checks a cached snapshot against the
+        # repo's file listing it cached, and without them calls one that skipped *.bin incomplete
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True,
+                                      allow_patterns=DOWNLOAD))
     except Exception as e:  # huggingface_hub raises its own types (not in the cache, bad revision, ...)
         missing = e
     if offline():

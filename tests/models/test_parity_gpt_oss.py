@@ -204,11 +204,11 @@ def test_gpt_oss_20b_config_as_published():
     assert 3.6e9 < SPEC.params(m).active - m.vocab_size * m.hidden_size < 3.62e9
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
-def test_tensor_and_expert_parallel_are_refused_at_plan_time(family):
-    """FSDP2 only (the specs' ``parallelize`` is empty): the plan (launcher/resources.py) refuses tp or ep > 1."""
-    spec = MODELS.get(family)
-    assert spec.trainer_plan(1, 1) == "fsdp"
-    for tp, ep in ((2, 1), (1, 2)):
-        with pytest.raises(ValueError, match=f"model family '{family}' has no tensor/expert-parallel plan"):
-            spec.trainer_plan(tp, ep)
+def test_tensor_parallel_plans_and_expert_parallel_is_refused():
+    """tp > 1 takes the mesh plan (world-2 parity: tests/integration/test_tp_native_families.py); ep > 1 is
+    refused with the reason (the fused experts' whole-stack names; tests/unit/launcher/test_tp_families_plan.py)."""
+    assert (SPEC.trainer_plan(1, 1), SPEC.trainer_plan(2, 1)) == ("fsdp", "mesh")
+    for tp, ep in ((1, 2), (2, 2)):
+        with pytest.raises(ValueError, match=rf"trainer.parallel.ep\({ep}\) > 1: model family 'gpt_oss' has no "
+                                             r"expert-parallel plan"):
+            SPEC.trainer_plan(tp, ep)

@@ -71,6 +71,9 @@ class ModelSpec(PluginSpec):
     """Name of the tensor/expert-parallel plan in the trainer's table (workers/trainer/plans.py), used
     when trainer.parallel.tp or ep > 1; empty: the family trains only with tp = ep = 1, under the
     generic FSDP plan (:meth:`trainer_plan`)."""
+    no_expert_parallel: str = ""
+    """Why this family's experts cannot be split over trainer.parallel.ep > 1 (its tensor-parallel plan
+    still applies); empty: they can. :meth:`trainer_plan` refuses ep > 1 with it."""
     router_hook: Optional[str] = None
     """Forward keyword that replays routing (``forced_experts``); None: the family has no router."""
     hf_architectures: tuple[str, ...] = ()
@@ -102,6 +105,9 @@ class ModelSpec(PluginSpec):
             raise ValueError(f"trainer.parallel.tp({tp}) x ep({ep}): model family {self.name!r} has no tensor/expert-"
                              f"parallel plan (ModelSpec.parallelize is empty); use tp=1 and ep=1 (FSDP over all "
                              f"trainer.num_ranks data-parallel ranks)")
+        if ep > 1 and self.no_expert_parallel:
+            raise ValueError(f"trainer.parallel.ep({ep}) > 1: model family {self.name!r} has no expert-parallel "
+                             f"plan: {self.no_expert_parallel}; use ep=1 (tensor and data parallelism still shard it)")
         return self.parallelize
 
     def checkpoint_from_hf(self, model_cfg) -> Callable[[dict], dict]:

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.models.blocks.norm import RMSNorm, rms_normalize
 
 
 class _CopyTo(torch.autograd.Function):
@@ -61,18 +60,21 @@ def reduce_from(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
     return x if group is None else _ReduceFrom.apply(x, group)
 
 
-class HeadSharedNorm(RMSNorm):
-    """A per-head RMSNorm (Qwen3's q_norm / k_norm) inside a TP region: the same ``[head_dim]``
-    weight on every rank, each rank applying it to its own heads only. Its gradient on a rank
-    therefore covers only that rank's heads: the weight enters through ``copy_to`` so the
-    backward sums it over the group (transformers' "replicated_with_grad_allreduce")."""
+class HeadSharedNorm(nn.Module):
+    """A per-head norm (Qwen3's RMSNorm or Gemma 3's ``(1 + w)`` q_norm / k_norm) inside a TP region:
+    the same ``[head_dim]`` weight on every rank, each rank applying it to its own heads only. Its
+    gradient on a rank therefore covers only that rank's heads: the weight enters through ``copy_to``
+    so the backward sums it over the group (transformers' "replicated_with_grad_allreduce"). The
+    formula is the wrapped norm's own (its ``scaled(x, weight)``, workers/models/blocks/norm.py);
+    the parameter keeps its name (``q_norm.weight``)."""
 
-    def __init__(self, full: RMSNorm, group: Optional[dist.ProcessGroup]):
-        nn.Module.__init__(self)
+    def __init__(self, full: nn.Module, group: Optional[dist.ProcessGroup]):
+        super().__init__()
         self.weight, self.eps, self.group = full.weight, full.eps, group
+        self.__dict__["norm_kind"] = type(full)  # not a submodule: its weight is this module's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to(self.weight, self.group) * rms_normalize(x, self.eps)
+        return self.norm_kind.scaled(self, x, copy_to(self.weight, self.group))
 
 
 def vocab_parallel_target_logprobs(local_logits: torch.Tensor, target: torch.Tensor, temperature: float, *,

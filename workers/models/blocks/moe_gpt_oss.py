@@ -19,8 +19,10 @@ identity, and a published step is what ``GptOssForCausalLM.from_pretrained`` loa
 and compute ``h = x @ W_gu[e] + b_gu[e]``, ``gate = min(h[::2], limit)``, ``up = clamp(h[1::2],
 -limit, limit)``, ``y = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_d[e] + b_d[e]`` (alpha 1.702,
 limit 7.0 in the released models). The layout differs from :class:`StackedExperts` (``[E, out, in]``,
-gate rows then up rows, no biases), which the expert-parallel and tensor-parallel plans are written
-for: the family trains under the FSDP plan only (its spec's ``parallelize`` is empty).
+gate rows then up rows, no biases), whose per-expert names the expert-parallel state paths (DCP,
+weight streaming) are written for: the mesh plan runs these experts under tp > 1 (replicated over tp,
+the tokens split, through the same ``forward(rows, counts)`` and :meth:`~ClampedSwiGLUExperts.narrow_`),
+and the family's spec refuses ep > 1 at plan time.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ClampedSwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float, limit: float):
         super().__init__()
         self.alpha, self.limit, self.intermediate_size = alpha, limit, intermediate_size
+        self.first = 0  # global id of local expert 0 (narrow_)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -52,6 +55,14 @@ class ClampedSwiGLUExperts(nn.Module):
     @property
     def num_local(self) -> int:
         return self.down_proj.shape[0]
+
+    @torch.no_grad()
+    def narrow_(self, first: int, count: int) -> None:
+        """Keep experts ``[first, first + count)`` only (the trainer's expert-parallel split:
+        workers/trainer/expert_parallel.py ``shard_experts``; ``count`` = all of them under tp alone)."""
+        for name, old in list(self.named_parameters(recurse=False)):
+            setattr(self, name, nn.Parameter(old[first:first + count].clone(), requires_grad=old.requires_grad))
+        self.first = first
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved gate/up columns ``[n, 2I] -> [n, I]``."""

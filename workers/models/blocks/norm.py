@@ -25,7 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
+        return self.scaled(x, self.weight)
+
+    def scaled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x`` with ``weight`` for this module's own (a tensor-parallel wrapper passes the
+        weight through a gradient all-reduce: workers/trainer/tensor_parallel.py HeadSharedNorm)."""
+        return weight * rms_normalize(x, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,6 +43,10 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scaled(x, self.weight)
+
+    def scaled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """As :meth:`RMSNorm.scaled`, with Gemma's ``(1 + weight)`` in float32."""
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * (1.0 + weight.float())).to(x.dtype)

@@ -7,8 +7,10 @@ through :data:`HF` plus the rotary keys Gemma 3 has per layer type (``rope_theta
 ``sliding_attention``; linear scaling of the full layers is implemented, any other is refused), and
 refuses logit soft-capping (null in every Gemma 3 config), bidirectional attention, attention
 biases and any key the model does not implement, naming it. The trainer shards it with FSDP2
-(tp = ep = 1): no tensor-parallel plan is written for Gemma's norms and scaled embedding yet, so
-``parallelize`` is empty and the plan refuses tp or ep > 1. SGLang serves it by its architecture
+(tp = ep = 1) or the mesh plan (tp > 1, workers/trainer/mesh_plan.py): heads split, the ``(1 + w)``
+q/k norms replicated with a TP-summed gradient (their ``scaled`` is the formula the TP wrapper
+applies), the GELU-tanh MLP column/row split, the scaled embedding vocab-parallel when the head is
+untied (tied: the embedding is the head and stays replicated). SGLang serves it by its architecture
 name (``Gemma3ForCausalLM``).
 """
 from __future__ import annotations
@@ -138,6 +140,6 @@ def check(cfg) -> None:
 
 
 SPEC = MODELS.register(ModelSpec(
-    name="gemma3_text", config=Gemma3TextConfig, check=check, arch=arch, build=build, init=init, parallelize="",
+    name="gemma3_text", config=Gemma3TextConfig, check=check, arch=arch, build=build, init=init,
     router_hook=None, hf_architectures=(HF.architecture,), to_hf_config=to_hf_config, from_hf_config=from_hf_config,
     summary="Gemma 3 text (interleaved sliding/global attention, q/k norms, sandwich norms, scaled embeddings)"))
