@@ -14,7 +14,8 @@ load           batch_ready -> the batch in device memory on every rank
 train          train_step
 publish        publish_weights (the trainer's side of the weight update)
 apply_wait     trainer published weights N -> the orchestrator's swap to N began (its poll)
-apply          the swap: pause -> load -> verify -> continue (generation resumed at its end)
+apply          the swap: pause -> load -> verify -> continue (generation resumed at its end;
+               embedded engines generate through it: staged, swapped between decode steps)
 reward         the slowest env step (scoring) among the batch's samples
 ============== =============================================================================
 

@@ -33,7 +33,7 @@ from workers.weights.filesystem.publisher import publish_step
 
 log = logging.getLogger("test.hung")
 CFG = SimpleNamespace(weights=SimpleNamespace(verify=True), trainer=SimpleNamespace(dtype="float32"),
-                      inference=SimpleNamespace(dtype="float32"))
+                      inference=SimpleNamespace(dtype="float32", backend="embedded"))
 
 
 def test_a_worker_marked_dead_leaves_the_weight_update_at_once(tmp_path):

@@ -14,6 +14,8 @@ import logging
 import time
 from types import SimpleNamespace
 
+import pytest
+
 
 from tests.integration.test_http_hostile import MODEL, TOKEN, serve
 from tests.helpers.netutil import free_port
@@ -26,7 +28,7 @@ from workers.weights.filesystem.coordinator import FilesystemCoordinator
 from workers.weights.filesystem.publisher import publish_step
 
 CFG = SimpleNamespace(weights=SimpleNamespace(verify=False), trainer=SimpleNamespace(dtype="float32"),
-                      inference=SimpleNamespace(dtype="float32"))
+                      inference=SimpleNamespace(dtype="float32", backend="embedded"))
 log = logging.getLogger("test.weight_retry")
 
 
@@ -42,6 +44,14 @@ class Counting:
     async def update_weights_from_disk(self, path, version, **kw):
         self.loads.append(version)
         return await self.client.update_weights_from_disk(path, version, **kw)
+
+    async def pause_generation(self, **kw):
+        self.loads.append("pause")
+        return await self.client.pause_generation(**kw)
+
+    async def continue_generation(self, **kw):
+        self.loads.append("continue")
+        return await self.client.continue_generation(**kw)
 
 
 def test_a_version_refused_for_its_content_is_not_retried(tmp_path):
@@ -71,6 +81,34 @@ def test_a_version_refused_for_its_content_is_not_retried(tmp_path):
     assert loads == [2, 1], loads  # poisoned v2 once (never again), then the intact v1 below it
     assert version == 1 and served == 1
     assert after == 3 and loads_after == [2, 1, 3] and served_after == 3
+
+
+@pytest.mark.parametrize("backend", ["embedded", "sglang"])
+def test_embedded_workers_generate_through_an_update_others_are_paused(tmp_path, backend):
+    """An embedded engine stages a step while it generates and swaps it in between decode steps
+    (workers/inference/embedded/weight_swap.py): the coordinator sends no pause; it pauses any other backend.
+    A request running across the update finishes, its tokens tagged with the versions that sampled them."""
+    paths = RunPaths(tmp_path)
+    state = model_from_config(MODEL, "float32", "cpu").state_dict()
+    publish_step(paths.root / "weights", 1, {k: v * 1.01 for k, v in state.items()}, keep_last=5)
+    cfg = SimpleNamespace(weights=CFG.weights, trainer=CFG.trainer,
+                          inference=SimpleNamespace(dtype="float32", backend=backend))
+
+    async def run(session, base, engine, app):
+        client = Counting(InferenceClient(base, TOKEN, session=session, timeout_s=30))
+        pool = WorkerPool([client], num_misses=3, timeout_s=10, log=log)
+        coord = FilesystemCoordinator(cfg, paths, log=log)
+        long = asyncio.create_task(client.generate([1, 2, 3], temperature=0.0, max_new_tokens=40))
+        while engine.num_generated_tokens < 2:  # the request is decoding
+            await asyncio.sleep(0.005)
+        await coord.maybe_update(pool)
+        out = await long
+        return list(client.loads), coord.pauses_generation, engine.weight_version, out.token_versions
+
+    loads, pauses, served, versions = serve(run)
+    assert served == 1 and pauses == (backend != "embedded")
+    assert loads == ([1] if backend == "embedded" else ["pause", 1, "continue"]), loads
+    assert versions[0] == 0 and versions == sorted(versions) and set(versions) <= {0, 1}  # old first, never back
 
 
 def test_a_worker_that_does_not_answer_is_retried_with_backoff(tmp_path):

@@ -97,10 +97,11 @@ class CopyReceiver(FilesystemReceiver):
         super().__init__(num_threads)
         self.num_copies_loaded = 0
 
-    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str]) -> Received:
+    def load(self, path: str, *, expected: Mapping[str, torch.Tensor], known: Mapping[str, str],
+             sums: Optional[Mapping[str, int]] = None) -> Received:
         d = Path(path)
         if not (d / MANIFEST).exists() and not d.name.startswith("v_"):
-            return super().load(path, expected=expected, known=known)
+            return super().load(path, expected=expected, known=known, sums=sums)
         t0 = time.perf_counter()
         if not (d / COPIED).exists():
             raise WeightLoadError(f"{d} has no {COPIED} marker: the copy is not complete")

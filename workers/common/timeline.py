@@ -15,7 +15,8 @@ Records (``step`` N: trainer step N, batch N, weights ``step_N``):
   ``batch_written`` (the batch on disk with READY), ``generation_s`` (see below), ``reward_s``
   (the slowest env step time among the batch's samples: scoring), ``groups``.
 - ``orchestrator.jsonl``, ``kind: apply``: ``start`` / ``end`` of the swap that moved the engines
-  to weights ``step`` (pause -> load -> verify -> continue; ``end`` is when generation resumed).
+  to weights ``step`` (pause -> load -> verify -> continue; ``end`` is when generation resumed;
+  embedded engines are not paused: they generate through the load and swap between decode steps).
 - ``trainer.jsonl``, ``kind: step``: ``wait_start``, ``batch_ready`` (wait_for_batch returned),
   ``loaded`` (batch in device memory, every rank), ``trained`` (train_step returned),
   ``published`` (publish_weights returned).

@@ -176,11 +176,12 @@ class Orchestrator:
     async def maybe_update_weights(self) -> None:
         """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist.
         An update that happened is a timeline ``apply`` record; the busy time it held requests paused
-        is not generation (``generation_s``)."""
+        is not generation (``generation_s``), unless the workers were not paused."""
         start, busy = now(), self.meter.busy_total()
         await self.weights.maybe_update(self.pool)
         if self.weights.version != self.version:
-            self.paused_busy_s += self.meter.busy_total() - busy
+            if self.weights.pauses_generation:  # embedded engines generate through their update (weight_swap.py)
+                self.paused_busy_s += self.meter.busy_total() - busy
             self.timeline.write("apply", self.weights.version, start=start, end=now())
         self.version = self.weights.version
         if isinstance(self.weights, LoraCoordinator):  # a worker serving an unconfirmed adapter: run its groups elsewhere

@@ -12,6 +12,10 @@ around it is shared (:func:`swap_weights`):
   3. ``/continue_generation`` on every worker that paused, also when step 2 failed
      somewhere (a bad update never freezes inference).
 
+Embedded engines are not paused by the filesystem transport: each stages the update while it
+generates and swaps it in between two decode steps (workers/inference/embedded/weight_swap.py), so
+generation stops for the swap alone (``swap_weights(pause=False)``).
+
 Requests that spanned the update carry per-token versions, so staleness stays exact. Every
 call has the client's timeout; failures carry the worker URL and response text and end in
 :class:`WeightUpdateError` (the orchestrator logs it and goes on with the old version).
@@ -115,8 +119,13 @@ async def _unless_gone(aw: Any, gone: Optional[asyncio.Event]) -> Any:
 
 async def swap_weights(clients: Sequence[Any], version: int, load: Callable[[Any], Any],
                        before: Optional[Callable[[], None]] = None,
-                       gone: Optional[Callable[[Any], Optional[asyncio.Event]]] = None) -> WeightSwap:
+                       gone: Optional[Callable[[Any], Optional[asyncio.Event]]] = None, *,
+                       pause: bool = True) -> WeightSwap:
     """pause(in_place) -> ``before()`` -> ``load(client)`` on every client at once -> continue.
+
+    ``pause=False``: no pause and no continue, for workers that stage an update while they generate and
+    swap it in between two decode steps themselves (the embedded engine: workers/inference/embedded/
+    weight_swap.py); their tokens carry per-token versions either way.
 
     ``clients`` are workers.common.inference_client.InferenceClient; ``load`` returns the
     coroutine of the transport's admin call (its answer: ``{success, weights_digest?}``).
@@ -126,8 +135,11 @@ async def swap_weights(clients: Sequence[Any], version: int, load: Callable[[Any
     """
     t0 = time.perf_counter()
     events = [gone(c) if gone is not None else None for c in clients]
-    paused = await asyncio.gather(*(_unless_gone(c.pause_generation(mode="in_place"), e)
-                                    for c, e in zip(clients, events)), return_exceptions=True)
+    if pause:
+        paused = await asyncio.gather(*(_unless_gone(c.pause_generation(mode="in_place"), e)
+                                        for c, e in zip(clients, events)), return_exceptions=True)
+    else:
+        paused = [None] * len(clients)
 
     async def load_one(c: Any, p: Any, e: Optional[asyncio.Event]) -> Any:
         if isinstance(p, WorkerLeft):
@@ -142,7 +154,7 @@ async def swap_weights(clients: Sequence[Any], version: int, load: Callable[[Any
                                        return_exceptions=True)
     finally:  # a worker that paused must continue, whatever happened to the others
         await asyncio.gather(*(_unless_gone(c.continue_generation(), e) for c, p, e in zip(clients, paused, events)
-                               if not isinstance(p, BaseException)), return_exceptions=True)
+                               if pause and not isinstance(p, BaseException)), return_exceptions=True)
     left = [c for c, r in zip(clients, results) if isinstance(r, WorkerLeft)]
     failed = [(c, p if isinstance(p, BaseException) else r) for c, p, r in zip(clients, paused, results)
               if not isinstance(r, WorkerLeft) and (isinstance(p, BaseException) or isinstance(r, BaseException)
@@ -171,6 +183,10 @@ class WeightCoordinator(abc.ABC):
     every updated worker serves), ``update_s`` (the last swap's time) and the verify counts,
     which the orchestrator copies into each batch's metrics.
     """
+
+    pauses_generation = True
+    """Whether an update holds the workers' requests paused (the orchestrator then leaves that busy time
+    out of ``generation_s``: workers/common/timeline.py)."""
 
     def __init__(self, cfg: Any, paths: Any, *, log: Any):
         self.cfg, self.paths, self.log = cfg, paths, log

@@ -11,8 +11,10 @@ token and join them to the running batch (the shorter KV cache is left-padded, k
 False); apply aborts; one decode step for every row; finished rows leave
 (``KVCache.select``) and their callbacks fire. Two locks: ``_cond`` guards the request queue and flags (cheap, taken by HTTP handlers);
 ``_model_lock`` guards the parameters, the running batch and ``weight_version`` and is
-held for a whole step, so weight copies and synchronous aborts happen between steps,
-never during a forward. Lock order is always model lock, then ``_cond``.
+held for a whole step, so weight swaps and synchronous aborts happen between steps,
+never during a forward. Lock order is always model lock, then ``_cond``. Weight updates
+(weight_swap.py, the :class:`EngineWeights` half) are read, verified and staged without the
+model lock, while decoding goes on, and only swapped in under it.
 
 Reproducibility: sampling draws from one ``torch.Generator`` seeded from (run seed,
 worker rank); the draws a request sees still depend on which requests share its batch.
@@ -23,7 +25,6 @@ import logging
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -33,10 +34,7 @@ from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # n
 from workers.inference.embedded.slot_state import nucleus
 from workers.models.blocks.cache import KVCache
 from workers.models.blocks.decoder import CausalLM
-from workers.weights.base import WeightLoadError
-from workers.weights.delta.apply import apply_chain
-from workers.weights.filesystem.receiver import DiskReader
-from workers.weights.lora_steps import adapter_dirs, combined_digest, is_adapter_step
+from workers.inference.embedded.weight_swap import EngineWeights
 
 log = logging.getLogger("slurmrl.inference")
 
@@ -48,7 +46,7 @@ def engine_seed(run_seed: int, rank: int) -> int:
     return (int(run_seed) * 1_000_003 + int(rank)) % (2**63 - 1)
 
 
-class InferenceEngine:
+class InferenceEngine(EngineWeights):
     """Continuous-batching generator over one model; thread-safe public methods (see module doc)."""
 
     def __init__(self, model: CausalLM, *, max_batch_size: int, seed: int, weight_version: int = 0, lora=None):
@@ -59,13 +57,10 @@ class InferenceEngine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = self.config.max_position_embeddings
         self.device = next(model.parameters()).device  # batches, sampling and the KV cache live here
-        self.weight_version = weight_version
-        self.model_path: Optional[str] = None
+        self._init_weights(weight_version)  # version, hashes, sums, the receiver (weight_swap.py)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._model_lock = threading.Lock()
         self._update_lock = threading.Lock()
-        self._disk, self.weight_hashes = DiskReader(), {}  # reused staging buffer; digests of what we hold
-        self.weight_sums: dict[str, int] = {}  # sum64 per tensor of what we hold (patch steps find their base by it)
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
         self._abort_rids: set[str] = set()  # marks applied at the next step (or by abort(wait=True))
@@ -160,107 +155,10 @@ class InferenceEngine:
             self._paused = False
             self._cond.notify_all()
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int, *, abort_all: bool = False) -> int:
-        """Verify and load a published weights/step_N dir; returns the requests in flight.
-
-        Reading and checksumming (weights.filesystem.DiskReader, which skips tensors the engine
-        already holds) run outside the model lock, so decoding goes on. A missing, partial,
-        corrupt or mis-shaped step raises WeightLoadError and leaves the old weights in place."""
-        if abort_all:
-            self.abort(None, wait=True)
-        if self.lora is not None and is_adapter_step(model_path):
-            return self.load_adapter(model_path, weight_version)[0]
-        with self._update_lock:  # a second update must not read against a half-applied first
-            step = self._disk.load(Path(model_path), expected=self.model.state_dict(), known=self.weight_hashes,
-                                   sums=self.weight_sums)
-            n = self.apply_weights(step.state, weight_version, source=str(model_path), hashes=step.hashes,
-                                   patches=step.patches, sums=step.sums)
-        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
-                 weight_version, model_path, step.bytes / 1e6, step.seconds, step.num_skipped, n)
-        return n
-
-    def load_adapter(self, path: str, weight_version: int, *, slot: int = 0) -> tuple[int, str]:
-        """LoRA mode: read a published adapter step (outside the model lock) and copy it into adapter
-        ``slot`` between steps, verified (workers/inference/embedded/lora.py); the engine then serves
-        ``weight_version``. A several-adapter step (``adapters/<name>/``, workers/weights/lora_steps.py)
-        fills every slot by name, all files read before any is copied. Returns (requests in flight, the
-        digest of the adapter's tensors; several: the combination of every slot's)."""
-        from workers.inference.embedded.lora import read_step
-
-        if self.lora is None:
-            raise WeightLoadError(f"{path} is a LoRA adapter but this engine serves no adapters (trainer.lora.rank=0)")
-        with self._update_lock:
-            several = adapter_dirs(path)
-            if several and sorted(several) != sorted(self.lora.names):
-                raise WeightLoadError(f"{path} holds adapters {sorted(several)}; this engine serves "
-                                      f"{sorted(self.lora.names)} (trainer.lora.adapters)")
-            adapters = ({self.lora.index(n): read_step(d) for n, d in several.items()} if several
-                        else {slot: read_step(path)})
-            with self._model_lock:
-                for s, adapter in adapters.items():
-                    self.lora.load(adapter, slot=s, version=int(weight_version))
-                # of the buffers the forward reads, not of the files
-                digests = {self.lora.names[s]: self.lora.digest(s) for s in adapters}
-                digest = combined_digest(digests) if several else digests[self.lora.names[slot]]
-                self.weight_version = int(weight_version)
-                self.model_path = str(path)
-                self._weights_changed_locked()
-                n = self.num_running + self.num_pending
-        for s, adapter in adapters.items():
-            log.info("loaded adapter v%d (rank %d, %d targets) from %s into slot %d (%s), digest %s, %d requests in "
-                     "flight", weight_version, adapter.rank, len(adapter.tensors), path, s, self.lora.names[s],
-                     digests[self.lora.names[s]], n)
-        if several:
-            log.info("loaded adapters v%d %s, step digest %s", weight_version, sorted(several), digest)
-        return n, digest
-
     def _use_adapters(self, seqs) -> None:
         """LoRA mode: the adapter of each row of the next forward."""
         if self.lora is not None:
             self.lora.use(torch.tensor([s.adapter_id for s in seqs], device=self.device))
-
-    def apply_weights(self, state, weight_version: int, *, source: str, hashes=None, patches=(), sums=None) -> int:
-        """Copy verified tensors (any subset of the parameters) in between steps, cast to the
-        model's dtype, then apply sparse ``patches`` in place (all or nothing: a digest mismatch puts
-        every value back and raises WeightLoadError); ``hashes``: every parameter's digest afterwards,
-        ``sums``: every tensor's sum64 (before the patches). Returns requests in flight."""
-        params = self.model.state_dict()
-        with self._model_lock, torch.no_grad():
-            if patches:
-                try:
-                    sums = apply_chain(params, patches, sums or {})
-                except WeightLoadError:  # all put back; what we hold is not what our sums say: the next
-                    self.weight_sums = {}  # update goes through the anchor (patch_reader.py) instead
-                    raise
-            for name, t in state.items():
-                params[name].copy_(t)
-            self.weight_version = int(weight_version)
-            self.model_path = source
-            self.weight_hashes = dict(hashes or {})
-            self.weight_sums = dict(sums or {})
-            self._weights_changed_locked()
-            return self.num_running + self.num_pending
-
-    def patch_weights(self, patch, weight_version: int, *, source: str):
-        """Run ``patch(params)`` (an in-place, verified patch: workers/weights/broadcast/delta_wire.py)
-        in between steps; on success the engine serves ``weight_version``. The per-tensor hashes
-        are dropped (they no longer describe the weights). Returns what ``patch`` returns."""
-        with self._model_lock, torch.no_grad():
-            out = patch(self.model.state_dict())
-            self.weight_version = int(weight_version)
-            self.model_path = source
-            self.weight_hashes = {}
-            self._weights_changed_locked()
-            return out
-
-    def set_weight_version(self, version: int) -> None:
-        with self._model_lock:
-            self.weight_version = int(version)
-            self._weights_changed_locked()
-
-    def _weights_changed_locked(self) -> None:
-        """Hook for engines that keep copies of the weights or the version (the static engine's
-        CUDA graphs: workers/inference/embedded/static_engine.py); nothing to do here."""
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything (callers get abort results) and stop the thread."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, step_name, wait_for
+from workers.common.registry import TRANSPORTS
 from workers.inference.embedded.lora import EngineLora
 from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed
@@ -101,6 +102,8 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
                                                 num_adapters=len(mode.adapters), names=mode.adapters)
     engine = create_engine(model, max_batch_size=cfg.inference.max_batch_size, seed=engine_seed(cfg.seed, rank),
                            options=cfg.inference, lora=lora)
+    device = next(model.parameters()).device  # the transport's receiver: the one reader of every update
+    engine.receiver_for(cfg.weights, lambda: TRANSPORTS.get(cfg.weights.transport).receiver(cfg.weights, device=device))
     load_newest_valid(engine, paths, wait_s=cfg.inference.startup_timeout_s)
     check = getattr(model, "self_check", None)  # the generic path: our head against transformers' forward
     if check is not None:

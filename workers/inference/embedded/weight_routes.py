@@ -30,7 +30,6 @@ SGLang's, so the orchestrator's client is the same for both engines.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from typing import Any, Optional
 
@@ -41,7 +40,6 @@ from workers.common.registry import TRANSPORTS
 from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.parsing import BadRequest, _bool, _int, _json, _version
 from workers.weights.base import Received, TensorMeta, WeightLoadError
-from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.lora_steps import is_adapter_step
 from workers.weights.shards import BY_NAME
 
@@ -90,50 +88,42 @@ def _announced(body: dict) -> list[TensorMeta]:
     return out
 
 
-def _accepts(fn, name: str) -> bool:
-    """Whether ``fn`` takes keyword ``name`` (by name or through ``**kwargs``)."""
-    params = inspect.signature(fn).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+class WeightRoutes:
+    """The four routes of one worker over its engine and the engine's receiver (module docstring).
 
+    State: ``lock`` (one update at a time), ``group_name`` (the weight group joined, for the log and
+    messages) and ``adapter_digest`` (LoRA mode: the digest of the adapter the last update loaded,
+    ``""`` when it holds none; None when the last update was not an adapter)."""
 
-def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = None) -> list[tuple[str, Any]]:
-    """(path, handler) pairs for make_app, served by ``weights.transport``'s receiver
-    (no config: the default transport with its defaults)."""
-    weights = weights if weights is not None else WeightsConfig()
-    lock = asyncio.Lock()
-    device = next(engine.model.parameters()).device
-    receiver = TRANSPORTS.get(weights.transport).receiver(weights, device=device)
-    # a plugin receiver written before patches existed takes no ``sums``: it still loads every step dense
-    takes_sums = _accepts(receiver.load, "sums")
-    group: dict[str, Optional[str]] = {"name": None}  # the weight group joined (for the log and messages)
+    def __init__(self, engine: InferenceEngine, weights: Optional[WeightsConfig] = None):
+        weights = weights if weights is not None else WeightsConfig()
+        self.engine = engine
+        device = next(engine.model.parameters()).device
+        # the engine's own reader when it was built from this config (startup.py), so a worker has one
+        self.receiver = engine.receiver_for(
+            weights, lambda: TRANSPORTS.get(weights.transport).receiver(weights, device=device))
+        self.lock = asyncio.Lock()
+        self.group_name: Optional[str] = None
+        self.adapter_digest: Optional[str] = None
 
-    known_digest: list[Optional[str]] = [None]  # what the last update's transport vouched for (patch steps)
-    adapter_digest: list[Optional[str]] = [None]  # LoRA mode: the digest of the adapter the last update loaded
+    def routes(self) -> list[tuple[str, Any]]:
+        return [("/update_weights_from_disk", self.update_weights_from_disk),
+                ("/init_weights_update_group", self.init_weights_update_group),
+                ("/update_weights_from_distributed", self.update_weights_from_distributed),
+                ("/destroy_weights_update_group", self.destroy_weights_update_group)]
 
-    def digest() -> str:  # our extension field: lets the orchestrator check every update end to end
-        if known_digest[0] is not None:  # patch steps: every touched tensor verified while applied (sum64)
-            return known_digest[0]
-        return state_digest(state_hashes(engine.model.state_dict()))
-
-    def load_and_apply(path: str, version: int, abort_all: bool) -> int:
+    def load_and_apply(self, path: str, version: int, abort_all: bool) -> int:
+        engine = self.engine
         if abort_all:
             engine.abort(None, wait=True)
         if engine.lora is not None and is_adapter_step(path):  # LoRA mode: the base stays, the adapter changes
-            n, adapter_digest[0] = engine.load_adapter(path, version)
-            adapter_digest[0] = adapter_digest[0] or ""  # "": nothing held, which confirms nothing
+            n, digest = engine.load_adapter(path, version)
+            self.adapter_digest = digest or ""  # "": nothing held, which confirms nothing
             return n
-        adapter_digest[0] = None
-        extra = {"sums": engine.weight_sums} if takes_sums else {}
-        got: Received = receiver.load(path, expected=engine.model.state_dict(), known=engine.weight_hashes,
-                                      **extra)
-        n = engine.apply_weights(got.state, version, source=path, hashes=got.hashes, patches=got.patches,
-                                 sums=got.sums)
-        known_digest[0] = got.digest
-        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
-                 version, path, got.bytes / 1e6, got.seconds, got.num_skipped, n)
-        return n
+        self.adapter_digest = None
+        return engine.update_weights_from_disk(path, version)
 
-    async def update_weights_from_disk(request):
+    async def update_weights_from_disk(self, request):
         body = await _json(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
@@ -144,23 +134,25 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
         abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
         _bool(body.get("flush_cache", True), "flush_cache")
         _bool(body.get("allow_rollback", False), "allow_rollback")
-        async with lock:
+        engine = self.engine
+        async with self.lock:
             if (refusal := _backwards(engine, version, body)) is not None:
                 log.warning("refused weights %s: v%d goes backwards from v%d (no rollback asked)", path[:300],
                             version, engine.weight_version)
                 return refusal
             try:
-                n = await asyncio.to_thread(load_and_apply, path, version, abort_all)
+                n = await asyncio.to_thread(self.load_and_apply, path, version, abort_all)
             except WeightLoadError as e:
                 log.warning("refused weights %s: %s (still serving v%d)", path, e, engine.weight_version)
                 return _refused(str(e), num_paused_requests=engine.num_running + engine.num_pending)
-            if adapter_digest[0] is not None:  # the confirmation the orchestrator waits for (lora_coordinator.py)
+            if self.adapter_digest is not None:  # the confirmation the orchestrator waits for (lora_coordinator.py)
                 return web.json_response({"success": True, "message": f"Succeeded to load adapter v{version}.",
-                                          "num_paused_requests": n, "adapter_digest": adapter_digest[0] or None})
+                                          "num_paused_requests": n, "adapter_digest": self.adapter_digest or None})
         return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
-                                  "num_paused_requests": n, "weights_digest": await asyncio.to_thread(digest)})
+                                  "num_paused_requests": n,
+                                  "weights_digest": await asyncio.to_thread(engine.weights_digest)})
 
-    async def init_weights_update_group(request):
+    async def init_weights_update_group(self, request):
         body = await _json(request)
         kwargs = dict(master_address=_str(body, "master_address"),
                       master_port=_int(body.get("master_port"), "master_port", 1, 65535),
@@ -171,42 +163,42 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
             raise BadRequest(f"backend: {kwargs['backend']!r} is not one of 'gloo', 'nccl'")
         if kwargs["rank"] >= kwargs["world_size"]:
             raise BadRequest(f"rank_offset({kwargs['rank']}) must be < world_size({kwargs['world_size']})")
-        async with lock:
+        async with self.lock:
             try:
-                await asyncio.to_thread(receiver.join, **kwargs)
+                await asyncio.to_thread(self.receiver.join, **kwargs)
             except (TimeoutError, RuntimeError, ValueError) as e:
                 log.warning("could not join weight group %s: %s", kwargs["group_name"], e)
                 return _refused(str(e))
-            group["name"] = kwargs["group_name"]
-        log.info("joined weight group %s at %s:%d as rank %d of %d (%s)", group["name"], kwargs["master_address"],
+            self.group_name = kwargs["group_name"]
+        log.info("joined weight group %s at %s:%d as rank %d of %d (%s)", self.group_name, kwargs["master_address"],
                  kwargs["master_port"], kwargs["rank"], kwargs["world_size"], kwargs["backend"])
-        return web.json_response({"success": True, "message": f"joined weight group {group['name']!r} as rank "
+        return web.json_response({"success": True, "message": f"joined weight group {self.group_name!r} as rank "
                                                               f"{kwargs['rank']} of {kwargs['world_size']}"})
 
-    def receive_and_apply(version: int, announced: list[TensorMeta], name: str, abort_all: bool) -> str:
+    def receive_and_apply(self, version: int, announced: list[TensorMeta], name: str, abort_all: bool) -> str:
+        engine = self.engine
         if abort_all:
             engine.abort(None, wait=True)
-        got: Received = receiver.receive(version, announced, group_name=name, expected=engine.model.state_dict())
-        n = engine.apply_weights(got.state, version, source=f"broadcast:{name}", hashes=got.hashes,
-                                 patches=got.patches, sums=got.sums)
-        known_digest[0] = got.digest
+        got: Received = self.receiver.receive(version, announced, group_name=name, expected=engine.model.state_dict())
+        n = engine.apply_received(got, version, source=f"broadcast:{name}")
         nbytes, seconds = got.bytes, got.seconds
         msg = (f"received v{version}: {nbytes / 1e6:.1f} MB in {seconds:.3f}s "
                f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), {n} requests in flight")
         log.info("%s", msg)
         return msg
 
-    def receive_patch(version: int, name: str, abort_all: bool) -> str:
+    def receive_patch(self, version: int, name: str, abort_all: bool) -> str:
+        engine = self.engine
         if abort_all:
             engine.abort(None, wait=True)
-        nbytes, changed, seconds = receiver.receive_patch(
+        nbytes, changed, seconds = self.receiver.receive_patch(
             version, group_name=name,
             apply_under_lock=lambda fn: engine.patch_weights(fn, version, source=f"broadcast:{name}"))
         msg = f"applied patch v{version}: {changed} elements changed, {nbytes / 1e6:.2f} MB in {seconds:.3f}s"
         log.info("%s", msg)
         return msg
 
-    async def update_weights_from_distributed(request):
+    async def update_weights_from_distributed(self, request):
         body = await _json(request)
         announced = _announced(body)
         name = _str(body, "group_name")
@@ -215,28 +207,30 @@ def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = No
         _bool(body.get("flush_cache", True), "flush_cache")
         if body.get("load_format") not in LOAD_FORMATS:
             raise BadRequest(f"load_format: {body.get('load_format')!r} is not one of {list(LOAD_FORMATS)}")
-        async with lock:
+        async with self.lock:
             try:
                 if body.get("load_format") == "slurmrl_delta":
-                    msg = await asyncio.to_thread(receive_patch, version, name, abort_all)
+                    msg = await asyncio.to_thread(self.receive_patch, version, name, abort_all)
                 else:
-                    msg = await asyncio.to_thread(receive_and_apply, version, announced, name, abort_all)
+                    msg = await asyncio.to_thread(self.receive_and_apply, version, announced, name, abort_all)
             except (WeightLoadError, TimeoutError) as e:
-                log.warning("refused broadcast v%d: %s (still serving v%d)", version, e, engine.weight_version)
+                log.warning("refused broadcast v%d: %s (still serving v%d)", version, e, self.engine.weight_version)
                 return _refused(str(e))
-        return web.json_response({"success": True, "message": msg, "weights_digest": await asyncio.to_thread(digest)})
+        return web.json_response({"success": True, "message": msg,
+                                  "weights_digest": await asyncio.to_thread(self.engine.weights_digest)})
 
-    async def destroy_weights_update_group(request):
+    async def destroy_weights_update_group(self, request):
         name = _str(await _json(request), "group_name")
-        async with lock:
+        async with self.lock:
             try:
-                receiver.leave(name)
+                self.receiver.leave(name)
             except WeightLoadError as e:
                 return _refused(str(e))
-            group["name"] = None
+            self.group_name = None
         return web.json_response({"success": True, "message": f"left weight group {name!r}"})
 
-    return [("/update_weights_from_disk", update_weights_from_disk),
-            ("/init_weights_update_group", init_weights_update_group),
-            ("/update_weights_from_distributed", update_weights_from_distributed),
-            ("/destroy_weights_update_group", destroy_weights_update_group)]
+
+def weight_routes(engine: InferenceEngine, weights: Optional[WeightsConfig] = None) -> list[tuple[str, Any]]:
+    """(path, handler) pairs for make_app, served by ``weights.transport``'s receiver
+    (no config: the default transport with its defaults)."""
+    return WeightRoutes(engine, weights).routes()

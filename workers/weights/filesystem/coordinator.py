@@ -2,7 +2,8 @@
 
 Each loop turn: the newest ``weights/step_V`` with STABLE, if V is newer than what the
 workers serve -> pause -> ``/update_weights_from_disk`` model_path=weights/step_V,
-weight_version=V on every live worker -> continue (workers/weights/coordinator.py) ->
+weight_version=V on every live worker -> continue (workers/weights/coordinator.py; embedded
+engines are not paused: they stage the step while generating and swap it in between steps) ->
 with ``weights.verify``, compare each worker's digest with index.json's. A refusal keeps
 the old version (health-checking first, so a dead worker cannot hold the version back): a
 version refused for its content (400: checksum, NaN, malformed) is never tried again, the
@@ -21,14 +22,19 @@ from workers.weights.filesystem.layout import index_digest, stable_versions
 from workers.weights.filesystem.reanchor import Reanchor
 
 
-async def update_all_workers(clients: Sequence[Any], model_path: str, version: int, gone=None) -> WeightSwap:
-    """pause(in_place) -> load ``model_path`` from disk -> continue on every worker (``gone``: swap_weights)."""
-    return await swap_weights(clients, version, lambda c: c.update_weights_from_disk(model_path, version), gone=gone)
+async def update_all_workers(clients: Sequence[Any], model_path: str, version: int, gone=None, *,
+                             pause: bool = True) -> WeightSwap:
+    """pause(in_place) -> load ``model_path`` from disk -> continue on every worker (``gone``, ``pause``:
+    swap_weights)."""
+    return await swap_weights(clients, version, lambda c: c.update_weights_from_disk(model_path, version), gone=gone,
+                              pause=pause)
 
 
 class FilesystemCoordinator(WeightCoordinator):
     def __init__(self, cfg: Any, paths: Any, *, log: Any):
         super().__init__(cfg, paths, log=log)
+        # embedded engines stage a step while they generate and swap it in between decode steps (no pause)
+        self.pauses_generation = cfg.inference.backend != "embedded"
         self.reanchor = Reanchor(paths.root / "weights", self.retry, enabled=bool(getattr(cfg.weights, "delta", False)),
                                  log=log)
 
@@ -47,7 +53,7 @@ class FilesystemCoordinator(WeightCoordinator):
         try:
             live = pool.live_clients()
             swap = await update_all_workers(live, str(self.paths.weights(newest)), newest,
-                                            gone=getattr(pool, "gone", None))
+                                            gone=getattr(pool, "gone", None), pause=self.pauses_generation)
             self.update_s, self.version = swap.seconds, newest
             self.retry.succeeded(newest)
             if swap.left:
