@@ -36,8 +36,8 @@ def _trainer_estimate(plan):
 
 def full_numbers(cfg, plan) -> dict:
     from launcher.estimate import DTYPE_BYTES, trainer_memory
-    from workers.weights.broadcast.delta_cost import delta_update_cost, model_split, server_layouts
-    from workers.weights.broadcast.sglang_wire import update_cost
+    from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
+    from workers.weights.sglang.wire import update_cost
 
     ranks, dtype, nic = cfg.trainer.num_ranks, cfg.inference.dtype, cfg.cluster.nic_gb_s
     dense_bytes, dense_s = update_cost(plan.params.total * DTYPE_BYTES[dtype], nic)

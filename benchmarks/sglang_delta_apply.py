@@ -2,7 +2,7 @@
 
 Why: the known trap of delta updates into SGLang is the apply, not the wire (a delta path that applied
 expert tensors one at a time took ~1 min per update). This runs the server side of our patch loader
-(workers/weights/broadcast/sglang_delta_loader.apply_patch: decode + map every HF expert tensor to its
+(workers/weights/sglang/patch_loader.apply_patch: decode + map every HF expert tensor to its
 FusedMoE slot + sum64-verified batched in-place apply) on one rank's share of a MoE model in SGLang's
 layout: ``--layers`` blocks of fused ``w13_weight [E_local, 2I, H]`` / ``w2_weight [E_local, H, I]``
 (bf16, on ``--device``), with a patch touching ``--fraction`` of every expert tensor's elements at random
@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks.record import results_dir
 from workers.weights.broadcast.delta_wire import patch_payload
-from workers.weights.broadcast.sglang_delta_loader import apply_patch
+from workers.weights.sglang.patch_loader import apply_patch
 from workers.weights.delta.patch import Part
 from workers.weights.delta.sum64 import tensor_sum64
 

@@ -51,8 +51,8 @@ from workers.common.ports import free_port
 from workers.weights.base import SoloPeers, TensorMeta, assign_shares
 from workers.weights.broadcast.publisher import BucketSender, join_as_sender
 from workers.weights.broadcast.receiver import BroadcastReceiver
-from workers.weights.broadcast.sglang_publisher import SGLangSender
-from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
+from workers.weights.sglang.broadcast_publisher import SGLangSender
+from workers.weights.sglang.wire import open_update_group, plan_batches
 from workers.weights.checksums import state_hashes, tensor_hash
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.stream import DictStream

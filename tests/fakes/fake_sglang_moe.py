@@ -3,7 +3,7 @@
 Why: with expert parallelism an SGLang rank holds only its routed experts, stacked in a FusedMoE's
 ``w13_weight [E_local, 2I, H]`` (gate rows, then up) and ``w2_weight [E_local, H, I]``, and finds an
 expert's slot with ``_map_global_expert_id_to_local_expert_id`` (-1: not here). The custom weight loader
-(workers/weights/broadcast/sglang_delta_loader.Targets) maps HF names onto exactly that, so a fake server
+(workers/weights/sglang/patch_loader.Targets) maps HF names onto exactly that, so a fake server
 whose ranks hold the dense HF state could not show that a rank pulls only its own experts' patches.
 
 :func:`moe_rank` builds one rank: the stacks, the rank's HF-named state (non-expert tensors as copies,

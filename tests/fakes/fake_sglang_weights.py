@@ -9,7 +9,7 @@ the source still reads this way):
 - join: ``WeightUpdater.init_weights_update_group``
   (srt/model_executor/model_runner_components/weight_updater.py): rank ``rank_offset + tp_rank``,
   the group made by ``init_custom_process_group`` (srt/utils/common.py), whose steps
-  workers/weights/broadcast/sglang_wire.open_update_group repeats;
+  workers/weights/sglang/wire.open_update_group repeats;
 - receive: ``WeightUpdater.receive_weights_from_distributed`` (same file): per tensor a
   ``torch.empty(shape, dtype)`` and an async ``broadcast(src=0)`` in the order of ``names``, then
   wait; ``load_format="flattened_bucket"``: ``_receive_bucketed_weights_from_distributed`` with
@@ -61,7 +61,7 @@ def _rank_main(conn, tp_rank: int, state: dict, experts: Optional[list] = None) 
     """One TP rank: obey commands from the server process until ``stop``. ``experts``: this rank holds only
     these routed experts, in SGLang's FusedMoE layout (tests/fakes/fake_sglang_moe.py); None: everything."""
 
-    from workers.weights.broadcast.sglang_wire import open_update_group
+    from workers.weights.sglang.wire import open_update_group
 
     # Each rank owns its memory: tensors handed to a spawned process arrive in shared memory
     # (torch's pickler), which would make every rank of a server one buffer.

@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 
 from tests.helpers.configs import REPO
 from workers.common.config import ClusterConfig, RunConfig, TrainerConfig, WeightsConfig
-from workers.common.protocol import READY, RunPaths, publish_dir
+from workers.common.atomic_dir import publish_dir
+from workers.common.protocol import READY, RunPaths
 from workers.models.tiny_moe.config import TinyMoeConfig
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig
 

@@ -24,8 +24,8 @@ from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths, latest_stable_step
 from workers.weights.base import SoloPeers
 from workers.weights.broadcast import BroadcastWeightsConfig
-from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
-from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
+from workers.weights.sglang.broadcast_coordinator import SGLangBroadcastCoordinator
+from workers.weights.sglang.broadcast_publisher import SGLangBroadcastPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
 
 torch.set_num_threads(1)
@@ -144,8 +144,8 @@ def _sharded_rank(rank: int, ports: tuple[int, int], out) -> None:
 
     from tests.fakes.fake_sglang_weights import receive_like_sglang
     from workers.weights.base import TensorMeta
-    from workers.weights.broadcast.sglang_publisher import SGLangSender
-    from workers.weights.broadcast.sglang_wire import open_update_group, plan_batches
+    from workers.weights.sglang.broadcast_publisher import SGLangSender
+    from workers.weights.sglang.wire import open_update_group, plan_batches
     from workers.weights.stream import DictStream
 
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ the --custom-weight-loader that load_format names, on every rank, as the pinned 
 orchestrator side (SGLangBroadcastCoordinator) and trainer side (SGLangBroadcastPublisher in a thread).
 
 Checks: versions offered as patches go as patches (descriptor over HTTP, the patch broadcast on SGLang's
-group, applied by workers/weights/broadcast/sglang_delta_loader.py in every rank) and leave every rank bit
+group, applied by workers/weights/sglang/patch_loader.py in every rank) and leave every rank bit
 for bit at the trainer's weights; an anchor due is written to run_dir/weights while the servers stay on
 patches; a rank that does not hold the base refuses, and the version arrives through the filesystem for
 every server.
@@ -23,8 +23,8 @@ from tests.integration.test_sglang_broadcast import SERVERS, TP, Trainer, bf16, 
 from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths, latest_stable_step
 from workers.weights.broadcast import BroadcastWeightsConfig
-from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
-from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+from workers.weights.sglang.broadcast_coordinator import SGLangBroadcastCoordinator
+from workers.weights.sglang.wire import DELTA_LOADER
 from workers.weights.stream import DictStream
 
 torch.set_num_threads(1)

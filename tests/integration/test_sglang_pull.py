@@ -31,11 +31,11 @@ from workers.common.inference_client import InferenceClient
 from workers.common.protocol import RunPaths, step_name
 from workers.orchestrator.faults import WorkerPool
 from workers.weights.base import SoloPeers
-from workers.weights.broadcast.sglang_wire import DELTA_LOADER
-from workers.weights.filesystem import FilesystemWeightsConfig
+from workers.weights.sglang.wire import DELTA_LOADER
+from workers.weights.delta.config import DeltaWeightsConfig
 from workers.weights.filesystem.patch_publisher import PatchPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
-from workers.weights.filesystem.sglang_coordinator import PULL_DIR, FilesystemSGLangCoordinator
+from workers.weights.sglang.pull_coordinator import PULL_DIR, FilesystemSGLangCoordinator
 from workers.weights.stream import DictStream
 
 torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def check_shares(run: Run, v: int, servers=(0, 1)) -> None:
 async def scenario(tmp_path):
     run = Run(tmp_path)
     run.publish(0)
-    weights = FilesystemWeightsConfig(delta=True, delta_full_every=6, publish_async=False)
+    weights = DeltaWeightsConfig(delta=True, delta_full_every=6, publish_async=False)
     cfg = types.SimpleNamespace(weights=weights, orchestrator=types.SimpleNamespace(weight_update_timeout_s=60),
                                 inference=types.SimpleNamespace(num_workers=2, worker=types.SimpleNamespace(tp=TP)))
     log = logging.getLogger("test_sglang_pull")

@@ -1,7 +1,7 @@
 """The real trainer (``python -m workers.trainer``) as 2 gloo ranks vs a 1-rank reference.
 
 Batches are written the way the orchestrator writes them (numpy + safetensors.numpy,
-``READY`` last through protocol.publish_dir). Both runs train the same 2 batches; the DP
+``READY`` last through atomic_dir.publish_dir). Both runs train the same 2 batches; the DP
 run must publish the same weights as the 1-rank run. They agree to float32 rounding, not
 bit for bit: the 1-rank run sums each gradient over all rows in one GEMM, the 2-rank run
 sums two half-batch GEMMs and then adds them in the all-reduce, a different reduction

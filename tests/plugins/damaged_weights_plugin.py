@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.registry import TRANSPORTS
-from workers.weights.filesystem import FilesystemWeightsConfig, check as filesystem_check
+from workers.weights.delta.config import DeltaWeightsConfig
+from workers.weights.filesystem import check as filesystem_check
 from workers.weights.spec import TransportSpec, lazy
 
 NAME = "damaged_patches"
@@ -30,7 +31,7 @@ KINDS = ("flip", "truncate", "delete", "index", "base")
 
 
 @dataclasses.dataclass(kw_only=True)
-class DamagedPatchesConfig(FilesystemWeightsConfig):
+class DamagedPatchesConfig(DeltaWeightsConfig):
     """``weights=damaged_patches``: the filesystem transport's fields plus what to damage."""
 
     transport: str = NAME

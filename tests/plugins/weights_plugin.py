@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.registry import TRANSPORTS
-from workers.weights.filesystem import FilesystemWeightsConfig
+from workers.weights.delta.config import DeltaWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
 
 NAME = "fake_copy"
@@ -41,7 +41,7 @@ ROLES = "tests.plugins.weights_plugin_roles"
 
 
 @dataclasses.dataclass(kw_only=True)
-class FakeCopyWeightsConfig(FilesystemWeightsConfig):
+class FakeCopyWeightsConfig(DeltaWeightsConfig):
     """``weights=fake_copy``: filesystem fields (step 0 goes that way) plus the copy directory."""
 
     transport: str = NAME

@@ -24,9 +24,9 @@ from tools.simulator.assumptions import (ANCHOR_DECODE_EXPERTS_PER_GPU, ANCHOR_D
                                         DEEPSEEK_V3, Assumptions)
 from launcher.estimate import attention_params, count_params, expert_params
 from workers.models.facts import Architecture, architecture
-from workers.weights.broadcast.delta_cost import ServerLayout, delta_update_cost, model_split
-from workers.weights.filesystem.pull_cost import pull_seconds, pull_storage_bytes
-from workers.weights.broadcast.sglang_wire import update_cost
+from workers.weights.sglang.patch_cost import ServerLayout, delta_update_cost, model_split
+from workers.weights.sglang.pull_cost import pull_seconds, pull_storage_bytes
+from workers.weights.sglang.wire import update_cost
 
 GPUS_PER_NODE = 8
 
@@ -236,14 +236,14 @@ class ClusterCosts:
         """(seconds the trainer spends publishing, seconds inference is paused) for one update.
 
         bf16 (the trainer's dtype; replicas requantize nothing). Broadcast: SGLang's own protocol
-        (workers/weights/broadcast/sglang_wire.update_cost, the figure the plan prints): every
+        (workers/weights/sglang/wire.update_cost, the figure the plan prints): every
         server GPU receives the whole model, pipelined along one NCCL broadcast at the NIC's
         rate. Filesystem: one write, then a full read per replica, through the shared
         filesystem's aggregate bandwidth. Broadcast with sparse patches (``delta_fraction`` > 0):
-        workers/weights/broadcast/delta_cost.delta_update_cost's whole-patch figure, the plan's too.
+        workers/weights/sglang/patch_cost.delta_update_cost's whole-patch figure, the plan's too.
         Filesystem with sparse patches: the patch is written once; every server rank pulls its share
         (delta_update_cost's per-rank figure) at its NIC's rate, or slower where the storage cannot serve
-        all ranks' reads at once (workers/weights/filesystem/pull_cost.py: the plan prints the same).
+        all ranks' reads at once (workers/weights/sglang/pull_cost.py: the plan prints the same).
         """
         hw, w = self.a.hw, self.a.weights
         need = [self.weights_per_gpu(r) * r.num_gpus for r in replicas]
@@ -267,7 +267,7 @@ class ClusterCosts:
 
     @staticmethod
     def _layouts(replicas: Sequence[Replica]) -> list[ServerLayout]:
-        """Each replica as one server of delta_cost's layouts (how it spreads the model over its GPUs)."""
+        """Each replica as one server of sglang/patch_cost's layouts (how it spreads the model over its GPUs)."""
         return [ServerLayout(count=1, tp=r.tp, ep=r.ep, dp_attention=r.dp_attention,
                              redundant_experts=r.redundant_experts) for r in replicas]
 

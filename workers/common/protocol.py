@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import time
 from pathlib import Path
@@ -132,27 +131,6 @@ def latest_stable_step(weights_root: Path) -> Optional[int]:
             n = int(d.name[5:])
             best = n if best is None or n > best else best
     return best
-
-
-def publish_dir(final: Path, write: Callable[[Path], None], marker: str) -> None:
-    """Write a directory atomically: fill ``.<name>.tmp``, fsync, add ``marker``, rename.
-
-    ``write(tmp_dir)`` creates the payload files. The marker is created inside the temp dir
-    after the payload is flushed, and the rename makes all of it visible at once.
-    """
-    tmp = final.parent / f".{final.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    for f in sorted(tmp.rglob("*")):  # subdirectories too (several LoRA adapters: adapters/<name>/)
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    (tmp / marker).write_text(json.dumps({"time": time.time()}))
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 from safetensors.numpy import save_file
 
-from workers.common.protocol import READY, RunPaths, publish_dir
+from workers.common.atomic_dir import publish_dir
+from workers.common.protocol import READY, RunPaths
 from workers.orchestrator.adapters import adapter_ids
 from workers.orchestrator.buffer import RolloutGroup, staleness
 

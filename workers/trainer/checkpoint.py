@@ -50,6 +50,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from workers.common.atomic_dir import seal
 from workers.common.protocol import CHECKPOINTS_DIR, COMPLETE, METRICS_FILE, WEIGHTS_DIR, step_name
 from workers.trainer import dcp_state, metrics_durable
 from workers.trainer.batch import KEEP_ROLLOUTS
@@ -190,8 +191,7 @@ class Checkpointer:
         os.replace(part, tmp / f"rank_{self.rank}.pt")
         if all((tmp / f"rank_{r}.pt").exists() for r in range(self.world_size)):
             try:
-                (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": self.world_size, "time": time.time()}))
-                os.rename(tmp, final)
+                seal(tmp, final, COMPLETE, {"step": step, "world_size": self.world_size}, replace=False)
             except OSError:  # another rank published it first
                 pass
             else:

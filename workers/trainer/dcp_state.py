@@ -29,10 +29,8 @@ between steps stops WITHOUT a save when there are several ranks (peers may be el
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from workers.common.atomic_dir import seal
 from workers.common.protocol import COMPLETE
 from workers.models.blocks.experts import checkpoint_named, stacked_state_names
 
@@ -72,9 +71,7 @@ def save(tmp: Path, final: Path, step: int, model, optimizer, *, rank: int, worl
     model_sd, optim_sd = per_expert_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
     if rank == 0:
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world_size, "format": FORMAT,
-                                                "time": time.time()}))
-        os.rename(tmp, final)
+        seal(tmp, final, COMPLETE, {"step": step, "world_size": world_size, "format": FORMAT}, replace=False)
     _barrier()
     return (final / COMPLETE).exists()
 

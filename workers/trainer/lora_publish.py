@@ -6,7 +6,7 @@ workers/weights/lora_format.py, written by :func:`write_step_adapter` -- the one
 transport calls to lay out an adapter step directory. A transport that handles adapters itself
 defines ``publish_adapter(version, adapter) -> SyncStats`` (the engine side of issue 44); for one
 that does not, rank 0 writes ``weights/step_N/`` here with the filesystem protocol's atomic
-``.step_N.tmp`` + STABLE + rename (workers/common/protocol.py ``publish_dir``).
+``.step_N.tmp`` + STABLE + rename (workers/common/atomic_dir.py ``publish_dir``).
 
 The adapter's ``base_model_name_or_path`` is ``model.path`` (the user's checkpoint) when the run has
 one, else the run's ``weights/step_000000`` (the published base).
@@ -21,8 +21,9 @@ from typing import Iterable
 import torch
 
 from workers.common.config import ConfigError, RunConfig
+from workers.common.atomic_dir import publish_dir
 from workers.common.config.lora import several_adapters_error
-from workers.common.protocol import STABLE, RunPaths, publish_dir
+from workers.common.protocol import STABLE, RunPaths
 from workers.common.registry import MODELS
 from workers.models.lora.inject import apply_lora, gather_adapter, init_tensors, split_adapters
 from workers.weights.base import SyncStats, WeightPublisher

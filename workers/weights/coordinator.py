@@ -33,6 +33,19 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 
+def receiver_rank_counts(cfg) -> list[int]:
+    """Group ranks per inference server (RunConfig ``cfg``), in the order of inference_urls: a broadcast
+    group's receivers, and the custom weight loader's verdicts per SGLang server (one per TP rank).
+
+    Unified workers, or prefill servers then decode servers; each contributes its TP size
+    (the embedded engine: 1).
+    """
+    i = cfg.inference
+    if i.num_workers:
+        return [i.worker.tp] * i.num_workers
+    return [i.prefill.tp] * i.num_prefill_replicas + [i.decode.tp] * i.num_decode_replicas
+
+
 class WeightUpdateError(RuntimeError):
     """At least one worker refused or failed a weight update.
 

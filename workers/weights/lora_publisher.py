@@ -11,7 +11,7 @@ Protocol (collective: every trainer rank calls ``publish``):
   ``publish_adapter(V >= 1, adapter)`` (the trainer's hook, workers/trainer/lora_publish.py; also
                              ``publish(V, adapter)``) rank 0 writes ``.step_V.tmp/`` (adapter files in the
                              INFERENCE dtype, what the servers hold bit for bit, ``slurmrl_adapter.json`` with
-                             the digest of the tensors it wrote, STABLE last: protocol.publish_dir), renames
+                             the digest of the tensors it wrote, STABLE last: atomic_dir.publish_dir), renames
                              it to ``step_V``, prunes adapter steps beyond ``weights.keep_last`` (never the
                              base); the other ranks' adapter is ignored; one gather at the end, so every
                              rank returns after the step exists.
@@ -30,7 +30,8 @@ from typing import Any, Optional
 import torch
 
 from workers.common.dtypes import torch_dtype
-from workers.common.protocol import STABLE, publish_dir, step_name
+from workers.common.atomic_dir import publish_dir
+from workers.common.protocol import STABLE, step_name
 from workers.weights.base import Peers, SyncStats, WeightPublisher, peers_for, refuse_nonfinite
 from workers.weights.checksums import state_digest, tensor_hash
 from workers.weights.lora_format import Adapter, peft_state, write_adapter

@@ -93,7 +93,7 @@ def test_the_orchestrator_side_of_the_sglang_spec():
 def test_broadcast_into_sglang_and_router_replay_with_pd_plan():
     """SGLang servers take the broadcast (their own protocol) and R3 runs through PD; the plan says
     what one update moves per inference GPU and how long it takes at the cluster's NIC rate."""
-    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY
+    from workers.weights.sglang.wire import BULK_EFFICIENCY
 
     cfg = compose(GLM5 + ["weights=broadcast", "weights.delta=false", "trainer.router_replay=true", "orchestrator.return_routed_experts=true"])
     p = build_plan(cfg)

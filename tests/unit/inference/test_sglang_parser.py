@@ -24,7 +24,7 @@ import pytest
 
 from tests.unit.inference.sglang_cases import API_KEY, PRESETS, local_tasks, router_task, server_tasks
 from workers.inference.sglang import keyed
-from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+from workers.weights.sglang.wire import DELTA_LOADER
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = r"""

@@ -1,5 +1,5 @@
 """Pure pieces of the SGLang production path: batches, samples, rank offsets of multi-node servers,
-the PD routing merge (workers/weights/broadcast/sglang_wire.py, sglang_coordinator.py,
+the PD routing merge (workers/weights/sglang/wire.py, broadcast_coordinator.py,
 workers/inference/sglang/pd_client.py)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from tests.conftest import compose
 from tests.unit.inference.sglang_cases import PRESETS
 from workers.inference.sglang.pd_client import merge_routing, pick
-from workers.weights.broadcast.handshake import receiver_rank_counts
+from workers.weights.coordinator import receiver_rank_counts
 from workers.weights.broadcast.join import join_weight_group
-from workers.weights.broadcast.sglang_wire import Batch, Wire, flat_offsets, plan_batches, sample_names
+from workers.weights.sglang.wire import Batch, Wire, flat_offsets, plan_batches, sample_names
 
 
 def w(name: str, dtype: str, nbytes: int) -> Wire:
@@ -80,8 +80,8 @@ def test_the_broadcast_transport_speaks_sglang_to_sglang_servers(tmp_path):
     from workers.common.protocol import RunPaths
     from workers.common.registry import TRANSPORTS
     from workers.weights.broadcast.coordinator import BroadcastCoordinator
-    from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
-    from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
+    from workers.weights.sglang.broadcast_coordinator import SGLangBroadcastCoordinator
+    from workers.weights.sglang.broadcast_publisher import SGLangBroadcastPublisher
 
     spec, paths = TRANSPORTS.get("broadcast"), RunPaths(tmp_path)
     sglang = compose(PRESETS["glm5_swe_28xh200"])

@@ -1,6 +1,6 @@
 """SGLang's weight-receive protocol, read from the pinned sglang's own source.
 
-workers/weights/broadcast/sglang_wire.py (our sender) and tests/fakes/fake_sglang_weights.py (the
+workers/weights/sglang/wire.py (our sender) and tests/fakes/fake_sglang_weights.py (the
 fake's rank processes) follow sglang 0.5.23's receive path. Each test here reads one step of that
 path out of the installed package (``ast`` + text, no import: sglang's import pulls CUDA-side
 modules) and fails when a version bump changes it: the rank arithmetic, the group's rendezvous, the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.unit.inference.test_fake_sglang_schema import sglang_root
 from workers.common.registry import MODELS
-from workers.weights.broadcast.sglang_wire import FORMATS, WEIGHTS_BY_NAME_ARCHITECTURES
+from workers.weights.sglang.wire import FORMATS, WEIGHTS_BY_NAME_ARCHITECTURES
 
 
 def function_source(rel: str, name: str, cls: str | None = None) -> str:
@@ -121,7 +121,7 @@ def test_servers_are_single_replica_as_the_update_requires():
     assert '"attn-dp-size"' in text and '"dp-size"' not in text
 
 
-# --- the custom weight loader that applies sparse patches (workers/weights/broadcast/sglang_delta_loader.py)
+# --- the custom weight loader that applies sparse patches (workers/weights/sglang/patch_loader.py)
 
 def test_update_from_tensor_calls_a_custom_loader_named_by_load_format():
     """The hook: --custom-weight-loader lists import paths; /update_weights_from_tensor whose load_format is one

@@ -71,8 +71,8 @@ def test_decode_step_grows_with_batch_and_fp8_is_faster(glm5):
 
 
 def test_weight_update_is_the_plans_figure():
-    """Dense broadcast into SGLang: the simulator's wire time is the one the plan prints (sglang_wire.update_cost)."""
-    from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY, update_cost
+    """Dense broadcast into SGLang: the simulator's wire time is the one the plan prints (sglang/wire.update_cost)."""
+    from workers.weights.sglang.wire import BULK_EFFICIENCY, update_cost
 
     glm5 = compose(["experiment=glm5_swe_28xh200", "weights.delta=false"])
     a = Assumptions()
@@ -89,7 +89,7 @@ def test_weight_update_is_the_plans_figure():
 @pytest.mark.parametrize("preset", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200"])
 def test_sparse_updates_are_the_plans_figure_and_within_two_seconds(preset):
     """weights.delta: the presets' plans print <= 2.0 s per update at nic_gb_s=50 with the assumed fraction,
-    and the simulator's wire time (same replicas, same senders) is that figure (delta_cost.delta_update_cost)."""
+    and the simulator's wire time (same replicas, same senders) is that figure (sglang/patch_cost.delta_update_cost)."""
     cfg = compose([f"experiment={preset}", "cluster.nic_gb_s=50"])
     assert cfg.weights.delta and cfg.weights.transport == "broadcast"
     plan = build_plan(cfg)
@@ -204,7 +204,7 @@ def test_fast_decode_step_matches_the_reference(glm5):
 
 def test_filesystem_pull_is_the_plans_per_rank_figure():
     """weights.transport=filesystem with sparse patches into SGLang: every rank pulls its share; the
-    simulator's pause is the plan's figure (pull_cost: the slower of the largest rank's NIC and the
+    simulator's pause is the plan's figure (sglang/pull_cost: the slower of the largest rank's NIC and the
     shared filesystem's aggregate), and with GLM-5's 96 server ranks on a 100 GB/s scratch filesystem
     the storage decides and the whole-patch broadcast is faster: the simulator must show that."""
     cfg = compose(["experiment=glm5_swe_28xh200", "cluster.nic_gb_s=50", "weights=filesystem", "weights.delta=true",

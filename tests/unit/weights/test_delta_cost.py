@@ -1,9 +1,9 @@
-"""The plan's and the simulator's cost of a sparse update (workers/weights/broadcast/delta_cost.py)."""
+"""The plan's and the simulator's cost of a sparse update (workers/weights/sglang/patch_cost.py)."""
 from __future__ import annotations
 
 import pytest
 
-from workers.weights.broadcast.delta_cost import ModelSplit, ServerLayout, delta_update_cost, rank_elements
+from workers.weights.sglang.patch_cost import ModelSplit, ServerLayout, delta_update_cost, rank_elements
 from workers.weights.delta import patch_bytes_per_element
 
 

@@ -8,7 +8,7 @@ import torch
 from workers.weights.base import NonFiniteWeights, Peers, SoloPeers, refuse_nonfinite
 from workers.weights.broadcast import BroadcastWeightsConfig
 from workers.weights.broadcast.handshake import Handshake
-from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
+from workers.weights.sglang.broadcast_publisher import SGLangBroadcastPublisher
 from workers.common.protocol import RunPaths
 
 

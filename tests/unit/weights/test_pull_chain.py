@@ -1,4 +1,4 @@
-"""The orchestrator's view of a patch chain (sglang_coordinator.patch_chain): which steps a server pulls.
+"""The orchestrator's view of a patch chain (sglang/pull_coordinator.patch_chain): which steps a server pulls.
 
 Real steps from the real PatchPublisher: a patch step's chain runs back by base pointers to its anchor; a full
 step has none; a pruned or unstable step anywhere on the chain is an error naming it (the server would
@@ -16,7 +16,7 @@ from workers.weights.base import SoloPeers
 from workers.weights.coordinator import WeightUpdateError
 from workers.weights.filesystem.patch_publisher import PatchPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
-from workers.weights.filesystem.sglang_coordinator import patch_chain
+from workers.weights.sglang.pull_coordinator import patch_chain
 from workers.weights.stream import DictStream
 
 

@@ -1,7 +1,7 @@
 """weights.transport=filesystem + weights.delta into SGLang, at plan time: the plan's line, the coordinator, the flag.
 
 The GLM-5 preset (EP over 32-GPU servers) with its weights switched to the filesystem: the plan must print
-the per-rank pull figure (delta_cost.py's per-rank bytes: far below the whole patch), the orchestrator must
+the per-rank pull figure (sglang/patch_cost.py's per-rank bytes: far below the whole patch), the orchestrator must
 get the pulling coordinator (the plain one asked SGLang to load patch steps from disk, which it cannot),
 and every server must be started with the loader that pulls.
 """
@@ -16,11 +16,11 @@ from tests.conftest import compose
 from tests.unit.inference.sglang_cases import PRESETS
 from workers.common.protocol import RunPaths
 from workers.inference.sglang.args import weight_loader_args
-from workers.weights.broadcast.delta_cost import delta_update_cost, model_split, server_layouts
-from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
+from workers.weights.sglang.wire import DELTA_LOADER
 from workers.weights.filesystem.coordinator import FilesystemCoordinator, make_coordinator
-from workers.weights.filesystem.pull_cost import pull_storage_bytes
-from workers.weights.filesystem.sglang_coordinator import FilesystemSGLangCoordinator
+from workers.weights.sglang.pull_cost import pull_storage_bytes
+from workers.weights.sglang.pull_coordinator import FilesystemSGLangCoordinator
 
 GLM5 = PRESETS["glm5_swe_28xh200"] + ["weights=filesystem", "cluster.nic_gb_s=50"]
 

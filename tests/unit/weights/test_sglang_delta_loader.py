@@ -1,4 +1,4 @@
-"""The custom weight loader that applies a patch inside an SGLang server (sglang_delta_loader.py).
+"""The custom weight loader that applies a patch inside an SGLang server (sglang/patch_loader.py).
 
 SGLang's serving stack is the boundary we cannot run here; its parameters are not: the model below
 holds exactly SGLang's layout for a MoE block (a FusedMoE-shaped module with w13_weight [E_local, 2I, H]
@@ -18,7 +18,7 @@ from torch import nn
 
 from workers.weights.base import SoloPeers
 from workers.weights.broadcast.delta_wire import patch_payload
-from workers.weights.broadcast.sglang_delta_loader import DESCRIPTOR, PAYLOAD, apply_patch, load_patch
+from workers.weights.sglang.patch_loader import DESCRIPTOR, PAYLOAD, apply_patch, load_patch
 from workers.weights.delta.tracker import DeltaTracker
 from workers.weights.stream import DictStream
 

@@ -1,4 +1,4 @@
-"""Per-rank pull of a patch step (weights.transport=filesystem into SGLang: sglang_pull.py + the loader's pull_patch).
+"""Per-rank pull of a patch step (weights.transport=filesystem into SGLang: sglang/patch_pull.py + the loader's pull_patch).
 
 The trainer side is the real PatchPublisher writing patch steps to disk; the SGLang ranks are the FusedMoE
 layouts of test_sglang_delta_loader.py (EP=2, an EPLB copy). Each rank must read only the entries of the
@@ -20,7 +20,7 @@ from tests.unit.weights.test_sglang_delta_loader import (E, FakeSGLangModel, bit
                                                          sglang_layout)
 from workers.common.protocol import step_name
 from workers.weights.base import SoloPeers
-from workers.weights.broadcast.sglang_delta_loader import DESCRIPTOR, load_patch, pull_patch
+from workers.weights.sglang.patch_loader import DESCRIPTOR, load_patch, pull_patch
 from workers.weights.filesystem.patch_publisher import PatchPublisher
 from workers.weights.filesystem.publisher import FilesystemPublisher
 from workers.weights.stream import DictStream
@@ -165,7 +165,7 @@ def test_parts_spread_over_several_trainer_ranks_files_are_read_from_each(tmp_pa
     """A tensor sharded over two trainer ranks has a part in each rank's file; a rank reads both parts, and
     nothing of the tensors it does not hold, whichever file they are in."""
     from workers.weights.delta.patch import Part, encode
-    from workers.weights.filesystem.sglang_pull import read_held_parts
+    from workers.weights.sglang.patch_pull import read_held_parts
 
     step = tmp_path / "step"
     step.mkdir()

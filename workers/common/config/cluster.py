@@ -137,11 +137,11 @@ class ClusterConfig:
     """Memory of one GPU in GB, for the plan's memory estimates (0: no estimate)."""
     nic_gb_s: float = 50.0
     """Network bandwidth per GPU in GB/s (InfiniBand NDR 400 Gb/s per GPU = 50), for the plan's
-    weight-update estimate (workers/weights/broadcast/sglang_wire.update_cost; the simulator uses the same)."""
+    weight-update estimate (workers/weights/sglang/wire.update_cost; the simulator uses the same)."""
     shared_fs_gb_s: float = 100.0
     """Aggregate read bandwidth in GB/s of the shared filesystem holding the run directory (Lustre,
     GPFS), for the plan's estimate of sparse patches pulled by every SGLang rank at once
-    (workers/weights/filesystem/pull_cost.py; the simulator's ``weights.fs_gb_s`` assumption is the same
+    (workers/weights/sglang/pull_cost.py; the simulator's ``weights.fs_gb_s`` assumption is the same
     default: a mid-size scratch filesystem)."""
     node_address: str = "{node}"
     """How a Slurm node name becomes an address peers connect to: ``{node}`` (DNS), a pattern such

@@ -1,8 +1,8 @@
 """Weights section: how trained weights reach inference (``weights/`` Hydra group).
 
 This is the part every transport reads; each transport's package subclasses it with its
-own fields (workers/weights/filesystem: FilesystemWeightsConfig, workers/weights/broadcast:
-BroadcastWeightsConfig), and ``weights.transport`` picks the schema.
+own fields (workers/weights/delta/config.py: DeltaWeightsConfig, which the filesystem and broadcast
+transports extend), and ``weights.transport`` picks the schema.
 """
 from __future__ import annotations
 

@@ -163,11 +163,11 @@ def rl_args(s: SGLangConfig, return_routed_experts: bool) -> list[str]:
 def weight_loader_args(cfg: RunConfig) -> list[str]:
     """Sparse weight updates (weights.delta): the loader that applies a patch inside the server, named by
     import path (SGLang's --custom-weight-loader; /update_weights_from_tensor calls it when its
-    load_format names it: workers/weights/broadcast/sglang_delta_loader.py). Over ``broadcast`` it receives
+    load_format names it: workers/weights/sglang/patch_loader.py). Over ``broadcast`` it receives
     the patch on SGLang's group; over ``filesystem`` each rank pulls its share of the patch step from disk."""
     if not getattr(cfg.weights, "delta", False) or cfg.weights.transport not in ("broadcast", "filesystem"):
         return []
-    from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+    from workers.weights.sglang.wire import DELTA_LOADER
 
     return flag("custom-weight-loader", DELTA_LOADER)
 

@@ -50,14 +50,14 @@ A death in the middle of a transfer fails that version (the senders skip it, the
 refuse it once their receives time out) and the next one goes to the re-formed group.
 
 SGLang servers (inference.backend=sglang) cannot receive buckets: for them the same transport
-speaks SGLang's own protocol (sglang_wire.py has the pinned 0.5.23 receive path):
+speaks SGLang's own protocol (sglang/wire.py has the pinned 0.5.23 receive path):
   T  rank 0 writes group.json (protocol "sglang", names/dtypes/shapes in inference.dtype,
      load_format, bucket_bytes) and becomes rank 0 of SGLang's group (TCPStore host).
   O  /init_weights_update_group to every server at once, rank_offset = 1 + the TP ranks of
-     the servers before it (sglang_coordinator.py).
+     the servers before it (sglang/broadcast_coordinator.py).
   per update V: T offers V; O pauses (in_place), writes request.json, then on every server
      begin -> one /update_weights_from_distributed per batch -> end; T streams each batch
-     (gathered tensor by tensor from the trainer ranks: sglang_publisher.py) as SGLang
+     (gathered tensor by tensor from the trainer ranks: sglang/broadcast_publisher.py) as SGLang
      receives it (one broadcast per tensor, or one flattened bucket per call); T writes
      samples.json (weights.verify_fraction of the tensors, as sent); O reads them back with
      /get_weights_by_name, writes verdict.json; on a mismatch T publishes weights/step_V and
@@ -65,13 +65,13 @@ speaks SGLang's own protocol (sglang_wire.py has the pinned 0.5.23 receive path)
   with weights.delta, V offered as a patch (every server holds V-1): T diffs (every rank its shards),
      rank 0 merges the ranks' parts and writes patch.json (the descriptor); O posts it on every server
      inside begin/end as /update_weights_from_tensor with load_format = our --custom-weight-loader
-     (sglang_delta_loader.py), whose every rank receives the patch broadcast by T on SGLang's group and
+     (sglang/patch_loader.py), whose every rank receives the patch broadcast by T on SGLang's group and
      applies it in place, verified; O reads every rank's verdict, writes verdict.json; a refusal: V
      through the filesystem, as above. Every delta_full_every versions T also writes V to disk (the
      anchor fresh servers boot from); the servers stay on patches.
 Modules: publisher.py (T), coordinator.py (O), receiver.py (W), group.py (the group and the
 bucket plan every member derives the same way), handshake.py (the marker files, torch-free);
-sglang_wire.py, sglang_publisher.py, sglang_coordinator.py for SGLang servers. This module is
+workers/weights/sglang/ (wire.py, broadcast_publisher.py, broadcast_coordinator.py) for SGLang servers. This module is
 torch-free (the launcher reads it): the config, the check and the spec.
 """
 from __future__ import annotations
@@ -79,17 +79,17 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
-from workers.common.registry import BACKENDS, MODELS, TRANSPORTS
-from workers.weights.broadcast.delta_cost import delta_update_cost, model_split, server_layouts
-from workers.weights.broadcast.sglang_wire import (BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES,
-                                                   update_cost)
-from workers.weights.filesystem import FilesystemWeightsConfig
+from workers.common.registry import MODELS, TRANSPORTS
+from workers.weights.delta.config import DeltaWeightsConfig
+from workers.weights.sglang import speaks_sglang
+from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
+from workers.weights.sglang.wire import BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES, update_cost
 from workers.weights.spec import TransportSpec, lazy
 
 
 @dataclasses.dataclass(kw_only=True)
-class BroadcastWeightsConfig(FilesystemWeightsConfig):
-    """``weights/broadcast.yaml``. A filesystem config as well: step 0 goes through run_dir/weights."""
+class BroadcastWeightsConfig(DeltaWeightsConfig):
+    """``weights/broadcast.yaml``. Steps on disk as well (DeltaWeightsConfig): step 0 goes through run_dir/weights."""
 
     transport: str = "broadcast"
     """``broadcast``: this schema's transport."""
@@ -113,7 +113,7 @@ class BroadcastWeightsConfig(FilesystemWeightsConfig):
     """SGLang servers only: fraction of the tensors read back with /get_weights_by_name after each
     update (a new draw every version) and compared with what the trainer sent; a mismatch sends
     that version through the filesystem instead. 0: no read-back. Only model classes that
-    implement get_weights_by_name in SGLang can be read (sglang_wire.WEIGHTS_BY_NAME_ARCHITECTURES)."""
+    implement get_weights_by_name in SGLang can be read (workers/weights/sglang/wire.py: WEIGHTS_BY_NAME_ARCHITECTURES)."""
     verify_rows: int = 2
     """Rows of each sampled tensor read back (SGLang's truncate_size)."""
 
@@ -121,12 +121,6 @@ class BroadcastWeightsConfig(FilesystemWeightsConfig):
 limits(BroadcastWeightsConfig, bucket_size_mb=gt(0), lone_tensor_mb=gt(0), broadcast_timeout_s=gt(0),
        backend=one_of("auto", "gloo", "nccl"), group_name=NONEMPTY, sglang_format=one_of(*FORMATS),
        verify_fraction=between(0.0, 1.0), verify_rows=gt(0))
-
-
-def speaks_sglang(cfg) -> bool:
-    """Are the servers SGLang's (then SGLang's protocol, else the bucket protocol)?"""
-    backend = BACKENDS.get(cfg.inference.backend)
-    return "sglang" in (backend.name, *backend.serves_api_of)
 
 
 def check(cfg) -> None:
@@ -148,8 +142,8 @@ def check(cfg) -> None:
 
 def update_line(cfg, num_params: float) -> str:
     """Bytes per inference GPU per update and seconds at cluster.nic_gb_s, with the assumptions: dense
-    broadcast into SGLang (sglang_wire.update_cost), or sparse patches with ``weights.delta``
-    (delta_cost.delta_update_cost); both are the simulator's figures too. "" for dense embedded workers."""
+    broadcast into SGLang (sglang/wire.update_cost), or sparse patches with ``weights.delta``
+    (sglang/patch_cost.delta_update_cost); both are the simulator's figures too. "" for dense embedded workers."""
     w, nic = cfg.weights, cfg.cluster.nic_gb_s
     if w.delta:
         return delta_line(cfg)

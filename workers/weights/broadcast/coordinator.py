@@ -160,10 +160,10 @@ class BroadcastCoordinator(WeightCoordinator):
 
 def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
     """TransportSpec.coordinator: the bucket protocol for embedded workers, SGLang's for SGLang servers."""
-    from workers.weights.broadcast import speaks_sglang
+    from workers.weights.sglang import speaks_sglang
 
     if speaks_sglang(cfg):
-        from workers.weights.broadcast.sglang_coordinator import SGLangBroadcastCoordinator
+        from workers.weights.sglang.broadcast_coordinator import SGLangBroadcastCoordinator
 
         return SGLangBroadcastCoordinator(cfg, paths, log=log)
     return BroadcastCoordinator(cfg, paths, log=log)

@@ -44,7 +44,7 @@ def delta_members(sender: int, receivers: Sequence[int]) -> tuple[int, ...]:
 def patch_payload(parts: Mapping[str, list[Part]], sums: Mapping[str, int], numels: Mapping[str, int],
                   dtypes: Mapping[str, str]) -> tuple[bytes, int]:
     """(blob + manifest JSON, manifest length): one sender's payload, as delta_wire's receivers and the
-    SGLang loader (sglang_delta_loader.py) read it. ``sums``: digests after this version ({} but on
+    SGLang loader (sglang/patch_loader.py) read it. ``sums``: digests after this version ({} but on
     sender 0); ``dtypes``: the published dtype of every patched tensor."""
     blob, manifest = encode(parts, numels)
     meta = {"parts": manifest, "sums": {n: hex64(v) for n, v in sums.items()},

@@ -1,7 +1,7 @@
 """What the two broadcast publishers share: the first publish, the end, the NaN/inf gate.
 
 ``BroadcastPublisher`` (publisher.py: our bucket protocol into embedded workers) and
-``SGLangBroadcastPublisher`` (sglang_publisher.py: SGLang's own protocol) differ in how a
+``SGLangBroadcastPublisher`` (sglang/broadcast_publisher.py: SGLang's own protocol) differ in how a
 group is formed and how an update travels, and agree on everything around it, which lives
 here once:
 

@@ -19,11 +19,11 @@ reader sees an old or a new value, never half of one; ``cat`` shows where a run 
                    with every server, rank 0 rewriting ``group.json`` with {"generation": G}
                    and the group name :func:`group_name_of` (fresh keys on the same store).
   ``run_dir/DONE`` (the orchestrator's end marker) releases a trainer waiting for a request.
-  ``samples.json`` / ``verdict.json``  SGLang servers only (sglang_publisher.py): what the
+  ``samples.json`` / ``verdict.json``  SGLang servers only (sglang/broadcast_publisher.py): what the
                    trainer sent of the sampled tensors, and the orchestrator's read-back verdict.
 
-:func:`receiver_rank_counts` says how many group ranks each inference server contributes
-(SGLang: one per TP rank, ``rank = rank_offset + tp_rank``), in ``inference_urls`` order.
+:func:`workers.weights.coordinator.receiver_rank_counts` says how many group ranks each inference server
+contributes (SGLang: one per TP rank, ``rank = rank_offset + tp_rank``), in ``inference_urls`` order.
 """
 from __future__ import annotations
 
@@ -110,18 +110,6 @@ class Handshake:
         """group.json once trainer rank 0 wrote it for ``generation``, else None."""
         got = self.read_group()
         return got if got is not None and int(got.get("generation", 0)) == generation else None
-
-
-def receiver_rank_counts(cfg) -> list[int]:
-    """Group ranks per inference server (RunConfig ``cfg``), in the order of inference_urls.
-
-    Unified workers, or prefill servers then decode servers; each contributes its TP size
-    (the embedded engine: 1).
-    """
-    i = cfg.inference
-    if i.num_workers:
-        return [i.worker.tp] * i.num_workers
-    return [i.prefill.tp] * i.num_prefill_replicas + [i.decode.tp] * i.num_decode_replicas
 
 
 def rank_offsets(counts: list[int], num_senders: int) -> list[int]:

@@ -1,8 +1,8 @@
 """Orchestrator side of joining a weight group: every inference server at its rank offset.
 
-Both coordinators use this (coordinator.py for embedded workers, sglang_coordinator.py for
+Both coordinators use this (coordinator.py for embedded workers, sglang/broadcast_coordinator.py for
 SGLang servers); it lives apart from both so that neither imports the other (the factory in
-coordinator.py imports sglang_coordinator lazily). No torch: the orchestrator imports it.
+coordinator.py imports sglang/broadcast_coordinator lazily). No torch: the orchestrator imports it.
 
 Protocol: ``/init_weights_update_group`` goes to every server at once, because each call
 returns only once the whole group exists (the senders and every other server joined), so
@@ -16,7 +16,8 @@ import asyncio
 from typing import Any, Optional, Sequence
 
 from workers.common.protocol import wait_for
-from workers.weights.broadcast.handshake import Handshake, rank_offsets, receiver_rank_counts
+from workers.weights.broadcast.handshake import Handshake, rank_offsets
+from workers.weights.coordinator import receiver_rank_counts
 from workers.weights.coordinator import WeightUpdateError
 
 
@@ -24,7 +25,7 @@ async def join_weight_group(clients: Sequence[Any], group: dict, rank_counts: Se
                             timeout_s: float) -> list[int]:
     """Every server in ``clients`` joins ``group`` (the trainer's group.json); returns their rank offsets.
 
-    ``rank_counts``: group ranks per server (handshake.receiver_rank_counts), in client order.
+    ``rank_counts``: group ranks per server (workers.weights.coordinator.receiver_rank_counts), in client order.
     A layout the trainer did not plan for (world_size off) fails before any call is made; a
     server that cannot join is named in the WeightUpdateError with its answer.
     """

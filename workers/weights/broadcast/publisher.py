@@ -19,15 +19,16 @@ import torch.distributed as dist
 import xxhash
 
 from workers.common.protocol import PeerTimeout, RunPaths
+from workers.common.registry import TRANSPORTS
 from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher, assign_shares, peers_for
 from workers.weights.broadcast.group import (PLAN_KEY, Bucket, WeightGroup, backend_for, make_header,
                                              metas_from_json, metas_to_json)
 from workers.weights.broadcast.delta_wire import PatchSender
 from workers.weights.delta import patch_bytes_per_element
 from workers.weights.broadcast.group_publisher import GroupPublisher
-from workers.weights.broadcast.handshake import group_name_of, receiver_rank_counts
+from workers.weights.broadcast.handshake import group_name_of
+from workers.weights.coordinator import receiver_rank_counts
 from workers.weights.checksums import buffer_checksum, byte_view, state_digest, tensor_hash
-from workers.weights.filesystem.publisher import filesystem_publisher
 from workers.weights.shards import dtype_from_name
 from workers.weights.stream import WeightStream
 log = logging.getLogger("slurmrl.weights")
@@ -316,8 +317,8 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
                    device: Optional[torch.device] = None) -> WeightPublisher:
     """TransportSpec.publisher: step 0 through the filesystem, then the group hosted by rank 0
     at ``topology.weights_group_addr`` (else master_addr on a free port): buckets for embedded
-    workers, SGLang's own protocol for SGLang servers (sglang_publisher.py)."""
-    from workers.weights.broadcast import speaks_sglang
+    workers, SGLang's own protocol for SGLang servers (sglang/broadcast_publisher.py)."""
+    from workers.weights.sglang import speaks_sglang
 
     peers = peers_for(rank, world_size)
     host, port = topology.master_addr, 0
@@ -325,10 +326,12 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
         host, _, p = topology.weights_group_addr.rpartition(":")
         port = int(p)
     # the steps this transport writes (step 0, fallbacks, SGLang's anchors) are loaded whole by servers
-    # (/update_weights_from_disk): full steps, whatever weights.delta says about the wire
-    initial = filesystem_publisher(dataclasses.replace(cfg.weights, delta=False), paths, peers, model=cfg.model)
+    # (/update_weights_from_disk): full steps, whatever weights.delta says about the wire. The filesystem
+    # transport writes them, reached through the registry as the trainer reaches any transport (no import)
+    disk_cfg = dataclasses.replace(cfg, weights=dataclasses.replace(cfg.weights, delta=False))
+    initial = TRANSPORTS.get("filesystem").publisher(disk_cfg, paths, topology, rank=rank, world_size=world_size)
     if speaks_sglang(cfg):
-        from workers.weights.broadcast.sglang_publisher import SGLangBroadcastPublisher
+        from workers.weights.sglang.broadcast_publisher import SGLangBroadcastPublisher
 
         return SGLangBroadcastPublisher(paths, cfg.weights, peers, initial=initial, host=host, port=port,
                                         num_receivers=sum(receiver_rank_counts(cfg)),

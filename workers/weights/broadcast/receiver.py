@@ -2,8 +2,8 @@
 
 The protocol is in the package docstring (workers/weights/broadcast/__init__.py).
 :class:`BroadcastReceiver` is one member's receiving half; :class:`GroupReceiver` puts it
-behind SGLang's group routes and reads ``/update_weights_from_disk`` steps (step 0, a
-revived worker) through the filesystem transport's reader.
+behind SGLang's group routes and hands ``/update_weights_from_disk`` steps (step 0, a
+revived worker) to the filesystem transport's receiver (reached through the registry: no import).
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from workers.weights.base import Received, TensorMeta, WeightLoadError, check_fits
+from workers.common.registry import TRANSPORTS
+from workers.weights.base import Received, TensorMeta, WeightLoadError, WeightReceiver, check_fits
 from workers.weights.broadcast.delta_wire import PatchReceiver
 from workers.weights.broadcast.group import HEADER_LEN, MAGIC, WeightGroup, metas_from_json
 from workers.weights.checksums import Hasher, buffer_checksum, digest_from_int64, nonfinite_names
-from workers.weights.filesystem.receiver import FilesystemReceiver
 from workers.weights.shards import ALIGN, dtype_from_name
 
 
@@ -140,14 +140,15 @@ class BroadcastReceiver:
         self.hasher.close()
 
 
-class GroupReceiver(FilesystemReceiver):
+class GroupReceiver(WeightReceiver):
     """The embedded worker's receiver: the group routes, plus ``/update_weights_from_disk``
-    for published filesystem steps (step 0 at boot, a revived worker) from the base class."""
+    for published filesystem steps (step 0 at boot, a revived worker) through ``disk``
+    (the filesystem transport's receiver)."""
 
     transport = "broadcast"
 
-    def __init__(self, *, timeout_s: float, device: torch.device | str, num_threads: int = 2):
-        super().__init__(num_threads)
+    def __init__(self, *, timeout_s: float, device: torch.device | str, disk: WeightReceiver, num_threads: int = 2):
+        self.disk = disk
         self.timeout_s, self.device, self.num_threads = timeout_s, torch.device(device), num_threads
         self.member: Optional[BroadcastReceiver] = None
         self.group_name: Optional[str] = None
@@ -181,7 +182,7 @@ class GroupReceiver(FilesystemReceiver):
         """A step from disk replaces the weights: the patch digests are recomputed when needed."""
         if self.member is not None:
             self.member.patches.invalidate()
-        return super().load(*args, **kwargs)
+        return self.disk.load(*args, **kwargs)
 
     def leave(self, group_name: str) -> None:
         self._member(group_name, "").close()
@@ -191,9 +192,11 @@ class GroupReceiver(FilesystemReceiver):
         if self.member is not None:
             self.member.close()
             self.member = self.group_name = None
-        super().close()
+        self.disk.close()
 
 
 def make_receiver(w, *, device) -> GroupReceiver:
-    """TransportSpec.receiver: joins and receives on the model's device; deadline broadcast_timeout_s."""
-    return GroupReceiver(timeout_s=w.broadcast_timeout_s, device=device, num_threads=w.num_hash_threads)
+    """TransportSpec.receiver: joins and receives on the model's device; deadline broadcast_timeout_s. Steps on
+    disk are read on the CPU by the filesystem transport's receiver (the engine copies them onto its device)."""
+    disk = TRANSPORTS.get("filesystem").receiver(w, device=None)
+    return GroupReceiver(timeout_s=w.broadcast_timeout_s, device=device, disk=disk, num_threads=w.num_hash_threads)

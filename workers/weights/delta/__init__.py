@@ -20,7 +20,9 @@ Pieces (torch-side modules import torch; this one does not):
   apply.py    receiver side: parts grouped by the storage they land in (one index_copy per
               expert stack, not one per expert), the sum64 of every touched tensor updated from
               the old and new values and compared with the manifest; on any mismatch the old
-              values go back (nothing serves mixed weights).
+              values go back (nothing serves mixed weights);
+  index.py    a patch step's index.json: its schema check and every tensor's sum64 (all its readers);
+  config.py   DeltaWeightsConfig, the fields of both step-publishing transports (torch-free).
 
 Versions: a patch for version V names its ``base`` (V-1: the version it applies to) and its
 ``anchor`` (the newest full version at or before V). A receiver holding ``base`` applies V; one

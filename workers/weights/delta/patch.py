@@ -96,7 +96,7 @@ def decode(blob: bytes, manifest: Mapping[str, Iterable[dict]], *, dtypes: Mappi
 def decode_part(tensors: Mapping[str, torch.Tensor], name: str, e: dict, dtype: str, where: str) -> Part:
     """One part from its blob entries (``tensors``: at least this part's ``::val`` and ``::idx``/``::bits``),
     checked as :func:`decode` checks it; public so a reader can fetch only some parts' entries (an SGLang
-    rank pulling the tensors it holds: workers/weights/filesystem/sglang_pull.py)."""
+    rank pulling the tensors it holds: workers/weights/sglang/patch_pull.py)."""
     try:
         key, enc, count, lo, hi = e["key"], e["encoding"], int(e["count"]), int(e["lo"]), int(e["hi"])
         vals = tensors[f"{key}::val"]

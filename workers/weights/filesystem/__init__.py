@@ -45,7 +45,7 @@ and protocol, workers/weights/delta the format). Workers holding the base apply 
 others load the anchor and every patch after it. Any step resolves to a full HF directory (resolve.py).
 SGLang servers cannot load a patch step from disk: with them the orchestrator posts a descriptor naming
 the step and each TP rank's custom weight loader pulls only the entries of the tensors it holds
-(sglang_coordinator.py, sglang_pull.py); anchors and refusals still go through /update_weights_from_disk.
+(workers/weights/sglang/: pull_coordinator.py, patch_pull.py); anchors and refusals still go through /update_weights_from_disk.
 
 Tensor-level delta files (``weights.delta_files``): a rank writes only tensors whose hash changed since its
 previous publish; index.json then points unchanged tensors at the file that holds them,
@@ -54,55 +54,14 @@ in an earlier step (``../step_000005/model-00001-of-00002.safetensors``). Every
 the newest ``keep_last`` steps plus every step one of them references, so a kept index
 never points at a deleted file; once a full step is among the kept ones, old steps go.
 
-This module is torch-free (the launcher reads it): the config, the check and the spec.
+This module is torch-free (the launcher reads it): the check and the spec; the schema is
+workers/weights/delta/config.py's DeltaWeightsConfig, which every other transport's extends.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from workers.common.config.ranges import between, gt, limits, one_of
-from workers.common.config.weights import WeightsConfig
 from workers.common.registry import TRANSPORTS
-from workers.weights.delta import DELTA_FRACTION_DEFAULT
+from workers.weights.delta.config import DeltaWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
-
-
-@dataclasses.dataclass(kw_only=True)
-class FilesystemWeightsConfig(WeightsConfig):
-    """``weights/filesystem.yaml``: steps written as safetensors shards under run_dir/weights."""
-
-    transport: str = "filesystem"
-    """``filesystem``: this schema's transport."""
-    delta: bool = False
-    """Sparse patches: each version after an anchor carries only the published elements that changed
-    (exact, bit for bit; typically 1-3 % with bf16 published over fp32 master weights at RL learning
-    rates), and publishing runs beside training. A patch step is not an HF directory by itself
-    (``python -m workers.weights.filesystem.resolve`` makes one). False: every step is the full model
-    (the CPU default: fp32 published over fp32 master changes nearly every element each step)."""
-    delta_full_every: int = 10
-    """Every this many versions a full step (an anchor) is published: the chain a fresh or respawned
-    worker replays (anchor + patches) and what retention must keep are bounded by it."""
-    delta_snapshot: str = "device"
-    """Where the trainer keeps the last published values it diffs against (published dtype, this
-    rank's shards: 2 bytes per bf16 element): ``device`` (fastest) or ``host`` (pinned host memory,
-    when GPU memory is tight)."""
-    publish_async: bool = True
-    """Patches (and one-rank anchors) are written by a background thread while the next step trains;
-    the trainer blocks only for the diff. False: publishing finishes before training goes on."""
-    delta_fraction_assumed: float = DELTA_FRACTION_DEFAULT
-    """With ``delta``: the changed fraction of published elements per update that the plan's cost line
-    (and, over ``broadcast``, the simulator) assume (workers/weights/broadcast/delta_cost.py). Default
-    0.02, the middle of public measurements at RL learning rates (1-3 %; verl measured 0.8-1.1 % on MoE
-    models); ``benchmarks.weight_delta`` measures ours. It sizes nothing at run time: patches are as big
-    as what changed."""
-    delta_files: bool = False
-    """Tensor-level delta (without ``delta``): write only tensors whose checksum changed since the
-    previous step; index.json points unchanged ones at the earlier file, so such steps load in
-    transformers directly (frozen layers then cost nothing per step)."""
-
-
-limits(FilesystemWeightsConfig, delta_full_every=gt(0), delta_snapshot=one_of("device", "host"),
-       delta_fraction_assumed=between(0.0, 1.0))
 
 
 def check(cfg) -> None:
@@ -121,9 +80,9 @@ def check(cfg) -> None:
 
 
 SPEC = TRANSPORTS.register(TransportSpec(
-    name="filesystem", config=FilesystemWeightsConfig, check=check,
+    name="filesystem", config=DeltaWeightsConfig, check=check,
     summary="trainer ranks write run_dir/weights/step_N; workers load it on /update_weights_from_disk",
     publisher=lazy("workers.weights.filesystem.patch_publisher:make_publisher"),
     coordinator=lazy("workers.weights.filesystem.coordinator:make_coordinator"),
     receiver=lazy("workers.weights.filesystem.receiver:make_receiver"),
-    update_line=lazy("workers.weights.filesystem.pull_cost:update_line")))
+    update_line=lazy("workers.weights.sglang.pull_cost:update_line")))

@@ -77,11 +77,11 @@ class FilesystemCoordinator(WeightCoordinator):
 
 def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
     """TransportSpec.coordinator: full steps from disk; with ``weights.delta`` into SGLang servers, patch steps
-    pulled per rank by our custom weight loader (sglang_coordinator.py: SGLang cannot load a patch step)."""
-    from workers.weights.broadcast import speaks_sglang
+    pulled per rank by our custom weight loader (workers/weights/sglang/pull_coordinator.py: SGLang cannot load a patch step)."""
+    from workers.weights.sglang import speaks_sglang
 
     if getattr(cfg.weights, "delta", False) and speaks_sglang(cfg):
-        from workers.weights.filesystem.sglang_coordinator import FilesystemSGLangCoordinator
+        from workers.weights.sglang.pull_coordinator import FilesystemSGLangCoordinator
 
         return FilesystemSGLangCoordinator(cfg, paths, log=log)
     return FilesystemCoordinator(cfg, paths, log=log)

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from workers.common.atomic_dir import seal, temp_dir, write_synced
 from workers.common.protocol import STABLE, PeerTimeout, step_name, wait_for
 from workers.weights.base import SyncStats, WeightPublisher, refuse_nonfinite
 from workers.weights.delta import DIGEST, FORMAT
@@ -45,7 +44,7 @@ from workers.weights.delta.sum64 import MASK, hex64
 from workers.weights.delta.tracker import DeltaTracker
 from workers.weights.filesystem.layout import INDEX
 from workers.weights.base import peers_for
-from workers.weights.filesystem.publisher import FilesystemPublisher, _fsync_dir, filesystem_publisher, prune
+from workers.weights.filesystem.publisher import FilesystemPublisher, filesystem_publisher, prune
 from workers.weights.filesystem.reanchor import read_request
 from workers.weights.stream import DictStream, as_stream
 
@@ -194,15 +193,14 @@ class PatchPublisher(WeightPublisher):
         every rank's, writes index.json and STABLE and renames the step into place (no collective here)."""
         t0 = time.perf_counter()
         final = self.root / step_name(version)
-        tmp = self.root / f".{final.name}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = temp_dir(final)  # every rank's parts go into the one temp dir (rank 0 seals it)
         blob, manifest = encode(self.tracker.split(raw), self.tracker.numels)
         if blob:
-            _write_synced(tmp / patch_name(rank, world), blob)
+            write_synced(tmp / patch_name(rank, world), blob)
         summary = {"manifest": manifest, "dsum": {n: hex64(v) for n, v in dsum.items()}, "compared": compared,
                    "changed": changed, "bytes": len(blob)}
-        _write_synced(tmp / f".rank-{rank}.json", json.dumps(summary).encode())
-        _write_synced(tmp / f".rank-{rank}.done", b"")
+        write_synced(tmp / f".rank-{rank}.json", json.dumps(summary).encode())
+        write_synced(tmp / f".rank-{rank}.done", b"")
         if rank != 0:
             return
         markers = [tmp / f".rank-{r}.done" for r in range(world)]
@@ -213,9 +211,7 @@ class PatchPublisher(WeightPublisher):
             (tmp / f".rank-{r}.json").unlink()
             markers[r].unlink()
         index = self._index(version, metas, summaries, dense, base, anchor)
-        _write_synced(tmp / INDEX, json.dumps(index).encode())
-        _write_synced(tmp / STABLE, json.dumps({"time": time.time()}).encode())
-        _fsync_dir(tmp)
+        write_synced(tmp / INDEX, json.dumps(index).encode())
         self._place(tmp, final)
         self.full.wait_pruned()
         prune(self.root, keep_last=self.full.keep_last, newest=version)
@@ -224,11 +220,8 @@ class PatchPublisher(WeightPublisher):
                       "published_changed_frac": index["stats"]["changed"] / max(index["stats"]["compared"], 1)}
 
     def _place(self, tmp: Path, final: Path) -> None:
-        """Rename a finished patch step into place (readers see all of it or nothing)."""
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
+        """STABLE, then rename the finished patch step into place (readers see all of it or nothing)."""
+        seal(tmp, final, STABLE)
 
     def _index(self, version: int, metas, summaries: list[dict], dense: int, base: int, anchor: int) -> dict:
         """Rank 0: the step's index.json (sum64 totals advanced by every rank's changes)."""
@@ -272,11 +265,6 @@ class PatchPublisher(WeightPublisher):
             self.full.close()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 

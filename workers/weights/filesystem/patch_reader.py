@@ -27,11 +27,12 @@ from workers.common.protocol import STABLE, step_name
 from workers.weights.base import Received, WeightLoadError, check_fits
 from workers.weights.delta import DIGEST, FORMAT
 from workers.weights.delta.apply import apply_chain
+from workers.weights.delta.index import index_sums, patch_index_problem
 from workers.weights.delta.patch import Part, decode
 from workers.weights.delta.sum64 import hex64
 from workers.weights.digest import state_digest
 from workers.weights.filesystem.layout import INDEX
-from workers.weights.shards import BY_NAME, ShardError, open_regular
+from workers.weights.shards import ShardError, open_regular
 
 MAX_PATCH_INDEX_BYTES = 256 << 20
 
@@ -49,36 +50,6 @@ def read_index(step_dir: Path) -> dict:
         raise WeightLoadError(str(e)) from None
     except (OSError, ValueError, RecursionError) as e:
         raise WeightLoadError(f"{step_dir / INDEX} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
-
-
-def index_sums(index: dict) -> Optional[dict[str, int]]:
-    """Every tensor's sum64 after a step (anchor or patch), None when the index has none."""
-    try:
-        return {n: int(m[DIGEST], 16) for n, m in index["tensors"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
-
-
-def patch_index_problem(index: dict) -> str:
-    """What is wrong with a patch step's index.json ("": nothing), before any of its files is read."""
-    if not (isinstance(index, dict) and index.get("format") == FORMAT):
-        return "not a patch index"
-    if not all(type(index.get(k)) is int and index[k] >= 0 for k in ("step", "base", "anchor")):
-        return "step, base and anchor must be non-negative integers"
-    if not index["anchor"] <= index["base"] < index["step"]:
-        return f"needs anchor <= base < step, got {index['anchor']}, {index['base']}, {index['step']}"
-    tensors = index.get("tensors")
-    if not isinstance(tensors, dict):
-        return "tensors must be an object"
-    for n, m in tensors.items():
-        if not (isinstance(m, dict) and m.get("dtype") in BY_NAME and isinstance(m.get("shape"), list)
-                and isinstance(m.get(DIGEST), str) and isinstance(m.get("parts"), list)
-                and all(isinstance(p, dict) and isinstance(p.get("file"), str) and "/" not in p["file"]
-                        for p in m["parts"])):
-            return f"tensors[{n!r}] must be {{shape, dtype, {DIGEST}, parts: [{{file, ...}}]}}"
-    if index_sums(index) is None:
-        return f"every tensor's {DIGEST} must be 16 hex digits"
-    return ""
 
 
 def read_parts(step_dir: Path, index: dict) -> dict[str, list[Part]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from workers.common.atomic_dir import seal, temp_dir, temp_path, write_synced
 from workers.common.protocol import STABLE, step_name
 from workers.weights.base import (Peers, SoloPeers, SyncStats, TensorMeta, WeightPublisher, assign_shares, refuse_nonfinite)
 from workers.weights.checksums import HASH_NAME, tensor_hash
@@ -34,14 +34,6 @@ from workers.weights.stream import WeightStream, as_stream
 def _host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.contiguous() if t.device.type == "cpu" else t.to("cpu", copy=True).contiguous()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FilesystemPublisher(WeightPublisher):
@@ -72,13 +64,11 @@ class FilesystemPublisher(WeightPublisher):
         rank, world = self.peers.rank, self.peers.world_size
         self.wait_pruned()
         final = self.root / step_name(version)
-        tmp = self.root / f".{final.name}.tmp"
+        tmp = temp_path(final)
         metas = stream.metas
         mine = assign_shares(metas, world)[rank]
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            temp_dir(final, fresh=True)
         if world > 1:
             self.peers.all_gather_object(None)  # gather #1: the temp dir exists
         full = not self.delta or self._last_full is None or version - self._last_full >= self.full_every
@@ -149,16 +139,8 @@ class FilesystemPublisher(WeightPublisher):
         if self.hf is not None:
             dtypes = sorted({m.dtype for m in metas if m.dtype.startswith(("float", "bfloat"))})
             self.hf.write(tmp, index["weight_map"], index["metadata"]["total_size"], dtypes[0] if dtypes else "float32")
-        for name, text in ((INDEX, json.dumps(index)), (STABLE, json.dumps({"time": time.time()}))):
-            with open(tmp / name, "w") as f:  # STABLE last: it vouches for everything before it
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
+        write_synced(tmp / INDEX, json.dumps(index).encode())
+        seal(tmp, final, STABLE)  # STABLE last: it vouches for everything before it; then one rename
         self._pruning = self._pruner.submit(prune, self.root, keep_last=self.keep_last, newest=version)
 
     def wait_pruned(self) -> None:

@@ -22,19 +22,15 @@ import torch
 from workers.common.protocol import STABLE, is_marked
 from workers.weights.base import Received, WeightLoadError, WeightReceiver, check_fits
 from workers.weights.checksums import HASH_NAME
-from workers.weights.delta import FORMAT as DELTA_FORMAT
+from workers.weights.delta.index import index_sums, is_patch_index
 from workers.weights.filesystem.layout import INDEX
-from workers.weights.filesystem.patch_reader import index_sums, load_patch_step
+from workers.weights.filesystem.patch_reader import load_patch_step
 from workers.weights.shards import (BY_NAME, ShardError, Staging, aligned_size, meta_nbytes, nbytes, open_regular,
                                    read_tensors)
 
 MAX_INDEX_BYTES = 64 << 20
 """An index.json larger than this is refused (a real one is ~100 bytes per tensor)."""
 LoadedStep = Received  # what DiskReader.load returns (the name the engine and tools knew)
-
-
-def is_patch_index(index) -> bool:
-    return isinstance(index, dict) and index.get("format") == DELTA_FORMAT
 
 
 def _index_problem(index) -> str:

@@ -7,7 +7,7 @@ per element, the layout of every server, the number of trainer ranks sending).
 Two delivery shapes, both computed so the plan can say what it does and what it leaves on the table:
 
 ``whole patch``  one patch per version, broadcast over SGLang's weight-update group (trainer rank 0 ->
-                 every server rank; sglang_delta_loader.py receives it inside the server). SGLang
+                 every server rank; patch_loader.py receives it inside the server). SGLang
                  0.5.23's update paths give every rank of a group the same bytes: the broadcast of
                  ``/update_weights_from_distributed`` reaches every member, and the request of
                  ``/update_weights_from_tensor`` is re-broadcast to every TP rank of a server over its
@@ -21,7 +21,7 @@ Two delivery shapes, both computed so the plan can say what it does and what it 
                  pushed by all trainer ranks in parallel: ``max(bytes per GPU / NIC, bytes all GPUs
                  receive / (senders x NIC))``. Over the broadcast this is not built (what the plan line says);
                  ``weights.transport=filesystem`` builds it as a pull: each rank reads exactly these bytes
-                 from the patch step on shared storage (workers/weights/filesystem/pull_cost.py prints it).
+                 from the patch step on shared storage (workers/weights/sglang/pull_cost.py prints it).
 
 Patch bytes per element: workers.weights.delta.patch_bytes_per_element (the cheaper of sorted
 int32 indices + values and a bitmap + values; a dense tensor is capped at its own size + the bitmap).
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from workers.weights.broadcast.sglang_wire import BULK_EFFICIENCY
+from workers.weights.sglang.wire import BULK_EFFICIENCY
 from workers.weights.delta import DELTA_FRACTION_DEFAULT, patch_bytes_per_element  # noqa: F401 (re-exported)
 
 @dataclasses.dataclass(frozen=True)

@@ -4,9 +4,9 @@ Why its own coordinator: FilesystemCoordinator asks every server to ``/update_we
 step, and with ``weights.delta`` most steps are patch steps, which are not Hugging Face directories: SGLang
 cannot load them (it was asked to, and refused every patch). Here a patch step is handed to the servers as
 a descriptor naming it, through ``/update_weights_from_tensor`` with load_format = our custom weight loader
-(workers/weights/broadcast/sglang_delta_loader.py, ``--custom-weight-loader``); each TP rank reads from
+(workers/weights/sglang/patch_loader.py, ``--custom-weight-loader``); each TP rank reads from
 shared storage only the parts of the tensors it holds (its routed experts and every non-expert tensor:
-workers/weights/filesystem/sglang_pull.py), applies them verified by sum64, and writes a verdict.
+workers/weights/sglang/patch_pull.py), applies them verified by sum64, and writes a verdict.
 
 For the newest STABLE step V above what the servers serve, on every live server at once, inside one
 pause (in_place) -> continue (workers/weights/coordinator.swap_weights):
@@ -100,7 +100,7 @@ class FilesystemSGLangCoordinator(WeightCoordinator):
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Servers boot at version 0 (``--weight-version 0``, the run's initial checkpoint = step 0)."""
-        from workers.weights.broadcast.handshake import receiver_rank_counts
+        from workers.weights.coordinator import receiver_rank_counts
 
         counts = receiver_rank_counts(self.cfg)
         for i, (c, tp) in enumerate(zip(clients, counts)):
@@ -211,8 +211,8 @@ class FilesystemSGLangCoordinator(WeightCoordinator):
     async def _pull(self, client: Any, versions: list[int], anchor: int, base: int) -> str:
         """begin -> one descriptor per version, the first on ``base`` (stopping at the first refusal) -> end;
         returns why it failed ("")."""
-        from workers.weights.broadcast.sglang_delta_loader import descriptor_tensor
-        from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+        from workers.weights.sglang.patch_loader import descriptor_tensor
+        from workers.weights.sglang.wire import DELTA_LOADER
 
         url, tp = client.base_url, self.ranks.get(client.base_url, 1)
         verdicts = self.paths.root / PULL_DIR / "verdicts" / str(self.slot.get(url, 0))

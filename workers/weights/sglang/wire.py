@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 FORMATS = ("flattened_bucket", "per_tensor")
 """``weights.sglang_format``: one broadcast per call, or one per tensor (SGLang's default load_format None)."""
-DELTA_LOADER = "workers.weights.broadcast.sglang_delta_loader.load_patch"
+DELTA_LOADER = "workers.weights.sglang.patch_loader.load_patch"
 """Import path of the function SGLang calls to apply a sparse patch (``--custom-weight-loader`` on the
 server's command line, ``load_format`` of ``/update_weights_from_tensor``; weights.delta only)."""
 WEIGHTS_BY_NAME_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")

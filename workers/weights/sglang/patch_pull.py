@@ -1,13 +1,13 @@
 """Per-rank pull of a patch step: an SGLang rank reads from shared storage only the patch bytes of what it holds.
 
 Why: over ``weights.transport=broadcast`` every rank of every SGLang server receives the WHOLE patch
-(SGLang 0.5.23 gives every member of its update group the same bytes: delta_cost.py), although an EP rank
+(SGLang 0.5.23 gives every member of its update group the same bytes: patch_cost.py), although an EP rank
 holds only ``1/ep`` of the routed experts, which are most of a MoE model. With
 ``weights.transport=filesystem`` the patch step is already on shared storage, one safetensors file per
 trainer rank in which every part of every tensor is its own entry (``{name}::{k}::val`` plus ``::idx`` or
 ``::bits``: workers/weights/delta/patch.py). So the orchestrator posts only a descriptor naming the step
-(workers/weights/filesystem/sglang_coordinator.py) and each rank's custom weight loader
-(workers/weights/broadcast/sglang_delta_loader.py) asks :func:`read_held_parts` for the tensors it holds:
+(workers/weights/sglang/pull_coordinator.py) and each rank's custom weight loader
+(workers/weights/sglang/patch_loader.py) asks :func:`read_held_parts` for the tensors it holds:
 the file's header once, then one ``pread`` per entry of those tensors. Nothing else of the file is touched,
 and the bytes counted are the bytes ``pread`` returned (the verdict reports them; tests compare them with
 the rank's share of the step).
@@ -26,7 +26,8 @@ import torch
 
 from workers.weights.base import WeightLoadError
 from workers.weights.delta.patch import Part, decode_part
-from workers.weights.filesystem.patch_reader import patch_index_problem, read_index
+from workers.weights.delta.index import patch_index_problem
+from workers.weights.filesystem.patch_reader import read_index
 from workers.weights.shards import FROM_ST, ShardError, open_regular, read_header
 
 

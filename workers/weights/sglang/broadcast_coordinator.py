@@ -8,7 +8,7 @@ server at once, server i at ``rank_offset = 1 + (TP ranks of servers 0..i-1)`` (
   1. ``/pause_generation`` in_place on every server (requests keep their KV cache and wait);
   2. write ``request.json`` (trainer rank 0 starts streaming);
   3. on every server at once: ``/begin_weight_update``, then one ``/update_weights_from_distributed``
-     per batch (sglang_wire.plan_batches over group.json: the trainer's order), ``weight_version``
+     per batch (wire.plan_batches over group.json: the trainer's order), ``weight_version``
      and ``flush_cache`` on the last batch only (the label flips once every tensor is in), then
      ``/end_weight_update``. A server that answers a batch with an error still gets the remaining
      batches posted: the group is one collective, a missing receiver would stall everyone;
@@ -20,7 +20,7 @@ server at once, server i at ``rank_offset = 1 + (TP ranks of servers 0..i-1)`` (
 With weights.delta and an offer of a patch (and no server known to lack its base): steps 3-4 become
 ``/begin_weight_update`` -> ``/update_weights_from_tensor`` (trainer rank 0's descriptor, patch.json, for
 every TP rank; load_format = the patch loader) -> ``/end_weight_update``, then every rank's verdict
-file (sglang_delta_loader.py writes one per rank; all must say ok) instead of the read-back.
+file (patch_loader.py writes one per rank; all must say ok) instead of the read-back.
 Every call has the deadline ``weights.broadcast_timeout_s``; failures name the server.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any, Optional, Sequence
 from workers.common.protocol import latest_stable_step, wait_for
 from workers.weights.broadcast.handshake import Handshake
 from workers.weights.broadcast.join import join_announced_group
-from workers.weights.broadcast.sglang_wire import metas_from, plan_batches
+from workers.weights.sglang.wire import metas_from, plan_batches
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError
 
-SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"  # the trainer's names for them (sglang_publisher.py)
+SAMPLES_FILE, VERDICT_FILE = "samples.json", "verdict.json"  # the trainer's names for them (broadcast_publisher.py)
 PATCH_FILE, VERDICTS_DIR = "patch.json", "loader_verdicts"
 
 
@@ -153,8 +153,8 @@ class SGLangBroadcastCoordinator(WeightCoordinator):
     async def _patch(self, version: int, timeout_s: float) -> str:
         """weights.delta: hand every server rank the trainer's descriptor (patch.json), let their loaders
         receive and apply the broadcast patch, then read every rank's verdict; returns why it failed ("")."""
-        from workers.weights.broadcast.handshake import receiver_rank_counts
-        from workers.weights.broadcast.sglang_wire import DELTA_LOADER
+        from workers.weights.coordinator import receiver_rank_counts
+        from workers.weights.sglang.wire import DELTA_LOADER
 
         patch = await asyncio.to_thread(wait_for, lambda: self._marker(PATCH_FILE, version), timeout_s=timeout_s,
                                         what=f"{self.handshake.dir}/{PATCH_FILE} v{version}", peer="trainer rank 0")

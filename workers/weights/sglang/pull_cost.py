@@ -1,8 +1,8 @@
 """The plan's ``weights:`` line for ``weights.transport=filesystem`` + ``weights.delta`` into SGLang (torch-free).
 
 Why a line of its own: over the filesystem each SGLang rank pulls from run_dir/weights only the patch
-bytes of the tensors it holds (sglang_pull.py), so what one inference GPU moves per update is the
-"per rank" figure of workers/weights/broadcast/delta_cost.py (its routed experts' share plus every
+bytes of the tensors it holds (patch_pull.py), so what one inference GPU moves per update is the
+"per rank" figure of workers/weights/sglang/patch_cost.py (its routed experts' share plus every
 non-expert tensor whole), not the whole patch that a broadcast gives every rank.
 
 Two limits, and the update takes the slower (:func:`pull_seconds`; the simulator calls the same):
@@ -24,7 +24,7 @@ from typing import Sequence
 
 def pull_storage_bytes(split, layouts: Sequence, *, bytes_per_element: float, gpus_per_node: int) -> float:
     """Bytes the shared filesystem serves per update when every server rank pulls its share (module doc).
-    ``split``/``layouts``: delta_cost.ModelSplit / ServerLayout; ``gpus_per_node`` <= 0 counts one rank per node."""
+    ``split``/``layouts``: patch_cost.ModelSplit / ServerLayout; ``gpus_per_node`` <= 0 counts one rank per node."""
     total = 0.0
     for lay in layouts:
         per_node = max(1, min(lay.tp, gpus_per_node)) if gpus_per_node > 0 else 1
@@ -45,9 +45,9 @@ def pull_seconds(rank_bytes_per_gpu: float, storage_bytes: float, *, nic_gb_s: f
 def update_line(cfg, num_params: float) -> str:
     """TransportSpec.update_line: "" unless patches go into SGLang servers (embedded workers read patch
     steps with their own DiskReader; dense steps cost what the model weighs)."""
-    from workers.weights.broadcast import speaks_sglang
-    from workers.weights.broadcast.delta_cost import delta_update_cost, model_split, server_layouts
-    from workers.weights.broadcast.sglang_wire import ITEM_BYTES
+    from workers.weights.sglang import speaks_sglang
+    from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
+    from workers.weights.sglang.wire import ITEM_BYTES
 
     w, nic, fs, dtype = cfg.weights, cfg.cluster.nic_gb_s, cfg.cluster.shared_fs_gb_s, cfg.inference.dtype
     if not w.delta or not speaks_sglang(cfg):

@@ -1,7 +1,7 @@
 """Sparse patches applied INSIDE an SGLang server: the custom weight loader SGLang calls by import path.
 
 The extension point (pinned sglang 0.5.23; tests/unit/inference/test_sglang_weight_protocol.py re-reads it):
-the server is started with ``--custom-weight-loader`` naming :data:`sglang_wire.DELTA_LOADER`
+the server is started with ``--custom-weight-loader`` naming :data:`wire.DELTA_LOADER`
 (args.weight_loader_args); ``/update_weights_from_tensor`` {serialized_named_tensors, load_format}
 whose load_format is one of those names runs, on every TP rank, ``dynamic_import(load_format)(model,
 named_tensors)`` (model_runner_components/weight_updater.py) between /begin_weight_update and
@@ -16,7 +16,7 @@ weight-update group named ``group_name`` (formed by /init_weights_update_group; 
 process-group registry), so it moves at NCCL speed, like SGLang's own update_weights_from_distributed.
 With ``weights.transport=filesystem`` the descriptor instead names a patch step on shared storage
 {format, version, base, anchor, step_dir, verdict_dir} and each rank PULLS from it only the parts of the
-tensors it holds (:func:`pull_patch`; workers/weights/filesystem/sglang_pull.py: one pread per entry), so
+tensors it holds (:func:`pull_patch`; workers/weights/sglang/patch_pull.py: one pread per entry), so
 an EP rank reads its own experts' patches plus the non-expert tensors, not the whole patch; its verdict
 adds ``bytes_read``.
 
@@ -184,10 +184,10 @@ def apply_patch(model, desc: Mapping[str, Any], raw: bytes, *, copies=eplb_copie
 
 def pull_patch(model, desc: Mapping[str, Any], *, copies=eplb_copies) -> tuple[int, int]:
     """weights.transport=filesystem: read from ``desc["step_dir"]`` only the parts of the tensors this rank
-    holds (workers/weights/filesystem/sglang_pull.py) and apply them; returns (elements changed, bytes read)."""
+    holds (workers/weights/sglang/patch_pull.py) and apply them; returns (elements changed, bytes read)."""
     from pathlib import Path
 
-    from workers.weights.filesystem.sglang_pull import read_held_parts, read_patch_index
+    from workers.weights.sglang.patch_pull import read_held_parts, read_patch_index
 
     step_dir = Path(desc["step_dir"])
     index = read_patch_index(step_dir, int(desc["version"]), int(desc["base"]))

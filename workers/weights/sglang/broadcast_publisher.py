@@ -1,6 +1,6 @@
 """Broadcast into SGLang servers, trainer side: trainer rank 0 is rank 0 (``src=0``) of SGLang's group.
 
-The wire protocol is SGLang's own (sglang_wire.py); who waits for whom is the package
+The wire protocol is SGLang's own (wire.py); who waits for whom is the package
 docstring's "SGLang servers" part. What this module adds:
 
 - Streaming from sharded ranks: every trainer rank walks the same batches in the same order
@@ -9,7 +9,7 @@ docstring's "SGLang servers" part. What this module adds:
   broadcasts them.
   At most two batches are alive on rank 0 (the one on the wire and the one being gathered),
   never the whole model.
-- Verification data: for the tensors :func:`~sglang_wire.sample_names` picks for this
+- Verification data: for the tensors :func:`~wire.sample_names` picks for this
   version, rank 0 records what ``/get_weights_by_name`` must answer (the values it sent)
   into ``samples.json``; the orchestrator reads the servers back and writes ``verdict.json``.
 - Fallback: on a verdict of mismatch (or a failed update) every rank publishes the same
@@ -32,10 +32,10 @@ from workers.weights.base import Peers, SyncStats, TensorMeta, WeightPublisher
 from workers.weights.checksums import buffer_checksum
 from workers.weights.broadcast.delta_wire import PatchSender, patch_payload
 from workers.weights.broadcast.group import backend_for
-from workers.weights.broadcast.sglang_delta_loader import FUSED_ROWS, descriptor_tensor
+from workers.weights.sglang.patch_loader import FUSED_ROWS, descriptor_tensor
 from workers.weights.broadcast.group_publisher import GroupPublisher
-from workers.weights.broadcast.sglang_wire import (Batch, close_update_group, flat_offsets, metas_json,
-                                                   open_update_group, plan_batches, sample_names, sample_value)
+from workers.weights.sglang.wire import (Batch, close_update_group, flat_offsets, metas_json,
+                                         open_update_group, plan_batches, sample_names, sample_value)
 from workers.weights.shards import dtype_from_name
 from workers.weights.stream import WeightStream, meta_of
 
@@ -119,7 +119,7 @@ class SGLangBroadcastPublisher(GroupPublisher):
                          device=device)
         self.inference_dtype = inference_dtype
         self.sender: Optional[SGLangSender] = None
-        self.patcher: Optional[PatchSender] = None  # weights.delta (delta_wire.py; applied by sglang_delta_loader.py)
+        self.patcher: Optional[PatchSender] = None  # weights.delta (delta_wire.py; applied by patch_loader.py)
         self.chain: Optional[int] = None  # the version every server holds (None: the next goes whole)
         self.anchor_version = 0  # the servers' last full load: their loader recomputes digests after one
         self.disk_anchor = 0  # the newest full step written to run_dir/weights (recovery: fresh servers load it)
