@@ -103,3 +103,10 @@ BACKENDS: Registry = Registry("inference backend", "inference.backend", "inferen
 SECTIONS: dict[str, tuple[str, Registry]] = {
     "model": ("family", MODELS), "weights": ("transport", TRANSPORTS), "env": ("name", ENVS),
     "inference": ("backend", BACKENDS)}
+
+
+def speaks_sglang(cfg: Any) -> bool:
+    """Are the run's servers SGLang's (then SGLang's protocol for weights and adapters, else our embedded
+    workers' routes)? One home for the question: the config's checks, both transports and LoRA ask it."""
+    backend = BACKENDS.get(cfg.inference.backend)
+    return "sglang" in (backend.name, *backend.serves_api_of)

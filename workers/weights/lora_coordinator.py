@@ -28,7 +28,8 @@ from typing import Any, Optional, Sequence
 
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError, swap_weights
 from workers.weights.filesystem.layout import stable_versions
-from workers.weights.lora_steps import expected_digest, lora_mode, speaks_sglang
+from workers.common.registry import speaks_sglang
+from workers.weights.lora_steps import expected_digest, lora_mode
 
 MAX_UNCONFIRMED = 3
 """Consecutive published versions confirmed by no worker before the run stops."""

@@ -69,14 +69,6 @@ def lora_mode(cfg: Any) -> Optional[LoraMode]:
     return LoraMode(rank=rank, alpha=float(getattr(lora, "alpha", rank)), targets=targets, adapters=names)
 
 
-def speaks_sglang(cfg: Any) -> bool:
-    """Are the servers SGLang's (the registry's answer; not through workers/weights/broadcast, which imports
-    the transports' spec, which imports this module)?"""
-    from workers.common.registry import BACKENDS
-
-    backend = BACKENDS.get(cfg.inference.backend)
-    return "sglang" in (backend.name, *backend.serves_api_of)
-
 
 def is_adapter_step(step_dir) -> bool:
     p = Path(step_dir)

@@ -146,7 +146,7 @@ def several_adapters_error(cfg) -> str | None:
     if labels != sorted(names):
         return (f"{key}: env.envs labels are {labels}; they must be the adapters' names (one env per adapter, "
                 f"env.weights sets each adapter's share of a step)")
-    from workers.weights.lora_steps import speaks_sglang
+    from workers.common.registry import speaks_sglang
 
     if speaks_sglang(cfg):
         return (f"{key} with inference={cfg.inference.backend}: several adapters on SGLang servers are not "

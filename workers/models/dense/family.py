@@ -157,6 +157,6 @@ def check(cfg) -> None:
 
 
 def _speaks_sglang(cfg) -> bool:
-    from workers.weights.sglang import speaks_sglang
+    from workers.common.registry import speaks_sglang
 
     return speaks_sglang(cfg)

@@ -81,7 +81,7 @@ import dataclasses
 from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
 from workers.common.registry import MODELS, TRANSPORTS
 from workers.weights.delta.config import DeltaWeightsConfig
-from workers.weights.sglang import speaks_sglang
+from workers.common.registry import speaks_sglang
 from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
 from workers.weights.sglang.wire import BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES, update_cost
 from workers.weights.spec import TransportSpec, lazy

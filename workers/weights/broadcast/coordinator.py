@@ -160,7 +160,7 @@ class BroadcastCoordinator(WeightCoordinator):
 
 def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
     """TransportSpec.coordinator: the bucket protocol for embedded workers, SGLang's for SGLang servers."""
-    from workers.weights.sglang import speaks_sglang
+    from workers.common.registry import speaks_sglang
 
     if speaks_sglang(cfg):
         from workers.weights.sglang.broadcast_coordinator import SGLangBroadcastCoordinator

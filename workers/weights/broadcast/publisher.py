@@ -318,7 +318,7 @@ def make_publisher(cfg, paths, topology, *, rank: int, world_size: int,
     """TransportSpec.publisher: step 0 through the filesystem, then the group hosted by rank 0
     at ``topology.weights_group_addr`` (else master_addr on a free port): buckets for embedded
     workers, SGLang's own protocol for SGLang servers (sglang/broadcast_publisher.py)."""
-    from workers.weights.sglang import speaks_sglang
+    from workers.common.registry import speaks_sglang
 
     peers = peers_for(rank, world_size)
     host, port = topology.master_addr, 0

@@ -78,7 +78,7 @@ class FilesystemCoordinator(WeightCoordinator):
 def make_coordinator(cfg: Any, paths: Any, *, log: Any) -> WeightCoordinator:
     """TransportSpec.coordinator: full steps from disk; with ``weights.delta`` into SGLang servers, patch steps
     pulled per rank by our custom weight loader (workers/weights/sglang/pull_coordinator.py: SGLang cannot load a patch step)."""
-    from workers.weights.sglang import speaks_sglang
+    from workers.common.registry import speaks_sglang
 
     if getattr(cfg.weights, "delta", False) and speaks_sglang(cfg):
         from workers.weights.sglang.pull_coordinator import FilesystemSGLangCoordinator

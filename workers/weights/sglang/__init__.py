@@ -17,16 +17,6 @@ cost of a patch per server rank). Kept inside the transports, that code made ``f
                             fallbacks to a full step
   patch_cost.py, pull_cost.py  the plan's (and the simulator's) cost of a patch update into SGLang servers
 
-Torch-free (the launcher reads :func:`speaks_sglang` through the transports' checks).
+Torch-free where the launcher reads it (the transports' checks); whether a run's servers are SGLang's is
+:func:`workers.common.registry.speaks_sglang`.
 """
-from __future__ import annotations
-
-from typing import Any
-
-from workers.common.registry import BACKENDS
-
-
-def speaks_sglang(cfg: Any) -> bool:
-    """Are the servers SGLang's (then SGLang's protocol, else our embedded workers' routes)?"""
-    backend = BACKENDS.get(cfg.inference.backend)
-    return "sglang" in (backend.name, *backend.serves_api_of)

@@ -45,7 +45,7 @@ def pull_seconds(rank_bytes_per_gpu: float, storage_bytes: float, *, nic_gb_s: f
 def update_line(cfg, num_params: float) -> str:
     """TransportSpec.update_line: "" unless patches go into SGLang servers (embedded workers read patch
     steps with their own DiskReader; dense steps cost what the model weighs)."""
-    from workers.weights.sglang import speaks_sglang
+    from workers.common.registry import speaks_sglang
     from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
     from workers.weights.sglang.wire import ITEM_BYTES
 
