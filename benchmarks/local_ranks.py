@@ -29,7 +29,7 @@ def gloo_dims(rank: int, world: int, port: int, *, tp: int = 1, ep: int = 1, cp:
     import torch
     import torch.distributed as dist
 
-    from workers.trainer.parallel import ParallelDims
+    from workers.trainer.parallel.dims import ParallelDims
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dims = ParallelDims(rank=rank, world_size=world, dp=world // (tp * ep * cp), tp=tp, ep=ep, cp=cp, backend="gloo",

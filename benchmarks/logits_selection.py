@@ -25,7 +25,7 @@ from workers.models.llama.convert import model_config_of
 from workers.models.tiny_moe.model import TinyMoeForCausalLM
 from workers.trainer.loss import loss_relevant_inputs, token_logprobs
 from workers.trainer.step import scatter_logprobs
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 from benchmarks.record import results_dir
 
 RESULTS = results_dir()

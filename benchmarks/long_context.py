@@ -41,7 +41,7 @@ from benchmarks.trainer_memory import _rss, _trim
 from benchmarks.local_ranks import free_port, gloo_dims, rank_entry
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 from workers.trainer.step import train_step
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp.rmdir()
     one = {r["seq_len"]: r["peak_bytes_per_rank"] for r in runs if r["cp"] == 1}
     lo, hi = min(one, default=0), max(one, default=0)
-    setup = {"model": dataclasses.asdict(TINY_MOE), "dtype": "float32", "plan": "workers.trainer.fsdp:parallelize",
+    setup = {"model": dataclasses.asdict(TINY_MOE), "dtype": "float32", "plan": "workers.trainer.parallel.fsdp:parallelize",
              "pack_sequences": True, "router_replay": True, "activation_checkpointing": args.ac,
              "logprob_chunk_tokens": args.chunk, "rows": 1, "threads_per_rank": 1,
              "target": "peak(64k) / peak(8k) <= 9 (linear)",

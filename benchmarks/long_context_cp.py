@@ -3,7 +3,7 @@
     python -m benchmarks.long_context_cp [--seq-lens 4096 8192 16384] [--cps 1 2]
 
 Why: one 131k-token agentic episode does not fit one GPU's activations; ``trainer.parallel.cp``
-(workers/trainer/context_parallel.py) splits the sequence over cp ranks, so a rank should hold
+(workers/trainer/parallel/context.py) splits the sequence over cp ranks, so a rank should hold
 about 1/cp of the activations (target: cp2 / cp1 <= 0.6x at the same length).
 
 Each point is a fresh set of processes (``spawn``; cp ranks are real gloo processes on CPU): the
@@ -38,7 +38,7 @@ from benchmarks.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.blocks import kernels
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.step import backward_step
 from benchmarks.record import results_dir, scratch_dir
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['seq_len']:>8} {r['cp']:>3} {r['peak_bytes_per_rank'] / 2**20:>13.1f} {ratio:>7.3f} {r['step_s']:>7.2f}")
     result = {"runs": [{k: r[k] for k in ("seq_len", "cp", "peak_bytes_per_rank")} for r in runs],
               "setup": {"model": "tiny_moe", "hidden": args.hidden, "layers": args.layers, "experts": 8, "top_k": 2,
-                        "dtype": "float32", "plan": "workers.trainer.fsdp:parallelize", "rows": 1,
+                        "dtype": "float32", "plan": "workers.trainer.parallel.fsdp:parallelize", "rows": 1,
                         "attention": "causal fast path (no [T, T] mask)", "peak": "VmHWM - VmRSS before the step",
                         "ratio_to_cp1": ratios, "step_s": {f"{r['seq_len']}_cp{r['cp']}": r["step_s"] for r in runs}}}
     (RESULTS / "long_context_cp.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -210,7 +210,7 @@ HEAD_CHUNK = 4096
 
 
 def _full_vocab_scorer(logits: torch.Tensor, targets: torch.Tensor):
-    from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+    from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
     return vocab_parallel_target_logprobs(logits, targets, 1.0, vocab_start=0, group=None)
 

@@ -41,8 +41,8 @@ from workers.orchestrator.buffer import RolloutGroup, Sample
 from workers.orchestrator.envs.reverse_digits import ReverseDigitsConfig, ReverseDigitsEnv
 from workers.trainer.batch import RolloutBatch, load_batch
 from workers.trainer.loss import loss_relevant_inputs, policy_loss, routing_disagreement
-from workers.trainer.parallel import ParallelDims
-from workers.trainer.fsdp import FsdpTrainerModel, unsharded
+from workers.trainer.parallel.dims import ParallelDims
+from workers.trainer.parallel.fsdp import FsdpTrainerModel, unsharded
 from workers.trainer.step import forward_rows
 from benchmarks.record import results_dir
 

@@ -3,7 +3,7 @@
     python -m benchmarks.trainer_memory [--worlds 1 2 4] [--hidden 256] [--layers 8] [--steps 2]
 
 Why: the old trainer replicated parameters, gradients and AdamW state on every data-parallel rank
-(8-16 B/param on each GPU). workers/trainer/fsdp.py shards all three over the ranks, so a rank's
+(8-16 B/param on each GPU). workers/trainer/parallel/fsdp.py shards all three over the ranks, so a rank's
 share should fall as 1/world (target: world 4 <= 0.30x world 1).
 
 Each world runs as real gloo processes on CPU (spawned, a free port each): the seeded tiny_moe
@@ -37,7 +37,7 @@ from benchmarks.local_ranks import gloo_dims, run_ranks
 from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import RolloutBatch, shard_rows
-from workers.trainer.fsdp import parallelize, sharded_bytes
+from workers.trainer.parallel.fsdp import parallelize, sharded_bytes
 from workers.trainer.precision import Precision, update_fraction
 from workers.trainer.step import train_step
 from benchmarks.record import results_dir, scratch_dir
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
               "master_update_fraction": fractions,
               "setup": {"model": "tiny_moe", "num_params": one["num_params"], "hidden": args.hidden,
                         "layers": args.layers, "experts": args.experts, "rows": args.rows, "length": args.length,
-                        "steps": args.steps, "matrix": args.matrix, "plan": "workers.trainer.fsdp:parallelize",
+                        "steps": args.steps, "matrix": args.matrix, "plan": "workers.trainer.parallel.fsdp:parallelize",
                         "state_ratio_world_max": runs[-1]["state_bytes_per_rank"] / one["state_bytes_per_rank"],
                         "peak_ratio_world_max": runs[-1]["peak_bytes_per_rank"] / one["peak_bytes_per_rank"]}}
     (RESULTS / "trainer_memory.json").write_text(json.dumps(result, indent=2) + "\n")

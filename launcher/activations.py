@@ -114,7 +114,7 @@ def layer_bytes(a, *, tp: int, c: int, routed_rows: float = 1.0) -> tuple[float,
 
 
 def dispatch_rows(ep: int, ep_capacity_factor: float) -> float:
-    """Expert rows per routed slot: the fixed-capacity EP dispatch (workers/trainer/ep_capacity.py) runs
+    """Expert rows per routed slot: the fixed-capacity EP dispatch (workers/trainer/parallel/expert_capacity.py) runs
     the experts over buffers of ``factor`` x the slots (padding included); exact dispatch: 1."""
     return max(1.0, ep_capacity_factor) if ep > 1 and ep_capacity_factor > 0 else 1.0
 

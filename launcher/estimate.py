@@ -66,7 +66,7 @@ class MemoryEstimate:
 
 
 def trainer_memory(params: ParamCount, num_gpus: int, gpu_gb: float, master_dtype: str = "float32") -> MemoryEstimate:
-    """States fully sharded over every trainer GPU (the FSDP plan, workers/trainer/fsdp.py): master
+    """States fully sharded over every trainer GPU (the FSDP plan, workers/trainer/parallel/fsdp.py): master
     weights, their gradients and AdamW's two moments, all in ``trainer.master_dtype``."""
     per_param = TRAIN_BYTES_PER_PARAM * DTYPE_BYTES[master_dtype] // DTYPE_BYTES["float32"]
     per_gpu = (params.total + params.mtp) * per_param / num_gpus / 1e9

@@ -98,7 +98,7 @@ class TrainerDims:
                 f"{self.num_experts // self.ep} routed experts per EP rank" + self.describe_dispatch())
 
     def describe_dispatch(self) -> str:
-        """How the EP all-to-alls are sized (workers/trainer/ep_capacity.py); nothing at ep 1."""
+        """How the EP all-to-alls are sized (workers/trainer/parallel/expert_capacity.py); nothing at ep 1."""
         if self.ep == 1:
             return ""
         if self.ep_capacity_factor > 0:
@@ -205,7 +205,7 @@ def plan_trainer(cfg: RunConfig, *, check_fit: bool) -> tuple[RolePlan, TrainerD
 
 
 def check_context_parallel(cfg: RunConfig) -> None:
-    """``trainer.parallel.cp`` (workers/trainer/context_parallel.py): PlanError naming the numbers for a
+    """``trainer.parallel.cp`` (workers/trainer/parallel/context.py): PlanError naming the numbers for a
     layout the trainer cannot run. Ulysses splits the Mamba-2 scan by heads, so cp must divide
     model.mamba_num_heads (Mamba groups are repeated as needed, so they need not); attention splits
     by heads when cp divides model.num_heads and gathers the keys/values otherwise (no constraint).

@@ -3,7 +3,7 @@
 One process per GPU (NCCL; gloo on CPU with --tiny), ep = world, the mesh plan through the trainer's
 own step (workers/trainer/step.py train_step, Router Replay on, fused AdamW). For each
 ``trainer.parallel.ep_capacity_factor`` in --factors (0 = exact dispatch: one host read of the
-split sizes per MoE block and micro-batch; > 0 = workers/trainer/ep_capacity.py) rank 0 reports
+split sizes per MoE block and micro-batch; > 0 = workers/trainer/parallel/expert_capacity.py) rank 0 reports
 the median step time, the loss and grad norm of the first step (equal across factors unless a
 step overflowed and was redone), the redo count, and on CUDA the synchronising calls of one step
 (torch.cuda.set_sync_debug_mode: every host read the step makes, all layers included).
@@ -33,10 +33,10 @@ import torch.multiprocessing as mp
 import benchmarks.gpu.bench_trainer_step as b
 from benchmarks.gpu.common import device_info, write_result
 from workers.common.rank_exit import rank_entry
-from workers.trainer import ep_capacity
+from workers.trainer.parallel import expert_capacity
 from workers.trainer.batch import shard_rows
 from workers.trainer.loop import build_optimizer, initial_model, parallelize
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.step import train_step
 
 
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         rows = []
         for factor in args.factors:
             model = parallelize(cfg, copy.deepcopy(cpu_init).to(dims.device), dims)
-            ep_capacity.configure(model, factor)
+            expert_capacity.configure(model, factor)
             opt = build_optimizer(model, cfg.trainer)
             batch = shard_rows(base, dims.batch_rank, dims.num_batch_shards).to(dims.device)
             batch = b.with_model_logprobs(model, batch, replay=True, seed=args.seed)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from workers.models.blocks.logprobs import Scoring, chunked_logprobs
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 VOCABS = (151936, 163840)
 """Qwen3's and Kimi-K2's vocabularies (DeepSeek-V3's is 129,280)."""

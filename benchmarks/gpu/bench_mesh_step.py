@@ -2,7 +2,7 @@
 
   fsdp+foreach  the FSDP2 plan with the default (foreach) AdamW: the 2026-12-03 baseline;
   fsdp+fused    the same with the fused AdamW the trainer now builds on CUDA (loop.build_optimizer);
-  mesh+fused    the mesh plan (workers/trainer/mesh_plan.py) at world 1: each MoE block's experts
+  mesh+fused    the mesh plan (workers/trainer/parallel/mesh.py) at world 1: each MoE block's experts
                 run through the stacked experts (workers/models/blocks/experts.py) (one grouped GEMM per projection), the
                 path tp/ep runs take on GPUs; its loss must equal the FSDP plan's (same math);
   fsdp+fused+compile, mesh+fused+compile
@@ -25,7 +25,7 @@ import time
 import torch
 
 import benchmarks.gpu.bench_trainer_step as b
-from workers.trainer import mesh_plan
+from workers.trainer.parallel import mesh
 from workers.trainer.compile import apply_compile
 from workers.trainer.loop import build_optimizer, initial_model, parallelize
 from workers.trainer.precision import Precision
@@ -64,7 +64,7 @@ def main() -> None:
         if name.endswith("+compile"):
             apply_compile(full.model.layers, "layers", backend=args.compile_backend)
         if name.startswith("mesh"):
-            model = mesh_plan.parallelize(full, dims, precision=Precision.of(cfg.trainer))
+            model = mesh.parallelize(full, dims, precision=Precision.of(cfg.trainer))
         else:
             model = parallelize(cfg, full, dims)
         if "foreach" in name:

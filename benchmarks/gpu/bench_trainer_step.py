@@ -45,7 +45,7 @@ from workers.common.dtensor import local_part
 from workers.trainer.loop import build_optimizer, initial_model, parallelize, trainer_plan
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.step import forward_rows, train_step
 
 RESULT_NAME = "trainer_step"

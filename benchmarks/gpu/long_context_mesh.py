@@ -4,7 +4,7 @@
     python3 -m benchmarks.gpu.long_context_mesh --tiny --seq-len 256 --world 4 --layouts 1,1,1 2,2,1 2,1,2
 
 Why: the large presets train 131k-token episodes with cp inside the tp/ep mesh plan
-(workers/trainer/mesh_plan.py; Kimi K2 cp 8, Nemotron 3 Ultra cp 16). CPU tests pin the numbers
+(workers/trainer/parallel/mesh.py; Kimi K2 cp 8, Nemotron 3 Ultra cp 16). CPU tests pin the numbers
 on gloo with tiny models; this measures what only GPUs can: peak memory per rank and tokens/s of
 the real trainer step (workers/trainer/step.py ``train_step``) on the 1.5B MoE (GPU_MOE of
 benchmarks/gpu/common.py; 16 heads, 32 experts) over NCCL, and that every layout gives the same
@@ -40,7 +40,7 @@ from benchmarks.local_ranks import run_ranks
 from workers.trainer.batch import shard_rows
 from workers.trainer.loop import build_optimizer, parallelize
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.step import train_step
 
 RESULT_NAME = "long_context_mesh"

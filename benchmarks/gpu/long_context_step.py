@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.seq_len / step_s:,.0f} tok/s  loss {stats.get('loss')}", flush=True)
     return {"runs": [row], "tokens_per_s": args.seq_len / step_s, "step_s": times, "peak_reserved_bytes": reserved,
             "activation_checkpointing": args.ac, "logprob_chunk_tokens": args.chunk, "dtype": args.dtype,
-            "master_dtype": "float32", "plan": "workers.trainer.fsdp:parallelize (world 1)",
+            "master_dtype": "float32", "plan": "workers.trainer.parallel.fsdp:parallelize (world 1)",
             "attention": "varlen_attn" if varlen._varlen_fn() is not None else "causal SDPA per document",
             "model": dataclasses.asdict(cfg.model), "params": param_counts(cfg.model),
             "last_step_stats": {k: stats.get(k) for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "num_loss_tokens")}}

@@ -19,7 +19,7 @@ from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from workers.trainer.checkpoint import Checkpointer
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.step import train_step
 
 

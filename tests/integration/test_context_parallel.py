@@ -31,7 +31,7 @@ from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.blocks.ulysses import SeqShard
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
 

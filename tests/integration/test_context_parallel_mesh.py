@@ -1,8 +1,8 @@
-"""Context parallelism inside the mesh plan (cp x tp x ep, workers/trainer/mesh_plan.py) equals one process.
+"""Context parallelism inside the mesh plan (cp x tp x ep, workers/trainer/parallel/mesh.py) equals one process.
 
 Each layout runs as real gloo processes: the seeded full model, the mesh plan over a DeviceMesh
 (ep, dp_shard, cp, tp), each rank's row shard split over its cp group by the trainer's own
-``backward_step`` (workers/trainer/context_parallel.py), one AdamW step; rank 0 gathers the full
+``backward_step`` (workers/trainer/parallel/context.py), one AdamW step; rank 0 gathers the full
 HF gradients and weights and compares them, the loss and the gradient norm with the one-process
 float32 reference of tests/integration/test_parity_mesh.py. Router Replay is on (the batch forces
 random experts), so the routing per position must be exact on every cp rank for the numbers to

@@ -1,4 +1,4 @@
-"""The fixed-capacity expert-parallel dispatch (workers/trainer/ep_capacity.py) on real gloo ranks.
+"""The fixed-capacity expert-parallel dispatch (workers/trainer/parallel/expert_capacity.py) on real gloo ranks.
 
 Without overflow the step is the exact dispatch's, so the one-process float32 reference of
 tests/integration/test_parity_mesh.py pins it (loss, gradient norm, clipped gradients, weights after
@@ -21,7 +21,7 @@ from tests.integration import test_parity_mesh as mesh
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches
 from tests.helpers.netutil import gloo_dims
-from workers.trainer import ep_capacity, expert_parallel
+from workers.trainer.parallel import expert, expert_capacity
 from workers.trainer.batch import shard_rows
 from workers.trainer.step import backward_step
 
@@ -61,16 +61,16 @@ def test_overflow_redoes_the_step_with_the_exact_dispatch(tmp_path):
 
 
 def test_capacity_rounds_up_to_eight_and_splits_tokens_over_tp():
-    assert ep_capacity.capacity(100, factor=2.0, top_k=2, ep=4, tp=1) == 104  # ceil(2 * 200 / 4) = 100 -> 104
-    assert ep_capacity.capacity(100, factor=2.0, top_k=2, ep=4, tp=2) == 56  # 50 tokens per tp rank
-    assert ep_capacity.capacity(1, factor=0.01, top_k=1, ep=8, tp=1) == 8
+    assert expert_capacity.capacity(100, factor=2.0, top_k=2, ep=4, tp=1) == 104  # ceil(2 * 200 / 4) = 100 -> 104
+    assert expert_capacity.capacity(100, factor=2.0, top_k=2, ep=4, tp=2) == 56  # 50 tokens per tp rank
+    assert expert_capacity.capacity(1, factor=0.01, top_k=1, ep=8, tp=1) == 8
 
 
 def _guard_host_reads(factor: float) -> None:
     """In this rank: inside every MoE block, a host read (tolist, item, bool, int, float) raises
     (with the fixed-capacity dispatch; factor 0 is the exact dispatch, which reads split sizes)."""
     inside = []
-    call = expert_parallel.ExpertParallel.__call__
+    call = expert.ExpertParallel.__call__
 
     def guarded(self, *args):
         inside.append(1)
@@ -87,7 +87,7 @@ def _guard_host_reads(factor: float) -> None:
                 raise AssertionError(f"host sync ({name}) inside a MoE block")
             return original(t, *args)
         return read
-    expert_parallel.ExpertParallel.__call__ = guarded
+    expert.ExpertParallel.__call__ = guarded
     if factor:
         for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
             setattr(torch.Tensor, name, refuse(name))
@@ -116,7 +116,7 @@ def _exchange_count_worker(rank, world, port, tp, ep, model_name, out):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from workers.trainer.micro import apply_activation_checkpointing
-    from workers.trainer.mesh_plan import parallelize
+    from workers.trainer.parallel.mesh import parallelize
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -134,7 +134,7 @@ def _exchange_count_worker(rank, world, port, tp, ep, model_name, out):
             full = moe.build_model(moe.CONFIGS[model_name], moe.SEED)
             apply_activation_checkpointing(full.model.layers, mode)
             model = parallelize(full, dims)
-            ep_capacity.configure(model, 2.0)
+            expert_capacity.configure(model, 2.0)
             batch = shard_rows(moe.make_batch(model=model_name), dims.batch_rank, dims.num_batch_shards)
             with Count() as c:
                 backward_step(model, batch, moe.tcfg(activation_checkpointing=mode), dims)

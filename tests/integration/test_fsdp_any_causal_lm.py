@@ -23,7 +23,7 @@ from workers.models.blocks.experts import StackedExperts
 from workers.models.tiny_moe.model import build_model
 from workers.models.blocks.moe_softmax import MoeBlock
 from workers.trainer.batch import shard_rows
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.step import backward_step
 

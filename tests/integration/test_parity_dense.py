@@ -20,7 +20,7 @@ from workers.models.qwen3.config import Qwen3Config
 from workers.trainer.batch import RolloutBatch, shard_rows
 from workers.trainer.loss import policy_loss, token_logprobs
 from workers.common.registry import MODELS
-from workers.trainer import plans
+from workers.trainer.parallel import plans
 from workers.trainer.step import backward_step
 
 CFG = LlamaConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

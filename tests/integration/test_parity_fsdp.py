@@ -1,4 +1,4 @@
-"""Parity of the generic FSDP2 plan (workers/trainer/fsdp.py) with the one-process fp32 step.
+"""Parity of the generic FSDP2 plan (workers/trainer/parallel/fsdp.py) with the one-process fp32 step.
 
 Each layout runs as real gloo processes (spawned, a free port each): the seeded full model in
 float32 master weights is ``fully_shard``-ed over dp_shard ranks, each rank takes its row shard
@@ -25,7 +25,7 @@ from workers.common.config import TrainerConfig
 from workers.models.tiny_moe.model import build_model
 from workers.trainer.batch import shard_rows
 from launcher.estimate import ParamCount, trainer_memory
-from workers.trainer.fsdp import parallelize, sharded_bytes
+from workers.trainer.parallel.fsdp import parallelize, sharded_bytes
 from workers.trainer.compile import apply_compile
 from workers.trainer.micro import apply_activation_checkpointing, split_micro_batches
 from workers.trainer.precision import Precision

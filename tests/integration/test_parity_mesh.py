@@ -1,4 +1,4 @@
-"""Parity of the mesh plan (workers/trainer/mesh_plan.py: FSDP2 + DTensor TP + EP on one DeviceMesh)
+"""Parity of the mesh plan (workers/trainer/parallel/mesh.py: FSDP2 + DTensor TP + EP on one DeviceMesh)
 with the one-process float32 step, and a checkpoint saved at one layout resumed at another.
 
 Each layout (dp_shard, tp, ep) runs as real gloo processes (forked, a free port each): every rank
@@ -26,18 +26,18 @@ import torch.distributed as dist
 from tests.integration import test_parity_parallel as moe
 from tests.integration.step_parity import assert_step_matches, step_and_save
 from tests.helpers.netutil import gloo_dims, run_ranks
-from workers.trainer.plans import shard
+from workers.trainer.parallel.plans import shard
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
 from workers.models.hf_checkpoint import checkpoint_tensors
 from workers.trainer.batch import shard_rows
-from workers.trainer import ep_capacity, expert_parallel
+from workers.trainer.parallel import expert, expert_capacity
 from workers.trainer.checkpoint import Checkpointer
 from workers.trainer.compile import apply_compile
 from workers.trainer.micro import apply_activation_checkpointing
-from workers.trainer.fsdp import parallelize as fsdp_parallelize
+from workers.trainer.parallel.fsdp import parallelize as fsdp_parallelize
 from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, token_logprobs
-from workers.trainer.mesh_plan import materialize, parallelize
+from workers.trainer.parallel.mesh import materialize, parallelize
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.precision import Precision
 from workers.trainer.step import backward_step, capture_routing, train_step
@@ -72,20 +72,20 @@ def reference(model_name: str) -> dict:
 
 
 def _worker(rank, world, port, tp, ep, model_name, out, extra=None, capacity_factor=0.0, cp=1):
-    """``capacity_factor`` > 0: the fixed-capacity EP dispatch (workers/trainer/ep_capacity.py); the
+    """``capacity_factor`` > 0: the fixed-capacity EP dispatch (workers/trainer/parallel/expert_capacity.py); the
     saved ``fixed`` lists the MoE blocks' calls of it on rank 0."""
     torch.set_num_threads(1)
     dims = gloo_dims(rank, world, port, tp=tp, ep=ep, cp=cp)
     cfg = moe.tcfg(**(extra or {}))
     calls = []
-    fixed = expert_parallel.fixed_exchange
-    expert_parallel.fixed_exchange = lambda *a, **k: calls.append(1) or fixed(*a, **k)  # this forked process only
+    fixed = expert.fixed_exchange
+    expert.fixed_exchange = lambda *a, **k: calls.append(1) or fixed(*a, **k)  # this forked process only
     try:
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
         apply_compile(full.model.layers, cfg.compile, backend="aot_eager")  # trainer.compile; auto: none on CPU
         model = parallelize(full, dims)
-        ep_capacity.configure(model, capacity_factor)
+        expert_capacity.configure(model, capacity_factor)
         step_and_save(model, dims, moe.make_batch(model=model_name), cfg, out, fixed=calls)
     finally:
         dist.destroy_process_group()
@@ -129,7 +129,7 @@ def test_mesh_layout_matches_one_process_reference(tmp_path, model, dp, tp, ep, 
 def _fast_worker(rank, world, port, tp, ep, model_name, out, capacity_factor=None, before=None):
     """bfloat16 compute over float32 masters on the GPU code path (kernels.FAST_PATH_ON_CPU): grouped
     GEMMs over the local experts, the all-to-all exchange with device-side counts. ``capacity_factor``:
-    ep_capacity.configure's (None: the model's default); ``before()``: runs in the rank first (a
+    expert_capacity.configure's (None: the model's default); ``before()``: runs in the rank first (a
     test's instrumentation)."""
     torch.set_num_threads(1)
     kernels.FAST_PATH_ON_CPU = True  # this forked process only
@@ -141,7 +141,7 @@ def _fast_worker(rank, world, port, tp, ep, model_name, out, capacity_factor=Non
         full = moe.build_model(moe.CONFIGS[model_name], SEED)
         model = shard(MODELS.get(full.config.family), full, dims, precision=Precision.of(cfg))
         if capacity_factor is not None:
-            ep_capacity.configure(model, capacity_factor)
+            expert_capacity.configure(model, capacity_factor)
         stats = backward_step(model, shard_rows(moe.make_batch(model=model_name), dims.batch_rank,
                                                 dims.num_batch_shards), cfg, dims)
         if rank == 0:

@@ -2,7 +2,7 @@
 
 Same tiny_moe weights, same batch: each layout runs as real gloo processes
 (torch.multiprocessing spawn, a free port each), shards the model with the plan the trainer picks
-for it (ModelSpec.shard: FSDP2 at tp = ep = 1, else workers/trainer/mesh_plan.py), takes its row
+for it (ModelSpec.shard: FSDP2 at tp = ep = 1, else workers/trainer/parallel/mesh.py), takes its row
 shard, runs the trainer's
 ``backward_step`` (forward with Router Replay, vocab-parallel log-probs, loss with global
 normalisers, backward, grad sync, clip) and one AdamW step; rank 0 gathers the FULL HF
@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cfg: TrainerConf
     try:
         full = build_model(CONFIGS[model_name], SEED)
         apply_activation_checkpointing(full.model.layers, cfg.activation_checkpointing)
-        from workers.trainer.plans import shard
+        from workers.trainer.parallel.plans import shard
 
         model = shard(MODELS.get(full.config.family), full, dims)  # the trainer's plan for (tp, ep)
         step_and_save(model, dims, make_batch(model=model_name), cfg, out)

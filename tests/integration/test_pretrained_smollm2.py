@@ -88,7 +88,7 @@ def test_one_generate_and_one_train_step(cfg, tmp_path):
                          routed_mask=None, meta={"temperature": 1.0, "step": 0})
     dims = gloo_dims(0, 1, free_port())
     try:
-        from workers.trainer.plans import shard
+        from workers.trainer.parallel.plans import shard
 
         model = shard(MODELS.get(cfg.model.family), initial_model(cfg), dims)
         # copies: at world 1 the full state dict holds the parameters themselves, which the step updates in place

@@ -3,7 +3,7 @@
 Each family's tiny checkpoint is built by transformers (its own config class, e.g. GptOssConfig, from
 our ``to_hf_config``, biases, sinks and norms drawn at random so each counts) and loaded into our
 model. World 1 is that plain model; world 2 is two forked gloo ranks sharding the same weights with
-the trainer's plan for the layout (workers/trainer/plans.py ``shard``), each running the same rows.
+the trainer's plan for the layout (workers/trainer/parallel/plans.py ``shard``), each running the same rows.
 Both compute the same loss through the trainer's log-prob path (``target_logprobs``: vocab-parallel
 under tp with an untied head) and the test compares the full logits (gathered over the vocabulary
 shards) and every parameter's full gradient by checkpoint name (``full_grad_dict``).
@@ -33,8 +33,8 @@ from workers.models.layer_types import FULL, SLIDING
 from workers.models.mistral.config import MistralConfig
 from workers.models.qwen2.config import Qwen2Config
 from workers.models.qwen3.config import Qwen3Config
-from workers.trainer.plans import shard
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.plans import shard
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 GEMMA = Gemma3TextConfig(name="t", vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=16, dense_intermediate_size=48, query_pre_attn_scalar=20, sliding_window=4,

@@ -89,7 +89,7 @@ def test_sigterm_exits_fast_and_cleanly(tmp_path):
 
 def test_rendezvous_names_the_missing_peer(tmp_path):
     code = ("from workers.common.topology import current_topology\n"
-            "from workers.trainer.parallel import ParallelDims\n"
+            "from workers.trainer.parallel.dims import ParallelDims\n"
             "ParallelDims.init(current_topology(), timeout_s=1.5)\n")
     env = dict(os.environ, SLURMRL_ROLE="trainer", SLURMRL_RUN_DIR=str(tmp_path), RANK="1", WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURMRL_LOCAL="1", PYTHONPATH=str(REPO))

@@ -208,7 +208,7 @@ def load_pretrained(model: torch.nn.Module, model_cfg, from_hf: Optional[Callabl
 
 def checkpoint_tensors(model: torch.nn.Module, model_cfg, from_hf: Callable[[dict], dict]):
     """``(our name, read)`` of every tensor of ``model_cfg.path`` the model holds, ``read()`` reading
-    that one FULL tensor (FP8 dequantised) when called: the stream workers/trainer/mesh_plan.py
+    that one FULL tensor (FP8 dequantised) when called: the stream workers/trainer/parallel/mesh.py
     ``materialize`` fills a meta-built, sharded model from, so a rank reads only the tensors it
     holds (another EP rank's experts are never read) and keeps one at a time. Names and shapes are
     checked NOW, against ``model`` as built (full shapes: call this before sharding)."""

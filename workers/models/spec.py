@@ -19,7 +19,7 @@ The interface (every callable takes the family's own config dataclass, ``model_c
 - ``to_hf(state) / from_hf(state)``: this family's parameter names <-> Hugging Face names
   (published weights and checkpoints use HF names). Identity where the modules use HF names.
 - ``parallelize``: the name of the trainer's TP/EP sharding plan used when tp or ep > 1, from
-  the trainer's own table (workers/trainer/plans.py): by default ``"mesh"``, the plan of any
+  the trainer's own table (workers/trainer/parallel/plans.py): by default ``"mesh"``, the plan of any
   CausalLM built from the shared blocks (FSDP2 + DTensor TP + EP on one DeviceMesh); runs with
   tp = ep = 1 use ``"fsdp"``. :meth:`ModelSpec.trainer_plan` decides; the trainer loads it.
 - ``hf_architectures`` / ``to_hf_config`` / ``from_hf_config``: the family's config.json (HF names
@@ -39,7 +39,7 @@ from workers.models.facts import DSA_CHUNK_PAIRS, Architecture, ParamCount, arch
 
 
 FSDP_PLAN = "fsdp"
-"""Name (in the trainer's plan table, workers/trainer/plans.py) of the generic plan of any
+"""Name (in the trainer's plan table, workers/trainer/parallel/plans.py) of the generic plan of any
 ``CausalLM`` (FSDP2 over data parallel): what tp = ep = 1 runs use."""
 
 MESH_PLAN = "mesh"
@@ -68,7 +68,7 @@ class ModelSpec(PluginSpec):
     (DeepSeek-style multi-token-prediction layers ``model.layers.{num_layers}...``, whose names
     depend on the config): skipped by the loader and the launcher's tensor check alike."""
     parallelize: str = MESH_PLAN
-    """Name of the tensor/expert-parallel plan in the trainer's table (workers/trainer/plans.py), used
+    """Name of the tensor/expert-parallel plan in the trainer's table (workers/trainer/parallel/plans.py), used
     when trainer.parallel.tp or ep > 1; empty: the family trains only with tp = ep = 1, under the
     generic FSDP plan (:meth:`trainer_plan`)."""
     no_expert_parallel: str = ""

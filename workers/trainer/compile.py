@@ -3,7 +3,7 @@
 Why per layer (as torchtitan does) and not the whole model: FSDP2 hooks fire around each layer's
 ``__call__`` (all-gather before, reshard after, reduce-scatter in the backward); compiling only
 the layer's ``forward`` (the instance attribute ``__call__`` runs) keeps them outside the compiled
-region, so the plans (workers/trainer/fsdp.py, mesh_plan.py) are unchanged and work with any
+region, so the plans (workers/trainer/parallel/fsdp.py, mesh.py) are unchanged and work with any
 family. One compiled graph serves every layer
 of the same class and inputs (the layer index is not read on the training path), so a 60-layer
 model compiles a handful of graphs, not 60.
@@ -21,7 +21,7 @@ Modes: ``none``; ``layers``; ``auto`` (the default) = ``layers`` on CUDA, ``none
 the CPU inductor would spend minutes compiling C++ for tiny models; tests compile with the
 ``aot_eager`` backend instead, which traces the same graphs without generating code). Graph
 breaks left on purpose: the expert-parallel all-to-all's host-side split sizes
-(workers/trainer/expert_parallel.py) and the CPU reference expert loop (``nonzero`` per expert).
+(workers/trainer/parallel/expert.py) and the CPU reference expert loop (``nonzero`` per expert).
 Packed rows do not break the graph: their document boundaries reach attention as tensors
 (workers/models/blocks/varlen.py; tests/unit/models/test_packed_compile.py), except the per-document
 paths of sparse attention (DSA) and Mamba.

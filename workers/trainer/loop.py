@@ -10,8 +10,8 @@ weights version N; checkpoints/step_N holds the state after step N. Per step N:
   through the transport, the full HF tensors (cast to trainer.dtype) gathered one at a time
   as the transport writes or sends them (weight_stream.py) -> rank 0 appends the metrics record.
 The sharding plan (ModelSpec.trainer_plan): tp = ep = 1 -> FSDP2 over every rank for any
-family (workers/trainer/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
-at another layout); tp or ep > 1 -> the mesh plan (workers/trainer/mesh_plan.py: FSDP2 + DTensor
+family (workers/trainer/parallel/fsdp.py; checkpoints through torch.distributed.checkpoint, resumable
+at another layout); tp or ep > 1 -> the mesh plan (workers/trainer/parallel/mesh.py: FSDP2 + DTensor
 tensor parallel + expert parallel on one DeviceMesh, for every family; DCP checkpoints too).
 Parameters and AdamW state are in trainer.master_dtype, compute in trainer.dtype
 (workers/trainer/precision.py); activation checkpointing wraps every decoder layer first.
@@ -57,9 +57,10 @@ from workers.common.metrics import MetricsWriter
 from workers.trainer.metrics import get_logger, progress_line
 from workers.trainer.tracking import make_tracker
 from workers.trainer.optimizer import ShardLocalAdamW
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT
-from workers.trainer import ep_capacity, lora_publish, plans
+from workers.trainer import lora_publish
+from workers.trainer.parallel import expert_capacity, plans
 from workers.trainer.compile import apply_compile, resolve as resolve_compile
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.precision import Precision
@@ -269,7 +270,7 @@ def step0_model(cfg: RunConfig, dims: ParallelDims):
     lora_publish.check_layout(cfg)
     if trainer_plan(cfg) in (FSDP_PLAN, MESH_PLAN) and not cfg.model.pretrained:
         from workers.models.hf_checkpoint import checkpoint_tensors
-        from workers.trainer.fsdp import materialize
+        from workers.trainer.parallel.fsdp import materialize
 
         # LoRA: the frozen base in the compute dtype (no master copy), float32 adapters (lora_publish.py)
         full = spec.build(cfg.model, device="meta", dtype=precision.compute if lora else precision.master)
@@ -297,16 +298,16 @@ def initial_model(cfg: RunConfig):
 
 
 def trainer_plan(cfg: RunConfig) -> str:
-    """Name of the sharding plan in workers/trainer/plans.py (``fsdp`` when tp = ep = 1, else the family's)."""
+    """Name of the sharding plan in workers/trainer/parallel/plans.py (``fsdp`` when tp = ep = 1, else the family's)."""
     par = cfg.trainer.parallel
     return MODELS.get(cfg.model.family).trainer_plan(par.tp, par.ep)
 
 
 def parallelize(cfg: RunConfig, full, dims: ParallelDims):
     """This rank's shard of ``full`` under :func:`trainer_plan`, with the run's mixed precision and
-    expert-parallel dispatch (trainer.parallel.ep_capacity_factor: workers/trainer/ep_capacity.py)."""
+    expert-parallel dispatch (trainer.parallel.ep_capacity_factor: workers/trainer/parallel/expert_capacity.py)."""
     model = plans.shard(MODELS.get(cfg.model.family), full, dims, precision=Precision.of(cfg.trainer))
-    ep_capacity.configure(model, cfg.trainer.parallel.ep_capacity_factor)
+    expert_capacity.configure(model, cfg.trainer.parallel.ep_capacity_factor)
     return model
 
 

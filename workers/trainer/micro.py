@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 
 
 _aten = torch.ops.aten
@@ -46,7 +46,7 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._gr
              _aten._scaled_dot_product_flash_attention_for_cpu.default,
              torch.ops._c10d_functional.all_to_all_single.default}
 """What ``selective`` activation checkpointing keeps: matmul and attention outputs, and the rows the
-EP dispatch / combine all-to-alls delivered (workers/trainer/expert_parallel.py), so the recompute
+EP dispatch / combine all-to-alls delivered (workers/trainer/parallel/expert.py), so the recompute
 does not move them again."""
 try:  # packed rows on CUDA run torch's varlen flash attention (workers/models/blocks/varlen.py)
     import torch.nn.attention.varlen  # noqa: F401  (registers the op)

@@ -7,7 +7,7 @@ parameters ARE bfloat16 barely learns (benchmarks/results/trainer_memory.json: 1
 weights change at lr 1e-6, 99.98% with float32 master weights). The master copy is what the
 optimizer steps; the forward sees it cast to the compute dtype:
 
-- both plans (workers/trainer/fsdp.py, and workers/trainer/mesh_plan.py with tp/ep): FSDP2's
+- both plans (workers/trainer/parallel/fsdp.py, and workers/trainer/parallel/mesh.py with tp/ep): FSDP2's
   ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` casts each layer's (and each
   MoE block's experts') gathered parameters once per forward and reduces the gradients in float32
   into float32 sharded gradients.

@@ -1,20 +1,20 @@
 """One optimizer step of the parallel trainer: forward (replay, packing), loss, backward, sync.
 
-The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/fsdp.py, or the
-tp/ep mesh plan's, workers/trainer/mesh_plan.py), one micro-batch or several
+The same code runs either plan (``model`` is the FSDP plan's model, workers/trainer/parallel/fsdp.py, or the
+tp/ep mesh plan's, workers/trainer/parallel/mesh.py), one micro-batch or several
 (``trainer.micro_batch_tokens``, workers/trainer/micro.py: gradients accumulate, the loss keeps
 the step's GLOBAL normalisers).
 
 Who talks to whom inside a step (every rank, in the same order; deadlines are the process
 group's timeout):
   micro      one all-reduce (max) of the micro-batch count, when micro-batching;
-  ep         fixed-capacity EP dispatch (workers/trainer/ep_capacity.py): one all-reduce (max) over
+  ep         fixed-capacity EP dispatch (workers/trainer/parallel/expert_capacity.py): one all-reduce (max) over
              all ranks of the largest forward's tokens before the forwards, one of the overflow
              flags after the backwards (then, rarely, the whole forward/backward again, exact);
   forward    per layer: FSDP all-gathers; with tp/ep, DTensor TP all-reduces (attention, MLPs), EP
              all-to-alls (dispatch, combine) and tp token all-gathers in MoE blocks, vocab-parallel
              all-reduces for the log-probs,
-             context-parallel all-to-alls around attention / Mamba (workers/trainer/context_parallel.py);
+             context-parallel all-to-alls around attention / Mamba (workers/trainer/parallel/context.py);
   counts     one all-reduce over ``batch`` of token and expert counts (global normalisers;
              with several micro-batches and a balance loss, after a no-grad counting forward);
   backward   the same collectives mirrored (FSDP: reduce-scatter of each layer's gradients);
@@ -34,17 +34,18 @@ import torch
 from workers.common.config import TrainerConfig
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.logprobs import Scoring
-from workers.trainer import context_parallel, head_loss
+from workers.trainer import head_loss
+from workers.trainer.parallel import context
 from workers.trainer.batch import RolloutBatch
 from workers.trainer.loss import (TokenStats, disagreement_counts, expert_counts, load_balance_loss,
                                   loss_relevant_inputs, policy_loss_terms)
-from workers.trainer.ep_capacity import StepCapacity
+from workers.trainer.parallel.expert_capacity import StepCapacity
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.objective import aggregation
 from workers.trainer.packing import plan_packing
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
-from workers.trainer.fsdp import FsdpTrainerModel
+from workers.trainer.parallel.fsdp import FsdpTrainerModel
 from workers.models.lora.rows import rows_of
 
 
@@ -85,7 +86,7 @@ def forward_rows(model: FsdpTrainerModel, batch: RolloutBatch, *, replay: bool, 
         need = packing.pack(need, False)
     inputs = dict(input_ids=ids, position_ids=positions, attention_mask=attention, forced_experts=forced,
                   forced_mask=forced_mask, segment_ids=segments, logits_mask=need)
-    cp = context_parallel.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
+    cp = context.split(model, inputs)  # None at cp 1; else this rank's chunk of the rows
     if cp is not None:
         inputs, ids, need = cp.inputs, cp.ids, cp.need  # ids/need: the whole (padded) rows, for the targets
     at = predicted(need)  # the scored positions' targets, in the order of the (chunk's) logits_mask
@@ -159,8 +160,8 @@ def backward_step(model: FsdpTrainerModel, shard: RolloutBatch, tcfg: TrainerCon
     shard = dataclasses.replace(shard, token_weight=token_weight)
     micro = split_micro_batches(shard, tcfg.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims)
     tokens = torch.stack([norm, shard.attention_mask.sum().to(torch.float64)])  # no host sync
-    if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/context_parallel.py)
-        micro, chunk_tokens = context_parallel.own_chunks(micro, dims)
+    if dims.cp > 1:  # each cp rank scores its own chunk of the same rows (workers/trainer/parallel/context.py)
+        micro, chunk_tokens = context.own_chunks(micro, dims)
         # token_mean: each rank's own loss tokens; per-row modes: every cp rank holds the same rows
         tokens = chunk_tokens if tcfg.loss_agg == "token_mean" else torch.stack([norm / dims.cp, chunk_tokens[1]])
     cap = StepCapacity.begin(model, [mb.input_ids for mb in micro], dims)  # None unless fixed-capacity EP

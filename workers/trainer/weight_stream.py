@@ -10,7 +10,7 @@ Per tensor, under each plan (every rank asks for the same names in the same orde
 Routed experts are stacked parameters (workers/models/blocks/experts.py), and a sharded block's
 experts are served as views of its FULL stacks, fetched once per projection (not once per expert
 tensor: 3E times fewer collectives): gathered with ``full_tensor`` over the stack's mesh; under
-ep > 1 the experts of EP rank r (``[r * E/ep, (r+1) * E/ep)``, expert_parallel.py) are gathered by
+ep > 1 the experts of EP rank r (``[r * E/ep, (r+1) * E/ep)``, parallel/expert.py) are gathered by
 r's expert-data-parallel group, then each ep group broadcasts the stack from its member on EP rank
 r. Only the stacks of one (block, EP rank) are held at a time (the checkpoint order walks a block's
 experts by id). Then floating tensors are cast to the published (compute) dtype. Names and shapes

@@ -23,7 +23,7 @@ from tests.models.hf_dirs import llama_dir
 from workers.common.config import OrchestratorConfig, TrainerConfig
 from workers.common.config.algorithm import ALGORITHMS
 from workers.orchestrator.buffer import RolloutBuffer, RolloutGroup, Sample
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.step import train_step
 
 PRESETS = sorted(p.stem for p in (Path(CONF_DIR) / "algorithm").glob("*.yaml"))

@@ -10,7 +10,7 @@ from workers.common.registry import MODELS
 from workers.models.blocks.logprobs import Scoring
 from workers.trainer.loss import token_logprobs
 from workers.trainer.step import place, predicted
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 torch.set_num_threads(1)
 

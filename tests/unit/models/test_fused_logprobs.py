@@ -13,7 +13,7 @@ from workers.models.blocks import fused_logprobs
 from workers.models.blocks.fused_logprobs import fused_target_logprobs
 from workers.models.blocks.logprobs import Scoring
 from workers.trainer.step import place, predicted
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 torch.set_num_threads(1)
 

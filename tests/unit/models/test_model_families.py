@@ -75,7 +75,7 @@ def test_buildable_families_build_on_meta_and_count_what_they_build(preset):
 @pytest.mark.parametrize("experiment", ["glm5_swe_28xh200", "kimi_k2_swe_32xh200", "nemotron3_ultra_pd_20xh200"])
 def test_tp_ep_layouts_of_the_large_presets_plan_onto_the_mesh_plan(experiment):
     """deepseek_v3, glm_moe_dsa, nemotron_h presets' expert-parallel layouts plan for a real run onto
-    the mesh plan (workers/trainer/mesh_plan.py), with no refusal and no dry-run WARNING, at 8k-token
+    the mesh plan (workers/trainer/parallel/mesh.py), with no refusal and no dry-run WARNING, at 8k-token
     episodes. At their 131k limit Kimi K2 (cp 8), Nemotron 3 Ultra and GLM-5 (cp 16: its DSA indexer
     in bounded chunks) plan too, context parallel inside the mesh plan, and are refused without
     their cp (the planner names the cp that fits)."""

@@ -1,10 +1,10 @@
-"""clip_sharded_grads_ (workers/trainer/grad_clip.py) against torch's clip_grad_norm_ on one rank."""
+"""clip_sharded_grads_ (workers/trainer/parallel/grad_clip.py) against torch's clip_grad_norm_ on one rank."""
 import copy
 
 import pytest
 import torch
 
-from workers.trainer.grad_clip import clip_sharded_grads_
+from workers.trainer.parallel.grad_clip import clip_sharded_grads_
 
 
 def _model_with_grads(seed: int = 0) -> torch.nn.Module:

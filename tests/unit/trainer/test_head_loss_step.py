@@ -13,7 +13,7 @@ import torch
 
 from tests.integration import test_parity_parallel as moe
 from workers.models.blocks import fused_loss_head
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.step import backward_step
 
 

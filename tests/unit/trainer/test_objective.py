@@ -10,7 +10,7 @@ import torch
 
 from workers.trainer.loss import policy_loss
 from workers.trainer.objective import aggregation, clipped, kl_estimate
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 torch.set_num_threads(1)
 KW = dict(ratio_cap=2.0, ratio_mask_low=0.2, ratio_mask_high=5.0)

@@ -8,7 +8,7 @@ import torch
 from launcher.plan import build_plan
 from tests.conftest import compose, plan_error
 from workers.trainer.loop import parallel_degrees
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 
 
 def dims(rank: int = 0, *, world: int = 8, tp: int = 2, ep: int = 2) -> ParallelDims:

@@ -12,9 +12,9 @@ from workers.common.config import TrainerConfig
 from workers.inference.embedded.engine import GenRequest, InferenceEngine
 from workers.models.tiny_moe.model import TinyMoeConfig, build_model
 from workers.trainer.batch import BatchFormatError, RolloutBatch, load_batch
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.router_replay import MISALIGNED_DISAGREEMENT, expert_load_metrics, mask_unreported
-from workers.trainer.fsdp import FsdpTrainerModel, unsharded
+from workers.trainer.parallel.fsdp import FsdpTrainerModel, unsharded
 from workers.trainer.step import backward_step, forward_rows
 from workers.trainer.loss import loss_relevant_inputs, routing_disagreement
 

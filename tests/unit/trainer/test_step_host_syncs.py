@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from tests.integration import test_parity_parallel as moe
-from workers.trainer.fsdp import parallelize
+from workers.trainer.parallel.fsdp import parallelize
 from workers.trainer.micro import split_micro_batches
 from workers.trainer.step import backward_step, train_step
 

@@ -83,15 +83,15 @@ def test_micro_batches_hold_the_budget_and_every_rank_runs_as_many():
 
 
 def _bare_dims():
-    from workers.trainer.parallel import ParallelDims
+    from workers.trainer.parallel.dims import ParallelDims
 
     return ParallelDims(rank=0, world_size=1, dp=1, backend="gloo", device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("plan_name", ["fsdp", "mesh"])
 def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
-    from workers.trainer import mesh_plan
-    from workers.trainer.fsdp import parallelize
+    from workers.trainer.parallel import mesh
+    from workers.trainer.parallel.fsdp import parallelize
     from workers.trainer.step import train_step
     from tests.integration.test_parity_parallel import make_batch
 
@@ -102,7 +102,7 @@ def test_both_plans_keep_float32_state_and_compute_in_bfloat16(plan_name):
         full = build_model(CFG, 7)
         before = {n: p.detach().clone() for n, p in full.state_dict().items()}  # checkpoint names, as published
         model = (parallelize(full, dims, precision=precision) if plan_name == "fsdp"
-                 else mesh_plan.parallelize(full, dims, precision=precision))
+                 else mesh.parallelize(full, dims, precision=precision))
         seen = []
         hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr)

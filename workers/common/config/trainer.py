@@ -39,7 +39,7 @@ class ParallelConfig:
     """Expert parallel size: routed experts are split over ep ranks; divides model.num_experts."""
     cp: int = 1
     """Context parallel size: each sequence is split into cp contiguous chunks, one per rank, with
-    Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/context_parallel.py; attention
+    Ulysses all-to-alls over heads around attention / Mamba (workers/trainer/parallel/context.py; attention
     with fewer heads than cp gathers keys/values instead); divides model.max_position_embeddings and a
     hybrid's model.mamba_num_heads; with tp/ep > 1 a dimension of the mesh plan (heads split over tp, then cp)."""
     dp: int = -1
@@ -47,7 +47,7 @@ class ParallelConfig:
     ep_capacity_factor: float = 2.0
     """ep > 1: each rank sends every EP peer a fixed ``C = ceil(factor * slots / ep)`` rows (rounded up
     to 8; slots = tokens x top_k of the step's largest forward), padded, so the all-to-alls need no
-    split sizes on the host and a MoE block has no host sync (workers/trainer/ep_capacity.py). A step
+    split sizes on the host and a MoE block has no host sync (workers/trainer/parallel/expert_capacity.py). A step
     in which any rank would send a peer more than C rows is redone with exact dispatch (counted as
     ``ep_overflow_steps``, warned): never a dropped token. 0: exact dispatch always (one host read of
     the split sizes per MoE block and micro-batch). Else >= 1 (below, C cannot hold the average

@@ -10,7 +10,7 @@ One block for the softmax-attention families whose checkpoints hold q/k/v/o proj
 - ``qk_norm_eps``: Qwen3's per-head RMSNorm of queries and keys (``q_norm`` / ``k_norm``, a
   ``[head_dim]`` weight shared by all heads), applied BEFORE the rotary embedding. Per head, so a
   tensor-parallel rank holding whole heads applies it unchanged (its gradient is partial per
-  rank: workers/trainer/tensor_parallel.py sums it over the group).
+  rank: workers/trainer/parallel/tensor.py sums it over the group).
 - Rotary: the NeoX half-split convention of HF Llama/Qwen ("rotate_half"), cos/sin computed once
   per forward and shared by every layer with the same (head_dim, theta) through ``ctx.shared``.
   ``rope`` (a workers/models/blocks/rope_scaled.py ``Rope``): a scaled rotary embedding instead
@@ -24,7 +24,7 @@ One block for the softmax-attention families whose checkpoints hold q/k/v/o proj
 - ``scaling``: the softmax scale, None for 1/sqrt(head_dim) (Gemma 3: query_pre_attn_scalar**-0.5).
 - ``sinks``: one learned sink logit per query head, ``self_attn.sinks [num_heads]`` (GPT-OSS): an
   extra softmax term whose probability is dropped (masking.with_sinks), in every path. Under tensor
-  parallel it is sharded with the heads (workers/trainer/mesh_plan.py): a DTensor read locally here.
+  parallel it is sharded with the heads (workers/trainer/parallel/mesh.py): a DTensor read locally here.
 
 ``forward(x, ctx)`` reads ``ctx.position_ids``, ``ctx.mask`` (None: plain causal), ``ctx.cache``
 and ``ctx.layer``; the cache gets this layer's keys/values appended along time (dim -2).

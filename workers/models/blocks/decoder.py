@@ -163,7 +163,7 @@ class CausalLM(nn.Module):
         """``(name, float32 tensor)`` of every parameter under its checkpoint name (sorted names, one
         generator: :meth:`init_tensor`; a stacked expert tensor is drawn expert by expert)
         and persistent buffer (:meth:`init_buffer`), ONE AT A TIME and from shapes only, so a model built
-        on the meta device and sharded (workers/trainer/mesh_plan.py ``materialize``) gets the very
+        on the meta device and sharded (workers/trainer/parallel/mesh.py ``materialize``) gets the very
         values ``init_weights`` gives the full model without any rank holding all of them. The names
         and full shapes are read NOW (before a sharding plan changes them); the values when iterated."""
         state = self.state_dict(keep_vars=True)  # checkpoint names: each routed expert on its own

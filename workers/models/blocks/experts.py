@@ -153,7 +153,7 @@ class StackedExperts(nn.Module):
                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Local expert ``i`` on the ``counts[i]`` consecutive rows of ``rows`` (sorted by expert): ONE
         grouped GEMM per projection on the fast path (device-side offsets, no host sync), else a loop.
-        ``padded``: rows past ``counts.sum()`` are fixed-capacity padding (workers/trainer/ep_capacity.py);
+        ``padded``: rows past ``counts.sum()`` are fixed-capacity padding (workers/trainer/parallel/expert_capacity.py);
         their outputs are zero. ``row_scale`` [rows] (the gate weights): each output row scaled by it,
         applied to the activation before the down projection (linear, so the same product): the
         scaling fuses into the activation's kernel and its backward, over the intermediate width,

@@ -18,7 +18,7 @@ block (plus its compute-dtype copy) in either pass, and a float32 ``[V, H]`` acc
 when the weight is half precision (bf16 sums of many chunks would round away small updates; the
 checkpointed path's autograd sums the chunks in the weight's dtype).
 
-The values are those of ``workers.trainer.tensor_parallel.vocab_parallel_target_logprobs`` on the
+The values are those of ``workers.trainer.parallel.tensor.vocab_parallel_target_logprobs`` on the
 full logits (the trainer's reference: logits in the compute dtype, upcast to float32, / T); the
 unit test checks values and gradients of h and W against it. Vocabulary-parallel heads (TP: the
 lm_head weight is a DTensor shard) keep the checkpointed path, whose scorer runs the all-reduces.

@@ -81,7 +81,7 @@ class LatentMoE(nn.Module):
 
     def routed_experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts on the (latent) tokens: the trainer's expert-parallel plan sets
-        ``expert_parallel`` (workers/trainer/expert_parallel.py), else the reference loop."""
+        ``expert_parallel`` (workers/trainer/parallel/expert.py), else the reference loop."""
         ep = getattr(self, "expert_parallel", None)  # set in __dict__ by the mesh plan; getattr: dynamo traces it
         return ep(flat, idx, weights) if ep is not None else self._experts(flat, idx, weights)
 

@@ -10,8 +10,8 @@ had), and the backward recomputes one chunk's logits at a time, so peak logit me
 position's log-prob depends on its own hidden state only); tests/unit/models/test_chunked_logprobs.py
 checks values and gradients against the full path, including the vocabulary-parallel scorer.
 
-The scorer is the trainer plan's ``target_logprobs`` (workers/trainer/fsdp.py, or the TP plan's
-vocab-parallel one in workers/trainer/tensor_parallel.py with its all-reduces): it runs inside
+The scorer is the trainer plan's ``target_logprobs`` (workers/trainer/parallel/fsdp.py, or the TP plan's
+vocab-parallel one in workers/trainer/parallel/tensor.py with its all-reduces): it runs inside
 each chunk, so a vocabulary split over tensor-parallel ranks stays split, and the recompute
 repeats its collectives in the same order on every rank.
 """

@@ -59,7 +59,7 @@ class ClampedSwiGLUExperts(nn.Module):
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
         """Keep experts ``[first, first + count)`` only (the trainer's expert-parallel split:
-        workers/trainer/expert_parallel.py ``shard_experts``; ``count`` = all of them under tp alone)."""
+        workers/trainer/parallel/expert.py ``shard_experts``; ``count`` = all of them under tp alone)."""
         for name, old in list(self.named_parameters(recurse=False)):
             setattr(self, name, nn.Parameter(old[first:first + count].clone(), requires_grad=old.requires_grad))
         self.first = first

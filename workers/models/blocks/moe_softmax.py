@@ -8,7 +8,7 @@ always come from this model's router, also when Router Replay forces the experts
 so router gradients flow. The experts are stacked parameters (workers/models/blocks/experts.py)
 whose ``state_dict()`` keeps HF Qwen3-MoE checkpoint names (``mlp.gate.weight``,
 ``mlp.experts.E.gate_proj.weight``); the trainer's expert-parallel block
-(workers/trainer/expert_parallel.py) subclasses MoeBlock and reuses ``route`` and ``balance``.
+(workers/trainer/parallel/expert.py) subclasses MoeBlock and reuses ``route`` and ``balance``.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class MoeBlock(nn.Module):
     def routed_experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{idx[:, k]}(flat): grouped GEMM on the fast path, else the loop.
         Under the trainer's expert-parallel plan an :class:`ExpertParallel` object set as
-        ``expert_parallel`` (workers/trainer/expert_parallel.py) runs it instead (all-to-all dispatch)."""
+        ``expert_parallel`` (workers/trainer/parallel/expert.py) runs it instead (all-to-all dispatch)."""
         ep = getattr(self, "expert_parallel", None)  # set in __dict__ by the mesh plan; getattr: dynamo traces it
         if ep is not None:
             return ep(flat, idx, weights)

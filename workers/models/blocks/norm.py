@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def scaled(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The norm of ``x`` with ``weight`` for this module's own (a tensor-parallel wrapper passes the
-        weight through a gradient all-reduce: workers/trainer/tensor_parallel.py HeadSharedNorm)."""
+        weight through a gradient all-reduce: workers/trainer/parallel/tensor.py HeadSharedNorm)."""
         return weight * rms_normalize(x, self.eps)
 
 

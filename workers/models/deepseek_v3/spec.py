@@ -3,7 +3,7 @@
 Multi-head latent attention (MLA, YaRN rotary), leading dense layers, sigmoid grouped top-k
 routed experts with shared experts (workers/models/deepseek_v3/model.py, from
 workers/models/blocks/). The embedded engine serves it (latent KV cache); the trainer shards it with
-the generic plans (FSDP2 at tp = ep = 1; workers/trainer/mesh_plan.py with tp or ep > 1: MLA heads
+the generic plans (FSDP2 at tp = ep = 1; workers/trainer/parallel/mesh.py with tp or ep > 1: MLA heads
 split over tp, experts over ep). Multi-token-prediction layers are counted by the plan but not
 built (their checkpoint weights are skipped on load).
 """

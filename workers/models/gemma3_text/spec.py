@@ -7,7 +7,7 @@ through :data:`HF` plus the rotary keys Gemma 3 has per layer type (``rope_theta
 ``sliding_attention``; linear scaling of the full layers is implemented, any other is refused), and
 refuses logit soft-capping (null in every Gemma 3 config), bidirectional attention, attention
 biases and any key the model does not implement, naming it. The trainer shards it with FSDP2
-(tp = ep = 1) or the mesh plan (tp > 1, workers/trainer/mesh_plan.py): heads split, the ``(1 + w)``
+(tp = ep = 1) or the mesh plan (tp > 1, workers/trainer/parallel/mesh.py): heads split, the ``(1 + w)``
 q/k norms replicated with a TP-summed gradient (their ``scaled`` is the formula the TP wrapper
 applies), the GELU-tanh MLP column/row split, the scaled embedding vocab-parallel when the head is
 untied (tied: the embedding is the head and stays replicated). SGLang serves it by its architecture

@@ -11,9 +11,9 @@ are the identity and a published step is a bf16 GptOss checkpoint. MXFP4 checkpo
 which wins when both are there, as in transformers; an absent or null rotary config means
 transformers' default, YaRN factor 32). Router Replay forces every
 layer's experts through ``forced_experts``. The trainer shards it with FSDP2 (tp = ep = 1) or the
-mesh plan (tp > 1, workers/trainer/mesh_plan.py): heads split with their q/k/v biases and sinks,
+mesh plan (tp > 1, workers/trainer/parallel/mesh.py): heads split with their q/k/v biases and sinks,
 o_proj row-parallel with its bias added once, the vocabulary split over the untied head, the
-experts replicated over tp with the tokens split (workers/trainer/expert_parallel.py) and
+experts replicated over tp with the tokens split (workers/trainer/parallel/expert.py) and
 FSDP-sharded. Expert parallelism (ep > 1) is refused at plan time (:data:`NO_EXPERT_PARALLEL`).
 SGLang serves it as ``GptOssForCausalLM``.
 """

@@ -17,7 +17,7 @@ Face names with no map. A tied head is not registered twice (the embedding is th
   (``masking_utils.find_packed_sequence_indices``) keeps attention inside each sample.
 - ``model.layers``: the decoder layers (the ModuleList of the class transformers names in
   ``_no_split_modules``), for FSDP2 (one unit per layer), activation checkpointing and per-layer
-  compile (workers/trainer/fsdp.py, micro.py, compile.py). Where transformers' base model is not
+  compile (workers/trainer/parallel/fsdp.py, micro.py, compile.py). Where transformers' base model is not
   called ``model`` with a ``layers`` list (GPT-2's ``transformer.h``), ``model`` is an unregistered
   alias, so parameter names do not change.
 - ``new_cache()``: an :class:`HfKVCache`, the engine's KVCache (rows leave, prefills join, left

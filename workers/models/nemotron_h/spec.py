@@ -5,7 +5,7 @@ Torch-free at import: ``build`` / ``init`` import workers/models/nemotron_h/mode
 Plan facts count each layer kind by what it holds (:class:`HybridArchitecture`); the KV cache
 per token is the attention layers' only (a Mamba layer keeps a fixed-size state per sequence).
 The trainer shards it with the generic plans: FSDP2 at tp = ep = 1, the mesh plan
-(workers/trainer/mesh_plan.py) otherwise, where its Mamba-2 mixers stay replicated over tp (attention,
+(workers/trainer/parallel/mesh.py) otherwise, where its Mamba-2 mixers stay replicated over tp (attention,
 MLP and shared experts are split; routed experts go over ep).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Torch-free at import: ``build`` / ``init`` import workers/models/qwen3_moe/model
 Parameter names are the checkpoint's, so ``to_hf`` / ``from_hf`` are the identity; config.json
 maps through :data:`HF` (workers/models/hf_config.py), refusing sliding-window attention,
 attention biases, rotary scaling and any key the model does not implement. The trainer shards
-it with FSDP2, or with tp/ep the mesh plan (workers/trainer/mesh_plan.py: DTensor TP attention with
+it with FSDP2, or with tp/ep the mesh plan (workers/trainer/parallel/mesh.py: DTensor TP attention with
 replicated per-head q/k norms, TP dense MLPs, experts over EP); Router Replay forces the routed layers' experts.
 """
 from __future__ import annotations

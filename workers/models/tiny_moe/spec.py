@@ -1,8 +1,8 @@
 """Registers model family ``tiny_moe`` (every layer a top-k routed MoE MLP; HF Qwen3-MoE names).
 
 Torch-free at import: ``build`` and ``init`` import workers/models/tiny_moe/model.py when called.
-The trainer shards it with FSDP2 at tp = ep = 1 (workers/trainer/fsdp.py, every family's default)
-and with the mesh plan when tp or ep > 1 (workers/trainer/mesh_plan.py: DTensor TP attention,
+The trainer shards it with FSDP2 at tp = ep = 1 (workers/trainer/parallel/fsdp.py, every family's default)
+and with the mesh plan when tp or ep > 1 (workers/trainer/parallel/mesh.py: DTensor TP attention,
 vocab-parallel embedding and lm_head, experts over EP); Router Replay forces experts through ``forced_experts``.
 """
 from __future__ import annotations

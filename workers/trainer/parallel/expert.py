@@ -1,7 +1,7 @@
 """Expert parallelism of the mesh plan: routed experts split over the ``ep`` mesh dimension,
 tokens moved by all-to-all, the local experts run as one grouped GEMM.
 
-Layout (workers/trainer/mesh_plan.py): EP rank r owns experts ``[r * E/ep, (r+1) * E/ep)`` of every
+Layout (workers/trainer/parallel/mesh.py): EP rank r owns experts ``[r * E/ep, (r+1) * E/ep)`` of every
 MoE block: the block's :class:`~workers.models.blocks.experts.StackedExperts` narrowed to those
 rows, whose state dict names them by GLOBAL expert id (``mlp.experts.5.up_proj.weight`` exists on
 the ranks of EP rank 1 when E/ep = 4). The ep
@@ -25,7 +25,7 @@ block calls from ``routed_experts`` instead of its own expert loop):
 Host syncs: ``all_to_all_single`` needs its split sizes on the host, so the EXACT dispatch reads
 ``2 * ep`` ints per MoE block and micro-batch (one ``tolist`` of the stacked send/receive
 totals). The trainer's default is the fixed-capacity dispatch instead
-(``trainer.parallel.ep_capacity_factor`` > 0, workers/trainer/ep_capacity.py): equal splits of a
+(``trainer.parallel.ep_capacity_factor`` > 0, workers/trainer/parallel/expert_capacity.py): equal splits of a
 per-step size C, padded buffers, device-side offsets, no host sync in the block; a step in which
 some peer would get more than C rows is redone exactly. With ep = 1 there is no exchange and no sync.
 
@@ -44,7 +44,7 @@ from torch import nn
 
 from workers.common.config.trainer import experts_per_rank
 from workers.models.blocks.experts import StackedExperts
-from workers.trainer.ep_exchange import exact_exchange, fixed_exchange, inverse
+from workers.trainer.parallel.expert_exchange import exact_exchange, fixed_exchange, inverse
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -89,7 +89,7 @@ class ExpertParallel:
         self.ep_group, self.ep = ep_group, ep
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
         self.capacity_factor = 0.0  # trainer.parallel.ep_capacity_factor (ep_capacity.configure)
-        self.capacity: Optional[int] = None  # rows per peer this step (ep_capacity.StepCapacity); None: exact
+        self.capacity: Optional[int] = None  # rows per peer this step (expert_capacity.StepCapacity); None: exact
         self.overflow: Optional[torch.Tensor] = None  # device flag: a peer got more than ``capacity`` slots
 
     def __call__(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class ExpertParallel:
         """Rows sorted by global expert -> this rank's experts (all-to-all) -> back, same order."""
         if self.capacity is None:
             return exact_exchange(xs, counts, self.experts, ep=self.ep, group=self.ep_group)
-        # No host sync: workers/trainer/ep_capacity.py sized ``capacity`` for the step.
+        # No host sync: workers/trainer/parallel/expert_capacity.py sized ``capacity`` for the step.
         ys, overflow = fixed_exchange(xs, counts, self.experts, ep=self.ep, group=self.ep_group, cap=self.capacity)
         self.overflow = overflow if self.overflow is None else self.overflow | overflow
         return ys

@@ -8,9 +8,9 @@ trainer module. The table holds the functions themselves, so an editor follows a
 and a renamed plan function fails when this module is imported, not when a run first asks for it
 (the trainer imports both plans anyway; the launcher never imports this module).
 
-    "fsdp"  workers/trainer/fsdp.py       FSDP2 over all trainer ranks, any CausalLM (tp = ep = 1)
-    "mesh"  workers/trainer/mesh_plan.py  FSDP2 + DTensor TP + EP (+ CP) on one DeviceMesh, any
-                                          CausalLM of the shared blocks (tp or ep > 1)
+    "fsdp"  workers/trainer/parallel/fsdp.py  FSDP2 over all trainer ranks, any CausalLM (tp = ep = 1)
+    "mesh"  workers/trainer/parallel/mesh.py  FSDP2 + DTensor TP + EP (+ CP) on one DeviceMesh, any
+                                              CausalLM of the shared blocks (tp or ep > 1)
 
 Every plan is ``parallelize(full_model, dims, *, precision) -> this rank's shard``.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from workers.models.spec import FSDP_PLAN, MESH_PLAN
-from workers.trainer import fsdp, mesh_plan
+from workers.trainer.parallel import fsdp, mesh
 
-PLANS = {FSDP_PLAN: fsdp.parallelize, MESH_PLAN: mesh_plan.parallelize}
+PLANS = {FSDP_PLAN: fsdp.parallelize, MESH_PLAN: mesh.parallelize}
 
 
 def plan_function(name: str):

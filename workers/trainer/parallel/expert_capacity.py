@@ -1,7 +1,7 @@
 """Fixed-capacity expert-parallel dispatch: the MoE all-to-alls without split sizes on the host.
 
 ``all_to_all_single`` needs its split sizes on the host, so the exact dispatch of
-workers/trainer/expert_parallel.py reads ``2 * ep`` ints per MoE block and micro-batch: a host
+workers/trainer/parallel/expert.py reads ``2 * ep`` ints per MoE block and micro-batch: a host
 sync per layer that stalls the GPU's queue. Here (``trainer.parallel.ep_capacity_factor`` > 0)
 every rank sends each EP peer exactly ``C`` rows, a size fixed for the whole step:
 
@@ -9,7 +9,7 @@ every rank sends each EP peer exactly ``C`` rows, a size fixed for the whole ste
       of the largest forward any rank runs this step (/ tp when the tp ranks split the tokens),
       agreed by one all-reduce (max) and host read when the step starts.
 
-Per MoE block the rows go through :func:`~workers.trainer.ep_exchange.fixed_exchange` (all on
+Per MoE block the rows go through :func:`~workers.trainer.parallel.expert_exchange.fixed_exchange` (all on
 the device: equal splits, padded buffers, device-side offsets).
 
 Overflow: a rank with more than C slots for one peer sends only the first C (the rest come back
@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from workers.trainer.expert_parallel import ExpertParallel
-    from workers.trainer.parallel import ParallelDims
+    from workers.trainer.parallel.expert import ExpertParallel
+    from workers.trainer.parallel.dims import ParallelDims
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Tensor-parallel pieces the DTensor plan (workers/trainer/mesh_plan.py) needs beside
+"""Tensor-parallel pieces the DTensor plan (workers/trainer/parallel/mesh.py) needs beside
 ``parallelize_module``, in plain torch.distributed.
 
 Why these: DTensor's ColwiseParallel / RowwiseParallel handle the ends of every split matmul, but a

@@ -32,11 +32,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from workers.models.blocks.experts import checkpoint_named, shard_placement
-from workers.trainer.grad_clip import clip_sharded_grads_
+from workers.trainer.parallel.grad_clip import clip_sharded_grads_
 from workers.common.dtensor import local_part
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.precision import Precision
-from workers.trainer.tensor_parallel import vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import vocab_parallel_target_logprobs
 
 
 class FsdpTrainerModel:
@@ -113,7 +113,7 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
     """
     if dims.tp != 1 or dims.ep != 1:
         raise ValueError(f"the FSDP plan shards over data parallel only; tp({dims.tp}) x ep({dims.ep}) needs the "
-                         f"mesh plan (workers/trainer/mesh_plan.py)")
+                         f"mesh plan (workers/trainer/parallel/mesh.py)")
     # the trainable parameters' dtype (a LoRA model's frozen base stays in the compute dtype: workers/models/lora)
     master = next((p for p in full.parameters() if p.requires_grad), next(full.parameters())).dtype
     precision = precision or Precision(master=master, compute=master)

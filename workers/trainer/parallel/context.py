@@ -1,6 +1,6 @@
 """Context parallelism in the trainer step (``trainer.parallel.cp``): one long sequence over cp ranks.
 
-Layout (workers/trainer/parallel.py): the cp ranks of a group hold the SAME rows (``batch_rank``
+Layout (workers/trainer/parallel/dims.py): the cp ranks of a group hold the SAME rows (``batch_rank``
 ignores cp); each runs the model on a contiguous chunk of every row, ``t = ceil(T / cp)``
 positions (rank r: ``[r*t, (r+1)*t)``; a micro-batch is right-padded with invalid tokens to
 ``cp * t``). Per-token work (embeddings, norms, MLPs, experts, Router Replay, the head, the
@@ -18,7 +18,7 @@ loss is the sum over ITS tokens with the step's GLOBAL normalisers, the token an
 are summed over every rank (the ``batch`` group includes cp), and FSDP's gradient reduce-scatter
 over all ranks adds the cp ranks' shares: the result equals cp = 1 (tests/integration/
 test_context_parallel.py). The same holds in the mesh plan with tp/ep > 1, where cp is a mesh
-dimension (workers/trainer/mesh_plan.py; tests/integration/test_context_parallel_mesh.py). A
+dimension (workers/trainer/parallel/mesh.py; tests/integration/test_context_parallel_mesh.py). A
 row-level ratio (``ratio_level`` sequence / geometric) would need the whole row on one rank: the
 plan refuses it with cp > 1 (launcher/resources.py), as it refuses a cp that does not divide the
 Mamba-2 heads, and a sequence cp does not divide.
@@ -38,7 +38,7 @@ import torch
 
 from workers.models.blocks.ulysses import SeqShard
 from workers.trainer.batch import RolloutBatch
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.dims import ParallelDims
 
 
 def chunk_len(width: int, cp: int) -> int:

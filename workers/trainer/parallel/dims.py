@@ -8,7 +8,7 @@ EP, then DP::
 
 Under the FSDP plan (tp = ep = 1) that is ``rank = dp_rank * cp + cp_rank``: a dp x cp mesh whose
 cp ranks hold the same rows (each a contiguous chunk of every sequence: workers/trainer/
-context_parallel.py) and whose FSDP shard group is ALL ranks (the flattened dp x cp mesh, as
+parallel/context.py) and whose FSDP shard group is ALL ranks (the flattened dp x cp mesh, as
 torchtitan's dp_shard_cp): every rank's loss is its own tokens' share of the global loss, so the
 gradient reduce-scatter sums the cp ranks' contributions like the dp ranks'. The mesh plan
 (tp or ep > 1) keeps the same rank order on its DeviceMesh ``(ep, dp_shard, cp, tp)``.
@@ -68,7 +68,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    """Context-parallel ranks per sequence (workers/trainer/context_parallel.py)."""
+    """Context-parallel ranks per sequence (workers/trainer/parallel/context.py)."""
     groups: dict[str, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
     """Subgroups by kind (GROUP_KINDS); missing or None: size 1 (or no process group)."""
 

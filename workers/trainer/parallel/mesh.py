@@ -3,13 +3,13 @@
 nemotron_h). ``ModelSpec.trainer_plan`` picks it whenever trainer.parallel.tp or ep > 1.
 
 The mesh (:func:`build_mesh`) has dimensions ``(ep, dp_shard, cp, tp)`` over the ranks of
-workers/trainer/parallel.py's layout (rank = ((dp * ep + ep_rank) * cp + cp_rank) * tp + tp_rank,
+workers/trainer/parallel/dims.py's layout (rank = ((dp * ep + ep_rank) * cp + cp_rank) * tp + tp_rank,
 TP innermost), and two flattened views: ``batch`` = ep x dp_shard x cp (every rank with distinct
 tokens: dense parameters are fully_shard-ed over it) and ``edp`` = dp_shard x cp x tp (the ranks
 holding the same experts: the expert-data-parallel dimension the experts are fully_shard-ed over).
 dp_replicate (HSDP) is not a dimension yet: every data-parallel rank shards.
 
-Context parallel (``cp`` > 1, workers/trainer/context_parallel.py): the cp ranks of a group hold
+Context parallel (``cp`` > 1, workers/trainer/parallel/context.py): the cp ranks of a group hold
 the same rows and each runs a contiguous chunk of every row. Nothing in the model changes for it:
 attention splits its heads over tp first, then Ulysses swaps sequence for heads over the cp group
 on the heads left (workers/models/blocks/ulysses.py; with fewer local heads than cp it gathers the
@@ -26,10 +26,10 @@ Per decoder layer, in this order (tensor parallel first, FSDP wraps the DTensors
              (q_a_proj, kv_a_proj_with_mqa), their norms and a DSA indexer replicated; Mamba-2
              mixers stay replicated (no TP split of their fused in_proj yet);
   dense MLP  SwiGLU / squared-ReLU (and a MoE block's shared experts): gate/up Colwise, down Rowwise;
-  MoE        experts split over ep (workers/trainer/expert_parallel.py), router replicated;
+  MoE        experts split over ep (workers/trainer/parallel/expert.py), router replicated;
   vocab      embed_tokens RowwiseParallel (vocab-parallel lookup), lm_head ColwiseParallel with
              its output left vocab-sharded: :meth:`MeshTrainerModel.target_logprobs` computes the
-             log-probs vocab-parallel (workers/trainer/tensor_parallel.py), never [T, V]. Tied
+             log-probs vocab-parallel (workers/trainer/parallel/tensor.py), never [T, V]. Tied
              embeddings stay replicated (the head is the embedding).
 Then ``fully_shard`` of each MoE block's experts over ``edp``, of every layer over ``batch`` and
 of the root. Gradients are summed (divide factor 1): the loss carries the global normaliser.
@@ -52,12 +52,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from workers.models.blocks.experts import StackedExperts, checkpoint_named, shard_placement, stacked_state_names
-from workers.trainer.expert_parallel import shard_experts
-from workers.trainer.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
-from workers.trainer.grad_clip import clip_sharded_grads_
-from workers.trainer.parallel import ParallelDims
+from workers.trainer.parallel.expert import shard_experts
+from workers.trainer.parallel.fsdp import FsdpTrainerModel, materialize, reshard_between  # noqa: F401  (materialize: shared with the FSDP plan)
+from workers.trainer.parallel.grad_clip import clip_sharded_grads_
+from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.precision import Precision
-from workers.trainer.tensor_parallel import HeadSharedNorm, copy_to, vocab_parallel_target_logprobs
+from workers.trainer.parallel.tensor import HeadSharedNorm, copy_to, vocab_parallel_target_logprobs
 
 COL, ROW = ColwiseParallel(), RowwiseParallel()
 

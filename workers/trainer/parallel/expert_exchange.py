@@ -2,8 +2,8 @@
 rank that owns their expert, through its local experts, and come back in the same order.
 
 Why a module of its own: the exchange is tensors and a process group, nothing else. The block
-(:class:`~workers.trainer.expert_parallel.ExpertParallel`) chooses which exchange runs and keeps
-the overflow flag; the step (:mod:`workers.trainer.ep_capacity`) chooses the capacity and reads
+(:class:`~workers.trainer.parallel.expert.ExpertParallel`) chooses which exchange runs and keeps
+the overflow flag; the step (:mod:`workers.trainer.parallel.expert_capacity`) chooses the capacity and reads
 the flags. Both import this module, and it imports neither of them.
 
 Exact (:func:`exact_exchange`): ``all_to_all_single`` needs its split sizes on the host, so it
@@ -20,7 +20,7 @@ Fixed capacity (:func:`fixed_exchange`, every peer sent exactly ``cap`` rows), a
      and come out zero);
   5. the reverse all-to-all, and each slot picks its row back out of the returned buffer.
 A peer with more than ``cap`` slots gets only the first ``cap`` (the rest come back zero) and the
-returned device flag is set: the step redoes itself exactly (workers/trainer/ep_capacity.py).
+returned device flag is set: the step redoes itself exactly (workers/trainer/parallel/expert_capacity.py).
 """
 from __future__ import annotations
 
