@@ -2,7 +2,8 @@
 
     python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR [--record]     # GPU (H100 / H200)
     python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --cpu-smoke    # CPU, tiny: the same path
-    python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --parts dsa --merge   # GPU: the DSA rows, ~3 min
+    python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --parts dsa \
+        --merge-from benchmarks/results/gpu/one_gpu_node_limit.json    # GPU: the DSA rows, ~3 min
 
 Parts (the first three by default), each a subprocess under its own time limit inside one overall
 budget (a part that hangs or fails leaves the others' numbers, and its reason in ``parts``):
@@ -25,8 +26,8 @@ machine keeps ignored paths); here they are joined and checked. Without them (or
 wheel) the loop runs the same shapes with random weights and says so (``loop.checkpoint``).
 docs/guide/gpu_evidence.md has the exact device command lines and the table.
 
-4. ``dsa`` (``--parts dsa``, its own device call of ~3 minutes, ``--merge`` keeps the keys the others
-   wrote): benchmarks/gpu/bench_dsa_layer.py, one GLM-5 attention layer at 32k and 131k tokens, the
+4. ``dsa`` (``--parts dsa``, its own device call of ~3 minutes, ``--merge-from`` keeps the keys the
+   others wrote): benchmarks/gpu/bench_dsa_layer.py, one GLM-5 attention layer at 32k and 131k tokens, the
    torch path and the fused Triton kernel, with FLOP utilization (``dsa_glm5_rows``).
 
 Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). FP8 rollouts are
@@ -53,7 +54,7 @@ TARGETS = {"loop_interval_over_bound": "<= 1.25", "engine_decode_step_ms": "<= 2
            "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768"}
 NOT_HERE = "not part of this command (issue 45's FP8-rollout part is separate work)"
 PART_NAMES = ("loop", "engine", "trainer", "dsa")
-NO_DSA = "the dsa part did not run: --parts dsa (its own device call, ~3 min on an H100; --merge adds it here)"
+NO_DSA = "the dsa part did not run: --parts dsa (its own device call, ~3 min on an H100; --merge-from adds the other parts' keys)"
 
 
 def split_gguf(src: Path, root: Path = REPO) -> list[Path]:
@@ -203,8 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--split-gguf", action="store_true", help="cut the installed wheel's GGUF into .ckpt_a/.ckpt_b, exit")
     ap.add_argument("--parts", nargs="+", choices=PART_NAMES, default=list(PART_NAMES[:3]),
                     help="which parts run (dsa: GLM-5's attention layer, benchmarks/gpu/bench_dsa_layer.py, ~3 min on "
-                         "an H100: its own call, with --merge to add its rows to the JSON the other parts wrote)")
-    ap.add_argument("--merge", action="store_true", help="start from OUT/one_gpu_node_limit.json's keys, if it exists")
+                         "an H100: its own call, with --merge-from to keep the keys the other parts wrote)")
+    ap.add_argument("--merge-from", type=Path, default=None,
+                    help="an earlier one_gpu_node_limit.json whose keys this call keeps (e.g. the tracked "
+                         "benchmarks/results/gpu/one_gpu_node_limit.json, when --parts dsa runs in a call of its own)")
     ap.add_argument("--dsa-limit-s", type=float, default=240.0, help="the DSA part's own limit")
     a = ap.parse_args(argv)
     if a.split_gguf:
@@ -223,8 +226,8 @@ def main(argv=None) -> int:
                  "command": f"python3 -m benchmarks.gpu.one_gpu_node_limit {' '.join(argv or sys.argv[1:])}",
                  "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "engine_fp8_over_bf16_reason": NOT_HERE,
                  "dsa_glm5_rows": None, "dsa_glm5_rows_reason": NO_DSA}
-    if a.merge and (old := a.out / "one_gpu_node_limit.json").exists():  # another call's parts, kept
-        prev = json.loads(old.read_text())
+    if a.merge_from is not None:  # another call's parts, kept
+        prev = json.loads(a.merge_from.read_text())
         res = {**prev, "date": res["date"], "device": res["device"], "cpu_smoke": res["cpu_smoke"],
                "parts": prev.get("parts", {}), "command": f"{prev.get('command', '')} ; {res['command']}"}
     if "loop" in a.parts:

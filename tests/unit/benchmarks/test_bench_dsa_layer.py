@@ -39,11 +39,10 @@ def test_peaks_by_card_name():
 
 def test_smoke_through_one_gpu_node_limit_writes_the_dsa_rows(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TRITON_INTERPRET="1")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "one_gpu_node_limit.json").write_text(json.dumps({"engine_decode_step_ms": 2.0, "parts": {"engine": {"returncode": 0}}}))
+    out, earlier = tmp_path / "out", tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"engine_decode_step_ms": 2.0, "parts": {"engine": {"returncode": 0}}}))
     p = subprocess.run([sys.executable, "-m", "benchmarks.gpu.one_gpu_node_limit", "--cpu-smoke", "--out", str(out),
-                        "--work", str(tmp_path / "work"), "--parts", "dsa", "--merge"], cwd=REPO, env=env,
+                        "--work", str(tmp_path / "work"), "--parts", "dsa", "--merge-from", str(earlier)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "one_gpu_node_limit.json").read_text())
