@@ -59,7 +59,8 @@ MODEL = textwrap.dedent("""
     import dataclasses
     import torch
     from workers.common.registry import MODELS
-        from workers.trainer.packing import plan_packing
+    from workers.models.glm_moe_dsa.config import GlmMoeDsaConfig
+    from workers.trainer.packing import plan_packing
     torch.set_num_threads(1)
     base = GlmMoeDsaConfig(name="t", vocab_size=64, hidden_size=32, num_layers=2, num_heads=3, num_experts=4, top_k=2,
         expert_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, dense_intermediate_size=32,
