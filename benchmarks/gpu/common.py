@@ -26,6 +26,20 @@ from workers.models.tiny_moe.model import TinyMoeConfig, TinyMoeForCausalLM
 H200_BF16_PEAK = 989e12
 """Dense bf16 peak of the H100/H200 SXM datasheet, the MFU denominator of the issue."""
 
+PEAKS = (("H100 PCIe", 756e12, 51e12), ("H100 NVL", 835e12, 60e12), ("H100", 989e12, 67e12), ("H200", 989e12, 67e12),
+         ("H800", 989e12, 67e12), ("GH200", 989e12, 67e12), ("A100", 312e12, 19.5e12))
+"""(name fragment, dense bf16 peak, float32 non-tensor peak) from the datasheets, first match wins
+(``torch.cuda.get_device_name``: "NVIDIA H100 80GB HBM3" is the SXM card)."""
+
+
+def peak_flops(device_name: str) -> tuple[float | None, float | None]:
+    """(bf16 dense, float32) peak FLOP/s of the card named ``device_name``; (None, None) when unknown."""
+    for fragment, bf16, fp32 in PEAKS:
+        if fragment.lower() in device_name.lower():
+            return bf16, fp32
+    return None, None
+
+
 GPU_MOE = TinyMoeConfig(vocab_size=32768, hidden_size=2048, num_layers=8, num_heads=16, num_experts=32, top_k=4,
                         expert_intermediate_size=768, max_position_embeddings=16384, rope_theta=1e6)
 """Qwen3-30B-A3B's layer shape (hidden 2048, expert width 768, head dim 128), 8 layers, 32 experts top-4."""

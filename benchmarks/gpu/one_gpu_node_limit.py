@@ -2,9 +2,11 @@
 
     python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR [--record]     # GPU (H100 / H200)
     python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --cpu-smoke    # CPU, tiny: the same path
+    python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --parts dsa \
+        --merge-from benchmarks/results/gpu/one_gpu_node_limit.json    # GPU: the DSA rows, ~3 min
 
-Three parts, each a subprocess under its own time limit inside one overall budget (a part that
-hangs or fails leaves the others' numbers, and its reason in ``parts``):
+Parts (the first three by default), each a subprocess under its own time limit inside one overall
+budget (a part that hangs or fails leaves the others' numbers, and its reason in ``parts``):
 
 1. ``loop``: the quickstart, ``slurmrl experiment=one_gpu_node model.path=DIR`` (trainer, embedded
    engine and orchestrator sharing GPU 0), with SmolLM2-135M-Instruct converted from the
@@ -24,8 +26,12 @@ machine keeps ignored paths); here they are joined and checked. Without them (or
 wheel) the loop runs the same shapes with random weights and says so (``loop.checkpoint``).
 docs/guide/gpu_evidence.md has the exact device command lines and the table.
 
-Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). FP8 rollouts and
-the DSA rows at GLM-5's shapes are other parts of the issue: their keys are null with the reason.
+4. ``dsa`` (``--parts dsa``, its own device call of ~3 minutes, ``--merge-from`` keeps the keys the
+   others wrote): benchmarks/gpu/bench_dsa_layer.py, one GLM-5 attention layer at 32k and 131k tokens, the
+   torch path and the fused Triton kernel, with FLOP utilization (``dsa_glm5_rows``).
+
+Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). FP8 rollouts are
+another part of the issue: its key is null with the reason.
 """
 from __future__ import annotations
 
@@ -46,7 +52,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARTS = (".ckpt_a", ".ckpt_b")
 TARGETS = {"loop_interval_over_bound": "<= 1.25", "engine_decode_step_ms": "<= 2.5 (128 rows)",
            "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768"}
-NOT_HERE = "not part of this command (issue 45's FP8-rollout and DSA parts are separate work)"
+NOT_HERE = "not part of this command (issue 45's FP8-rollout part is separate work)"
+PART_NAMES = ("loop", "engine", "trainer", "dsa")
+NO_DSA = "the dsa part did not run: --parts dsa (its own device call, ~3 min on an H100; --merge-from adds the other parts' keys)"
 
 
 def split_gguf(src: Path, root: Path = REPO) -> list[Path]:
@@ -194,6 +202,13 @@ def main(argv=None) -> int:
                     help="scratch (checkpoints, the run; default OUT/one_gpu_node_limit): OUT gets only the JSON, "
                          "the three parts' logs, the run's metrics and its timeline (7 files)")
     ap.add_argument("--split-gguf", action="store_true", help="cut the installed wheel's GGUF into .ckpt_a/.ckpt_b, exit")
+    ap.add_argument("--parts", nargs="+", choices=PART_NAMES, default=list(PART_NAMES[:3]),
+                    help="which parts run (dsa: GLM-5's attention layer, benchmarks/gpu/bench_dsa_layer.py, ~3 min on "
+                         "an H100: its own call, with --merge-from to keep the keys the other parts wrote)")
+    ap.add_argument("--merge-from", type=Path, default=None,
+                    help="an earlier one_gpu_node_limit.json whose keys this call keeps (e.g. the tracked "
+                         "benchmarks/results/gpu/one_gpu_node_limit.json, when --parts dsa runs in a call of its own)")
+    ap.add_argument("--dsa-limit-s", type=float, default=240.0, help="the DSA part's own limit")
     a = ap.parse_args(argv)
     if a.split_gguf:
         from workers.models.pretrained import find_gguf
@@ -210,24 +225,34 @@ def main(argv=None) -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": card_name(a.cpu_smoke), "cpu_smoke": a.cpu_smoke,
                  "command": f"python3 -m benchmarks.gpu.one_gpu_node_limit {' '.join(argv or sys.argv[1:])}",
                  "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "engine_fp8_over_bf16_reason": NOT_HERE,
-                 "dsa_glm5_rows": None, "dsa_glm5_rows_reason": NOT_HERE}
-    loop_part(a, work, env, left, res)
+                 "dsa_glm5_rows": None, "dsa_glm5_rows_reason": NO_DSA}
+    if a.merge_from is not None:  # another call's parts, kept
+        prev = json.loads(a.merge_from.read_text())
+        res = {**prev, "date": res["date"], "device": res["device"], "cpu_smoke": res["cpu_smoke"],
+               "parts": prev.get("parts", {}), "command": f"{prev.get('command', '')} ; {res['command']}"}
+    if "loop" in a.parts:
+        loop_part(a, work, env, left, res)
     py = [sys.executable, "-m"]
-    decode = py + ["benchmarks.gpu.bench_decode_step", "--out", str(work)] + (["--toy"] if a.cpu_smoke else [])
-    res["parts"]["engine"] = run_part("engine", decode, env, left(a.engine_limit_s), work / "engine.log")
-    if (f := work / "decode_step.json").exists():
-        res["engine"] = json.loads(f.read_text())
-        res["engine_decode_step_ms"] = res["engine"]["decode_step_ms"]
-    real = py + ["benchmarks.gpu.bench_real_step", "--families", "qwen3_moe", "--heads", "fused_loss", "--out", str(work)]
-    real += (["--smoke", "--micro-batch-tokens", "32", "--compile-backend", "none"] if a.cpu_smoke else
-             ["--rows", "8", "--seq-len", "4096", "--micro-batch-tokens", "8192", "--warmup", "2", "--iters", "3"])
-    res["parts"]["trainer"] = run_part("trainer", real, env, left(240), work / "trainer.log")
-    if (f := work / "real_step.json").exists() and json.loads(f.read_text())["rows"]:
-        row = json.loads(f.read_text())["rows"][0]
-        res.update(trainer=row, trainer_mfu_real=row["mfu"], tokens_per_optimizer_step=row["tokens_per_optimizer_step"])
+    if "engine" in a.parts:
+        decode = py + ["benchmarks.gpu.bench_decode_step", "--out", str(work)] + (["--toy"] if a.cpu_smoke else [])
+        res["parts"]["engine"] = run_part("engine", decode, env, left(a.engine_limit_s), work / "engine.log")
+        if (f := work / "decode_step.json").exists():
+            res["engine"] = json.loads(f.read_text())
+            res["engine_decode_step_ms"] = res["engine"]["decode_step_ms"]
+    if "trainer" in a.parts:
+        real = py + ["benchmarks.gpu.bench_real_step", "--families", "qwen3_moe", "--heads", "fused_loss", "--out",
+                     str(work)]
+        real += (["--smoke", "--micro-batch-tokens", "32", "--compile-backend", "none"] if a.cpu_smoke else
+                 ["--rows", "8", "--seq-len", "4096", "--micro-batch-tokens", "8192", "--warmup", "2", "--iters", "3"])
+        res["parts"]["trainer"] = run_part("trainer", real, env, left(240), work / "trainer.log")
+        if (f := work / "real_step.json").exists() and json.loads(f.read_text())["rows"]:
+            row = json.loads(f.read_text())["rows"][0]
+            res.update(trainer=row, trainer_mfu_real=row["mfu"], tokens_per_optimizer_step=row["tokens_per_optimizer_step"])
+    if "dsa" in a.parts:
+        dsa_part(a, work, env, left, res)
     path = write(res, a)
     run = work / "run"
-    for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"),
+    for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"), (work / "dsa.log", "dsa.log"),
                       (work / "trainer.log", "trainer.log"), (run / "metrics.jsonl", "loop_metrics.jsonl"),
                       (run / "timeline/trainer.jsonl", "timeline_trainer.jsonl"),
                       (run / "timeline/orchestrator.jsonl", "timeline_orchestrator.jsonl")):
@@ -235,7 +260,21 @@ def main(argv=None) -> int:
             shutil.copy(src, a.out / name)
     print(table(res))
     print(f"wrote {path}")
-    return 0 if all(p["returncode"] == 0 for p in res["parts"].values()) else 1
+    return 0 if all(res["parts"][p]["returncode"] == 0 for p in a.parts) else 1  # this call's parts
+
+
+def dsa_part(a, work: Path, env: dict, left, res: dict) -> None:
+    """GLM-5's attention layer at 32k and 131k tokens, the torch path and the fused kernel (issue 45 item 4)."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.bench_dsa_layer", "--out", str(work)]
+    cmd += ["--smoke", "--seq-lens", "24", "--iters", "1", "--warmup", "0"] if a.cpu_smoke else []
+    res["parts"]["dsa"] = run_part("dsa", cmd, env, left(a.dsa_limit_s), work / "dsa.log")
+    if (f := work / "dsa_layer.json").exists():
+        got = json.loads(f.read_text())
+        keep = ("seq_len", "path", "layer_s_median", "attention_s_median", "indexer_s_median", "tflops", "utilization",
+                "indexer_utilization_fp32_peak", "peak_bytes", "error", "skipped")
+        res["dsa_glm5_rows"] = [{k: r[k] for k in keep if k in r} for r in got["rows"]]
+        res["dsa_glm5_setup"] = {k: got["setup"][k] for k in ("config", "dtype", "peak_bf16_flops", "command")}
+        res.pop("dsa_glm5_rows_reason", None)
 
 
 def card_name(cpu: bool) -> str:

@@ -10,7 +10,9 @@ Why: the dense reference path of DeepSeek Sparse Attention (workers/models/block
 * attention (:func:`attend_latent`) gathers, for one chunk of queries, the chosen keys' cached
   MLA latents ``[B, C, K, kv_lora_rank + qk_rope_head_dim]`` and takes the softmax over those K
   only, with ``kv_b_proj`` absorbed into the query and the output (never expanded per head):
-  O(chunk x K x (latent + heads)) at a time.
+  O(chunk x K x (latent + heads)) at a time. On CUDA (``model.dsa_attention_kernel=auto``) the
+  Triton kernel of workers/models/blocks/dsa_fused.py does the same without the gathers (its
+  chunks then hold thousands of queries: nothing per key is materialised).
 
 Exactness: the indexer's rows are the dense path's rows (same scores, same top-k per row), and a
 softmax over the K chosen keys equals a softmax over all keys with the others masked out; only
@@ -36,6 +38,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from workers.models.blocks.dsa_fused import latent_reference, sparse_latent_attention
 from workers.models.blocks.varlen import Documents
 
 RowsFn = Callable[[int, int], torch.Tensor]
@@ -75,23 +78,19 @@ def visible_rows(mask: Optional[torch.Tensor], docs: Optional[Documents], b: int
 
 
 def _chunk(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor, w_kv: torch.Tensor, chosen: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, fused: bool = False) -> torch.Tensor:
     """One chunk of queries over their chosen latent keys: ``q_nope [B, H, C, dn]``, ``q_rot [B, H, C, dr]``,
     ``entry [B, S, r + dr]`` (normed latent, rotated shared key), ``w_kv [H, dn + dv, r]`` (kv_b_proj
-    per head), ``chosen [B, C, K]`` -> ``[B, H, C, dv]``."""
+    per head), ``chosen [B, C, K]`` -> ``[B, H, C, dv]``. ``fused``: the Triton kernel
+    (workers/models/blocks/dsa_fused.py) instead of gathering the keys in torch; the same numbers."""
     dn, r = q_nope.shape[-1], w_kv.shape[-1]
-    batch = torch.arange(entry.shape[0], device=entry.device)[:, None, None]
-    keys = entry[batch, chosen.clamp(min=0).long()]  # [B, C, K, r + dr]: one latent key per chosen position
     q = torch.cat([torch.einsum("bhcd,hdr->bhcr", q_nope, w_kv[:, :dn]), q_rot], dim=-1)  # absorbed: q_nope W_uk
-    scores = torch.einsum("bhcx,bckx->bhck", q, keys).float() * scale
-    # a finite floor, not -inf: a row with nothing chosen (a padded query) stays finite; chosen rows lose nothing
-    scores = scores.masked_fill((chosen < 0)[:, None], torch.finfo(torch.float32).min)
-    out = torch.einsum("bhck,bckr->bhcr", scores.softmax(-1).to(entry.dtype), keys[..., :r])
-    return torch.einsum("bhcr,hvr->bhcv", out, w_kv[:, dn:])
+    core = sparse_latent_attention if fused else latent_reference
+    return torch.einsum("bhcr,hvr->bhcv", core(q, entry, chosen, scale, r), w_kv[:, dn:])
 
 
 def attend_latent(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor, w_kv: torch.Tensor,
-                  chosen: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
+                  chosen: torch.Tensor, scale: float, chunk: int, fused: bool = False) -> torch.Tensor:
     """MLA restricted to ``chosen`` int32 ``[B, T, K]`` key positions of ``entry`` (-1: none), ``chunk``
     queries at a time; shapes as :func:`_chunk` with T queries. Returns ``[B, H, T, dv]``.
 
@@ -100,11 +99,11 @@ def attend_latent(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor
     ``kv_b_proj``'s per-head expansion: a chunk costs ``C x K x (r + dr)`` plus ``H x C x K`` scores."""
     t = q_nope.shape[2]
     keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q_nope, q_rot, entry, w_kv))
-    chunk = attention_chunk(chunk, chosen.shape[-1], entry.shape[-1], q_nope.shape[1], entry.element_size())
+    chunk = attention_chunk(chunk, chosen.shape[-1], entry.shape[-1], q_nope.shape[1], entry.element_size(), fused)
     outs = []
     for a in range(0, t, chunk):
         b = min(a + chunk, t)
-        args = (q_nope[:, :, a:b], q_rot[:, :, a:b], entry, w_kv, chosen[:, a:b], scale)
+        args = (q_nope[:, :, a:b], q_rot[:, :, a:b], entry, w_kv, chosen[:, a:b], scale, fused)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if keep else _chunk(*args))
     return torch.cat(outs, dim=2)
 
@@ -114,17 +113,18 @@ ATTENTION_BYTES = 1 << 30
 recompute about as much again): sets how many queries a chunk takes."""
 
 
-def attention_chunk(min_chunk: int, k: int, width: int, heads: int, elt: int) -> int:
+def attention_chunk(min_chunk: int, k: int, width: int, heads: int, elt: int, fused: bool = False) -> int:
     """Queries per chunk: as many as :data:`ATTENTION_BYTES` allows (``k`` gathered keys of ``width``
-    values of ``elt`` bytes each, and three float32 ``heads x k`` score tensors per query), at least
+    values of ``elt`` bytes each, and three float32 ``heads x k`` score tensors per query; ``fused``:
+    nothing per key, the absorbed query, the output and their gradients, ``heads x width`` each), at least
     ``min_chunk`` (``model.dsa_chunk_tokens``). A constant budget: memory stays linear in T, and a
     131k-token row takes a handful of chunks instead of 512 (``dsa_chunk_tokens`` 256)."""
-    per_query = max(1, k * (width * elt + heads * 4 * 3))
+    per_query = max(1, heads * (4 * width * elt + 12) if fused else k * (width * elt + heads * 4 * 3))
     return max(min_chunk, ATTENTION_BYTES // per_query, 1)
 
 
 def attend_latent_docs(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.Tensor, w_kv: torch.Tensor,
-                       docs: Documents, chosen: dict, scale: float, chunk: int) -> torch.Tensor:
+                       docs: Documents, chosen: dict, scale: float, chunk: int, fused: bool = False) -> torch.Tensor:
     """Packed rows: each document attends to its own chosen keys (``chosen[(row, start)]``, positions
     inside the document); a padding run's output is its value (it attends to itself only)."""
     dn = q_nope.shape[-1]
@@ -133,6 +133,6 @@ def attend_latent_docs(q_nope: torch.Tensor, q_rot: torch.Tensor, entry: torch.T
         if not doc:
             return torch.einsum("bsr,hvr->bhsv", entry[r:r + 1, a:b, :w_kv.shape[-1]], w_kv[:, dn:])
         return attend_latent(q_nope[r:r + 1, :, a:b], q_rot[r:r + 1, :, a:b], entry[r:r + 1, a:b], w_kv,
-                             chosen[(r, a)], scale, chunk)
+                             chosen[(r, a)], scale, chunk, fused)
 
     return docs.map_runs(run, time_dim=2)

@@ -29,6 +29,7 @@ from torch import nn
 
 from workers.models.blocks import dsa_sparse, kernels, ulysses
 from workers.models.blocks.decoder import ForwardContext
+from workers.models.blocks.dsa_fused import fused_applies
 from workers.models.blocks.dsa_indexer import shared_mask
 from workers.models.blocks.rope_scaled import rotate
 from workers.models.blocks.norm import RMSNorm
@@ -60,6 +61,7 @@ class MLAttention(nn.Module):
         self.indexer: Optional[nn.Module] = None  # set by families with sparse attention (GLM-5)
         self.reuses_index = False  # a DSA "shared" layer: the previous full layer's choice of keys
         self.dsa_chunk = 0  # > 0: sparse attention over the chosen keys, this many queries at a time (dsa_sparse.py)
+        self.dsa_kernel = "auto"  # auto: the fused Triton kernel where it applies (dsa_fused.py); torch: gathers
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x ``[B, T, H]`` (normed), cos/sin ``[B, 1, T, qk_rope_head_dim]``; uses ctx.mask and ctx.cache."""
@@ -122,8 +124,10 @@ class MLAttention(nn.Module):
                   else shared_mask(ctx))
         w = self.kv_b_proj.weight
         w = (w.to_local() if hasattr(w, "to_local") else w).view(self.nh, self.dn + self.dv, self.r)  # tp: own heads
+        fused = self.dsa_kernel == "auto" and fused_applies(q_nope)
         if isinstance(chosen, dict):
-            return dsa_sparse.attend_latent_docs(q_nope, q_rot, entry, w, ctx.docs, chosen, self.scale, self.dsa_chunk)
+            return dsa_sparse.attend_latent_docs(q_nope, q_rot, entry, w, ctx.docs, chosen, self.scale, self.dsa_chunk,
+                                                 fused)
         if ctx.cp is not None:
             entry = ulysses.gather_seq_grad(entry, ctx.cp)
-        return dsa_sparse.attend_latent(q_nope, q_rot, entry, w, chosen, self.scale, self.dsa_chunk)
+        return dsa_sparse.attend_latent(q_nope, q_rot, entry, w, chosen, self.scale, self.dsa_chunk, fused)

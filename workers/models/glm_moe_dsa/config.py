@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workers.common.config.ranges import Pattern, ge, gt, limits
+from workers.common.config.ranges import Pattern, ge, gt, limits, one_of
 from workers.models.deepseek_v3.config import DeepseekV3Config
 
 
@@ -22,12 +22,17 @@ class GlmMoeDsaConfig(DeepseekV3Config):
     blocks/dsa_sparse.py): a chunk takes more when its constant byte budget allows (dsa_kernels.py
     ``SCORE_PAIRS``, dsa_sparse.py ``ATTENTION_BYTES``), so memory stays linear in the sequence. 0: the dense reference path (a [T, S] score and keep mask per layer: quadratic,
     for checking only). Not a config.json key: how we run the model, not what it is."""
+    dsa_attention_kernel: str = "auto"
+    """The memory-linear path's sparse attention: ``auto``, the fused Triton kernel on CUDA (workers/models/
+    blocks/dsa_fused.py: no gathered keys, an online softmax, atomics for the keys' gradient) and torch
+    elsewhere; ``torch``, the gathers in torch everywhere (the reference). Not a config.json key."""
     indexer_pattern: str = ""
     """Per layer ``F`` (the layer runs its indexer) or ``S`` (it reuses the last F layer's choice of keys
     and has no indexer weights) (``indexer_types`` full/shared); "": every layer F."""
 
 
 limits(GlmMoeDsaConfig, num_indexer_heads=gt(0), indexer_head_dim=gt(0), index_topk=gt(0), dsa_chunk_tokens=ge(0),
+       dsa_attention_kernel=one_of("auto", "torch"),
        indexer_pattern=Pattern(r"(F[FS]*)?", "'' or a string of F/S per layer starting with F"))
 
 

@@ -24,6 +24,7 @@ def make_dsa_attention(cfg: GlmMoeDsaConfig, layer: int) -> MLAttention:
     else:
         attn.reuses_index = True
     attn.dsa_chunk = cfg.dsa_chunk_tokens
+    attn.dsa_kernel = cfg.dsa_attention_kernel
     return attn
 
 
