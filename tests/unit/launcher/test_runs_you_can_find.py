@@ -21,8 +21,12 @@ def test_name_is_the_run_directory_and_the_job_name(tmp_path):
     out = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "runs" / "lr-test" / "config" / "run.yaml").exists()
-    again = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
-    assert again.returncode == 0 and (tmp_path / "runs" / "lr-test-2" / "config" / "run.yaml").exists()
+    again = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")  # a dry run is a preview: it takes no name
+    assert again.returncode == 0 and not (tmp_path / "runs" / "lr-test-2").exists()
+    (tmp_path / "runs" / "lr-test" / "metrics.jsonl").write_text('{"step": 1}\n')  # a run that ran keeps it
+    third = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
+    assert third.returncode == 0 and (tmp_path / "runs" / "lr-test-2" / "config" / "run.yaml").exists()
+    assert (tmp_path / "runs" / "lr-test" / "metrics.jsonl").exists()
     assert plan(["name=lr-test", "cluster=local_slurm"]).slurm.job_name == "slurmrl-lr-test"
     assert plan_error(["name=../x"]).startswith("name='../x' must be \"\" or a directory name")
 
