@@ -125,3 +125,35 @@ def check_weights(directory: Path | str) -> None:
         how = "" if full else " (a sample of every tensor was read: the checkpoint is larger than " \
                               f"{FULL_SCAN_BYTES >> 20} MiB)"
         raise CheckpointError(f"{Path(directory) / file}: tensor {name!r} holds NaN or infinite values{how}")
+
+
+_ONES = {"F32": struct.pack("<f", 1.0), "BF16": struct.pack("<f", 1.0)[2:], "F16": struct.pack("<e", 1.0),
+         "F64": struct.pack("<d", 1.0)}
+
+
+def norms_at_init(directory: Path | str) -> bool:
+    """True when a checkpoint was never trained: its first normalisation weight (``*norm.weight``,
+    a few KiB) is exactly 1.0 everywhere, as every family initialises it and no training leaves it.
+    False for a trained checkpoint, one without such a tensor, or one that cannot be read (the other
+    checks report that). Why: the launcher's pretrained learning-rate warning is noise for the random
+    checkpoints users make to try ``model.path`` (docs/examples/byot/make_checkpoint.py)."""
+    if not directory:
+        return False
+    directory = Path(directory).expanduser()
+    try:
+        files = weight_map(directory)
+        name = next((n for n in sorted(files) if n.endswith("norm.weight")), None)
+        if name is None:
+            return False
+        path = directory / files[name]
+        t = read_st_header(path)[name]
+        one = _ONES.get(t.get("dtype"))
+        if one is None:
+            return False
+        begin, end = (int(x) for x in t["data_offsets"])
+        with open(path, "rb") as f:
+            f.seek(8 + _header_length(path) + begin)
+            data = f.read(min(end - begin, 1 << 20))
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return False
+    return len(data) > 0 and data == one * (len(data) // len(one))
