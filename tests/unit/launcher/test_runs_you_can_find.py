@@ -89,3 +89,15 @@ def test_a_sweep_ends_with_a_table_of_its_points(tmp_path, capsys):
     rows = json.loads((tmp_path / "sweep" / "sweep_results.json").read_text())
     assert rows[1]["final_reward"] == 0.4 and rows[1]["eval_weights_step"] == 1
     assert "sweep results" in capsys.readouterr().out
+
+
+def test_a_cluster_profile_outside_the_repository_is_found_through_hydra_searchpath(tmp_path):
+    """docs/guide/slurm_cluster.md's line (issue 47 item 16): a site's profile kept in its own directory."""
+    (tmp_path / "conf" / "cluster").mkdir(parents=True)
+    (tmp_path / "conf" / "cluster" / "mysite.yaml").write_text(
+        (REPO / "hydra_conf" / "cluster" / "local.yaml").read_text())
+    out = cli(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "cluster=mysite", "name=site",
+              "launcher.dry_run=true")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "runs" / "site" / "config" / "run.yaml").exists()
+    assert "hydra.searchpath=[file://" in (REPO / "docs" / "guide" / "slurm_cluster.md").read_text()
