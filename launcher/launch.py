@@ -26,7 +26,7 @@ from launcher.pretrained import ensure_converted, pin_pretrained_dir
 from launcher.teacher import check_teacher
 from launcher.render import render_script, sbatch_command
 from launcher.resume import ensure_stopped, rewrite_run_dir
-from launcher.run_dir import choose_run_dir, create_run_dir
+from launcher.run_dir import choose_run_dir, create_run_dir, run_label
 from launcher.run_status import next_commands
 from launcher.timeline import summary_line as timeline_summary
 from workers.common.config import RunConfig
@@ -71,6 +71,8 @@ def prepare(cfg: RunConfig, *, root: Optional[Path] = None) -> Prepared:
     check_model_path(cfg)  # model.path: config.json, shards, tokenizer (torch-free)
     check_teacher(cfg)  # algorithm.teacher.path: a checkpoint with the student's tokenizer
     cfg = pin_pretrained_dir(cfg)  # a missing checkpoint package too
+    if cfg.tracking.wandb and not cfg.tracking.wandb_project and run_label(cfg) != cfg.experiment:
+        cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, wandb_project=f"slurmrl-{run_label(cfg)}"))
     root = root or choose_run_dir(cfg)
     key = "launcher.resume" if cfg.launcher.resume else "launcher.run_dir" if cfg.launcher.run_dir else "cluster.runs_root"
     check_dir_usable(key, root)
@@ -115,7 +117,9 @@ def write(prep: Prepared) -> RunPaths:
 def announce(prep: Prepared) -> None:
     plan = prep.plan
     procs = ", ".join(f"{r.num_procs} {r.role}" for r in plan.roles)
-    print(f"[slurmrl] experiment {plan.experiment}: {procs}; model {human(plan.num_params)} params; "
+    label = run_label(prep.cfg)
+    labelled = f" (this run: {label})" if label != plan.experiment else ""
+    print(f"[slurmrl] experiment {plan.experiment}{labelled}: {procs}; model {human(plan.num_params)} params; "
           f"{plan.samples_per_step} samples/step; run dir {prep.root}", flush=True)
     if plan.backend == "slurm":
         for line in plan.summary():

@@ -208,7 +208,8 @@ class LocalBackend:
     def run(self) -> int:
         """Start, watch, stop. Returns the exit code for the launcher."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        progress = ProgressPrinter(self.paths, self.cfg.trainer.num_steps, started=time.time())
+        progress = ProgressPrinter(self.paths, self.cfg.trainer.num_steps, started=time.time(),
+                                   resumed=bool(self.cfg.launcher.resume))
         code = 0
         try:
             self.start()

@@ -29,6 +29,7 @@ from launcher.gpus import LocalGPUs, ProcessGPUs, check_preset, place_local, pla
 from launcher.resources import (ComponentPlan, RolePlan, SlurmJobPlan, TrainerDims, assign_groups, plan_control,
                                 plan_servers, plan_trainer)
 from launcher.resources import PlanError  # noqa: F401  (re-exported: callers import it from here)
+from workers.models.weight_integrity import norms_at_init
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
@@ -337,7 +338,7 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
     check_env(cfg)
     samples = check_loop(cfg)
     with plan_errors():  # the recipe's cross-section rules; warnings for a user's checkpoint
-        algorithm_warnings = check_algorithm(cfg)
+        algorithm_warnings = check_algorithm(cfg, pretrained=not norms_at_init(getattr(cfg.model, "path", "")))
     lora_warnings = lora_plan.check_lora(cfg)  # trainer.lora: layout, targets, the learning-rate hint
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"

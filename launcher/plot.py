@@ -7,7 +7,8 @@ It prints the path it wrote. Lines of metrics.jsonl that are not step records ar
     slurmrl plot runs/lr-1e-4 runs/lr-3e-4 --out lr.png
 
 Panels: train reward (``reward_mean`` per step, and its mean over a 5-step window), eval reward
-(``eval/reward`` at the step whose weights were evaluated), seconds per step (``step_time_s``).
+(``eval/reward`` at the step whose weights were evaluated), seconds per step (``step_time_s``), and
+for on-policy distillation a fourth: the student's reverse KL to its teacher (``teacher_reverse_kl``).
 Needs matplotlib (``pip install matplotlib``; installed with the ``dev`` and ``plot`` extras).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ WINDOW = 5
 
 
 def curves(root: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """name -> (steps, values) for reward, reward_avg, eval, step_time."""
+    """name -> (steps, values) for reward, reward_avg, eval, step_time, teacher_kl (distillation)."""
     recs = records(RunPaths(root))
     out: dict[str, tuple[list[int], list[float]]] = {}
 
@@ -38,6 +39,7 @@ def curves(root: Path) -> dict[str, tuple[list[int], list[float]]]:
     for r in recs:
         add("reward", r["step"], r.get("reward_mean"))
         add("step_time", r["step"], r.get("step_time_s"))
+        add("teacher_kl", r["step"], r.get("teacher_reverse_kl"))
         if "eval/reward" in r:
             at = r.get("eval/weights_step", r.get("eval/policy_version", r["step"]))
             add("eval", at if isinstance(at, int) else r["step"], r["eval/reward"])
@@ -56,9 +58,16 @@ def plot(runs: list[Path], out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("slurmrl plot: error: needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
-    fig, (ax_r, ax_e, ax_t) = plt.subplots(1, 3, figsize=(15, 4))
-    for i, root in enumerate(runs):
-        c = curves(root)
+    all_curves = [curves(root) for root in runs]
+    distill = any("teacher_kl" in c for c in all_curves)
+    fig, axes = plt.subplots(1, 4 if distill else 3, figsize=(20 if distill else 15, 4))
+    ax_r, ax_e, ax_t = axes[:3]
+    panels = [(ax_r, f"train reward (faint: per step; line: {WINDOW}-step mean)", "reward"),
+              (ax_e, "eval reward (at the evaluated weights' step)", "eval/reward"),
+              (ax_t, "seconds per trainer step", "step_time_s")]
+    if distill:
+        panels.append((axes[3], "reverse KL to the teacher (distillation)", "teacher_reverse_kl"))
+    for i, (root, c) in enumerate(zip(runs, all_curves)):
         color = f"C{i}"
         if "reward" in c:
             ax_r.plot(*c["reward"], color=color, alpha=0.3)
@@ -67,9 +76,9 @@ def plot(runs: list[Path], out: Path) -> Path:
             ax_e.plot(*c["eval"], color=color, marker="o", label=root.name)
         if "step_time" in c:
             ax_t.plot(*c["step_time"], color=color, label=root.name)
-    for ax, title, ylabel in ((ax_r, f"train reward (faint: per step; line: {WINDOW}-step mean)", "reward"),
-                              (ax_e, "eval reward (at the evaluated weights' step)", "eval/reward"),
-                              (ax_t, "seconds per trainer step", "step_time_s")):
+        if "teacher_kl" in c:
+            axes[3].plot(*c["teacher_kl"], color=color, label=root.name)
+    for ax, title, ylabel in panels:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

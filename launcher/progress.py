@@ -8,8 +8,13 @@
 ``fail`` (the share of reward calls that raised, timed out or returned a non-number) appears only
 when some failed; ``skipped N`` counts dataset rows whose prompt did not fit the context;
 ``mismatch`` is the KL between the trainer's and the inference engine's token logprobs (the
-numerical train/inference mismatch, metrics.jsonl ``mismatch_kl``), NOT a KL to a reference model.
+numerical train/inference mismatch, metrics.jsonl ``mismatch_kl``), NOT a KL to a reference model;
+``teacher kl`` (on-policy distillation only) is the student's reverse KL to its teacher over the
+sampled tokens (``teacher_reverse_kl``), the quantity distillation drives down.
 An evaluation gets its own line, labelled with the step whose weights it evaluated.
+
+A resumed run (``launcher.resume``) does not print again the steps already in metrics.jsonl: it
+says after which step it goes on, and its elapsed time and ETA count from this launch.
 """
 from __future__ import annotations
 
@@ -61,7 +66,9 @@ def format_step(rec: dict, num_steps: int, *, elapsed_s: Optional[float] = None,
         ("" if eta_s is None else f", ETA {duration(eta_s)}")
     return (f"{step_label(rec['step'], num_steps)} | reward {g('reward_mean', '.3f')}{reward_parts(rec)}"
             f"{failures(rec)} | stale max {g('max_staleness', 'd')} | dropped {g('samples_dropped_stale', 'd')} | "
-            f"mismatch {g('mismatch_kl', '.1e')} | {g('tokens_per_s', '.0f')} tok/s train, "
+            f"mismatch {g('mismatch_kl', '.1e')}"
+            f"{'' if rec.get('teacher_reverse_kl') is None else ' | teacher kl ' + g('teacher_reverse_kl', '.3f')} | "
+            f"{g('tokens_per_s', '.0f')} tok/s train, "
             f"{g('inference_tokens_per_s', '.0f')} tok/s infer | idle {g('trainer_idle_frac', '.0%')} | "
             f"{g('step_time_s', '.2f')} s{clock}")
 
@@ -89,9 +96,11 @@ def format_eval(rec: dict, num_steps: int) -> Optional[str]:
 
 
 class ProgressPrinter:
-    def __init__(self, paths: RunPaths, num_steps: int, *, started: Optional[float] = None):
+    def __init__(self, paths: RunPaths, num_steps: int, *, started: Optional[float] = None, resumed: bool = False):
         """``started``: wall time the run started (elapsed and ETA count from it); None: from the
-        first record's time minus its step time (a followed Slurm job that waited in the queue)."""
+        first record's time minus its step time (a followed Slurm job that waited in the queue).
+        ``resumed``: the steps metrics.jsonl holds now were printed by an earlier launch: read them
+        silently (the summary still counts them) and say after which step the run goes on."""
         self.paths, self.num_steps = paths, num_steps
         self.offset = 0
         self.records: list[dict] = []
@@ -100,6 +109,14 @@ class ProgressPrinter:
         self.started = started
         self.first_step: Optional[int] = None  # the first step this printer saw (a resumed run starts later)
         self.first_time = 0.0
+        if resumed:
+            self.poll(quiet=True)
+            print(f"[slurmrl] resuming after step {self.last_step()} (earlier steps are in {self.paths.metrics}); "
+                  f"elapsed and ETA count from this launch", flush=True)
+
+    def last_step(self) -> int:
+        """The newest trained step among the records read (0 without one)."""
+        return max((x["step"] for x in self.steps()), default=0)
 
     def clock(self, rec: dict) -> tuple[Optional[float], Optional[float]]:
         """(seconds since the run started, estimated seconds left) at ``rec``."""
@@ -116,7 +133,7 @@ class ProgressPrinter:
         step_s = rec.get("step_time_s")
         return elapsed, (float(step_s) * left if isinstance(step_s, (int, float)) else None)
 
-    def poll(self) -> None:
+    def poll(self, *, quiet: bool = False) -> None:
         try:
             with open(self.paths.metrics, "r") as fh:
                 st = os.fstat(fh.fileno())
@@ -124,6 +141,7 @@ class ProgressPrinter:
                 if self.inode is not None and (inode != self.inode or st.st_size < self.offset):  # rewound
                     self.offset, self.records = 0, []
                     self.rewound = True
+                    self.first_step = None  # the pace is measured again from the redone steps
                 self.inode = inode
                 fh.seek(self.offset)
                 chunk = fh.read()
@@ -135,6 +153,8 @@ class ProgressPrinter:
             if line.strip():
                 rec = json.loads(line)
                 self.records.append(rec)
+                if quiet:
+                    continue
                 if rec.get("final_eval") and not self.rewound:  # the final weights' eval: its own line only
                     print(format_eval(rec, self.num_steps), flush=True)
                 elif not self.rewound:  # records kept by a rewind were printed before
@@ -146,7 +166,7 @@ class ProgressPrinter:
         if self.rewound:
             self.rewound = False
             print(f"[slurmrl] trainer resumed from a checkpoint: metrics continue after step "
-                  f"{len(self.records)}", flush=True)
+                  f"{self.last_step()}", flush=True)
 
     def steps(self) -> list[dict]:
         """One record per step, the newest of each, in step order: a redone step counts once even

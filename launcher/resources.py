@@ -11,6 +11,7 @@ import dataclasses
 from typing import Optional
 
 from launcher.activations import longest_sample
+from launcher.run_dir import run_label
 from workers.common.config import RunConfig, ServerLayout
 from workers.common.config.trainer import check_precision, experts_per_rank
 from workers.common.registry import BACKENDS, MODELS
@@ -140,7 +141,7 @@ class SlurmJobPlan:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SlurmJobPlan":
         c = cfg.cluster
-        return cls(job_name=cfg.launcher.job_name or f"slurmrl-{cfg.name or cfg.experiment}", account=c.account, qos=c.qos, time_limit=c.time_limit,
+        return cls(job_name=cfg.launcher.job_name or f"slurmrl-{cfg.name or run_label(cfg)}", account=c.account, qos=c.qos, time_limit=c.time_limit,
                    signal_grace_s=c.signal_grace_s, requeue=c.requeue, max_requeues=c.max_requeues,
                    sbatch_flags=tuple(sorted(c.sbatch_flags.items())), setup=tuple(c.setup),
                    env=tuple(sorted(c.env.items())), node_address=c.node_address, port_min=c.port_min,

@@ -115,7 +115,8 @@ def latest_weights(root: Path) -> Optional[Path]:
 
 def next_commands(root: Path, *, finished: bool) -> list[str]:
     """The commands a user wants next: resume (unless finished), TensorBoard, eval of the newest
-    published weights (when the env has an eval split: the user knows; we show it when weights exist), plot."""
+    published weights (when the env has an eval split: the user knows; we show it when weights exist), plot,
+    and the upload of an offline W&B run (``wandb sync``, where wandb wrote one)."""
     q = shlex.quote(str(root))
     out = [] if finished else [f"resume:      slurmrl resume {q}"]
     out.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(RunPaths(root).tb_dir))}")
@@ -123,6 +124,9 @@ def next_commands(root: Path, *, finished: bool) -> list[str]:
     if weights is not None:
         out.append(f"eval:        slurmrl-eval {shlex.quote(str(weights))}")
     out.append(f"plot:        slurmrl plot {q}")
+    offline = sorted((Path(root) / "wandb").glob("offline-run-*"))  # tracking.wandb_mode=offline
+    if offline:
+        out.append(f"W&B:         wandb sync {shlex.quote(str(offline[-1]))}")
     return out
 
 

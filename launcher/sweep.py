@@ -9,8 +9,9 @@ directory each), then writes and submits them all: a bad value in the last point
 sweep before the first job is submitted. hydra-submitit-launcher cannot express hetjobs,
 which is why the job itself is our own script (launcher/render.py), not submitit's.
 
-Each sweep has its own directory (``<runs_root>/multirun/<time>``) whose ``sweep.json`` lists
-every point: job id, job name (``slurmrl-<experiment>-<hash>-<swept values>``), overrides, run
+Each sweep, local or Slurm, dry or not, has its own directory (``<runs_root>/multirun/<time>``)
+whose ``sweep.json`` lists every point (a point's run directory ``<name>-p<N>``, suffixed
+``-2`` ... when an earlier sweep of the same name holds it): job id, job name (``slurmrl-<experiment>-<hash>-<swept values>``), overrides, run
 directory and script. ``launcher.dry_run=true`` renders and writes every point and submits
 nothing. By default the sweep then waits until every job ended (``launcher.follow=false``:
 submit and return).
@@ -30,7 +31,7 @@ from launcher import submit
 from launcher.launch import Prepared, announce, launch, prepare, submit_prepared, write
 from launcher.plan import PlanError
 from launcher.pretrained import ensure_converted
-from launcher.run_dir import choose_run_dir
+from launcher.run_dir import choose_run_dir, free_dir, run_label
 from launcher.run_status import last_eval, local_state, records, trained
 from workers.common.protocol import RunPaths
 from workers.common.config import RunConfig
@@ -56,7 +57,7 @@ def collect(cfg: RunConfig, *, num: int, overrides: list[str], sweep_dir: Option
     root = None
     if not cfg.launcher.run_dir:
         base = choose_run_dir(cfg)
-        root = base.with_name(f"{base.name}-p{num}")
+        root = free_dir(base.with_name(f"{base.name}-p{num}"))  # a re-used name= is suffixed, never refused
     POINTS.append(Point(num=num, overrides=tuple(overrides), prepared=prepare(cfg, root=root), sweep_dir=sweep_dir))
 
 
@@ -79,6 +80,7 @@ def run_all(points: Optional[list[Point]] = None) -> int:
     points = [named(p, points) for p in points]
     dry = points[0].prepared.cfg.launcher.dry_run
     if points[0].prepared.plan.backend == "local":
+        record([(p, None) for p in points], dry=dry)  # before the first point runs: the manifest of the sweep
         codes = [launch(p.prepared.cfg) for p in points]  # one at a time: they share this machine's cores
         if not dry:
             results(points)
@@ -90,7 +92,7 @@ def run_all(points: Optional[list[Point]] = None) -> int:
         print(f"[slurmrl] sweep dry run: {len(points)} jobs rendered, none submitted:", flush=True)
         for p in points:
             print(f"[slurmrl]   #{p.num} {p.prepared.plan.slurm.job_name}  {p.prepared.script_path}", flush=True)
-        record([(p, None) for p in points])
+        record([(p, None) for p in points], dry=True)
         return 0
     jobs = []
     for p in points:
@@ -101,7 +103,7 @@ def run_all(points: Optional[list[Point]] = None) -> int:
     print(f"[slurmrl] sweep: submitted {len(jobs)} jobs:", flush=True)
     for p, job_id in jobs:
         print(f"[slurmrl]   job {job_id}  #{p.num} {p.prepared.plan.slurm.job_name}  {p.prepared.root}", flush=True)
-    record(jobs)
+    record(jobs, dry=False)
     if not points[0].prepared.cfg.launcher.follow:
         return 0
     code = wait_all(jobs)
@@ -129,20 +131,23 @@ def named(point: Point, points: list[Point]) -> Point:
     if cfg.launcher.job_name or cfg.cluster.backend == "local":
         return point
     cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher,
-                                                                job_name=job_name(cfg.name or cfg.experiment, varying(point, points))))
+                                                                job_name=job_name(cfg.name or run_label(cfg), varying(point, points))))
     return dataclasses.replace(point, prepared=prepare(cfg, root=point.prepared.root))
 
 
-def record(jobs: list[tuple[Point, Optional[str]]]) -> None:
-    """``<sweep dir>/sweep.json``: one entry per point (job id, job name, overrides, run dir, script)."""
+def record(jobs: list[tuple[Point, Optional[str]]], *, dry: bool) -> None:
+    """``<sweep dir>/sweep.json``: one entry per point (job id, job name, overrides, run dir, script);
+    local points have no job id and no script (they run one after the other on this machine)."""
     sweep_dir = jobs[0][0].sweep_dir
     if not sweep_dir:
         return
     path = Path(sweep_dir) / "sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = [{"job_id": j, "num": p.num, "job_name": p.prepared.plan.slurm.job_name, "overrides": list(p.overrides),
-                "run_dir": str(p.prepared.root), "script": str(p.prepared.script_path)} for p, j in jobs]
-    path.write_text(json.dumps({"dry_run": jobs[0][1] is None, "points": entries}, indent=1) + "\n")
+                "run_dir": str(p.prepared.root),
+                "script": str(p.prepared.script_path) if p.prepared.script is not None else None} for p, j in jobs]
+    path.write_text(json.dumps({"dry_run": dry, "backend": jobs[0][0].prepared.plan.backend, "points": entries},
+                               indent=1) + "\n")
     print(f"[slurmrl] sweep manifest: {path}", flush=True)
 
 

@@ -29,6 +29,7 @@ def test_dapo_with_reference_kl_then_distillation_from_its_weights(tmp_path):
                    "trainer.num_steps=3", "launcher.run_dir=" + str(student)], tmp_path)
     recs = metrics(student)
     assert len(recs) == 3
+    assert "| teacher kl " in out.stdout, out.stdout[-2000:]  # on the progress line (issue 47 item 16)
     assert all("teacher_reverse_kl" in r for r in recs)
     assert recs[0]["teacher_reverse_kl"] > 0.0  # the student (step 0) differs from its trained teacher
 

@@ -77,6 +77,8 @@ def test_killed_then_stopped_run_resumes_with_every_step_once(tmp_path):
 
     third = slurmrl([f"launcher.resume={run_dir}", f"trainer.num_steps={MORE_STEPS}"], tmp_path, timeout=400)
     assert "resuming" in third.stdout, third.stdout[-2000:]
+    assert f"resuming after step {stopped_at}" in third.stdout, third.stdout[-2000:]  # issue 47 item 16
+    assert "step   1/" not in third.stdout  # the earlier steps are not printed again
     assert_no_children_left(run_dir)
     assert (run_dir / "TRAINER_DONE").exists()
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, MORE_STEPS + 1))  # each step exactly once

@@ -166,22 +166,44 @@ def has_tokenizer(directory: Path | str) -> bool:
     return any(f in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in tokenizer_files(directory))
 
 
+def read_tokenizer_json(path: Path) -> dict:
+    """A ``tokenizer.json`` as a dict, after checking it is one (a JSON object whose ``model`` holds a
+    ``vocab``, as every ``tokenizers`` model type writes it); CheckpointError naming the file otherwise."""
+    data = _json(path, "tokenizer.json")
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("vocab"), (dict, list)):
+        raise CheckpointError(f"{path}: not a tokenizer (a tokenizer.json is a JSON object whose 'model' holds a "
+                              f"'vocab', as the tokenizers library writes it)")
+    if not isinstance(data.get("added_tokens") or [], list):
+        raise CheckpointError(f"{path}: key 'added_tokens' must be a list of tokens")
+    return data
+
+
 def tokenizer_vocab(directory: Path | str) -> Optional[tuple[int, str]]:
     """(token ids the tokenizer can emit = highest id + 1, the file that says so), or None when the
     directory has no tokenizer.json / vocab.json (a SentencePiece model is not parsed here)."""
     directory = Path(directory)
     path = directory / "tokenizer.json"
     if path.is_file():
-        data = _json(path, "tokenizer.json")
-        vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
+        data = read_tokenizer_json(path)
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
         ids += [t.get("id", -1) for t in data.get("added_tokens") or [] if isinstance(t, dict)]
-        return (max(ids) + 1 if ids else 0), str(path)
+        return _highest(ids, path) + 1, str(path)
     path = directory / "vocab.json"
     if path.is_file():
         vocab = _json(path, "vocab.json")
-        return (max(vocab.values()) + 1 if isinstance(vocab, dict) and vocab else 0), str(path)
+        if not isinstance(vocab, dict):
+            raise CheckpointError(f"{path}: not a vocabulary (a JSON object of token -> id)")
+        return _highest(list(vocab.values()), path) + 1, str(path)
     return None
+
+
+def _highest(ids: list, path: Path) -> int:
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool)]
+    if bad:
+        raise CheckpointError(f"{path}: token ids must be integers, found {bad[0]!r}")
+    return max(ids, default=-1)
 
 
 def check_tokenizer(directory: Path | str, vocab_size: int) -> None:

@@ -17,7 +17,7 @@ import yaml
 
 from launcher.model_path import explicit_model_keys, resolve_model_path
 from launcher.plan import build_plan
-from tests.conftest import CONF_DIR, compose
+from tests.conftest import CONF_DIR, REPO, compose
 from tests.integration import test_parity_parallel as moe
 from tests.models.hf_dirs import llama_dir
 from workers.common.config import OrchestratorConfig, TrainerConfig
@@ -84,7 +84,18 @@ def test_bad_recipe_settings_are_refused_with_the_key(override, message):
 
 
 def test_lr_warning_for_a_users_checkpoint(tmp_path):
+    """Issue 47 item 16: not for a checkpoint that was never trained (its norms exactly 1, as made to try model.path)."""
+    from safetensors.torch import load_file, save_file
+
     hf = llama_dir(tmp_path / "ckpt", tokenizer_vocab=100)
+    random_init = [f"model.path={hf}", "trainer.lr=3e-4"]
+    assert not [x for x in build_plan(resolve_model_path(compose(random_init), explicit_model_keys(random_init)))
+                .summary() if x.startswith("WARNING trainer.lr")]
+    tensors = load_file(hf / "model.safetensors")  # "pretrained": its norms moved away from their init
+    for name in tensors:
+        if name.endswith("norm.weight"):
+            tensors[name] = tensors[name] * 1.01
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
     overrides = [f"model.path={hf}", "trainer.lr=3e-4"]
     warn = [x for x in build_plan(resolve_model_path(compose(overrides), explicit_model_keys(overrides))).summary()
             if x.startswith("WARNING trainer.lr")]
@@ -146,3 +157,18 @@ def test_an_opted_in_regulariser_moves_the_weights_of_an_equal_reward_batch(dims
     assert stats["grad_norm"] > 0 and stats["pg_loss"] != 0
     assert ("ref_kl" in stats) == ("kl_coef" in knob)
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_dapo_overlong_ramp_over_a_few_tokens_is_warned():
+    """Issue 47 item 16: with env.max_new_tokens=8 DAPO's 20% ramp is 2 tokens: most samples lose the penalty."""
+    def warns(overrides):
+        return [x for x in build_plan(compose(overrides)).summary() if x.startswith("WARNING orchestrator.overlong")]
+
+    short = warns(["algorithm=dapo", "env=dataset", "model.vocab_size=264", "env.max_new_tokens=8",
+                   f"env.path={REPO}/docs/examples/byot/train.jsonl", "env.prompt_key=question"])
+    assert short and "a ramp of 2 token(s): every sample longer than 6 tokens is penalised" in short[0], short
+    assert "env.max_new_tokens or set orchestrator.overlong_buffer_frac=0" in short[0]
+    assert not warns(["algorithm=dapo", "env=dataset", "model.vocab_size=264", "env.max_new_tokens=80", "model.max_position_embeddings=128",
+                      f"env.path={REPO}/docs/examples/byot/train.jsonl", "env.prompt_key=question"])
+    assert not warns(["algorithm=grpo", "env=dataset", "model.vocab_size=264", "env.max_new_tokens=8",
+                      f"env.path={REPO}/docs/examples/byot/train.jsonl", "env.prompt_key=question"])

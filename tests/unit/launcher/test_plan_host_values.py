@@ -30,6 +30,8 @@ CASES = [
     (CR + "env.sandbox_python=/nonexistent/python", "env.sandbox_python"),
     (CR + "env.sandbox_python={tmp}/afile", "env.sandbox_python"),  # exists, not executable
     (CR + "env.sandbox_python={tmp}", "env.sandbox_python"),  # a directory
+    (CR + "env.sandbox_python=/bin/true", "env.sandbox_python: sandbox python '/bin/true' is not a Python 3"),
+    (CR + "env.sandbox_python=/bin/false", "env.sandbox_python: sandbox python '/bin/false' is not a Python 3"),
     ("cluster=local_slurm cluster.container.image=X", "cluster.container.runtime"),
     ("cluster=local_slurm cluster.container.mounts=[/a:/b]", "cluster.container.runtime"),
 ]
@@ -82,3 +84,42 @@ def test_max_nonfinite_skips_has_a_range(tmp_path):
 
     with pytest.raises((PlanError, ValueError), match="weights.max_nonfinite_skips"):
         build_plan(compose(["weights.max_nonfinite_skips=0", f"cluster.runs_root={tmp_path}"]))
+
+
+def fake_python(path: Path, answer: str) -> str:
+    """An executable that answers the version proof with ``answer`` and fails everything else."""
+    path.write_text(f"#!/bin/sh\ncase \"$*\" in *slurmrl-python*) echo '{answer}'; exit 0;; esac\nexit 1\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_sandbox_interpreter_must_prove_it_is_python_3(tmp_path):
+    """Issue 47 item 7: ``/bin/true`` used to be accepted and every test scored 0, silently."""
+    from workers.orchestrator.envs.sandbox import SandboxSetupError, prove_python
+
+    assert prove_python(sys.executable) == ".".join(map(str, sys.version_info[:3]))
+    for python, said in [("/bin/true", "exited 0 and said 'nothing'"), ("/bin/false", "exited 1"),
+                         (fake_python(tmp_path / "py2", "slurmrl-python 2 7 18"), "said 'slurmrl-python 2 7 18'")]:
+        with pytest.raises(SandboxSetupError, match=f"'{python}' is not a Python 3 interpreter.*{said}"):
+            prove_python(python)
+    hangs = tmp_path / "hangs"
+    hangs.write_text("#!/bin/sh\nexec sleep 30\n")
+    hangs.chmod(0o755)
+    with pytest.raises(SandboxSetupError, match="did not answer .* within 0.5 s"):
+        prove_python(str(hangs), timeout_s=0.5)
+
+
+def test_auto_says_running_as_root_when_root_and_no_mode_ran(tmp_path):
+    """An interpreter that passes the proof but runs nothing: as root, the refusal must not say 'not root'."""
+    import os
+
+    from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxWeakError
+
+    python = fake_python(tmp_path / "py", "slurmrl-python 3 12 0")
+    with pytest.raises(SandboxWeakError) as e:
+        Sandbox(SandboxLimits(), mode="auto", python=python, scratch_root=str(tmp_path / "s"))
+    if os.geteuid() == 0:
+        assert "running as root, but neither the namespaces nor the userns mode ran" in str(e.value)
+        assert "not root" not in str(e.value)
+    else:
+        assert "not root and user namespaces are unavailable" in str(e.value)

@@ -21,8 +21,12 @@ def test_name_is_the_run_directory_and_the_job_name(tmp_path):
     out = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "runs" / "lr-test" / "config" / "run.yaml").exists()
-    again = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
-    assert again.returncode == 0 and (tmp_path / "runs" / "lr-test-2" / "config" / "run.yaml").exists()
+    again = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")  # a dry run is a preview: it takes no name
+    assert again.returncode == 0 and not (tmp_path / "runs" / "lr-test-2").exists()
+    (tmp_path / "runs" / "lr-test" / "metrics.jsonl").write_text('{"step": 1}\n')  # a run that ran keeps it
+    third = cli(tmp_path, "name=lr-test", "launcher.dry_run=true")
+    assert third.returncode == 0 and (tmp_path / "runs" / "lr-test-2" / "config" / "run.yaml").exists()
+    assert (tmp_path / "runs" / "lr-test" / "metrics.jsonl").exists()
     assert plan(["name=lr-test", "cluster=local_slurm"]).slurm.job_name == "slurmrl-lr-test"
     assert plan_error(["name=../x"]).startswith("name='../x' must be \"\" or a directory name")
 
@@ -85,3 +89,15 @@ def test_a_sweep_ends_with_a_table_of_its_points(tmp_path, capsys):
     rows = json.loads((tmp_path / "sweep" / "sweep_results.json").read_text())
     assert rows[1]["final_reward"] == 0.4 and rows[1]["eval_weights_step"] == 1
     assert "sweep results" in capsys.readouterr().out
+
+
+def test_a_cluster_profile_outside_the_repository_is_found_through_hydra_searchpath(tmp_path):
+    """docs/guide/slurm_cluster.md's line (issue 47 item 16): a site's profile kept in its own directory."""
+    (tmp_path / "conf" / "cluster").mkdir(parents=True)
+    (tmp_path / "conf" / "cluster" / "mysite.yaml").write_text(
+        (REPO / "hydra_conf" / "cluster" / "local.yaml").read_text())
+    out = cli(tmp_path, f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "cluster=mysite", "name=site",
+              "launcher.dry_run=true")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "runs" / "site" / "config" / "run.yaml").exists()
+    assert "hydra.searchpath=[file://" in (REPO / "docs" / "guide" / "slurm_cluster.md").read_text()

@@ -17,10 +17,11 @@ PACKAGES = ("launcher", "workers")
 #: the plugin homes by name), each axis's pure spec interface, and the pure preflight limits.
 #: Never a role's code, never a plugin home directly. ``workers.models.pretrained`` is the table of
 #: checkpoint sources the launcher converts once on the login node (torch-free); ``workers.models.hf_dir``
-#: reads a ``model.path`` checkpoint directory's JSON files (config.json, index, tokenizer) torch-free.
+#: reads a ``model.path`` checkpoint directory's JSON files (config.json, index, tokenizer) torch-free;
+#: ``workers.models.weight_integrity`` checks its safetensors files whole and finite, torch-free (a teacher).
 LAUNCHER_MAY_IMPORT = ("workers.common", "workers.preflight.limits", "workers.models.spec", "workers.weights.spec",
                        "workers.inference.spec", "workers.orchestrator.envs.spec", "workers.models.pretrained",
-                       "workers.models.hf_dir")
+                       "workers.models.hf_dir", "workers.models.weight_integrity")
 
 
 def module_name(path: Path) -> str:

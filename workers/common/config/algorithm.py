@@ -69,9 +69,15 @@ def describe(cfg: Any) -> str:
     return f"{cfg.algorithm.name}: " + ", ".join(parts)
 
 
-def check_algorithm(cfg: Any) -> list[str]:
+MIN_OVERLONG_RAMP = 16
+"""Below this many tokens DAPO's overlong ramp is a cliff, not a ramp: the plan warns."""
+
+
+def check_algorithm(cfg: Any, *, pretrained: bool = True) -> list[str]:
     """Plan time: ValueError naming the key for a combination that cannot run; the warnings for a
-    user's checkpoint (``model.path``) trained with settings that drift it."""
+    user's checkpoint (``model.path``) trained with settings that drift it (``pretrained=False``: the
+    checkpoint was never trained, its norms at their init: no learning-rate warning), and for DAPO's
+    overlong ramp over so few tokens that most samples of a short generation limit are penalised."""
     t, a = cfg.trainer, cfg.algorithm
     distill = a.name == "on_policy_distill"
     if distill and not a.teacher.path:
@@ -89,7 +95,7 @@ def check_algorithm(cfg: Any) -> list[str]:
                 f"inference=embedded, or {'another algorithm' if distill else 'trainer.kl_coef=0'}")
     warnings = []
     path = getattr(cfg.model, "path", "")
-    if path and t.lr > PRETRAINED_LR_MAX:
+    if path and pretrained and t.lr > PRETRAINED_LR_MAX:
         warnings.append(
             f"trainer.lr={t.lr:g} with model.path={path}: RL on a pretrained checkpoint usually uses trainer.lr in "
             f"1e-7..1e-5 (rarely above {PRETRAINED_LR_MAX:g}); at this rate the policy drifts within a few steps")
@@ -97,4 +103,14 @@ def check_algorithm(cfg: Any) -> list[str]:
         warnings.append(
             f"trainer.aux_loss_coef={t.aux_loss_coef:g} with model.path={path}: the MoE balance loss moves the "
             f"router even when no reward differs; RL usually runs with trainer.aux_loss_coef=0")
+    o, limit = cfg.orchestrator, getattr(cfg.env, "max_new_tokens", None)
+    if o.overlong_buffer_frac > 0 and o.overlong_penalty > 0 and isinstance(limit, int) and limit > 0:
+        ramp = max(1, round(o.overlong_buffer_frac * limit))
+        if ramp < MIN_OVERLONG_RAMP:
+            warnings.append(
+                f"orchestrator.overlong_buffer_frac={o.overlong_buffer_frac:g} of env.max_new_tokens={limit} is a "
+                f"ramp of {ramp} token(s): every sample longer than {limit - ramp} tokens is penalised, one that "
+                f"reaches the limit (what an untrained or small model mostly does) by -{o.overlong_penalty:g}, "
+                f"which can outweigh the task reward of most samples (DAPO's ramp: 4096 of 20480 tokens); raise "
+                f"env.max_new_tokens or set orchestrator.overlong_buffer_frac=0")
     return warnings

@@ -13,7 +13,8 @@ class TrackingConfig:
     wandb_mode: str = "offline"
     """``offline`` (default: clusters often have no internet; ``wandb sync run_dir/wandb/...`` later) or ``online``."""
     wandb_project: str = ""
-    """W&B project; "" uses ``slurmrl-<experiment>``."""
+    """W&B project; "" uses ``slurmrl-<experiment>`` (a bring-your-own run of the default bundle:
+    ``slurmrl-<model>-<env>``, the launcher's run label)."""
     wandb_entity: str = ""
     """W&B entity (team or user); "" for the default one."""
 

@@ -40,7 +40,7 @@ from workers.common.registry import ENVS
 from workers.orchestrator.envs.base import GeneratedEvalSplit, MultiTurnEnv, MultiTurnEnvConfig, StepResult, Stopwatch, check_multi_turn
 from workers.orchestrator.envs.chat import VOCAB_SIZE, ChatTemplate
 from workers.orchestrator.envs.code_tasks import Task, make_task
-from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxSetupError
+from workers.orchestrator.envs.sandbox import Sandbox, SandboxLimits, SandboxSetupError, prove_python
 from workers.orchestrator.envs.spec import EnvSpec
 from workers.orchestrator.envs.tools import ToolCall, ToolCallError, ToolSpec, parse_patch, parse_tool_call, usage
 
@@ -79,7 +79,8 @@ class CodeRepairConfig(MultiTurnEnvConfig):
     Landlock where the kernel has it). Needed for sandbox_mode=rlimits, and for auto on hosts
     without root or user namespaces."""
     sandbox_python: str = "/usr/bin/python3"
-    """Interpreter that runs the tests inside the sandbox (its prefix is bind-mounted read-only)."""
+    """Python 3 interpreter that runs the tests inside the sandbox (its prefix is bind-mounted read-only);
+    proven at plan time (and when the env starts) by running it to print its version."""
     sandbox_scratch_root: Optional[str] = None
     """Node-local directory for per-episode scratch projects; None: $TMPDIR/slurmrl-sandbox."""
     sandbox_cpu_s: int = 2
@@ -317,6 +318,10 @@ def host_check(run_cfg) -> None:
         raise ValueError(f"env.sandbox_python={python!r} is not an executable file here "
                          f"({'missing' if not os.path.exists(python) else 'a directory' if os.path.isdir(python) else 'not executable'}); "
                          f"set it to the interpreter that runs the tests in the sandbox")
+    try:
+        prove_python(python)
+    except SandboxSetupError as e:
+        raise ValueError(f"env.sandbox_python: {e}; set it to a Python 3 interpreter (the tests run with it)") from None
     try:
         make_sandbox(run_cfg.env)
     except SandboxSetupError as e:

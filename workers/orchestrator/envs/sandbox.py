@@ -97,10 +97,37 @@ class SandboxWeakError(SandboxSetupError):
     """``auto`` found only the weak rlimits mode and the weak mode was not allowed."""
 
 
-WEAK_REFUSED = ("sandbox: mode auto found no namespaces here (not root and user namespaces are unavailable: {why}); "
+WEAK_REFUSED = ("sandbox: mode auto found no namespaces here ({where}: {why}); "
                 "only the weak rlimits mode is left, where untrusted code runs as the job user. Refusing to run "
                 "untrusted code; set env.sandbox_allow_weak=true to accept the weak mode ({protections}), or run "
                 "where user namespaces are enabled")
+
+
+PROOF = "import sys; print('slurmrl-python', *sys.version_info[:3])"
+"""What an interpreter must answer to ``-I -S -c`` to be taken as Python 3 (its version after the tag)."""
+
+
+def prove_python(python: str, timeout_s: float = 20.0) -> str:
+    """The version of ``python`` ("3.12.3"), proven by running it; SandboxSetupError otherwise.
+
+    Why: the tests of every episode run as ``python -I -S runner.py``; an executable that is not
+    Python (``/bin/true``, a shell script, a Python 2) exits without running a test, and every
+    episode would score 0 with nothing reported. Run outside the sandbox: it proves what the file
+    is, not that the sandbox can run it (mode ``auto``'s probe does that)."""
+    try:
+        res = subprocess.run([python, "-I", "-S", "-c", PROOF], capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except subprocess.TimeoutExpired:
+        raise SandboxSetupError(f"sandbox python {python!r} did not answer `-c print(version)` within "
+                                f"{timeout_s:g} s: not a Python interpreter?") from None
+    except OSError as e:
+        raise SandboxSetupError(f"sandbox python {python!r} cannot be run ({e})") from None
+    words = res.stdout.split()
+    if res.returncode != 0 or len(words) != 4 or words[0] != "slurmrl-python" or words[1] != "3":
+        said = (res.stdout.strip() or res.stderr.strip() or "nothing")[-200:]
+        raise SandboxSetupError(f"sandbox python {python!r} is not a Python 3 interpreter: asked to print its version "
+                                f"it exited {res.returncode} and said {said!r}")
+    return ".".join(words[1:])
 
 
 class Sandbox:
@@ -121,6 +148,7 @@ class Sandbox:
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise SandboxSetupError(f"sandbox python {python!r} is not an executable file")
         self.python = os.path.realpath(python)
+        self.python_version = prove_python(self.python)
         self.scratch_root = Path(scratch_root or Path(tempfile.gettempdir()) / "slurmrl-sandbox")
         self.scratch_root.mkdir(parents=True, exist_ok=True)
         self.mountpoint = self.scratch_root / ".root"  # each run mounts its own tmpfs here, privately
@@ -149,7 +177,9 @@ class Sandbox:
             _probed[key] = self._probe(candidates)
         mode, why = _probed[key]
         if mode == "rlimits" and not self.allow_weak:
-            raise SandboxWeakError(WEAK_REFUSED.format(why=why, protections="Landlock here blocks: " + (
+            where = ("running as root, but neither the namespaces nor the userns mode ran the interpreter"
+                     if os.geteuid() == 0 else "not root and user namespaces are unavailable")
+            raise SandboxWeakError(WEAK_REFUSED.format(where=where, why=why, protections="Landlock here blocks: " + (
                 ", ".join(weak_protections()) or "nothing")))
         return mode
 
