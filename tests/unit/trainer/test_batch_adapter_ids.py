@@ -39,7 +39,7 @@ def test_adapter_ids_are_loaded_per_row(tmp_path):
     (np.array([0, 1, 2, 0, 0, 1], np.int32), ADAPTERS, r"adapter_ids \[0, 1, 2\] .* index 0..1"),
     (np.array([0, -1, 1, 0, 0, 1], np.int32), ADAPTERS, r"adapter_ids \[-1, 0, 1\]"),
     (np.array([0, 1, 1, 0, 0, 1], np.int32), (), r"trainer.lora.adapters=\[\].*a run of one adapter has no adapter_ids"),
-XX
+    (np.array([0, 1, 1, 0, 0, 1], np.int64), ADAPTERS, r"adapter_ids is int64\[6\], expected int32"),
     (np.array([0, 1, 1, 0], np.int32), ADAPTERS, r"adapter_ids has shape \(4,\), expected leading \(6,\)"),
 ])
 def test_bad_adapter_ids_are_refused(tmp_path, ids, adapters, match):
