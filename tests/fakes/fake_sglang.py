@@ -25,7 +25,9 @@ SGLang differs from our embedded engine:
 
 - LoRA (``enable_lora``, SGLang's ``--enable-lora``): ``/load_lora_adapter`` {lora_name, lora_path} needs a
   PEFT directory and a new name and answers ``loaded_adapters``; ``/unload_lora_adapter``; ``/generate``
-  refuses a ``lora_path`` that names no loaded adapter (400, SGLang's message).
+  refuses a ``lora_path`` that names no loaded adapter (400, SGLang's message). Several adapters are held
+  at once and each is applied: a request naming one shifts every next token by :func:`lora_shift` of
+  that adapter's safetensors bytes, so a test sees which adapter (and which version of it) answered.
 
 The "model" is deterministic: the next token is ``(last + 1) % vocab``, its logprob
 ``-0.5``, its experts ``(position + j) % num_experts``; tests compute what to expect.
@@ -119,10 +121,20 @@ class FakeSGLangConfig:
     """Tests: /load_lora_adapter answers success but registers nothing (a broken delivery)."""
 
 
-def expected_output(input_ids: list[int], max_new_tokens: int, vocab: int, stop: tuple = ()) -> list[int]:
+def lora_shift(adapter_dir, vocab: int) -> int:
+    """The fake's "adapter": ``1 + xxh3(adapter_model.safetensors) % (vocab - 1)`` added to every next token
+    (another adapter, or another version of it, answers other tokens)."""
+    import xxhash
+
+    data = (Path(adapter_dir) / "adapter_model.safetensors").read_bytes()
+    return 1 + xxhash.xxh3_64_intdigest(data) % (vocab - 1)
+
+
+def expected_output(input_ids: list[int], max_new_tokens: int, vocab: int, stop: tuple = (),
+                    shift: int = 0) -> list[int]:
     out, last = [], input_ids[-1]
     for _ in range(max_new_tokens):
-        last = (last + 1) % vocab
+        last = (last + 1 + shift) % vocab
         out.append(last)
         if last in stop:
             break
@@ -151,6 +163,7 @@ class FakeSGLang:
         self.cfg = cfg
         self.requests: list[dict] = []
         self.loras: dict[str, str] = {}  # loaded LoRA adapters: name -> path
+        self.lora_shifts: dict[str, int] = {}  # loaded LoRA adapters: name -> lora_shift of its weights
         self.paused: Optional[str] = None
         self.started = time.monotonic()
         self.groups: set[str] = set()
@@ -215,7 +228,7 @@ class FakeSGLang:
         while self.paused == "in_place":  # in-place pause: the request waits, its state kept
             await asyncio.sleep(0.01)
         out = expected_output(ids, int(sp.get("max_new_tokens", 16)), self.cfg.vocab_size,
-                              tuple(sp.get("stop_token_ids") or ()))
+                              tuple(sp.get("stop_token_ids") or ()), self.lora_shifts.get(body.get("lora_path"), 0))
         if self.cfg.disaggregation_mode != "null":
             return await self._generate_pd(body, ids, out)
         stopped = bool(out) and out[-1] in (sp.get("stop_token_ids") or ())
@@ -323,16 +336,19 @@ class FakeSGLang:
         name, path = body.get("lora_name"), str(body.get("lora_path", ""))
         why = ("LoRA is not enabled (--enable-lora)" if not self.cfg.enable_lora else
                f"LoRA adapter {name} is already loaded" if name in self.loras else
-               f"{path} has no adapter_config.json" if not (Path(path) / "adapter_config.json").is_file() else None)
+               f"{path} has no adapter_config.json" if not (Path(path) / "adapter_config.json").is_file() else
+               f"{path} has no adapter_model.safetensors" if not (Path(path) / "adapter_model.safetensors").is_file()
+               else None)
         if why is not None:
             return web.json_response({"success": False, "error_message": why, "loaded_adapters": dict(self.loras)},
                                      status=400)
         if not self.cfg.lora_load_noop:
-            self.loras[name] = path
+            self.loras[name], self.lora_shifts[name] = path, lora_shift(path, self.cfg.vocab_size)
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.loras)})
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         body = await self._body(request)
+        self.lora_shifts.pop(body.get("lora_name"), None)
         if self.loras.pop(body.get("lora_name"), None) is None:
             return web.json_response({"success": False, "error_message": f"LoRA with name {body.get('lora_name')} "
                                       f"does not exist", "loaded_adapters": dict(self.loras)}, status=400)

@@ -25,10 +25,11 @@ RANKS_MODEL = dict(name="tiny_moe", vocab_size=16, hidden_size=32, num_layers=2,
              expert_intermediate_size=32, init_seed=5)
 
 
-def write_ranks_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_replay: bool = True,
+def write_ranks_run(root: Path, *, num_steps: int, num_ranks: int = 1, router_replay: bool = True, env=None,
                     **trainer) -> RunPaths:
     paths = RunPaths(root).ensure()
-    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**RANKS_MODEL), env=ReverseDigitsConfig(),
+    cfg = RunConfig(cluster=ClusterConfig(name="local"), model=TinyMoeConfig(**RANKS_MODEL),
+                    env=env if env is not None else ReverseDigitsConfig(),
                     trainer=TrainerConfig(num_ranks=num_ranks, num_steps=num_steps, lr=3e-3, router_replay=router_replay,
                                           batch_timeout_s=60.0, **trainer),
                     weights=WeightsConfig(keep_last=5))

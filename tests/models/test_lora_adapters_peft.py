@@ -5,6 +5,9 @@ model with our logits."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,8 +85,8 @@ def test_a_forward_without_adapter_ids_is_refused():
         model(IDS)
 
 
-def test_published_adapters_load_through_peft_with_our_logits(tmp_path):
-    peft = pytest.importorskip("peft", reason="peft is in the dev extra (pip install -e '.[dev]')")
+def _published(tmp_path):
+    """(transformers base, its dir, our model with 3 random adapters, {name: Adapter} as published)."""
     import transformers
 
     kw = MODELS.get("llama").to_hf_config(DENSE)
@@ -97,6 +100,12 @@ def test_published_adapters_load_through_peft_with_our_logits(tmp_path):
         for name, t in init_tensors(model, seed=0):
             state[name].copy_(t if "lora_A" in name.split(".") else 0.1 * torch.randn(t.shape, generator=g))
     adapters = split_adapters(gather_adapter(model, lcfg, to_hf=MODELS.get("llama").to_hf, base_model=str(d)), NAMES)
+    return hf, d, model, adapters
+
+
+def test_published_adapters_load_through_peft_with_our_logits(tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is in the dev extra (pip install -e '.[dev]')")
+    hf, _, model, adapters = _published(tmp_path)
     seen = []
     for i, name in enumerate(NAMES):
         out = write_adapter(tmp_path / "step" / "adapters" / name, adapters[name])
@@ -108,3 +117,42 @@ def test_published_adapters_load_through_peft_with_our_logits(tmp_path):
         seen.append(want)
         hf = pm.unload()  # the plain base again for the next adapter
     assert rel_err(seen[0], seen[1]) > 1e-3  # three different adapters, not one published three times
+
+
+def test_export_merge_writes_one_model_per_adapter(tmp_path):
+    """``slurmrl export --merge RUN OUT --adapter NAME`` (and ``step_N/adapters/NAME``): each merged dir's
+    logits in plain transformers equal the base with that adapter (peft), found from the run's step 0."""
+    peft = pytest.importorskip("peft", reason="peft is in the dev extra (pip install -e '.[dev]')")
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.configs import REPO
+    from workers.common.protocol import STABLE
+    from workers.weights.lora_merge import merge
+
+    hf, d, _, adapters = _published(tmp_path)
+    run = tmp_path / "run"
+    shutil.copytree(d, run / "weights" / "step_000000")
+    step = run / "weights" / "step_000002"
+    for name in NAMES:
+        adapters[name].base_model = None  # the base is the run's step 0
+        write_adapter(step / "adapters" / name, adapters[name], step=2)
+    (step / STABLE).write_text("")
+    with pytest.raises(ValueError, match=r"several LoRA adapters \['even', 'odd', 'third'\]: name one with --adapter"):
+        merge(run, tmp_path / "none")
+    with pytest.raises(ValueError, match="--adapter 'fourth' is not in"):
+        merge(run, tmp_path / "none", adapter_name="fourth")
+    done = subprocess.run([sys.executable, "-m", "launcher", "export", "--merge", str(run), str(tmp_path / "even"),
+                           "--adapter", "even"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merge(step / "adapters" / "odd", tmp_path / "odd")
+    merge(step, tmp_path / "third", adapter_name="third")
+    seen = []
+    for name in NAMES:
+        pm = peft.PeftModel.from_pretrained(hf, step / "adapters" / name).eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():
+            want, got = pm(input_ids=IDS).logits, merged(input_ids=IDS).logits
+        assert rel_err(got, want) < 1e-5, name
+        seen.append(got)
+        hf = pm.unload()
+    assert rel_err(seen[0], seen[1]) > 1e-3 and rel_err(seen[1], seen[2]) > 1e-3

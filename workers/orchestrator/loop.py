@@ -208,6 +208,8 @@ class Orchestrator:
         worker = self.least_loaded_worker() if self.evaluator.every > 0 else None
         if worker is not None:
             client = self.clients[worker] if self.router is None else self.router.for_group(-1 - self.evaluator.num_evals)
+            if isinstance(self.weights, SGLangLoraCoordinator):  # the served adapters, as the groups' requests
+                client = AdapterClient(client, self.weights)
             self.evaluator.maybe_start(client, self.version)
 
     async def watch_inference(self) -> None:

@@ -24,12 +24,13 @@ delivery is an ERROR line and counts in ``weight_updates_unconfirmed`` (metrics.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from workers.weights.coordinator import WeightCoordinator, WeightUpdateError, swap_weights
 from workers.weights.filesystem.layout import stable_versions
 from workers.common.registry import speaks_sglang
-from workers.weights.lora_steps import expected_digest, lora_mode
+from workers.weights.lora_steps import ADAPTERS_DIR, expected_digest, lora_mode
 
 MAX_UNCONFIRMED = 3
 """Consecutive published versions confirmed by no worker before the run stops."""
@@ -164,43 +165,85 @@ class LoraCoordinator(WeightCoordinator):
 
 
 class SGLangLoraCoordinator(LoraCoordinator):
-    """SGLang servers: ``/load_lora_adapter`` by name, requests switched to the new name, old unloaded."""
+    """SGLang servers: ``/load_lora_adapter`` by name, requests switched to the new name, old unloaded.
+
+    Several adapters (``trainer.lora.adapters``): a version is every adapter's PEFT directory
+    (``step_V/adapters/<name>/``), each loaded as ``<name>@v<V>``; a server confirms V only when its
+    answers list all of them (a server serving some adapters at V and others at V-1 would sample a policy
+    the trainer never had), and a request naming adapter ``a`` is sent as ``a@v<V>`` of the version the
+    coordinator serves now."""
 
     def __init__(self, cfg: Any, paths: Any, *, log: Any):
         super().__init__(cfg, paths, log=log)
-        self.loaded: Optional[str] = None  # the name requests carry now (None: the base, step 0)
+        mode = lora_mode(cfg)
+        self.adapters: tuple[str, ...] = mode.adapters if mode is not None else (self.adapter,)
+        self.served: Optional[int] = None  # the version requests name now (None: the base, step 0)
+        self.pool_clients: list[Any] = []
         self._unloads: set[asyncio.Task] = set()
 
-    def name(self, version: int) -> str:
-        return f"{self.adapter}@v{version}"
+    @property
+    def loaded(self) -> Optional[str]:
+        """The name a request of the (first) adapter carries now (None: the base)."""
+        return None if self.served is None else self.name(self.served)
 
-    def request_adapter(self) -> tuple[Optional[str], int]:
-        """(lora_path to send, its version) for a request starting now."""
-        return self.loaded, self.version
+    def name(self, version: int, adapter: Optional[str] = None) -> str:
+        return f"{adapter or self.adapter}@v{version}"
+
+    def step_dirs(self, step: str) -> dict[str, str]:
+        """Adapter name -> the PEFT directory SGLang loads from step dir ``step``."""
+        if len(self.adapters) == 1:
+            return {self.adapter: step}
+        return {a: str(Path(step) / ADAPTERS_DIR / a) for a in self.adapters}
+
+    def request_adapter(self, adapter: Optional[str] = None) -> tuple[Optional[str], int]:
+        """(lora_path to send, its version) for a request of ``adapter`` (None: the run's single adapter)
+        starting now; ValueError for a name the run does not train (it would sample another policy)."""
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"request for LoRA adapter {adapter!r}: this run trains {list(self.adapters)} "
+                             f"(trainer.lora.adapters)")
+        return (None if self.served is None else self.name(self.served, adapter)), self.version
+
+    async def load_all(self, client: Any, step: str, version: int) -> dict:
+        """Load every adapter of step ``step`` into one server; one answer for the lot (the last success,
+        or the first failure, after unloading what this call had loaded: a retry loads afresh)."""
+        answer: dict = {"success": False, "error_message": "no adapter to load"}
+        done: list[str] = []
+        for adapter, path in self.step_dirs(step).items():
+            try:
+                answer = await client.load_lora_adapter(self.name(version, adapter), path)
+            except Exception as e:  # noqa: BLE001 - InferenceError or a transport error: this server refused
+                answer = {"success": False, "error_message": f"{self.name(version, adapter)}: {e}"}
+            if not answer.get("success"):
+                for name in done:
+                    await self._unload(client, name)
+                return answer
+            done.append(self.name(version, adapter))
+        return answer
 
     async def deliver(self, clients: Sequence[Any], step: str, version: int, pool: Any
                       ) -> tuple[list[Optional[dict]], float]:
         import time
 
         t0 = time.perf_counter()
-        name = self.name(version)
-        answers = await asyncio.gather(*(c.load_lora_adapter(name, step) for c in clients), return_exceptions=True)
-        out = [a if isinstance(a, dict) else {"success": False, "error_message": str(a)} for a in answers]
-        return out, time.perf_counter() - t0
+        answers = await asyncio.gather(*(self.load_all(c, step, version) for c in clients))
+        return list(answers), time.perf_counter() - t0
 
     async def deliver_one(self, client: Any, step: str, version: int) -> dict:
-        """A revived server: the current adapter under its name (dropped first if it survived a hiccup)."""
-        try:
-            await client.unload_lora_adapter(self.name(version))
-        except Exception:  # noqa: BLE001 - not loaded: the usual case after a restart
-            pass
-        return await client.load_lora_adapter(self.name(version), step)
+        """A revived server: the current adapters under their names (dropped first if they survived a hiccup)."""
+        for adapter in self.adapters:
+            try:
+                await client.unload_lora_adapter(self.name(version, adapter))
+            except Exception:  # noqa: BLE001 - not loaded: the usual case after a restart
+                pass
+        return await self.load_all(client, step, version)
 
     def confirmed_by(self, answer: Optional[dict], expected: Optional[str], version: int) -> Optional[str]:
         if not (answer or {}).get("success"):
             return f"/load_lora_adapter failed: {(answer or {}).get('error_message')}"[:300]
-        if self.name(version) not in ((answer or {}).get("loaded_adapters") or {}):
-            return f"/load_lora_adapter answered success but {self.name(version)} is not among its loaded adapters"
+        loaded = (answer or {}).get("loaded_adapters") or {}
+        missing = [self.name(version, a) for a in self.adapters if self.name(version, a) not in loaded]
+        if missing:
+            return f"/load_lora_adapter answered success but {', '.join(missing)} not among its loaded adapters"
         return None
 
     def confirm(self, version: int, live: list[int], answers: list[Optional[dict]], expected: Optional[str],
@@ -208,18 +251,22 @@ class SGLangLoraCoordinator(LoraCoordinator):
         before = self.version
         super().confirm(version, live, answers, expected, seconds)
         if self.version == version:
-            old, self.loaded = self.loaded, self.name(version)
+            old, self.served = self.served, version
             if old is not None and before != version:
-                self._unload_later(old)
+                for adapter in self.adapters:
+                    self._unload_later(self.name(old, adapter))
+
+    async def _unload(self, client: Any, name: str) -> None:
+        try:
+            await client.unload_lora_adapter(name)
+        except Exception as e:  # noqa: BLE001 - an adapter left loaded costs memory, not correctness
+            self.log.warning("could not unload adapter %s from %s: %s", name, getattr(client, "base_url", "?"), e)
 
     def _unload_later(self, name: str) -> None:
         """SGLang's unload waits for the name's requests to finish: in the background."""
         async def unload():
             for c in self.pool_clients:
-                try:
-                    await c.unload_lora_adapter(name)
-                except Exception as e:  # noqa: BLE001 - an adapter left loaded costs memory, not correctness
-                    self.log.warning("could not unload adapter %s from %s: %s", name, c.base_url, e)
+                await self._unload(c, name)
         task = asyncio.ensure_future(unload())
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
@@ -231,7 +278,9 @@ class SGLangLoraCoordinator(LoraCoordinator):
 
 class AdapterClient:
     """A generation client whose requests carry the adapter the SGLang coordinator serves now (SGLang's
-    ``lora_path``) and whose results are tagged with that adapter's version: one request, one version."""
+    ``lora_path``) and whose results are tagged with that adapter's version: one request, one version.
+    Several adapters: the request's own ``lora_path`` (an adapter name, set by
+    workers/orchestrator/adapters.NamedAdapterClient) becomes that adapter's loaded name."""
 
     def __init__(self, inner: Any, coordinator: SGLangLoraCoordinator):
         self.inner, self.coordinator = inner, coordinator
@@ -240,9 +289,11 @@ class AdapterClient:
         return getattr(self.inner, name)
 
     async def generate(self, input_ids, **kw):
-        name, version = self.coordinator.request_adapter()
+        extra = dict(kw.get("extra") or {})
+        name, version = self.coordinator.request_adapter(extra.pop("lora_path", None))
         if name is not None:
-            kw["extra"] = {**(kw.get("extra") or {}), "lora_path": name}
+            extra["lora_path"] = name
+        kw["extra"] = extra or None  # step 0: the base serves every adapter (each B is zero)
         result = await self.inner.generate(input_ids, **kw)
         result.token_versions = [version] * len(result.output_ids)
         result.weight_version = version

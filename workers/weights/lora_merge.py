@@ -1,10 +1,12 @@
 """Merge a published LoRA step into its base: a Hugging Face directory transformers and SGLang load
 without peft (``slurmrl export --merge RUN_OR_STEP OUT``; the launcher runs this module, it needs torch).
 
-    python -m workers.weights.lora_merge RUN_DIR|STEP_DIR OUT_DIR [--base BASE_DIR]
+    python -m workers.weights.lora_merge RUN_DIR|STEP_DIR OUT_DIR [--base BASE_DIR] [--adapter NAME]
 
 Which step: a step directory holding an adapter (workers/weights/lora_format.py), or a run directory
-(its newest STABLE adapter step under ``weights/``). Which base: ``--base``, else the adapter's
+(its newest STABLE adapter step under ``weights/``). A run of several adapters (``trainer.lora.adapters``)
+publishes ``step_N/adapters/<name>/``: name one with ``--adapter NAME`` (or pass that directory), one
+merged model per adapter. Which base: ``--base``, else the adapter's
 ``base_model_name_or_path`` when that is a directory here, else the run's ``weights/step_000000``
 (the published base). The base is read file by file and written with the SAME file names, index
 and config (one safetensors file in memory at a time), each adapted tensor ``W + (alpha / r) B @ A``
@@ -29,22 +31,39 @@ import torch
 from workers.common.protocol import STABLE, WEIGHTS_DIR, is_marked
 from workers.weights.filesystem.layout import INDEX as LAYOUT_INDEX
 from workers.weights.lora_format import Adapter, is_adapter_dir, read_adapter
+from workers.weights.lora_steps import ADAPTERS_DIR, adapter_dirs
 
 SKIP_FILES = {LAYOUT_INDEX, STABLE}
 
 
-def find_step(source: Path) -> Path:
-    """The adapter step of ``source`` (a step dir, or a run dir's newest STABLE adapter step)."""
+def find_step(source: Path, adapter: Optional[str] = None) -> Path:
+    """The adapter directory of ``source``: a step dir, one adapter's dir (``step_N/adapters/NAME``), or a
+    run dir's newest STABLE adapter step; a step of several adapters (``trainer.lora.adapters``) needs
+    ``adapter`` (one merged model per adapter)."""
     source = Path(source)
-    if is_adapter_dir(source):
+    if not is_adapter_dir(source) and not adapter_dirs(source):
+        root = source / WEIGHTS_DIR
+        steps = sorted((d for d in root.glob("step_*") if d.name[5:].isdigit() and is_marked(d)
+                        and (is_adapter_dir(d) or adapter_dirs(d))), key=lambda d: int(d.name[5:])) \
+            if root.is_dir() else []
+        if not steps:
+            raise FileNotFoundError(f"export --merge: {source} is neither a LoRA step directory (adapter_config.json "
+                                    f"+ adapter_model.safetensors) nor a run directory with a STABLE adapter step in "
+                                    f"{root}")
+        source = steps[-1]
+    several = adapter_dirs(source)
+    if not several:
+        if adapter is not None and source.parent.name == ADAPTERS_DIR and source.name != adapter:
+            raise ValueError(f"export --merge: {source} is adapter {source.name!r}, not --adapter {adapter!r}")
+        if adapter is not None and source.parent.name != ADAPTERS_DIR:
+            raise ValueError(f"export --merge: {source} holds one adapter; drop --adapter {adapter!r}")
         return source
-    root = source / WEIGHTS_DIR
-    steps = sorted((d for d in root.glob("step_*") if d.name[5:].isdigit() and is_marked(d) and is_adapter_dir(d)),
-                   key=lambda d: int(d.name[5:])) if root.is_dir() else []
-    if not steps:
-        raise FileNotFoundError(f"export --merge: {source} is neither a LoRA step directory (adapter_config.json + "
-                                f"adapter_model.safetensors) nor a run directory with a STABLE adapter step in {root}")
-    return steps[-1]
+    if adapter is None:
+        raise ValueError(f"export --merge: {source} holds several LoRA adapters {sorted(several)}: name one with "
+                         f"--adapter NAME (or pass {source}/{ADAPTERS_DIR}/NAME)")
+    if adapter not in several:
+        raise ValueError(f"export --merge: --adapter {adapter!r} is not in {source}: it holds {sorted(several)}")
+    return several[adapter]
 
 
 def find_base(step_dir: Path, adapter: Adapter, base: Optional[Path]) -> Path:
@@ -53,7 +72,8 @@ def find_base(step_dir: Path, adapter: Adapter, base: Optional[Path]) -> Path:
         return Path(base)
     if adapter.base_model and Path(adapter.base_model).is_dir():
         return Path(adapter.base_model)
-    step0 = step_dir.parent / "step_000000"
+    step = step_dir.parent.parent if step_dir.parent.name == ADAPTERS_DIR else step_dir  # step_N/adapters/NAME
+    step0 = step.parent / "step_000000"
     if step0.is_dir():
         return step0
     raise FileNotFoundError(f"export --merge: no base for {step_dir}: base_model_name_or_path="
@@ -81,12 +101,13 @@ def deltas(adapter: Adapter) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def merge(source, out_dir, *, base: Optional[Path] = None) -> Path:
-    """Write ``base + adapter`` of ``source`` (module docstring) into ``out_dir`` (must not exist)."""
+def merge(source, out_dir, *, base: Optional[Path] = None, adapter_name: Optional[str] = None) -> Path:
+    """Write ``base + adapter`` of ``source`` (module docstring; ``adapter_name``: which adapter of a step
+    of several) into ``out_dir`` (must not exist)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    step_dir = find_step(Path(source))
+    step_dir = find_step(Path(source), adapter_name)
     adapter = read_adapter(step_dir)
     base_dir = find_base(step_dir, adapter, base)
     files = sorted(base_dir.glob("*.safetensors"))
@@ -121,9 +142,10 @@ def main(argv=None) -> int:
     p.add_argument("source", help="a LoRA step directory or a run directory (its newest adapter step)")
     p.add_argument("out", help="output directory (must not exist)")
     p.add_argument("--base", default=None, help="base checkpoint directory (default: the adapter's base, or step 0)")
+    p.add_argument("--adapter", default=None, help="which adapter of a step of several (trainer.lora.adapters)")
     args = p.parse_args(argv)
     try:
-        out = merge(args.source, args.out, base=Path(args.base) if args.base else None)
+        out = merge(args.source, args.out, base=Path(args.base) if args.base else None, adapter_name=args.adapter)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"slurmrl export: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,9 @@ PRESETS = {
     "inference_sglang": ["inference=sglang", "cluster=h200_ib"],
     "inference_sglang_pd": ["inference=sglang_pd", "cluster=h200_ib", "orchestrator.return_routed_experts=false"],
     "inference_sglang_lora": ["inference=sglang", "cluster=h200_ib", "trainer.lora.rank=16"],
+    "inference_sglang_adapters": ["inference=sglang", "cluster=h200_ib", "env=mix", "trainer.lora.rank=16",
+                                  "trainer.lr=1e-4", "trainer.lora.targets=[attention]",
+                                  "trainer.lora.adapters=[short,long]"],
 }
 """Every SGLang config of the tree (experiments, and the inference group files on a GPU cluster)."""
 JOB_ID = 4242

@@ -119,6 +119,10 @@ def test_lora_mode_servers_parse_with_lora_enabled(parsed):
     assert all({"q_proj", "o_proj", "gate_up_proj", "down_proj"} <= set(v[2]) for v in lora.values()), lora
     plain = out["server"]["inference_sglang/inference[0]"]["lora"]
     assert not plain[0] and plain[1] is None
+    # several adapters (trainer.lora.adapters=[short,long]): room for both versions of each, plus the base
+    several = {n: r["lora"] for n, r in out["server"].items() if n.startswith("inference_sglang_adapters/")}
+    assert several and all(v[0] is True and v[3] == 5 and {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(v[2])
+                           and "gate_up_proj" not in v[2] for v in several.values()), several
 
 
 def test_every_router_argv_parses_with_smgs_own_parser(parsed):

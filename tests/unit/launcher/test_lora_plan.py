@@ -90,8 +90,6 @@ def test_several_adapters_need_lora():
     (["trainer.lora.rank=8", "env=mix", "trainer.lora.targets=[attention]", "trainer.parallel.cp=2",
       "trainer.num_ranks=2"], "trainer.parallel.cp=1"),
     (["trainer.lora.rank=8", "env=mix"], "on a MoE model: several adapters adapt dense projections only"),
-    (["inference=sglang", "cluster=h200_ib", *MIX], "with inference=sglang: several adapters on SGLang servers are "
-                                                    "not implemented"),
 ])
 def test_several_adapters_refused_at_plan_time_where_not_built(overrides, match):
     if match is None:
@@ -99,3 +97,13 @@ def test_several_adapters_refused_at_plan_time_where_not_built(overrides, match)
         assert "env.envs labels are ['long', 'short']" in plan_error([*overrides, "trainer.lora.adapters=[a,b]"])
         return
     assert match in plan_error([*overrides, "trainer.lora.adapters=[short,long]"])
+
+
+def test_several_adapters_plan_on_sglang_servers():
+    """SGLang serves every adapter by its versioned name (workers/weights/lora_coordinator.py): the plan passes
+    and each server has room for two versions of each adapter plus the base (--max-loras-per-batch)."""
+    from tests.unit.inference.sglang_cases import server_tasks
+
+    assert plan(["inference=sglang", "cluster=h200_ib", *MIX, "trainer.lora.adapters=[short,long]"]).summary()
+    for t in server_tasks("inference_sglang_adapters"):
+        assert "--enable-lora" in t.argv and t.argv[t.argv.index("--max-loras-per-batch") + 1] == "5"

@@ -83,8 +83,9 @@ class LoraConfig:
     group drawn from entry ``a`` is sampled with adapter ``a`` (the request names it) and trains adapter
     ``a`` only; ``env.weights`` sets each adapter's share of a step's groups. 2 to 8 unique names
     (letters, digits, ``_``, ``-``; not ``base`` or ``default``); published as
-    ``weights/step_N/adapters/<name>/`` (workers/weights/lora_steps.py). Embedded engine only; dense and
-    attention targets only on a MoE model (routed-expert adapters are one per run)."""
+    ``weights/step_N/adapters/<name>/`` (workers/weights/lora_steps.py); the embedded engine and SGLang
+    servers (each loaded as ``<name>@v<N>``) serve all of them at once. Dense and attention targets only on
+    a MoE model (routed-expert adapters are one per run)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.adapters, str):
@@ -131,8 +132,7 @@ def check_adapter_names(names: list[str], rank: int) -> None:
 
 def several_adapters_error(cfg) -> str | None:
     """Why this run cannot train ``trainer.lora.adapters`` (None: it can, or it names none): each adapter
-    is an ``env=mix`` entry of the same name, the servers are the embedded engine (SGLang's multi-LoRA
-    serving is not wired here), context parallelism is off (the per-token adapter ids are not split
+    is an ``env=mix`` entry of the same name, context parallelism is off (the per-token adapter ids are not split
     over cp ranks), and routed-expert adapters stay one per run (workers/models/lora/rows.py)."""
     names = list(cfg.trainer.lora.adapters)
     if not names or not cfg.trainer.lora.enabled:
@@ -146,11 +146,6 @@ def several_adapters_error(cfg) -> str | None:
     if labels != sorted(names):
         return (f"{key}: env.envs labels are {labels}; they must be the adapters' names (one env per adapter, "
                 f"env.weights sets each adapter's share of a step)")
-    from workers.common.registry import speaks_sglang
-
-    if speaks_sglang(cfg):
-        return (f"{key} with inference={cfg.inference.backend}: several adapters on SGLang servers are not "
-                f"implemented (the embedded engine serves them: inference=embedded)")
     if cfg.trainer.parallel.cp > 1:
         return (f"{key} with trainer.parallel.cp={cfg.trainer.parallel.cp}: several adapters run with context "
                 f"parallelism off for now (trainer.parallel.cp=1)")
