@@ -32,6 +32,8 @@ from launcher.resources import PlanError  # noqa: F401  (re-exported: callers im
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
+from workers.common.dtypes import held_dtype
+from workers.inference.fp8_plan import check_float8
 from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
@@ -277,7 +279,7 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
                 out.append(est)
                 continue
         elif r.server is not None and r.num_gpus_per_node:
-            est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)
+            est = server_memory(r.role, cfg.model, params, dtype=held_dtype(cfg.inference.dtype), tp=r.server.tp, gpu_gb=gpu_gb)
             key = f"{r.config_key}.tp / num_nodes_per_replica"
         else:
             continue
@@ -342,6 +344,8 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
+    with plan_errors():  # inference.dtype=float8: the embedded engine on a named fp8 GPU
+        check_float8(cfg)
     servers = plan_servers(cfg, backend, check_fit=slurm)
     with plan_errors():  # the backend's field ranges and its own option rules (e.g. workers/inference/sglang/checks.py)
         backend.plan_check(cfg)

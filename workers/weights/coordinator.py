@@ -28,6 +28,8 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from workers.common.dtypes import held_dtype
+
 
 class WeightUpdateError(RuntimeError):
     """At least one worker refused or failed a weight update.
@@ -197,7 +199,7 @@ class WeightCoordinator(abc.ABC):
     def verify(self, version: int, clients: Sequence[Any], digests: Sequence[Optional[str]],
                expected: Optional[str]) -> None:
         """Count an update as verified when every worker's weights digest equals the trainer's."""
-        if expected is None or None in digests or self.cfg.trainer.dtype != self.cfg.inference.dtype:
+        if expected is None or None in digests or self.cfg.trainer.dtype != held_dtype(self.cfg.inference.dtype):
             return  # nothing to compare (SGLang workers, weights.verify off, or a dtype cast on the way)
         bad = [c.base_url for c, d in zip(clients, digests) if d != expected]
         if bad:

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
+from workers.inference.embedded import fp8
 from workers.inference.embedded.requests import GenOutput, GenRequest, _Seq  # noqa: F401  (re-exported)
 from workers.inference.embedded.slot_state import nucleus
 from workers.models.blocks.cache import KVCache
@@ -246,7 +247,9 @@ class InferenceEngine:
 
     def _weights_changed_locked(self) -> None:
         """Hook for engines that keep copies of the weights or the version (the static engine's
-        CUDA graphs: workers/inference/embedded/static_engine.py); nothing to do here."""
+        CUDA graphs: workers/inference/embedded/static_engine.py). Here: an fp8 model
+        (inference.dtype=float8) re-quantizes the projections whose bf16 weights changed."""
+        fp8.refresh(self.model)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything (callers get abort results) and stop the thread."""
