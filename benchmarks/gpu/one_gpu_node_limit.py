@@ -16,6 +16,9 @@ hangs or fails leaves the others' numbers, and its reason in ``parts``):
 3. ``trainer``: benchmarks/gpu/bench_real_step.py at qwen3_moe's real shapes, 8 x 4096 tokens in
    micro-batches of 8192 (``trainer.micro_batch_tokens``): ``trainer_mfu_real`` and
    ``tokens_per_optimizer_step`` >= 32768, with the step's split.
+4. ``fp8``: benchmarks/gpu/bench_fp8_decode.py: the static engine in bf16 and in fp8 on the same prompts
+   (``inference.dtype=float8``), SmolLM2-135M's shapes and a qwen3_moe at Qwen3-30B-A3B's widths:
+   ``engine_fp8_over_bf16`` (decode tokens/s, the MoE's) with ``fp8_mismatch_kl`` beside ``bf16_mismatch_kl``.
 
 The GGUF (94 MB) is larger than one call may carry (64 MiB), so it travels in two halves
 (``python -m benchmarks.gpu.one_gpu_node_limit --split-gguf``: ``.ckpt_a/``, ``.ckpt_b/``, each
@@ -24,8 +27,8 @@ machine keeps ignored paths); here they are joined and checked. Without them (or
 wheel) the loop runs the same shapes with random weights and says so (``loop.checkpoint``).
 docs/guide/gpu_evidence.md has the exact device command lines and the table.
 
-Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). FP8 rollouts and
-the DSA rows at GLM-5's shapes are other parts of the issue: their keys are null with the reason.
+Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). The DSA rows at
+GLM-5's shapes are another part of the issue: their key is null with the reason.
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ REPO = Path(__file__).resolve().parents[2]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARTS = (".ckpt_a", ".ckpt_b")
 TARGETS = {"loop_interval_over_bound": "<= 1.25", "engine_decode_step_ms": "<= 2.5 (128 rows)",
-           "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768"}
-NOT_HERE = "not part of this command (issue 45's FP8-rollout and DSA parts are separate work)"
+           "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768",
+           "engine_fp8_over_bf16": ">= 1.3 (decode tokens/s, same prompts), mismatch KL beside bf16's"}
+NOT_HERE = "not part of this command (issue 45's DSA part is separate work)"
 
 
 def split_gguf(src: Path, root: Path = REPO) -> list[Path]:
@@ -190,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=530.0, help="every part together stops within this")
     ap.add_argument("--loop-limit-s", type=float, default=240.0)
     ap.add_argument("--engine-limit-s", type=float, default=150.0, help="the decode-step part's own limit")
+    ap.add_argument("--fp8-limit-s", type=float, default=150.0, help="the fp8-vs-bf16 part's own limit")
     ap.add_argument("--work", type=Path, default=None,
                     help="scratch (checkpoints, the run; default OUT/one_gpu_node_limit): OUT gets only the JSON, "
                          "the three parts' logs, the run's metrics and its timeline (7 files)")
@@ -209,7 +214,7 @@ def main(argv=None) -> int:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")}
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": card_name(a.cpu_smoke), "cpu_smoke": a.cpu_smoke,
                  "command": f"python3 -m benchmarks.gpu.one_gpu_node_limit {' '.join(argv or sys.argv[1:])}",
-                 "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "engine_fp8_over_bf16_reason": NOT_HERE,
+                 "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "fp8_mismatch_kl": None, "bf16_mismatch_kl": None,
                  "dsa_glm5_rows": None, "dsa_glm5_rows_reason": NOT_HERE}
     loop_part(a, work, env, left, res)
     py = [sys.executable, "-m"]
@@ -225,9 +230,10 @@ def main(argv=None) -> int:
     if (f := work / "real_step.json").exists() and json.loads(f.read_text())["rows"]:
         row = json.loads(f.read_text())["rows"][0]
         res.update(trainer=row, trainer_mfu_real=row["mfu"], tokens_per_optimizer_step=row["tokens_per_optimizer_step"])
+    fp8_part(a, work, env, left, res)
     path = write(res, a)
     run = work / "run"
-    for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"),
+    for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"), (work / "fp8.log", "fp8.log"),
                       (work / "trainer.log", "trainer.log"), (run / "metrics.jsonl", "loop_metrics.jsonl"),
                       (run / "timeline/trainer.jsonl", "timeline_trainer.jsonl"),
                       (run / "timeline/orchestrator.jsonl", "timeline_orchestrator.jsonl")):
@@ -236,6 +242,17 @@ def main(argv=None) -> int:
     print(table(res))
     print(f"wrote {path}")
     return 0 if all(p["returncode"] == 0 for p in res["parts"].values()) else 1
+
+
+def fp8_part(a, work: Path, env: dict, left, res: dict) -> None:
+    """Part 4: bf16 and fp8 engines on the same prompts (benchmarks/gpu/bench_fp8_decode.py)."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.bench_fp8_decode", "--out", str(work)]
+    cmd += ["--toy", "--shapes", "qwen3_moe"] if a.cpu_smoke else []
+    res["parts"]["fp8"] = run_part("fp8", cmd, env, left(a.fp8_limit_s), work / "fp8.log")
+    if (f := work / "fp8_decode.json").exists():
+        fp8 = json.loads(f.read_text())
+        res["fp8"] = fp8
+        res.update({k: fp8[k] for k in ("engine_fp8_over_bf16", "fp8_mismatch_kl", "bf16_mismatch_kl")})
 
 
 def card_name(cpu: bool) -> str:
@@ -265,7 +282,9 @@ def table(res: dict) -> str:
     rows = [("loop_interval_over_bound", f(res.get("loop_interval_over_bound"), ".2f"), TARGETS["loop_interval_over_bound"]),
             ("engine_decode_step_ms", f(res.get("engine_decode_step_ms")), TARGETS["engine_decode_step_ms"]),
             ("trainer_mfu_real", f(res.get("trainer_mfu_real")), TARGETS["trainer_mfu_real"]),
-            ("tokens_per_optimizer_step", str(res.get("tokens_per_optimizer_step", "n/a")), ">= 32768")]
+            ("tokens_per_optimizer_step", str(res.get("tokens_per_optimizer_step", "n/a")), ">= 32768"),
+            ("engine_fp8_over_bf16", f(res.get("engine_fp8_over_bf16"), ".2f"), ">= 1.3"),
+            ("fp8_mismatch_kl", f(res.get("fp8_mismatch_kl"), ".2e"), f"bf16: {f(res.get('bf16_mismatch_kl'), '.2e')}")]
     lines = [f"one GPU node at its limit on {res['device']}:"] + [f"  {k:28s} {v:>10s}   target {t}" for k, v, t in rows]
     loop = res.get("loop", {})
     lines.append(f"  loop checkpoint: {loop.get('checkpoint')}; {loop.get('steps', 0)} steps, reward "
