@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.bench_decode_step import smollm2_config, timed_batch
+from benchmarks.gpu.bench_decode_step import smollm2_config, steady_step_ms
 
 HEADLINE = "qwen3_moe"
 """The shape ``engine_fp8_over_bf16`` reports (the issue's claim is for MoE); every shape's ratio is in its row."""
@@ -91,13 +91,7 @@ def measure(model, ref, ps, args, device) -> dict:
     engine = StaticEngine(model, max_batch_size=args.rows, seed=0, max_seq_len=args.max_seq_len,
                           cuda_graphs=device.type == "cuda").start()
     try:
-        timed_batch(engine, ps, args.long)  # warm-up: captures every graph the measured batches replay
-        walls = {}
-        for n in (args.short, args.long):
-            runs = sorted(timed_batch(engine, ps, n) for _ in range(args.repeats))
-            walls[n] = runs[len(runs) // 2]
-        (w_s, s_s), (w_l, s_l) = walls[args.short], walls[args.long]
-        step_ms = 1e3 * (w_l - w_s) / max(s_l - s_s, 1)
+        step_ms = steady_step_ms(engine, ps, args)[0]
         outs, _, _ = engine_batch(engine, ps, args.long, temperature=1.0)
         return {"decode_step_ms": step_ms, "decode_tokens_per_s": args.rows * 1e3 / step_ms,
                 "mismatch_kl": k3_mismatch(ref, outs, ps, device), "graph_error": engine.graph_error}
