@@ -33,7 +33,7 @@ from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
 from workers.common.dtypes import held_dtype
-from workers.inference.fp8_plan import check_float8
+from workers.common.fp8_plan import check_float8
 from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors

@@ -49,12 +49,12 @@ def moe_config(layers: int, toy: bool):
 
 
 @torch.no_grad()
-def random_model(family: str, cfg, device: torch.device):
+def random_model(family: str, cfg, device: torch.device, seed: int = 0):
     """bf16 model with N(0, 0.02) weights drawn on ``device`` (a CPU init of the MoE's 2.4B would take minutes)."""
     from workers.common.registry import MODELS
 
     lm = MODELS.get(family).build(cfg, device=device, dtype=torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in lm.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)

@@ -18,8 +18,8 @@ from torch import nn
 import workers.models.blocks.kernels as kernels
 from workers.common.registry import MODELS
 from workers.inference.embedded.engine import GenRequest
-from workers.inference.embedded.fp8 import (FP8, Fp8Linear, dequantize_blocks, dequantize_rows, quantize_blocks,
-                                            quantize_model, quantize_rows, refresh)
+from workers.inference.embedded.fp8 import Fp8Linear, quantize_model, refresh
+from workers.inference.embedded.fp8_quant import FP8, dequantize_blocks, dequantize_rows, quantize_blocks, quantize_rows
 from workers.inference.embedded.fp8_experts import Fp8Experts
 from workers.inference.embedded.static_engine import StaticEngine
 from workers.models.qwen3_moe.config import Qwen3MoeConfig

@@ -1,4 +1,4 @@
-"""``inference.dtype=float8`` at plan time (workers/inference/fp8_plan.py): refused, naming the key, where
+"""``inference.dtype=float8`` at plan time (workers/common/fp8_plan.py): refused, naming the key, where
 it is not built (CPU engine, SGLang, LoRA, a GPU the config does not name as Hopper/Blackwell); planned
 where it is, with the trainer publishing bf16 (what the engine holds and re-quantizes)."""
 from __future__ import annotations

@@ -36,59 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.inference.embedded import fp8_kernels
+from workers.inference.embedded.fp8_quant import (BLOCK, dequantize_blocks, dequantize_rows, fits_rowwise, quantize_blocks,
+                                                  quantize_rows, reference_linear)
 
 log = logging.getLogger("slurmrl.inference")
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-BLOCK = 128
-EPS = 1e-12  # smallest amax: an all-zero row quantizes to zeros, not NaN
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """nn.Linear children quantized (attention and dense/shared-expert MLP projections of every builtin family)."""
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., N, K]`` -> (fp8 ``[..., N, K]``, scale ``[..., N]``): one scale per row (a weight's output
-    channel, an activation's token)."""
-    wf = w.float()
-    scale = wf.abs().amax(-1).clamp_min(EPS) / FP8_MAX
-    return (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[..., None]
-
-
-def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` (multiples of ``block``) -> (fp8 ``[N, K]``, scale ``[N/block, K/block]``)."""
-    n, k = w.shape
-    wb = w.float().view(n // block, block, k // block, block)
-    scale = wb.abs().amax((1, 3)).clamp_min(EPS) / FP8_MAX
-    q = (wb / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(n, k), scale
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    n, k = q.shape
-    return (q.float().view(n // block, block, k // block, block) * scale[:, None, :, None]).view(n, k)
-
-
-def quantize_groups(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation rows ``x [M, K]`` in 1x``block`` groups -> (fp8 ``[M, K]``, scale ``[M, K/block]``)."""
-    m, k = x.shape
-    q, scale = quantize_rows(x.reshape(m, k // block, block))
-    return q.view(m, k), scale
-
-
-def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    m, k = q.shape
-    return dequantize_rows(q.view(m, k // block, block), scale).view(m, k)
-
-
-def fits_rowwise(n: int, k: int) -> bool:
-    """``_scaled_mm`` wants both widths in multiples of 16 (16-byte fp8 strides)."""
-    return n % 16 == 0 and k % 16 == 0
-
 
 class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` whose forward runs in fp8 (set by :func:`quantize_model` as the module's class, so
@@ -135,28 +89,23 @@ class Fp8Linear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def reference_linear(rows: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """What the fp8 kernels compute, in float32: the activations quantized the same way, both dequantized."""
-    if scheme == "block":
-        xq, xs = quantize_groups(rows)
-        w = dequantize_blocks(qweight, qscale[:, :rows.shape[-1] // BLOCK])
-        return dequantize_groups(xq, xs) @ w.t()
-    xq, xs = quantize_rows(rows)
-    return dequantize_rows(xq, xs) @ dequantize_rows(qweight, qscale).t()
-
-
 def block_kernel_works(device: torch.device) -> bool:
     """Whether torch's blockwise (1x128 by 128x128) ``_scaled_mm`` runs here and agrees with the reference
     (CPU: the reference itself, so tests cover the block scheme)."""
     if device.type != "cuda":
         return True
     try:
-        w = torch.randn(256, 256, device=device)
-        x = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+        w = torch.randn(256, 384, device=device)
         q, s = quantize_blocks(w)
-        got = fp8_kernels.scaled_linear(x, q, s, "block").float()
-        want = reference_linear(x, q, s, "block")
-        return bool(((got - want).abs().max() <= 0.02 * want.abs().max()).item())
+        s = F.pad(s, (0, -s.shape[1] % 4))  # as Fp8Linear stores it
+        for rows in (1, 8, 200):  # a decode step of one row, a small batch, a prefill chunk
+            x = torch.randn(rows, 384, device=device, dtype=torch.bfloat16)
+            got = fp8_kernels.scaled_linear(x, q, s, "block").float()
+            want = reference_linear(x, q, s, "block")
+            if not bool(((got - want).abs().max() <= 0.02 * want.abs().max()).item()):
+                log.info("fp8: blockwise _scaled_mm disagrees with the reference at %d rows; per-row scales", rows)
+                return False
+        return True
     except (RuntimeError, NotImplementedError) as e:  # an older torch or cuBLAS: rowwise instead
         log.info("fp8: blockwise _scaled_mm unavailable here (%s); 128x128 blocks become per-row scales", e)
         return False
@@ -195,7 +144,7 @@ def refresh(model: nn.Module, force: bool = False) -> int:
 
 def quantize_for_serving(model: nn.Module) -> dict:
     """The server's entry (inference.dtype=float8): the GPU must have fp8 tensor cores (the plan checked
-    the name the config gives: workers/inference/fp8_plan.py; this checks the GPU it got), then
+    the name the config gives: workers/common/fp8_plan.py; this checks the GPU it got), then
     :func:`quantize_model`, logged."""
     device = next(model.parameters()).device
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):

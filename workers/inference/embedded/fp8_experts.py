@@ -9,7 +9,7 @@ stack re-quantizes both (workers/inference/embedded/fp8.py's ``refresh``).
 
 Which experts: :class:`~workers.models.blocks.experts.StackedExperts` exactly (qwen3_moe, tiny_moe,
 deepseek_v3, glm_moe_dsa, ...). GPT-OSS's biased, interleaved experts and LoRA experts stay bf16 (the
-plan refuses float8 with LoRA: workers/inference/fp8_plan.py).
+plan refuses float8 with LoRA: workers/common/fp8_plan.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from workers.inference.embedded import fp8_kernels
-from workers.inference.embedded.fp8 import dequantize_rows, quantize_rows
+from workers.inference.embedded.fp8_quant import dequantize_rows, quantize_rows
 from workers.models.blocks.experts import StackedExperts
 
 

@@ -25,7 +25,7 @@ MAX_TRITON_WIDTH = 16384  # one program holds a group in registers
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["x_row_stride", "num_rows"])  # one compile per width, whatever the batch
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, x_row_stride, num_rows, width, GROUP: tl.constexpr,
                                 BLOCK: tl.constexpr, TRANSPOSED_SCALES: tl.constexpr):
         """Program (row, g): fp8 of x[row, g*GROUP:(g+1)*GROUP] over its amax / 448; the scale goes to
@@ -51,7 +51,7 @@ def quantize_activation(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, 
     m, k = x.shape
     width = group or k
     if triton is None or not x.is_cuda or width > MAX_TRITON_WIDTH or x.stride(-1) != 1:
-        from workers.inference.embedded.fp8 import quantize_groups, quantize_rows
+        from workers.inference.embedded.fp8_quant import quantize_groups, quantize_rows
 
         if not group:
             return quantize_rows(x)

@@ -1,4 +1,4 @@
-"""Plan-time rules of ``inference.dtype=float8`` (torch-free: the launcher imports it).
+"""Plan-time rules of ``inference.dtype=float8`` (torch-free, role-free: the launcher imports it).
 
 Why at plan time: an fp8 engine on a GPU without fp8 tensor cores, or on the CPU, fails only when its
 first forward runs, minutes into a job. The plan refuses, naming the key to change, whatever is not
@@ -34,11 +34,10 @@ def check_float8(cfg) -> None:
     if str(getattr(inf, "device", "cpu")) == "cpu":
         raise ValueError("inference.dtype=float8 needs inference.device=cuda on a Hopper or Blackwell GPU: the CPU "
                          "engine has no fp8 GEMMs (use inference.dtype=float32 or bfloat16 on CPU)")
-    from workers.weights.lora_steps import lora_mode
-
-    if lora_mode(cfg) is not None:
-        raise ValueError(f"inference.dtype=float8 with trainer.lora.rank={cfg.trainer.lora.rank}: adapters over an fp8 "
-                         f"base are not built; set inference.dtype=bfloat16 or trainer.lora.rank=0")
+    rank = int(getattr(getattr(cfg.trainer, "lora", None), "rank", 0) or 0)
+    if rank > 0:
+        raise ValueError(f"inference.dtype=float8 with trainer.lora.rank={rank}: adapters over an fp8 base are not "
+                         f"built; set inference.dtype=bfloat16 or trainer.lora.rank=0")
     name = cfg.cluster.preflight.gpu_name
     if not name or not fp8_gpu(name):
         raise ValueError(f"inference.dtype=float8 needs GPUs with fp8 tensor cores (Hopper or Blackwell: "
