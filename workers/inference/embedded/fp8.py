@@ -21,7 +21,9 @@ Weight updates: the engine keeps the published bf16 weights as the module's ``we
 the loaders copy into, sparse patches add to and digests are taken of: nothing in the weight path
 changes) and the fp8 copy as buffers the forward (and its CUDA graphs) read. :func:`refresh` re-quantizes,
 IN PLACE, every module whose bf16 weight changed since it was last quantized (full steps and patches
-alike: every in-place write bumps the tensor's version counter). Memory: 1.5x the bf16 projections.
+alike: every in-place write through the parameter or a ``state_dict()`` tensor bumps its version counter;
+a write through ``param.data`` would not, so weight loaders must not use it, and swapping the storage
+changes ``data_ptr``, which is checked too). Memory: 1.5x the bf16 projections.
 
 CPU: the same quantization, then a float32 matmul of the dequantized operands (the reference the tests
 check against, and what ``kernels.FAST_PATH_ON_CPU`` tests run).
