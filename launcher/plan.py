@@ -33,6 +33,8 @@ from workers.models.weight_integrity import norms_at_init
 from workers.common.config import RunConfig, conform_sections
 from workers.common.config.algorithm import check_algorithm, describe as describe_algorithm
 from workers.common.config.ranges import check_fields
+from workers.common.dtypes import held_dtype
+from workers.common.fp8_plan import check_float8
 from workers.common.registry import BACKENDS, ENVS, MODELS, SECTIONS, TRANSPORTS
 from workers.common.topology import PORT_SERVERS
 from workers.preflight.limits import limit_errors
@@ -278,7 +280,7 @@ def estimate_memory(cfg: RunConfig, params: ParamCount, roles: tuple[RolePlan, .
                 out.append(est)
                 continue
         elif r.server is not None and r.num_gpus_per_node:
-            est = server_memory(r.role, cfg.model, params, dtype=cfg.inference.dtype, tp=r.server.tp, gpu_gb=gpu_gb)
+            est = server_memory(r.role, cfg.model, params, dtype=held_dtype(cfg.inference.dtype), tp=r.server.tp, gpu_gb=gpu_gb)
             key = f"{r.config_key}.tp / num_nodes_per_replica"
         else:
             continue
@@ -343,6 +345,8 @@ def build_plan(cfg: RunConfig, *, gpus: Optional[LocalGPUs] = None) -> JobPlan:
     check_transport(cfg)  # weights.transport's own check (workers/weights/<transport>/__init__.py)
     slurm = cfg.cluster.backend == "slurm"
     backend = check_backend(cfg)
+    with plan_errors():  # inference.dtype=float8: the embedded engine on a named fp8 GPU
+        check_float8(cfg)
     servers = plan_servers(cfg, backend, check_fit=slurm)
     with plan_errors():  # the backend's field ranges and its own option rules (e.g. workers/inference/sglang/checks.py)
         backend.plan_check(cfg)

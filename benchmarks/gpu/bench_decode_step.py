@@ -111,19 +111,25 @@ def timed_batch(engine, prompts: list[list[int]], new_tokens: int) -> tuple[floa
     return wall, steps
 
 
+def steady_step_ms(engine, ps: list[list[int]], args) -> tuple[float, tuple[float, int], tuple[float, int]]:
+    """ms per decode step: the median wall of ``args.long`` new tokens minus that of ``args.short`` over the
+    extra steps (after a warm-up batch that captures every graph); also each batch's (wall, steps)."""
+    timed_batch(engine, ps, args.long)  # warm-up: every graph the measured batches use is captured here
+    walls = {}
+    for n in (args.short, args.long):
+        runs = sorted(timed_batch(engine, ps, n) for _ in range(args.repeats))
+        walls[n] = runs[len(runs) // 2]
+    (w_s, s_s), (w_l, s_l) = walls[args.short], walls[args.long]
+    return 1e3 * (w_l - w_s) / max(s_l - s_s, 1), (w_s, s_s), (w_l, s_l)
+
+
 def decode_step_ms(cfg, args, device: torch.device, dtype: torch.dtype) -> dict:
     from benchmarks.gpu.bench_inference import graph_step_ms, prompts
 
     engine = build_engine(cfg, rows=args.rows, device=device, dtype=dtype, max_seq_len=args.max_seq_len)
     try:
         ps = prompts(cfg.vocab_size, args.rows, args.prompt_len, seed=0)
-        timed_batch(engine, ps, args.long)  # warm-up: every graph the measured batches use is captured here
-        walls = {}
-        for n in (args.short, args.long):
-            runs = sorted(timed_batch(engine, ps, n) for _ in range(args.repeats))
-            walls[n] = runs[len(runs) // 2]
-        (w_s, s_s), (w_l, s_l) = walls[args.short], walls[args.long]
-        step_ms = 1e3 * (w_l - w_s) / max(s_l - s_s, 1)
+        step_ms, (w_s, s_s), (w_l, s_l) = steady_step_ms(engine, ps, args)
         replay = graph_step_ms(engine, args.rows) if device.type == "cuda" else None
         # what a batch costs besides its decode steps: admission, chunked prefill, first token, last collection
         return {"decode_step_ms": step_ms, "graph_replay_ms": replay, "batch_fixed_ms": 1e3 * w_s - s_s * step_ms, "wall_s": {str(args.short): w_s, str(args.long): w_l},

@@ -5,7 +5,7 @@
     python3 -m benchmarks.gpu.one_gpu_node_limit --out DIR --parts dsa \
         --merge-from benchmarks/results/gpu/one_gpu_node_limit.json    # GPU: the DSA rows, ~3 min
 
-Parts (the first three by default), each a subprocess under its own time limit inside one overall
+Parts (the first four by default), each a subprocess under its own time limit inside one overall
 budget (a part that hangs or fails leaves the others' numbers, and its reason in ``parts``):
 
 1. ``loop``: the quickstart, ``slurmrl experiment=one_gpu_node model.path=DIR`` (trainer, embedded
@@ -18,6 +18,13 @@ budget (a part that hangs or fails leaves the others' numbers, and its reason in
 3. ``trainer``: benchmarks/gpu/bench_real_step.py at qwen3_moe's real shapes, 8 x 4096 tokens in
    micro-batches of 8192 (``trainer.micro_batch_tokens``): ``trainer_mfu_real`` and
    ``tokens_per_optimizer_step`` >= 32768, with the step's split.
+4. ``fp8``: benchmarks/gpu/bench_fp8_decode.py: the static engine in bf16 and in fp8 on the same prompts
+   (``inference.dtype=float8``), SmolLM2-135M's shapes and a qwen3_moe at Qwen3-30B-A3B's widths:
+   ``engine_fp8_over_bf16`` (decode tokens/s, the MoE's) with ``fp8_mismatch_kl`` beside ``bf16_mismatch_kl``.
+5. ``dsa`` (``--parts dsa``, its own device call of ~3 minutes, ``--merge-from`` keeps the keys the
+   others wrote): benchmarks/gpu/bench_dsa_layer.py, one GLM-5 attention layer at 32k and 131k tokens, the
+   torch path and the fused Triton kernel, with FLOP utilization (``dsa_glm5_rows``).
+
 
 The GGUF (94 MB) is larger than one call may carry (64 MiB), so it travels in two halves
 (``python -m benchmarks.gpu.one_gpu_node_limit --split-gguf``: ``.ckpt_a/``, ``.ckpt_b/``, each
@@ -26,12 +33,7 @@ machine keeps ignored paths); here they are joined and checked. Without them (or
 wheel) the loop runs the same shapes with random weights and says so (``loop.checkpoint``).
 docs/guide/gpu_evidence.md has the exact device command lines and the table.
 
-4. ``dsa`` (``--parts dsa``, its own device call of ~3 minutes, ``--merge-from`` keeps the keys the
-   others wrote): benchmarks/gpu/bench_dsa_layer.py, one GLM-5 attention layer at 32k and 131k tokens, the
-   torch path and the fused Triton kernel, with FLOP utilization (``dsa_glm5_rows``).
-
-Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/). FP8 rollouts are
-another part of the issue: its key is null with the reason.
+Writes ``DIR/one_gpu_node_limit.json`` (``--record``: also benchmarks/results/gpu/).
 """
 from __future__ import annotations
 
@@ -51,9 +53,9 @@ REPO = Path(__file__).resolve().parents[2]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARTS = (".ckpt_a", ".ckpt_b")
 TARGETS = {"loop_interval_over_bound": "<= 1.25", "engine_decode_step_ms": "<= 2.5 (128 rows)",
-           "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768"}
-NOT_HERE = "not part of this command (issue 45's FP8-rollout part is separate work)"
-PART_NAMES = ("loop", "engine", "trainer", "dsa")
+           "trainer_mfu_real": ">= 0.35 at tokens_per_optimizer_step >= 32768",
+           "engine_fp8_over_bf16": ">= 1.3 (decode tokens/s, same prompts), mismatch KL beside bf16's"}
+PART_NAMES = ("loop", "engine", "trainer", "fp8", "dsa")
 NO_DSA = "the dsa part did not run: --parts dsa (its own device call, ~3 min on an H100; --merge-from adds the other parts' keys)"
 
 
@@ -198,11 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=530.0, help="every part together stops within this")
     ap.add_argument("--loop-limit-s", type=float, default=240.0)
     ap.add_argument("--engine-limit-s", type=float, default=150.0, help="the decode-step part's own limit")
+    ap.add_argument("--fp8-limit-s", type=float, default=150.0, help="the fp8-vs-bf16 part's own limit")
     ap.add_argument("--work", type=Path, default=None,
                     help="scratch (checkpoints, the run; default OUT/one_gpu_node_limit): OUT gets only the JSON, "
                          "the three parts' logs, the run's metrics and its timeline (7 files)")
     ap.add_argument("--split-gguf", action="store_true", help="cut the installed wheel's GGUF into .ckpt_a/.ckpt_b, exit")
-    ap.add_argument("--parts", nargs="+", choices=PART_NAMES, default=list(PART_NAMES[:3]),
+    ap.add_argument("--parts", nargs="+", choices=PART_NAMES, default=list(PART_NAMES[:4]),
                     help="which parts run (dsa: GLM-5's attention layer, benchmarks/gpu/bench_dsa_layer.py, ~3 min on "
                          "an H100: its own call, with --merge-from to keep the keys the other parts wrote)")
     ap.add_argument("--merge-from", type=Path, default=None,
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")}
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": card_name(a.cpu_smoke), "cpu_smoke": a.cpu_smoke,
                  "command": f"python3 -m benchmarks.gpu.one_gpu_node_limit {' '.join(argv or sys.argv[1:])}",
-                 "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "engine_fp8_over_bf16_reason": NOT_HERE,
+                 "targets": TARGETS, "parts": {}, "engine_fp8_over_bf16": None, "fp8_mismatch_kl": None, "bf16_mismatch_kl": None,
                  "dsa_glm5_rows": None, "dsa_glm5_rows_reason": NO_DSA}
     if a.merge_from is not None:  # another call's parts, kept
         prev = json.loads(a.merge_from.read_text())
@@ -248,11 +251,14 @@ def main(argv=None) -> int:
         if (f := work / "real_step.json").exists() and json.loads(f.read_text())["rows"]:
             row = json.loads(f.read_text())["rows"][0]
             res.update(trainer=row, trainer_mfu_real=row["mfu"], tokens_per_optimizer_step=row["tokens_per_optimizer_step"])
+    if "fp8" in a.parts:
+        fp8_part(a, work, env, left, res)
     if "dsa" in a.parts:
         dsa_part(a, work, env, left, res)
     path = write(res, a)
     run = work / "run"
     for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"), (work / "dsa.log", "dsa.log"),
+                      (work / "fp8.log", "fp8.log"),
                       (work / "trainer.log", "trainer.log"), (run / "metrics.jsonl", "loop_metrics.jsonl"),
                       (run / "timeline/trainer.jsonl", "timeline_trainer.jsonl"),
                       (run / "timeline/orchestrator.jsonl", "timeline_orchestrator.jsonl")):
@@ -275,6 +281,17 @@ def dsa_part(a, work: Path, env: dict, left, res: dict) -> None:
         res["dsa_glm5_rows"] = [{k: r[k] for k in keep if k in r} for r in got["rows"]]
         res["dsa_glm5_setup"] = {k: got["setup"][k] for k in ("config", "dtype", "peak_bf16_flops", "command")}
         res.pop("dsa_glm5_rows_reason", None)
+
+
+def fp8_part(a, work: Path, env: dict, left, res: dict) -> None:
+    """Part 4: bf16 and fp8 engines on the same prompts (benchmarks/gpu/bench_fp8_decode.py)."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu.bench_fp8_decode", "--out", str(work)]
+    cmd += ["--toy", "--shapes", "qwen3_moe"] if a.cpu_smoke else []
+    res["parts"]["fp8"] = run_part("fp8", cmd, env, left(a.fp8_limit_s), work / "fp8.log")
+    if (f := work / "fp8_decode.json").exists():
+        fp8 = json.loads(f.read_text())
+        res["fp8"] = fp8
+        res.update({k: fp8[k] for k in ("engine_fp8_over_bf16", "fp8_mismatch_kl", "bf16_mismatch_kl")})
 
 
 def card_name(cpu: bool) -> str:
@@ -304,7 +321,9 @@ def table(res: dict) -> str:
     rows = [("loop_interval_over_bound", f(res.get("loop_interval_over_bound"), ".2f"), TARGETS["loop_interval_over_bound"]),
             ("engine_decode_step_ms", f(res.get("engine_decode_step_ms")), TARGETS["engine_decode_step_ms"]),
             ("trainer_mfu_real", f(res.get("trainer_mfu_real")), TARGETS["trainer_mfu_real"]),
-            ("tokens_per_optimizer_step", str(res.get("tokens_per_optimizer_step", "n/a")), ">= 32768")]
+            ("tokens_per_optimizer_step", str(res.get("tokens_per_optimizer_step", "n/a")), ">= 32768"),
+            ("engine_fp8_over_bf16", f(res.get("engine_fp8_over_bf16"), ".2f"), ">= 1.3"),
+            ("fp8_mismatch_kl", f(res.get("fp8_mismatch_kl"), ".2e"), f"bf16: {f(res.get('bf16_mismatch_kl'), '.2e')}")]
     lines = [f"one GPU node at its limit on {res['device']}:"] + [f"  {k:28s} {v:>10s}   target {t}" for k, v, t in rows]
     loop = res.get("loop", {})
     lines.append(f"  loop checkpoint: {loop.get('checkpoint')}; {loop.get('steps', 0)} steps, reward "

@@ -22,6 +22,7 @@ from tools.simulator.system import LoopConfig, System
 from tools.simulator.workload import SweWorkload
 from launcher.plan import PlanError, build_plan
 from workers.common.config import RunConfig
+from workers.common.dtypes import FLOAT8, held_dtype
 
 
 @dataclasses.dataclass
@@ -39,7 +40,9 @@ def costs_for(cfg: RunConfig, layout: Layout, a: Assumptions) -> ClusterCosts:
     sg = getattr(cfg.inference, "sglang", None)
     if sg is not None and "fp8" in str(getattr(sg, "quantization", "") or ""):
         a = a.with_changes({"serving.fp8_inference": True})
-    return ClusterCosts(cfg.model, a, infer_dtype=cfg.inference.dtype, trainer_gpus=layout.trainer_gpus,
+    if cfg.inference.dtype == FLOAT8:  # the embedded engine's fp8 GEMMs
+        a = a.with_changes({"serving.fp8_inference": True})
+    return ClusterCosts(cfg.model, a, infer_dtype=held_dtype(cfg.inference.dtype), trainer_gpus=layout.trainer_gpus,
                         trainer_nodes=layout.trainer_nodes, max_batch_size=cfg.inference.max_batch_size,
                         mem_fraction=getattr(sg, "mem_fraction_static", 0.0) or 0.0)
 

@@ -15,7 +15,17 @@ TABLE: dict[str, tuple[str, float]] = {
     "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1), "uint8": ("U8", 1),
     "bool": ("BOOL", 1), "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1)}
 COMPUTE_DTYPES = ("float32", "bfloat16")
-"""What ``trainer.dtype`` and ``inference.dtype`` accept (the plan checks both)."""
+"""What ``trainer.dtype`` accepts (and ``inference.dtype``, plus :data:`FLOAT8`)."""
+FLOAT8 = "float8"
+"""``inference.dtype=float8``: the embedded engine holds bf16 weights and runs its projections and experts
+in fp8 (workers/inference/embedded/fp8.py); not a storage dtype (the published weights are bf16)."""
+INFERENCE_DTYPES = COMPUTE_DTYPES + (FLOAT8,)
+
+
+def held_dtype(inference_dtype: str) -> str:
+    """The dtype of the weights an engine holds (what the trainer publishes to it, what its digests and
+    patches apply to): ``float8`` engines hold bfloat16 and quantize it themselves."""
+    return "bfloat16" if inference_dtype == FLOAT8 else inference_dtype
 
 
 def check_name(key: str, name: str, choices=COMPUTE_DTYPES) -> str:

@@ -32,6 +32,8 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from workers.common.dtypes import held_dtype
+
 
 def receiver_rank_counts(cfg) -> list[int]:
     """Group ranks per inference server (RunConfig ``cfg``), in the order of inference_urls: a broadcast
@@ -226,7 +228,7 @@ class WeightCoordinator(abc.ABC):
     def verify(self, version: int, clients: Sequence[Any], digests: Sequence[Optional[str]],
                expected: Optional[str]) -> None:
         """Count an update as verified when every worker's weights digest equals the trainer's."""
-        if expected is None or None in digests or self.cfg.trainer.dtype != self.cfg.inference.dtype:
+        if expected is None or None in digests or self.cfg.trainer.dtype != held_dtype(self.cfg.inference.dtype):
             return  # nothing to compare (SGLang workers, weights.verify off, or a dtype cast on the way)
         bad = [c.base_url for c, d in zip(clients, digests) if d != expected]
         if bad:

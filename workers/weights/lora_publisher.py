@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import torch
 
-from workers.common.dtypes import torch_dtype
 from workers.common.atomic_dir import publish_dir
+from workers.common.dtypes import held_dtype, torch_dtype
 from workers.common.protocol import STABLE, step_name
 from workers.weights.base import Peers, SyncStats, WeightPublisher, peers_for, refuse_nonfinite
 from workers.weights.checksums import state_digest, tensor_hash
@@ -130,4 +130,4 @@ def make_lora_publisher(cfg, paths, topology=None, *, rank: int, world_size: int
                                skip_nonfinite=w.skip_nonfinite, hf=hf_files(cfg.model))
     # in the inference dtype: what the servers hold, bit for bit, so their digest can equal the trainer's
     return AdapterPublisher(base, paths.root / "weights", peers=peers, keep_last=w.keep_last,
-                            skip_nonfinite=w.skip_nonfinite, dtype=torch_dtype(cfg.inference.dtype))
+                            skip_nonfinite=w.skip_nonfinite, dtype=torch_dtype(held_dtype(cfg.inference.dtype)))

@@ -1,5 +1,5 @@
 """Issue 45's evidence command (benchmarks/gpu/one_gpu_node_limit.py) on CPU: the quickstart loop, the
-decode-step benchmark and the real trainer step with micro-batches, tiny, through the same code the
+decode-step benchmark, the real trainer step with micro-batches and fp8 against bf16 decoding, tiny, through the same code the
 GPU call runs; and the GGUF that travels to the device in two halves joins back bit for bit."""
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def test_cpu_smoke_writes_every_key(tmp_path):
     assert 0.5 < res["loop_interval_over_bound"] < 10  # interval over max(trainer busy, generation) of one step
     assert res["engine_decode_step_ms"] > 0 and res["engine"]["kernels_per_layer"] <= 38
     assert res["tokens_per_optimizer_step"] == 64 and res["trainer"]["micro_batches"] == 2
-    assert res["engine_fp8_over_bf16"] is None and res["engine_fp8_over_bf16_reason"]
+    # CPU walls are noise at toy sizes (the ratio may even be negative): the keys and the swap are what counts here
+    assert isinstance(res["engine_fp8_over_bf16"], float) and res["fp8"]["rows_by_shape"][0]["fp8_swap"]["experts"] == 2
+    assert res["fp8_mismatch_kl"] > res["bf16_mismatch_kl"] >= 0  # the fp8 engine samples from another policy
     assert sorted(f.name for f in out.iterdir()) == sorted(
-        ["one_gpu_node_limit.json", "loop.log", "engine.log", "trainer.log", "loop_metrics.jsonl",
+        ["one_gpu_node_limit.json", "loop.log", "engine.log", "fp8.log", "trainer.log", "loop_metrics.jsonl",
          "timeline_trainer.jsonl", "timeline_orchestrator.jsonl"])  # what a device call brings back (<= 8 files)
     assert "loop_interval_over_bound" in p.stdout
 

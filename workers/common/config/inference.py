@@ -13,7 +13,7 @@ from dataclasses import field
 from omegaconf import MISSING
 
 from workers.common.config.ranges import NONEMPTY, ge, gt, limits, one_of
-from workers.common.dtypes import COMPUTE_DTYPES
+from workers.common.dtypes import INFERENCE_DTYPES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -43,7 +43,9 @@ class InferenceConfig:
     max_batch_size: int = 64
     """Most sequences one worker decodes together."""
     dtype: str = "float32"
-    """Compute dtype of the engine: float32 | bfloat16."""
+    """Compute dtype of the engine: float32 | bfloat16 | float8 (embedded engine on Hopper/Blackwell: fp8
+    projections and experts with block or row scales over bf16 weights, which the trainer publishes;
+    docs/guide/fp8_rollouts.md)."""
     host: str = "127.0.0.1"
     """Address the servers bind to (never 0.0.0.0 by default)."""
     startup_timeout_s: float = 120.0
@@ -65,6 +67,6 @@ class InferenceConfig:
 
 
 limits(ServerLayout, num_nodes_per_replica=gt(0), num_replicas_per_node=gt(0), tp=gt(0), ep=gt(0), dp_attention=gt(0))
-limits(InferenceConfig, backend=NONEMPTY, num_workers=ge(0), max_batch_size=gt(0), dtype=one_of(*COMPUTE_DTYPES),
+limits(InferenceConfig, backend=NONEMPTY, num_workers=ge(0), max_batch_size=gt(0), dtype=one_of(*INFERENCE_DTYPES),
        host=NONEMPTY, startup_timeout_s=gt(0), num_prefill_replicas=ge(0), num_decode_replicas=ge(0),
        num_cpus_per_task=gt(0), mem_gb=ge(0))

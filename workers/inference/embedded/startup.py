@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 from workers.common.protocol import STABLE, WEIGHTS_DIR, RunPaths, is_marked, step_name, wait_for
+from workers.common.dtypes import FLOAT8, held_dtype
 from workers.common.registry import TRANSPORTS
+from workers.inference.embedded.fp8 import quantize_for_serving
 from workers.inference.embedded.lora import EngineLora
 from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed
@@ -93,7 +95,9 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     """Model skeleton from ``cfg.model``, then wait for any STABLE step (deadline
     ``inference.startup_timeout_s``) and load the newest intact one as its version."""
     paths = RunPaths(run_dir)
-    model = model_from_config(cfg.model, cfg.inference.dtype, cfg.inference.device)
+    model = model_from_config(cfg.model, held_dtype(cfg.inference.dtype), cfg.inference.device)
+    if cfg.inference.dtype == FLOAT8:
+        quantize_for_serving(model)
     weights_root = paths.root / WEIGHTS_DIR
     wait_for(lambda: bool(stable_steps(weights_root)), timeout_s=cfg.inference.startup_timeout_s,
              what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")

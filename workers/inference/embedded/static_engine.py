@@ -93,7 +93,8 @@ class StaticEngine(InferenceEngine):
 
     def _weights_changed_locked(self) -> None:
         """Captured graphs read the version tensor in place (weights, expert stacks included, are
-        updated in place by the loaders: the graphs see them)."""
+        updated in place by the loaders, fp8 copies re-quantized in place: the graphs see them)."""
+        super()._weights_changed_locked()
         self.state.version.fill_(int(self.weight_version))
 
     # ---- engine thread -----------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from workers.inference.embedded import fp8
 from workers.weights.base import Received, WeightLoadError, WeightReceiver
 from workers.weights.checksums import state_digest, state_hashes
 from workers.weights.delta.apply import StagedPatches, stage_chain
@@ -218,4 +219,6 @@ class EngineWeights:
 
     def _weights_changed_locked(self) -> None:
         """Hook for engines that keep copies of the weights or the version (the static engine's
-        CUDA graphs: workers/inference/embedded/static_engine.py); nothing to do here."""
+        CUDA graphs: workers/inference/embedded/static_engine.py). Here: an fp8 model
+        (inference.dtype=float8) re-quantizes the projections whose bf16 weights changed."""
+        fp8.refresh(self.model)

@@ -79,9 +79,9 @@ from __future__ import annotations
 import dataclasses
 
 from workers.common.config.ranges import NONEMPTY, between, gt, limits, one_of
-from workers.common.registry import MODELS, TRANSPORTS
+from workers.common.dtypes import held_dtype
+from workers.common.registry import MODELS, TRANSPORTS, speaks_sglang
 from workers.weights.delta.config import DeltaWeightsConfig
-from workers.common.registry import speaks_sglang
 from workers.weights.sglang.patch_cost import delta_update_cost, model_split, server_layouts
 from workers.weights.sglang.wire import BULK_EFFICIENCY, FORMATS, ITEM_BYTES, WEIGHTS_BY_NAME_ARCHITECTURES, update_cost
 from workers.weights.spec import TransportSpec, lazy
@@ -157,7 +157,7 @@ def update_line(cfg, num_params: float) -> str:
 
 def delta_line(cfg) -> str:
     """The plan's line for sparse patches: what every GPU receives now, and what per-rank delivery would."""
-    w, nic, dtype = cfg.weights, cfg.cluster.nic_gb_s, cfg.inference.dtype
+    w, nic, dtype = cfg.weights, cfg.cluster.nic_gb_s, held_dtype(cfg.inference.dtype)
     sglang = speaks_sglang(cfg)
     c = delta_update_cost(model_split(cfg.model), server_layouts(cfg) if sglang else [],
                           item_bytes=ITEM_BYTES[dtype], fraction=w.delta_fraction_assumed, nic_gb_s=nic,

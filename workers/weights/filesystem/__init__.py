@@ -59,6 +59,7 @@ workers/weights/delta/config.py's DeltaWeightsConfig, which every other transpor
 """
 from __future__ import annotations
 
+from workers.common.dtypes import held_dtype
 from workers.common.registry import TRANSPORTS
 from workers.weights.delta.config import DeltaWeightsConfig
 from workers.weights.spec import TransportSpec, lazy
@@ -73,7 +74,7 @@ def check(cfg) -> None:
     if w.delta and w.delta_files:
         raise ValueError("weights.delta=true and weights.delta_files=true: pick one (delta: sparse patches; "
                          "delta_files: whole changed tensors)")
-    if w.delta and cfg.inference.dtype not in (cfg.trainer.dtype, "float32"):
+    if w.delta and held_dtype(cfg.inference.dtype) not in (cfg.trainer.dtype, "float32"):
         raise ValueError(f"weights.delta=true: inference.dtype={cfg.inference.dtype} cannot hold the trainer's "
                          f"published {cfg.trainer.dtype} values exactly, so patches could not be verified; set "
                          f"inference.dtype={cfg.trainer.dtype} or weights.delta=false")
