@@ -6,10 +6,11 @@ its expert dim over the ep mesh (workers/models/blocks/moe_gpt_oss.py): every st
 full logical stacks. The checkpoint is built by transformers (tiny GptOssConfig from our
 ``to_hf_config``; biases and sinks random, experts scaled so the clamps act) and loaded into our model.
 
-- parity: world 1 (the plain model) against ep 2 (world 2) and ep 2 x dp 2 (world 4, EP x FSDP); each
-  batch rank runs its share of the rows (the loss is a weighted SUM, so the shares add up), Router
-  Replay forces random experts (rows cross the all-to-all every way); the gathered logits and every
-  full gradient by checkpoint name (``full_grad_dict``) must be world 1's;
+- parity: world 1 (the plain model) against ep 2 (world 2), ep 2 x dp 2 (world 4, EP x FSDP) and
+  ep 2 x tp 2; each batch rank runs its share of the rows (the loss is a weighted SUM, so the shares
+  add up), Router Replay forces random experts (rows cross the all-to-all every way); the gathered
+  logits, every full gradient by checkpoint name (``full_grad_dict``) and the global gradient norm
+  (``clip_grad_norm_``) must be world 1's;
 - checkpoint: an AdamW step at ep 2, saved through the trainer's Checkpointer (DCP), resumed on the
   FSDP plan at world 1 from other weights: the weights and both AdamW moments are the saved ones;
 - publish: the step the trainer's stream (``ModelWeights``) publishes from an ep 2 run loads in
@@ -67,8 +68,8 @@ def _sharded(directory, dims):
     return shard(SPEC, load_into(SPEC.build(GPT_OSS), directory).train(), dims)
 
 
-def _parity_worker(rank, world, port, ep, directory, out):
-    dims = gloo_dims(rank, world, port, ep=ep)
+def _parity_worker(rank, world, port, ep, tp, directory, out):
+    dims = gloo_dims(rank, world, port, ep=ep, tp=tp)
     try:
         model = _sharded(directory, dims)
         assert model.model.layers[0].mlp.experts.num_local == GPT_OSS.num_experts // ep
@@ -76,20 +77,29 @@ def _parity_worker(rank, world, port, ep, directory, out):
         logits = _forward(model, inputs)
         _loss(model, logits, inputs).backward()
         parts = [None] * world
-        dist.all_gather_object(parts, (dims.batch_rank, logits.detach()))
+        dist.all_gather_object(parts, (dims.batch_rank, dims.tp_rank, logits.detach()))
         grads = model.full_grad_dict()
+        norm = model.clip_grad_norm_(1e9)  # the global norm, each element counted once
         if rank == 0:
-            rows = dict(sorted(parts, key=lambda p: p[0]))  # one copy per batch rank
-            torch.save({"logits": torch.cat(list(rows.values())), "grads": grads, "plan": type(model).__name__}, out)
+            shards = {}  # batch rank -> its rows' logits (vocabulary shards of the tp ranks concatenated)
+            for b, t, part in sorted(parts, key=lambda p: p[:2]):
+                shards.setdefault(b, {})[t] = part
+            vocab = getattr(model, "vocab_sharded", False)
+            logits = torch.cat([torch.cat(list(v.values()), dim=-1) if vocab else v[0] for v in shards.values()])
+            torch.save({"logits": logits, "grads": grads, "norm": norm, "plan": type(model).__name__}, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep,world", [(2, 2), (2, 4)], ids=["ep2", "ep2-dp2"])
-def test_expert_parallel_matches_one_process(reference, tmp_path, ep, world):
+LAYOUTS = [(2, 1, 2), (2, 1, 4), (2, 2, 4)]  # (ep, tp, world): ep 2, ep 2 x dp 2 (EP x FSDP), ep 2 x tp 2
+
+
+@pytest.mark.parametrize("ep,tp,world", LAYOUTS, ids=["ep2", "ep2-dp2", "ep2-tp2"])
+def test_expert_parallel_matches_one_process(reference, tmp_path, ep, tp, world):
     directory, logits, grads = reference
     out = str(tmp_path / "got.pt")
-    run_ranks(_parity_worker, world, (ep, directory, out), what=f"gpt_oss ep{ep} world {world}", timeout_s=300)
+    run_ranks(_parity_worker, world, (ep, tp, directory, out), what=f"gpt_oss ep{ep} tp{tp} world {world}",
+              timeout_s=300)
     got = torch.load(out)
     assert got["plan"].startswith("Mesh"), got["plan"]
     torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
@@ -98,6 +108,8 @@ def test_expert_parallel_matches_one_process(reference, tmp_path, ep, world):
         assert got["grads"][name].shape == g.shape, name
         err = float((got["grads"][name] - g).abs().max())
         assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: gradient differs by {err:.3g}"
+    want = float(torch.stack([g.norm() for g in grads.values()]).norm())
+    assert got["norm"] == pytest.approx(want, rel=1e-5)
 
 
 def _full_state(model, opt) -> dict:

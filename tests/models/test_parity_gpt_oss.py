@@ -9,7 +9,10 @@ near 0, so they are drawn at random before saving (otherwise untested). Each: lo
 without left padding), gradients by checkpoint name (experts fused, as the checkpoints keep
 them), Router Replay, greedy generation through the dynamic and static engines, the config.json
 round trip, transformers loading a directory written from OUR model, and an MXFP4 checkpoint of
-the same weights loading into ours as transformers dequantises it.
+the same weights loading into ours as transformers dequantises it. The sharded plans on real gloo
+groups: tensor parallel in tests/integration/test_tp_native_families.py, expert parallel (the fused
+stacks sharded over ep: parity, DCP resume at another ep, the published step loading here in
+transformers) in tests/integration/test_gpt_oss_expert_parallel.py.
 """
 from __future__ import annotations
 
