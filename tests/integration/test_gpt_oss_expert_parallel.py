@@ -15,7 +15,9 @@ full logical stacks. The checkpoint is built by transformers (tiny GptOssConfig 
   FSDP plan at world 1 from other weights: the weights and both AdamW moments are the saved ones;
 - publish: the step the trainer's stream (``ModelWeights``) publishes from an ep 2 run loads in
   transformers' ``GptOssForCausalLM.from_pretrained`` with no missing / unexpected keys and computes
-  the ep 2 model's logits.
+  the ep 2 model's logits;
+- step 0: the trainer's meta-build + materialize from ``model.path`` at ep 2 holds the checkpoint
+  exactly, eager and with compiled layers, and computes world 1's logits and gradients.
 """
 from __future__ import annotations
 
@@ -204,29 +206,44 @@ def test_published_step_of_an_ep2_run_loads_in_transformers(reference, tmp_path)
     torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4)
 
 
-def _step0_worker(rank, world, port, ep, directory, out):
+def _step0_worker(rank, world, port, ep, directory, compile_mode, out):
     """The trainer's own step-0 path: ``model.path`` resolved as a user's run would be, the model built
-    on the meta device, sharded at ep 2, each rank filling its experts from the checkpoint's full stacks."""
+    on the meta device, sharded at ep 2, each rank filling its experts from the checkpoint's full
+    stacks; layers compiled or not (``trainer.compile``); then its share of the rows forward and back."""
     from tests.unit.launcher.test_generic_plan import resolved
     from workers.trainer.loop import step0_model
 
     dims = gloo_dims(rank, world, port, ep=ep)
     try:
         cfg = resolved(directory, f"trainer.num_ranks={world}", f"trainer.parallel.ep={ep}",
-                       "trainer.dtype=float32", "trainer.master_dtype=float32", "trainer.compile=none")
-        state = step0_model(cfg, dims).full_state_dict()
+                       "trainer.dtype=float32", "trainer.master_dtype=float32", f"trainer.compile={compile_mode}")
+        model = step0_model(cfg, dims)
+        state = model.full_state_dict()
+        inputs = _rows(_inputs(GPT_OSS, ROWS), dims)
+        logits = _forward(model, inputs)
+        _loss(model, logits, inputs).backward()
+        parts = [None] * world
+        dist.all_gather_object(parts, (dims.batch_rank, logits.detach()))
+        grads = model.full_grad_dict()
         if rank == 0:
-            torch.save(state, out)
+            torch.save({"state": state, "logits": torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]),
+                        "grads": grads}, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_step0_model_at_ep2_is_the_checkpoint(reference, tmp_path):
-    directory = reference[0]
+@pytest.mark.parametrize("compile_mode", ["none", "layers"])
+def test_step0_model_at_ep2_is_the_checkpoint(reference, tmp_path, compile_mode):
+    """Compiled layers trace the local experts of the DTensor stacks (``local()``) like eager ones."""
+    directory, logits, grads = reference
     out = str(tmp_path / "step0.pt")
-    run_ranks(_step0_worker, 2, (2, directory, out), what="gpt_oss ep2 step0", timeout_s=300)
+    run_ranks(_step0_worker, 2, (2, directory, compile_mode, out), what="gpt_oss ep2 step0", timeout_s=500)
     got = torch.load(out)
     want = load_into(SPEC.build(GPT_OSS), directory).state_dict()
-    assert list(got) == list(want)
+    assert list(got["state"]) == list(want)
     for name, t in want.items():
-        assert torch.equal(got[name], t), name
+        assert torch.equal(got["state"][name], t), name
+    torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        err = float((got["grads"][name] - g).abs().max())
+        assert err <= 1e-6 + 1e-4 * float(g.abs().max()), f"{name}: gradient differs by {err:.3g}"

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workers.models.blocks import kernels
 from workers.models.blocks.moe_softmax import MoeBlock
@@ -72,7 +73,7 @@ class ClampedSwiGLUExperts(nn.Module):
         """Parameter ``name``'s local experts: the tensor itself, or this EP rank's rows of a stack
         distributed over ``ep`` (:meth:`distribute_over_ep`; differentiable, its gradient a DTensor)."""
         t = getattr(self, name)
-        return t.to_local() if hasattr(t, "to_local") else t
+        return t.to_local() if isinstance(t, DTensor) else t  # isinstance: what dynamo traces (not hasattr)
 
     @torch.no_grad()
     def distribute_over_ep(self, ep_mesh) -> None:
