@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.netutil import gloo_dims, run_ranks
-from tests.integration.test_tp_native_families import GPT_OSS, _forward, _inputs, _loss, _randomise
+from tests.integration.test_tp_native_families import GPT_OSS, LENGTH, _forward, _inputs, _loss, _randomise
 from tests.models.parity import hf_reference, load_into
 from workers.common.dtensor import full_tensor
 from workers.common.protocol import step_name
@@ -70,11 +70,16 @@ def _sharded(directory, dims):
     return shard(SPEC, load_into(SPEC.build(GPT_OSS), directory).train(), dims)
 
 
-def _parity_worker(rank, world, port, ep, tp, directory, out):
+def _parity_worker(rank, world, port, ep, tp, fixed, directory, out):
+    """``fixed``: the fixed-capacity dispatch (workers/trainer/ep_exchange.py ``fixed_exchange``, the
+    trainer's default) with room for every slot, instead of the exact one."""
     dims = gloo_dims(rank, world, port, ep=ep, tp=tp)
     try:
         model = _sharded(directory, dims)
         assert model.model.layers[0].mlp.experts.num_local == GPT_OSS.num_experts // ep
+        if fixed:
+            for layer in model.model.layers:
+                layer.mlp.expert_parallel.capacity = ROWS * LENGTH * GPT_OSS.top_k
         inputs = _rows(_inputs(GPT_OSS, ROWS), dims)
         logits = _forward(model, inputs)
         _loss(model, logits, inputs).backward()
@@ -82,6 +87,9 @@ def _parity_worker(rank, world, port, ep, tp, directory, out):
         dist.all_gather_object(parts, (dims.batch_rank, dims.tp_rank, logits.detach()))
         grads = model.full_grad_dict()
         norm = model.clip_grad_norm_(1e9)  # the global norm, each element counted once
+        if fixed:
+            flags = [layer.mlp.expert_parallel.overflow for layer in model.model.layers]  # None: never ran fixed
+            assert all(f is not None and not bool(f) for f in flags), flags
         if rank == 0:
             shards = {}  # batch rank -> its rows' logits (vocabulary shards of the tp ranks concatenated)
             for b, t, part in sorted(parts, key=lambda p: p[:2]):
@@ -93,14 +101,15 @@ def _parity_worker(rank, world, port, ep, tp, directory, out):
         dist.destroy_process_group()
 
 
-LAYOUTS = [(2, 1, 2), (2, 1, 4), (2, 2, 4)]  # (ep, tp, world): ep 2, ep 2 x dp 2 (EP x FSDP), ep 2 x tp 2
+LAYOUTS = [(2, 1, 2, False), (2, 1, 2, True), (2, 1, 4, False), (2, 2, 4, False)]
+"""(ep, tp, world, fixed capacity): ep 2 (exact and fixed dispatch), ep 2 x dp 2 (EP x FSDP), ep 2 x tp 2."""
 
 
-@pytest.mark.parametrize("ep,tp,world", LAYOUTS, ids=["ep2", "ep2-dp2", "ep2-tp2"])
-def test_expert_parallel_matches_one_process(reference, tmp_path, ep, tp, world):
+@pytest.mark.parametrize("ep,tp,world,fixed", LAYOUTS, ids=["ep2", "ep2-fixed", "ep2-dp2", "ep2-tp2"])
+def test_expert_parallel_matches_one_process(reference, tmp_path, ep, tp, world, fixed):
     directory, logits, grads = reference
     out = str(tmp_path / "got.pt")
-    run_ranks(_parity_worker, world, (ep, tp, directory, out), what=f"gpt_oss ep{ep} tp{tp} world {world}",
+    run_ranks(_parity_worker, world, (ep, tp, fixed, directory, out), what=f"gpt_oss ep{ep} tp{tp} world {world}",
               timeout_s=300)
     got = torch.load(out)
     assert got["plan"].startswith("Mesh"), got["plan"]
