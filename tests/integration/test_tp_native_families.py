@@ -14,7 +14,7 @@ TP-summed gradient, Gemma's scaled embedding vocab-parallel (untied config) and 
 replicated, the MLP / GPT-OSS experts (tokens split over tp, experts replicated; Router Replay
 forces the routing so rounding cannot flip a top-k choice). The dense families ride the same plan:
 qwen3 (RMSNorm q/k norms, untied head), qwen2 (q/k/v biases), mistral (sliding window).
-GPT-OSS's ep > 1 is refused at plan time (tests/unit/launcher/test_tp_families_plan.py).
+GPT-OSS's ep > 1: tests/integration/test_gpt_oss_expert_parallel.py.
 """
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ def _randomise(hf) -> None:
             p.mul_(10.0)
 
 
-def _inputs(cfg) -> dict:
+def _inputs(cfg, rows: int = ROWS) -> dict:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, cfg.vocab_size, (ROWS, LENGTH), generator=g)
-    out = {"input_ids": ids, "weights": torch.randn(ROWS, LENGTH - 1, generator=g)}
+    ids = torch.randint(1, cfg.vocab_size, (rows, LENGTH), generator=g)
+    out = {"input_ids": ids, "weights": torch.randn(rows, LENGTH - 1, generator=g)}
     if cfg.family == "gpt_oss":  # Router Replay: the same routing on every layout, whatever the rounding
         out["forced_experts"] = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.top_k]
-                                             for _ in range(ROWS * LENGTH * cfg.num_layers)]).view(
-            ROWS, LENGTH, cfg.num_layers, cfg.top_k)
+                                             for _ in range(rows * LENGTH * cfg.num_layers)]).view(
+            rows, LENGTH, cfg.num_layers, cfg.top_k)
     return out
 
 

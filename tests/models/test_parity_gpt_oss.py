@@ -9,7 +9,10 @@ near 0, so they are drawn at random before saving (otherwise untested). Each: lo
 without left padding), gradients by checkpoint name (experts fused, as the checkpoints keep
 them), Router Replay, greedy generation through the dynamic and static engines, the config.json
 round trip, transformers loading a directory written from OUR model, and an MXFP4 checkpoint of
-the same weights loading into ours as transformers dequantises it.
+the same weights loading into ours as transformers dequantises it. The sharded plans on real gloo
+groups: tensor parallel in tests/integration/test_tp_native_families.py, expert parallel (the fused
+stacks sharded over ep: parity, DCP resume at another ep, the published step loading here in
+transformers) in tests/integration/test_gpt_oss_expert_parallel.py.
 """
 from __future__ import annotations
 
@@ -204,11 +207,9 @@ def test_gpt_oss_20b_config_as_published():
     assert 3.6e9 < SPEC.params(m).active - m.vocab_size * m.hidden_size < 3.62e9
 
 
-def test_tensor_parallel_plans_and_expert_parallel_is_refused():
-    """tp > 1 takes the mesh plan (world-2 parity: tests/integration/test_tp_native_families.py); ep > 1 is
-    refused with the reason (the fused experts' whole-stack names; tests/unit/launcher/test_tp_families_plan.py)."""
+def test_tensor_and_expert_parallel_plan_onto_the_mesh_plan():
+    """tp > 1 and ep > 1 take the mesh plan (world-2 parity: tests/integration/test_tp_native_families.py,
+    tests/integration/test_gpt_oss_expert_parallel.py); the spec no longer refuses expert parallelism."""
     assert (SPEC.trainer_plan(1, 1), SPEC.trainer_plan(2, 1)) == ("fsdp", "mesh")
-    for tp, ep in ((1, 2), (2, 2)):
-        with pytest.raises(ValueError, match=rf"trainer.parallel.ep\({ep}\) > 1: model family 'gpt_oss' has no "
-                                             r"expert-parallel plan"):
-            SPEC.trainer_plan(tp, ep)
+    assert (SPEC.trainer_plan(1, 2), SPEC.trainer_plan(2, 2)) == ("mesh", "mesh")
+    assert not SPEC.no_expert_parallel

@@ -1,6 +1,8 @@
 """Plan time for the native families of issue 43 under trainer.parallel.tp=2: every one plans onto the
 mesh plan (gemma3_text and gpt_oss were refused before their tensor-parallel plans existed), and
-GPT-OSS's expert parallelism is refused by its key with the reason (ModelSpec.no_expert_parallel).
+GPT-OSS plans expert parallelism (ep 2, ep 2 x tp 2) onto it too (its fused stacks are sharded over
+the ep mesh: workers/models/blocks/moe_gpt_oss.py; world-2 parity and state paths:
+tests/integration/test_gpt_oss_expert_parallel.py).
 
 Checkpoints are tiny directories transformers writes itself (tests/models/hf_dirs.py); the run
 config comes through ``model.path`` as a user's would. World-2 parity of these plans:
@@ -41,17 +43,24 @@ def test_tensor_parallel_2_plans_onto_the_mesh_plan(checkpoints, family):
     assert not [w for w in plan.trainer_dims.warnings if "parallel" in w], plan.trainer_dims.warnings
 
 
-def test_gpt_oss_expert_parallel_is_refused_by_its_key(checkpoints):
-    with pytest.raises(PlanError, match=r"trainer.parallel.ep\(2\) > 1: model family 'gpt_oss' has no expert-parallel "
-                                        r"plan: its experts are fused \[E, H, 2I\] stacks .*; use ep=1"):
-        build_plan(resolved(checkpoints["gpt_oss"], "trainer.num_ranks=2", "trainer.parallel.ep=2"))
-    with pytest.raises(PlanError, match=r"trainer.parallel.ep\(2\) > 1"):  # a dry run is refused too
-        build_plan(resolved(checkpoints["gpt_oss"], "trainer.num_ranks=4", "trainer.parallel.ep=2",
-                            "trainer.parallel.tp=2", "launcher.dry_run=true"))
+@pytest.mark.parametrize("overrides", [("trainer.num_ranks=2", "trainer.parallel.ep=2"),
+                                       ("trainer.num_ranks=4", "trainer.parallel.ep=2", "trainer.parallel.tp=2")],
+                         ids=["ep2", "ep2-tp2"])
+def test_gpt_oss_expert_parallel_plans_onto_the_mesh_plan(checkpoints, overrides):
+    plan = build_plan(resolved(checkpoints["gpt_oss"], *overrides))
+    assert plan.trainer_dims.plan == "mesh"
+    assert plan.trainer_dims.ep == 2
+    assert not [w for w in plan.trainer_dims.warnings if "parallel" in w], plan.trainer_dims.warnings
+
+
+def test_gpt_oss_expert_parallel_must_divide_the_experts(checkpoints):
+    with pytest.raises(PlanError, match=r"trainer.parallel.ep\(3\) must divide model.num_experts\(4\)"):
+        build_plan(resolved(checkpoints["gpt_oss"], "trainer.num_ranks=3", "trainer.parallel.ep=3"))
 
 
 def test_the_specs_pick_the_mesh_plan_for_tp():
     for family in FAMILIES:
         spec = MODELS.get(family)
         assert (spec.trainer_plan(1, 1), spec.trainer_plan(2, 1)) == ("fsdp", "mesh"), family
-    assert MODELS.get("qwen3_moe").trainer_plan(1, 2) == "mesh"  # families with per-expert stacks keep EP
+    for family in ("qwen3_moe", "gpt_oss"):  # per-expert stacks and GPT-OSS's fused ones alike
+        assert MODELS.get(family).trainer_plan(1, 2) == "mesh"

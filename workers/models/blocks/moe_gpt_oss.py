@@ -19,10 +19,21 @@ identity, and a published step is what ``GptOssForCausalLM.from_pretrained`` loa
 and compute ``h = x @ W_gu[e] + b_gu[e]``, ``gate = min(h[::2], limit)``, ``up = clamp(h[1::2],
 -limit, limit)``, ``y = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_d[e] + b_d[e]`` (alpha 1.702,
 limit 7.0 in the released models). The layout differs from :class:`StackedExperts` (``[E, out, in]``,
-gate rows then up rows, no biases), whose per-expert names the expert-parallel state paths (DCP,
-weight streaming) are written for: the mesh plan runs these experts under tp > 1 (replicated over tp,
-the tokens split, through the same ``forward(rows, counts)`` and :meth:`~ClampedSwiGLUExperts.narrow_`),
-and the family's spec refuses ep > 1 at plan time.
+gate rows then up rows, no biases), whose per-expert names the trainer's state paths split.
+
+Expert parallelism (the mesh plan, ep > 1): the checkpoint names are the WHOLE stacks, so a rank
+cannot hold "its" experts under names of their own (as StackedExperts' per-expert names do).
+Instead :meth:`~ClampedSwiGLUExperts.distribute_over_ep` makes every stack a DTensor sharded on
+dim 0 (the expert) over the ``ep`` mesh: each EP rank holds experts ``[r * E/ep, (r+1) * E/ep)``
+of every stack and bias, yet the parameter's GLOBAL shape is the full ``[E, ...]``. FSDP2 shards it
+further over the expert-data-parallel mesh (its FSDP + EP path), so every state path reads the full
+logical stacks with no expert-specific code: DCP saves ``experts.gate_up_proj`` ``[E, H, 2I]`` by
+offsets (an ep = 2 checkpoint resumes at ep = 1 or on the FSDP plan), ``full_tensor`` gathers the
+whole stack for the published step (transformers' layout), ``materialize`` cuts this rank's experts
+from a full checkpoint tensor, and the global gradient norm counts each element once. The compute
+reads the local experts (:meth:`~ClampedSwiGLUExperts.local`): the token exchange is
+workers/trainer/expert_parallel.py's, as for every MoE family. Under tp > 1 alone the experts are
+replicated over tp (the tokens split) through :meth:`~ClampedSwiGLUExperts.narrow_`.
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workers.models.blocks import kernels
 from workers.models.blocks.moe_softmax import MoeBlock
@@ -42,7 +54,7 @@ class ClampedSwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float, limit: float):
         super().__init__()
         self.alpha, self.limit, self.intermediate_size = alpha, limit, intermediate_size
-        self.first = 0  # global id of local expert 0 (narrow_)
+        self.first, self.local_count = 0, num_experts  # global id of local expert 0, how many (narrow_, ep)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -54,7 +66,26 @@ class ClampedSwiGLUExperts(nn.Module):
 
     @property
     def num_local(self) -> int:
-        return self.down_proj.shape[0]
+        """This EP rank's experts (not the FSDP shard's rows a sharded parameter shows between forwards)."""
+        return self.local_count
+
+    def local(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s local experts: the tensor itself, or this EP rank's rows of a stack
+        distributed over ``ep`` (:meth:`distribute_over_ep`; differentiable, its gradient a DTensor)."""
+        t = getattr(self, name)
+        return t.to_local() if isinstance(t, DTensor) else t  # isinstance: what dynamo traces (not hasattr)
+
+    @torch.no_grad()
+    def distribute_over_ep(self, ep_mesh) -> None:
+        """Expert parallelism (module docstring): every stack and bias a DTensor sharded on dim 0 over
+        ``ep_mesh``, each rank keeping its own experts of the identical full copy (no communication)."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name, old in list(self.named_parameters(recurse=False)):
+            t = distribute_tensor(old.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(self, name, nn.Parameter(t, requires_grad=old.requires_grad))
+        self.local_count = self.down_proj.shape[0] // ep_mesh.size()
+        self.first = ep_mesh.get_local_rank() * self.local_count
 
     @torch.no_grad()
     def narrow_(self, first: int, count: int) -> None:
@@ -62,7 +93,7 @@ class ClampedSwiGLUExperts(nn.Module):
         workers/trainer/parallel/expert.py ``shard_experts``; ``count`` = all of them under tp alone)."""
         for name, old in list(self.named_parameters(recurse=False)):
             setattr(self, name, nn.Parameter(old[first:first + count].clone(), requires_grad=old.requires_grad))
-        self.first = first
+        self.first, self.local_count = first, count
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved gate/up columns ``[n, 2I] -> [n, I]``."""
@@ -72,8 +103,13 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on rows ``x`` [n, H] (the reference loop and the dense sum)."""
-        h = self.activation(x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-        return h @ self.down_proj[e] + self.down_proj_bias[e]
+        gu, gu_bias, down, down_bias = self.weights()
+        h = self.activation(x @ gu[e] + gu_bias[e])
+        return h @ down[e] + down_bias[e]
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias) of the local experts."""
+        return tuple(self.local(n) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
 
     def grouped_ok(self, rows: torch.Tensor) -> bool:
         """Grouped GEMM needs bf16 operands and widths in multiples of 8 (16-byte strides)."""
@@ -87,10 +123,11 @@ class ClampedSwiGLUExperts(nn.Module):
         Fast path: one grouped GEMM per projection, each row's biases gathered by its expert id
         (found by ``bucketize`` on the offsets: no host sync)."""
         if kernels.fast(rows) and self.grouped_ok(rows):
+            gu, gu_bias, down, down_bias = self.weights()
             offs, expert_of = self._offsets(rows, counts)
             offs = offs.to(torch.int32)
-            h = F.grouped_mm(rows, self.gate_up_proj, offs=offs) + self.gate_up_proj_bias.index_select(0, expert_of)
-            out = F.grouped_mm(self.activation(h), self.down_proj, offs=offs) + self.down_proj_bias.index_select(0, expert_of)
+            h = F.grouped_mm(rows, gu, offs=offs) + gu_bias.index_select(0, expert_of)
+            out = F.grouped_mm(self.activation(h), down, offs=offs) + down_bias.index_select(0, expert_of)
             return self._finish(out, counts, padded, row_scale)
         if rows.is_cuda:  # no host sync (CUDA-graph capture refuses one): each row gathers its expert's matrices
             return self.gathered(rows, counts, padded, row_scale)
@@ -110,11 +147,12 @@ class ClampedSwiGLUExperts(nn.Module):
         """The experts with no host sync and no grouped GEMM (float32 on CUDA, odd widths): each row's
         matrices gathered by its expert id, one batched matmul per projection. Memory grows with rows x
         matrix size: the path of small decode batches (CUDA graphs)."""
+        gu, gu_bias, down, down_bias = self.weights()
         _, expert_of = self._offsets(rows, counts)
-        h = torch.bmm(rows[:, None], self.gate_up_proj.index_select(0, expert_of)).squeeze(1)
-        h = self.activation(h + self.gate_up_proj_bias.index_select(0, expert_of))
-        out = torch.bmm(h[:, None], self.down_proj.index_select(0, expert_of)).squeeze(1)
-        out = out + self.down_proj_bias.index_select(0, expert_of)
+        h = torch.bmm(rows[:, None], gu.index_select(0, expert_of)).squeeze(1)
+        h = self.activation(h + gu_bias.index_select(0, expert_of))
+        out = torch.bmm(h[:, None], down.index_select(0, expert_of)).squeeze(1)
+        out = out + down_bias.index_select(0, expert_of)
         return self._finish(out, counts, padded, row_scale)
 
     def _offsets(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

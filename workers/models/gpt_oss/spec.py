@@ -14,7 +14,9 @@ layer's experts through ``forced_experts``. The trainer shards it with FSDP2 (tp
 mesh plan (tp > 1, workers/trainer/parallel/mesh.py): heads split with their q/k/v biases and sinks,
 o_proj row-parallel with its bias added once, the vocabulary split over the untied head, the
 experts replicated over tp with the tokens split (workers/trainer/parallel/expert.py) and
-FSDP-sharded. Expert parallelism (ep > 1) is refused at plan time (:data:`NO_EXPERT_PARALLEL`).
+FSDP-sharded; under ep > 1 each fused stack (and its bias) is a DTensor sharded on its expert
+dim over the ep mesh, so checkpoints, full gathers and the published step hold the whole stacks
+(workers/models/blocks/moe_gpt_oss.py), and the tokens move by the shared all-to-all.
 SGLang serves it as ``GptOssForCausalLM``.
 """
 from __future__ import annotations
@@ -50,11 +52,6 @@ HF = HfConfigMap(
               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131_072,
               "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True, "num_local_experts": 128,
               "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "sliding_window": 128})
-NO_EXPERT_PARALLEL = ("its experts are fused [E, H, 2I] stacks saved under whole-stack names "
-                      "(experts.gate_up_proj), while the expert-parallel checkpoint (DCP per-expert names), weight "
-                      "streaming and full-state gathers are written for per-expert stacks (StackedExperts)")
-"""Why ep > 1 is refused (ModelSpec.no_expert_parallel): the forward and backward of the narrowed experts
-work, but the state paths would save, publish and gather only each EP rank's experts."""
 DEFAULT_THETA = 150_000.0
 YARN_DEFAULT = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -166,7 +163,6 @@ def check(cfg) -> None:
 
 SPEC = MODELS.register(ModelSpec(
     name="gpt_oss", config=GptOssConfig, check=check, arch=arch, build=build, init=init,
-    no_expert_parallel=NO_EXPERT_PARALLEL,
     router_hook="forced_experts", hf_architectures=(HF.architecture,), to_hf_config=to_hf_config,
     from_hf_config=from_hf_config,
     summary="GPT-OSS (attention sinks + biases, alternating sliding window, YaRN, biased router, clamped SwiGLU "

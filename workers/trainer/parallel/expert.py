@@ -128,12 +128,17 @@ class ExpertParallel:
 
 
 def shard_experts(block: nn.Module, *, ep_group, ep: int, ep_rank: int, tp_group, tp: int,
-                  tp_rank: int) -> StackedExperts:
+                  tp_rank: int, ep_mesh=None) -> StackedExperts:
     """Keep this EP rank's experts of ``block`` (a MoE block with ``experts``, ``num_experts``,
-    ``top_k`` and ``routed_experts``) and route its expert compute through :class:`ExpertParallel`."""
+    ``top_k`` and ``routed_experts``) and route its expert compute through :class:`ExpertParallel`.
+    Experts saved as whole stacks (GPT-OSS's, with ``distribute_over_ep``) become DTensors sharded
+    over ``ep_mesh`` instead of narrowed (workers/models/blocks/moe_gpt_oss.py says why)."""
     e = block.num_experts
     experts_per_rank(e, ep)  # ValueError naming trainer.parallel.ep
-    block.experts.narrow_(ep_rank * e // ep, e // ep)
+    if ep > 1 and hasattr(block.experts, "distribute_over_ep"):
+        block.experts.distribute_over_ep(ep_mesh)
+    else:
+        block.experts.narrow_(ep_rank * e // ep, e // ep)
     block.__dict__["expert_parallel"] = ExpertParallel(block.experts, num_experts=e, top_k=block.top_k,
                                                        ep_group=ep_group if ep > 1 else None, ep=ep,
                                                        tp_group=tp_group, tp=tp, tp_rank=tp_rank)

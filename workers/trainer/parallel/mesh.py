@@ -225,7 +225,7 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
         for block in [m for m in layer.modules() if _is_moe(m)]:
             experts = shard_experts(block, ep_group=mesh.get_group("ep") if dims.ep > 1 else None, ep=dims.ep,
                                     ep_rank=dims.ep_rank, tp_group=mesh.get_group("tp") if dims.tp > 1 else None,
-                                    tp=dims.tp, tp_rank=dims.tp_rank)
+                                    tp=dims.tp, tp_rank=dims.tp_rank, ep_mesh=mesh["ep"])
             fully_shard(experts, mesh=edp_mesh, mp_policy=policy, shard_placement_fn=shard_placement(experts),
                         reshard_after_forward=reshard_between(edp_mesh, i, len(layers)))
             units.append(experts)
