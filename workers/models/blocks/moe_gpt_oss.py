@@ -32,7 +32,7 @@ offsets (an ep = 2 checkpoint resumes at ep = 1 or on the FSDP plan), ``full_ten
 whole stack for the published step (transformers' layout), ``materialize`` cuts this rank's experts
 from a full checkpoint tensor, and the global gradient norm counts each element once. The compute
 reads the local experts (:meth:`~ClampedSwiGLUExperts.local`): the token exchange is
-workers/trainer/expert_parallel.py's, as for every MoE family. Under tp > 1 alone the experts are
+workers/trainer/parallel/expert.py's, as for every MoE family. Under tp > 1 alone the experts are
 replicated over tp (the tokens split) through :meth:`~ClampedSwiGLUExperts.narrow_`.
 """
 from __future__ import annotations
