@@ -35,7 +35,7 @@ from workers.common.dtensor import full_tensor
 from workers.common.protocol import step_name
 from workers.common.registry import MODELS
 from workers.trainer.checkpoint import Checkpointer
-from workers.trainer.plans import shard
+from workers.trainer.parallel.plans import shard
 from workers.trainer.weight_stream import ModelWeights
 from workers.weights.base import DistPeers
 from workers.weights.filesystem.hf_layout import hf_files
@@ -71,7 +71,7 @@ def _sharded(directory, dims):
 
 
 def _parity_worker(rank, world, port, ep, tp, fixed, directory, out):
-    """``fixed``: the fixed-capacity dispatch (workers/trainer/ep_exchange.py ``fixed_exchange``, the
+    """``fixed``: the fixed-capacity dispatch (workers/trainer/parallel/expert_exchange.py ``fixed_exchange``, the
     trainer's default) with room for every slot, instead of the exact one."""
     dims = gloo_dims(rank, world, port, ep=ep, tp=tp)
     try:
