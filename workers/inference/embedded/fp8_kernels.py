@@ -69,9 +69,12 @@ def quantize_activation(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, 
 def scaled_linear(rows: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, scheme: str) -> torch.Tensor:
     """``rows [M, K]`` (bf16) times the fp8 weight ``[N, K]``: ``[M, N]`` in ``rows``' dtype."""
     if scheme == "block":
+        # torch's v1 ``_scaled_mm`` picks (BlockWise1x128, BlockWise128x128) from the layouts alone: the
+        # activation scales [M, K/128] outer-dim-major (stride (1, M)), the weight's [N/128, K/128] row-major
+        # passed transposed; its row stride K/128 must be a multiple of 4 in some torch versions and exactly
+        # K/128 in others, so the block scheme takes K in multiples of 512 only (fp8_quant.fits_block)
         xq, xs = quantize_activation(rows, 128)
-        kb = rows.shape[-1] // 128
-        return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=qscale[:, :kb].t(), out_dtype=rows.dtype)
+        return torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=qscale.t(), out_dtype=rows.dtype)
     xq, xs = quantize_activation(rows)
     return torch._scaled_mm(xq, qweight.t(), scale_a=xs[:, None], scale_b=qscale[None, :], out_dtype=rows.dtype)
 

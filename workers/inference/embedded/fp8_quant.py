@@ -57,11 +57,17 @@ def fits_rowwise(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
+def fits_block(n: int, k: int) -> bool:
+    """128x128 weight blocks: N a multiple of 128, K of 512 (K/128 scale columns a multiple of 4, so the
+    weight scales' row stride is 16-byte aligned without padding: fp8_kernels.scaled_linear)."""
+    return n % BLOCK == 0 and k % (4 * BLOCK) == 0
+
+
 def reference_linear(rows: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, scheme: str) -> torch.Tensor:
     """What the fp8 kernels compute, in float32: the activations quantized the same way, both dequantized."""
     if scheme == "block":
         xq, xs = quantize_groups(rows)
-        w = dequantize_blocks(qweight, qscale[:, :rows.shape[-1] // BLOCK])
+        w = dequantize_blocks(qweight, qscale)
         return dequantize_groups(xq, xs) @ w.t()
     xq, xs = quantize_rows(rows)
     return dequantize_rows(xq, xs) @ dequantize_rows(qweight, qscale).t()
