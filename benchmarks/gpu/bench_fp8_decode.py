@@ -13,17 +13,23 @@ Per shape, one bf16 model (random weights, the same for both engines) serves twi
   sampled tokens: workers/trainer/loss.py) of the engine's sampled-token logprobs against a full bf16
   forward of the unquantized model over prompt + answer (what the trainer scores with).
 
-``engine_fp8_over_bf16`` is the fp8 engine's tokens/s over bf16's. Shapes: ``smollm2_135m`` (hidden 576:
-per-row scales, tiny GEMMs: the step is launch-bound, fp8 adds its activation-quantize kernels and may
-lose) and ``qwen3_moe`` (Qwen3-30B-A3B's layer: hidden 2048, 128 experts of width 768, top 8, 32/4 heads of
-128; ``--moe-layers`` of them): where the step reads GBs of expert weights and fp8 halves them.
+``engine_fp8_over_bf16`` is the fp8 engine's tokens/s over bf16's for ``qwen3_moe`` at ``--moe-layers``
+(``engine_fp8_layers``). Shapes: ``smollm2_135m`` (hidden 576: per-row scales, tiny GEMMs: the step is
+launch-bound, fp8 adds its activation-quantize kernels and may lose) and ``qwen3_moe`` (Qwen3-30B-A3B's
+layer: hidden 2048, 128 experts of width 768, top 8, 32/4 heads of 128): the step reads 1.2 GB of bf16
+expert weights per layer and fp8 halves them. Depth: the default 16 layers is what one 80 GB card holds
+with both engines' weights resident (20 GB bf16 + 10 GB fp8); at 4 layers the fixed per-step costs
+(embedding, LM head, sampling, launch) hide the per-layer gain. ``qwen3_moe_per_layer`` is the slope
+between ``--shallow-layers`` and ``--moe-layers`` (ms per layer for each engine, their ratio, and both
+step times projected to the real model's 48 layers). ``fp8_swap.block_reason`` says whether the
+blockwise (128x128) start-up check passed, and why not.
 Random weights give near-uniform next-token distributions, so both KLs are small in absolute terms;
 compare them with each other. Writes ``fp8_decode.json`` under ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import dataclasses
 import json
 import time
@@ -83,8 +89,9 @@ def k3_mismatch(ref, outs, prompts, device: torch.device, chunk: int = 16) -> fl
     return k3 / max(n, 1)
 
 
-def measure(model, ref, ps, args, device) -> dict:
-    """Decode tokens/s and mismatch KL of a static engine serving ``model``."""
+def measure(model, ps, args, device, ref=None) -> dict:
+    """Decode tokens/s of a static engine serving ``model``, and its mismatch KL against ``ref`` (a context
+    manager giving the bf16 model: the trainer's view), computed after the engine stopped."""
     from benchmarks.gpu.bench_inference import engine_batch
     from workers.inference.embedded.static_engine import StaticEngine
 
@@ -93,33 +100,54 @@ def measure(model, ref, ps, args, device) -> dict:
     try:
         step_ms = steady_step_ms(engine, ps, args)[0]
         outs, _, _ = engine_batch(engine, ps, args.long, temperature=1.0)
-        return {"decode_step_ms": step_ms, "decode_tokens_per_s": args.rows * 1e3 / step_ms,
-                "mismatch_kl": k3_mismatch(ref, outs, ps, device), "graph_error": engine.graph_error}
+        graph_error = engine.graph_error
     finally:
         engine.shutdown()
+    with (ref or contextlib.nullcontext)(model) as bf16:
+        kl = k3_mismatch(bf16, outs, ps, device)
+    return {"decode_step_ms": step_ms, "decode_tokens_per_s": args.rows * 1e3 / step_ms, "mismatch_kl": kl,
+            "graph_error": graph_error}
 
 
 def shape_row(name: str, family: str, cfg, args, device: torch.device) -> dict:
+    """bf16 then fp8 on ONE resident model: fp8 quantizes it in place (bf16 parameters + fp8 copies =
+    1.5x the projections' bytes, what a serving engine holds) and ``bf16_forward`` gives the reference."""
     from benchmarks.gpu.bench_inference import prompts
-    from workers.inference.embedded.fp8 import quantize_model
+    from workers.inference.embedded.fp8 import bf16_forward, quantize_model
 
     t0 = time.perf_counter()
-    ref = random_model(family, cfg, device)
+    model = random_model(family, cfg, device)
     ps = prompts(cfg.vocab_size, args.rows, args.prompt_len, seed=0)
-    bf16 = measure(ref, ref, ps, args, device)
-    fp8_model = copy.deepcopy(ref)
-    report = quantize_model(fp8_model)
-    fp8 = measure(fp8_model, ref, ps, args, device)
-    del fp8_model
+    params = sum(p.numel() for p in model.parameters())
+    bf16 = measure(model, ps, args, device)
+    report = quantize_model(model)
+    fp8 = measure(model, ps, args, device, ref=bf16_forward)
+    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    print(f"{name}: bf16 {bf16['decode_tokens_per_s']:.0f} tok/s (KL {bf16['mismatch_kl']:.2e}), fp8 "
-          f"{fp8['decode_tokens_per_s']:.0f} tok/s (KL {fp8['mismatch_kl']:.2e}): "
-          f"{fp8['decode_tokens_per_s'] / bf16['decode_tokens_per_s']:.2f}x", flush=True)
-    return {"shape": name, "family": family, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-            "params": sum(p.numel() for p in ref.parameters()), "bf16": bf16, "fp8": fp8, "fp8_swap": report,
+    print(f"{name} ({cfg.num_layers} layers): bf16 {bf16['decode_tokens_per_s']:.0f} tok/s (KL {bf16['mismatch_kl']:.2e}), "
+          f"fp8 {fp8['decode_tokens_per_s']:.0f} tok/s (KL {fp8['mismatch_kl']:.2e}): "
+          f"{fp8['decode_tokens_per_s'] / bf16['decode_tokens_per_s']:.2f}x; block scales: {report['block_reason']}",
+          flush=True)
+    return {"shape": name, "family": family, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "params": params,
+            "bf16": bf16, "fp8": fp8, "fp8_swap": report,
             "fp8_over_bf16": fp8["decode_tokens_per_s"] / bf16["decode_tokens_per_s"],
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def per_layer(shallow: dict, deep: dict, project_to: int = 48) -> dict:
+    """The decode step's cost per layer (the slope between two depths of the same widths), its fixed part
+    (embedding, LM head, sampling, launch) and the ratio the slope converges to at ``project_to`` layers
+    (Qwen3-30B-A3B has 48): what a full-depth model would show, measured without holding one."""
+    dl = deep["layers"] - shallow["layers"]
+    out = {"depths": [shallow["layers"], deep["layers"]], "projected_layers": project_to}
+    for eng in ("bf16", "fp8"):
+        slope = (deep[eng]["decode_step_ms"] - shallow[eng]["decode_step_ms"]) / dl
+        fixed = deep[eng]["decode_step_ms"] - slope * deep["layers"]
+        out[eng] = {"ms_per_layer": slope, "fixed_ms": fixed, "projected_step_ms": fixed + slope * project_to}
+    out["per_layer_fp8_over_bf16"] = out["bf16"]["ms_per_layer"] / out["fp8"]["ms_per_layer"]
+    out["projected_fp8_over_bf16"] = out["bf16"]["projected_step_ms"] / out["fp8"]["projected_step_ms"]
+    return out
 
 
 def main(argv=None) -> int:
@@ -130,7 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--moe-layers", type=int, default=4, help="qwen3_moe layers at Qwen3-30B-A3B's widths")
+    ap.add_argument("--moe-layers", type=int, default=16,
+                    help="qwen3_moe layers at Qwen3-30B-A3B's widths (16: ~20 GB bf16 + 10 GB fp8, one 80 GB card)")
+    ap.add_argument("--shallow-layers", type=int, default=4,
+                    help="a second, shallower qwen3_moe: the per-layer slope between the two depths (0: skip)")
     ap.add_argument("--shapes", default="smollm2_135m,qwen3_moe")
     ap.add_argument("--toy", action="store_true", help="CPU, tiny shapes, 4 rows: seconds")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
@@ -138,16 +169,28 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.toy else "cpu")
     if a.toy:
         a.rows, a.prompt_len, a.short, a.long, a.repeats, a.max_seq_len = 4, 8, 3, 8, 1, 64
+        a.moe_layers, a.shallow_layers = 2, min(a.shallow_layers, 1)
+    if a.shallow_layers >= a.moe_layers:
+        ap.error(f"--shallow-layers must be below --moe-layers ({a.moe_layers}), got {a.shallow_layers}")
     shapes = {"smollm2_135m": ("llama", smollm2_config(num_layers=2, vocab_size=512) if a.toy else smollm2_config()),
               "qwen3_moe": ("qwen3_moe", moe_config(a.moe_layers, a.toy))}
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "rows": a.rows, "new_tokens": [a.short, a.long], "rows_by_shape": []}
     for name in a.shapes.split(","):
         family, cfg = shapes[name]
+        if name == "qwen3_moe" and a.shallow_layers:
+            shallow = shape_row(name, family, dataclasses.replace(cfg, num_layers=a.shallow_layers), a, device)
+            res["qwen3_moe_shallow"] = shallow
         res["rows_by_shape"].append(shape_row(name, family, dataclasses.replace(cfg), a, device))
+        if name == "qwen3_moe" and a.shallow_layers:
+            res["qwen3_moe_per_layer"] = slope = per_layer(shallow, res["rows_by_shape"][-1])
+            print(f"qwen3_moe per layer: bf16 {slope['bf16']['ms_per_layer']:.3f} ms, fp8 {slope['fp8']['ms_per_layer']:.3f} ms "
+                  f"({slope['per_layer_fp8_over_bf16']:.2f}x); at {slope['projected_layers']} layers "
+                  f"{slope['projected_fp8_over_bf16']:.2f}x", flush=True)
     by = {r["shape"]: r for r in res["rows_by_shape"]}
     best = by.get(HEADLINE) or res["rows_by_shape"][0]  # a fixed shape, not the best of them
     res.update(engine_fp8_over_bf16=best["fp8_over_bf16"], engine_fp8_shape=best["shape"],
+               engine_fp8_layers=best["layers"], fp8_block_reason=best["fp8_swap"]["block_reason"],
                fp8_mismatch_kl=best["fp8"]["mismatch_kl"], bf16_mismatch_kl=best["bf16"]["mismatch_kl"])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "fp8_decode.json").write_text(json.dumps(res, indent=1) + "\n")

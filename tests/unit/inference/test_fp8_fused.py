@@ -111,3 +111,14 @@ def test_block_scales_have_the_layout_blockwise_scaled_mm_reads():
     assert out.shape == (m, 384)
     assert block_kernel_check(torch.device("cpu"))[0]
     assert quantize_rows(torch.randn(4, 16))[1].shape == (4,)
+
+
+def test_bench_per_layer_slope_and_projection():
+    """benchmarks/gpu/bench_fp8_decode.py's depth model: step = fixed + layers x slope for each engine."""
+    from benchmarks.gpu.bench_fp8_decode import per_layer
+
+    row = lambda n, b, f: {"layers": n, "bf16": {"decode_step_ms": b}, "fp8": {"decode_step_ms": f}}  # noqa: E731
+    out = per_layer(row(4, 1.0 + 4 * 0.5, 1.2 + 4 * 0.25), row(16, 1.0 + 16 * 0.5, 1.2 + 16 * 0.25))
+    assert out["bf16"]["ms_per_layer"] == pytest.approx(0.5) and out["fp8"]["fixed_ms"] == pytest.approx(1.2)
+    assert out["per_layer_fp8_over_bf16"] == pytest.approx(2.0)
+    assert out["projected_fp8_over_bf16"] == pytest.approx((1.0 + 48 * 0.5) / (1.2 + 48 * 0.25))
