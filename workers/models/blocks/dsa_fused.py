@@ -24,7 +24,7 @@ absorbed (``[q_nope W_uk, q_rope]``); a ``-1`` index scores ``finfo(float32).min
 latent, so a query with nothing chosen averages key 0 (finite, as the reference), and no gradient
 reaches the scores of ``-1`` entries. tests/unit/models/test_dsa_fused.py checks the output and
 every gradient against the reference under Triton's CPU interpreter. Block sizes are autotuned on
-CUDA among three configurations per pass (once per head count, widths and dtype; never per top-k or
+CUDA among three or four configurations per pass (once per head count, widths and dtype; never per top-k or
 chunk length); bf16/fp16 only there (:func:`fused_applies`: float32 takes the torch reference)."""
 from __future__ import annotations
 
@@ -262,14 +262,16 @@ if triton is not None:
     # never reach them on CUDA: fused_applies routes those to the torch reference). Forward: a [64, 512]
     # float32 accumulator is 128 registers a thread at 8 warps; BLOCK_O 256 halves it at the price of
     # computing every score twice (two programs per token). Backward: dq's [H, 512] accumulator stays in
-    # registers; BLOCK_H 32 halves it at the price of twice the key-gradient atomics.
+    # registers; BLOCK_H 32 halves it at the price of twice the key-gradient atomics. One configuration of
+    # each has no software pipelining (num_stages 1): little shared memory, so one always compiles.
     def _configs(names, shapes):
         return [triton.Config(dict(zip(names, shape[:-2])), num_warps=shape[-2], num_stages=shape[-1])
                 for shape in shapes]
 
     _KEY = ["n_h", "R", "W"]
     _fwd_tuned = triton.autotune(_configs(("BLOCK_H", "BLOCK_N", "BLOCK_O", "BLOCK_D"),
-                                          [(64, 64, 512, 64, 8, 2), (64, 64, 256, 64, 8, 2), (64, 32, 512, 64, 8, 3)]),
+                                          [(64, 64, 512, 64, 8, 2), (64, 64, 256, 64, 8, 2), (64, 32, 512, 64, 8, 3),
+                                           (64, 32, 256, 64, 8, 1)]),
                                  key=_KEY)(_fwd_kernel)
     _bwd_tuned = triton.autotune(_configs(("BLOCK_H", "BLOCK_N", "BLOCK_D"),
                                           [(64, 32, 64, 8, 2), (64, 64, 64, 8, 1), (32, 64, 64, 8, 2)]),
