@@ -19,8 +19,9 @@ bf16 random weights, one row of T tokens, the model's query chunks. Per T and pa
 FLOPs are counted per part (:func:`flops`), model FLOPs only (a recomputed forward is not counted):
 projections (trainable: x3 for forward + backward), absorption, the sparse attention over
 ``sum_i min(K, i + 1)`` (query, key) pairs at ``2 x H x (576 + 512)`` a pair (x3), the indexer's
-projections and its dense causal scoring ``2 x 32 x 128 x T(T+1)/2`` (forward only, float32 IEEE:
-the card's float32 peak is its ceiling, reported beside the bf16 one). Utilization = FLOPs / time /
+projections and its dense causal scoring ``2 x 32 x 128 x T(T+1)/2`` (forward only; bf16 tensor-core
+dots with float32 sums in the bf16 model, workers/models/blocks/dsa_kernels.py: the bf16 peak is its
+ceiling; its utilization of the float32 peak is reported beside, for float32 runs). Utilization = FLOPs / time /
 the card's dense peak (common.py ``peak_flops``). Peak memory: ``max_memory_allocated`` during the
 layer's step minus what was allocated before. Writes ``DIR/dsa_layer.json``.
 """

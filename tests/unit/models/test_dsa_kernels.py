@@ -1,7 +1,8 @@
 """DSA's causal top-k choice (workers/models/blocks/dsa_kernels.py): the large-chunk path equals the
 old 256-query path with every key scored, and the Triton index-score kernel, run by Triton's CPU
 interpreter (``TRITON_INTERPRET=1``, in a subprocess: the flag is read when the kernel is
-defined), equals the torch reference scores and picks the same keys."""
+defined), equals the torch reference scores and picks the same keys, in float32 and with bf16
+queries and keys (tensor-core dots, float32 accumulation: the same numbers up to the sums' order)."""
 from __future__ import annotations
 
 import textwrap
@@ -66,6 +67,15 @@ SCRIPT = textwrap.dedent("""
         chosen_scores = [want.gather(-1, p.clamp(min=0).long()).masked_fill(p < 0, -1.0).sort(-1).values
                          for p in picks]
         torch.testing.assert_close(chosen_scores[0], chosen_scores[1], rtol=1e-5, atol=1e-5)
+    # bf16 index queries and keys (the bf16 model): bf16 dots, float32 sums; the reference upcasts first.
+    # Products of bf16 values are exact in float32: only the order of the sums differs. (The interpreter's
+    # bf16 tl.dot is broken, so on CPU the kernel upcasts; tests/gpu/test_dsa_fused_gpu.py runs bf16 dots.)
+    q, k = torch.randn(1, 40, 4, 32, generator=g).bfloat16(), torch.randn(1, 64, 32, generator=g).bfloat16()
+    w = torch.rand(1, 40, 4, generator=g)
+    got = index_scores(q, k, w, 0.2, 24)
+    want = reference_scores(q, k, w, 0.2).masked_fill(torch.isinf(got), float("-inf"))
+    assert got.dtype == torch.float32 and torch.isinf(got).any() and not torch.isinf(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     print("ok")
 """)
 
