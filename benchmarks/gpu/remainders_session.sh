@@ -5,7 +5,8 @@
 #   2. loop: benchmarks.gpu.one_gpu_node_limit's loop + decode-step parts (random weights at SmolLM2's
 #      shapes unless .ckpt_a/.ckpt_b were carried): loop_interval_over_bound after the staged apply.
 #   3. dsa: one GLM-5 attention layer at 32k / 131k tokens, torch path and fused kernel side by side.
-#   4. lora_step: a qwen3_moe real-shape LoRA step (r 8, 32) against the full step (bench_lora_step.py).
+#   4. lora_step: a qwen3_moe real-shape LoRA step (r 8) against the full step (bench_lora_step.py; each row
+#      compiles for ~35 s, so one rank keeps the part within its limit).
 #   5. fp8: the static engine in bf16 and fp8 on the same prompts (bench_fp8_decode.py).
 # Carry .whl (omegaconf, xxhash, nvidia-ml-py, PyYAML wheels; NOT pytest: the image has pytest 9) and
 # .gpusite (hydra-core, omegaconf, antlr4, gguf as package directories). PARTS="gpu_tests dsa" runs a subset.
@@ -37,6 +38,6 @@ part gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemma
 part loop 160 python3 -m benchmarks.gpu.one_gpu_node_limit --out "$OUT/limit" --work /tmp/one_gpu_node_limit \
   --parts loop engine --budget-s 150 --loop-limit-s 90 --engine-limit-s 50 --steps 30
 part dsa 170 python3 -m benchmarks.gpu.bench_dsa_layer --out "$OUT"
-part lora_step 110 python3 -m benchmarks.lora --gpu-step --out "$OUT"
+part lora_step 150 python3 -m benchmarks.lora --gpu-step --ranks 8 --out "$OUT"
 part fp8 150 python3 -m benchmarks.gpu.bench_fp8_decode --out "$OUT"
 exit $STATUS

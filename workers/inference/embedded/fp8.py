@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from workers.inference.embedded import fp8_kernels
+from workers.inference.embedded.fp8_kernels import fp8_matmul  # noqa: F401  (its callers' name for it)
 from workers.inference.embedded.fp8_quant import (dequantize_blocks, dequantize_rows, fits_block, fits_rowwise,
                                                   quantize_blocks, quantize_rows, reference_linear)
 
@@ -93,13 +94,6 @@ class Fp8Linear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def fp8_matmul(rows: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """``rows [M, K]`` times an fp8 weight: the CUDA kernels, or on CPU their float32 reference."""
-    if rows.is_cuda:
-        return fp8_kernels.scaled_linear(rows, qweight, qscale, scheme)
-    return reference_linear(rows, qweight, qscale, scheme).to(rows.dtype)
-
-
 def block_kernel_check(device: torch.device) -> tuple[bool, str]:
     """Whether torch's blockwise (1x128 by 128x128) ``_scaled_mm`` runs here and agrees with the reference,
     and why (the swap report's ``block_reason``; CPU: the reference itself, so tests cover the block scheme)."""
@@ -149,7 +143,7 @@ def quantize_model(model: nn.Module, *, blocks: Optional[bool] = None, fuse: boo
     swapped += quantize_experts(model, report)
     model.fp8_modules = swapped
     refresh(model, force=True)
-    report["fused_groups"] = fuse_siblings(model) if fuse else 0
+    report["fused_groups"] = fuse_siblings(model, Fp8Linear) if fuse else 0
     return report
 
 

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from workers.inference.embedded.fp8_kernels import fp8_matmul
+
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Children of one parent module that read the same input in every builtin family."""
 
@@ -47,8 +49,6 @@ class SharedInput:
 
     def output(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``mod``'s projection of ``x`` as ``[rows, out_features]`` (a column slice of the stacked GEMM)."""
-        from workers.inference.embedded.fp8 import fp8_matmul
-
         i = next(j for j, m in enumerate(self.members) if m is mod)
         if self._input is x and i in self._pending:
             y = self._pending.pop(i)
@@ -62,23 +62,22 @@ class SharedInput:
         return outs[i]
 
 
-def _fusable(mods: list) -> bool:
-    from workers.inference.embedded.fp8 import Fp8Linear
-
+def _fusable(mods: list, Fp8Linear: type) -> bool:
     first = mods[0]
     return (len(mods) > 1 and all(type(m) is Fp8Linear and m.fused is None for m in mods)
             and all(m.scheme == first.scheme and m.in_features == first.in_features
                     and m.qweight.device == first.qweight.device for m in mods))
 
 
-def fuse_siblings(model: nn.Module) -> int:
-    """Stack every group of :data:`SIBLINGS` of ``model`` that are all fp8 with the same input width and
-    scheme (run after the fp8 buffers exist); how many groups."""
+def fuse_siblings(model: nn.Module, Fp8Linear: type) -> int:
+    """Stack every group of :data:`SIBLINGS` of ``model`` that are all ``Fp8Linear`` (fp8.py's class, passed
+    in so this module does not import fp8.py, which imports it) with the same input width and scheme (run
+    after the fp8 buffers exist); how many groups."""
     groups = 0
     for parent in model.modules():
         for names in SIBLINGS:
             mods = [getattr(parent, n, None) for n in names]
-            if all(m is not None for m in mods) and _fusable(mods):
+            if all(m is not None for m in mods) and _fusable(mods, Fp8Linear):
                 SharedInput(mods)
                 groups += 1
     return groups

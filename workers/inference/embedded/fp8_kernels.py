@@ -88,3 +88,12 @@ def scaled_grouped(rows: torch.Tensor, qstack: torch.Tensor, qscale: torch.Tenso
 
 def grouped_available() -> bool:
     return hasattr(torch, "_scaled_grouped_mm")
+
+
+def fp8_matmul(rows: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """``rows [M, K]`` times an fp8 weight: the CUDA kernels, or on CPU their float32 reference."""
+    if rows.is_cuda:
+        return scaled_linear(rows, qweight, qscale, scheme)
+    from workers.inference.embedded.fp8_quant import reference_linear
+
+    return reference_linear(rows, qweight, qscale, scheme).to(rows.dtype)
