@@ -103,7 +103,7 @@ def gather(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-FAMILIES = ["tiny_moe", "qwen3_moe", "deepseek_v3", "glm_moe_dsa", "nemotron_h"]
+FAMILIES = ["tiny_moe", "qwen3_moe", "deepseek_v3", "glm_moe_dsa", "nemotron_h", "gemma3_text", "gpt_oss"]
 CASES = [(f, cp) for f in FAMILIES for cp in (2, 4)]
 
 
