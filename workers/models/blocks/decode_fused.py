@@ -32,8 +32,10 @@ def decoding(ctx) -> bool:
 
 
 def attention_covered(attn: nn.Module) -> bool:
-    """GQA with the plain rotary embedding and no per-head norms or sinks."""
-    return type(attn) is Attention and attn.q_norm is None and attn.sinks is None and attn.rope is None
+    """GQA with the plain rotary embedding, no per-head norms or sinks, and a power-of-two head width
+    (the rotary kernel holds one head in a block)."""
+    return (type(attn) is Attention and attn.q_norm is None and attn.sinks is None and attn.rope is None
+            and attn.hd & (attn.hd - 1) == 0)
 
 
 def covers(layer: nn.Module) -> bool:

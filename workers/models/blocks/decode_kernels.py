@@ -108,6 +108,8 @@ if triton is not None:
 
 def rms_norm_triton(x, weight, eps, delta=None):
     n = x.shape[-1]
+    x, weight = x.contiguous(), weight.contiguous()  # no copy on the decode path (GEMM and add outputs)
+    delta = delta.contiguous() if delta is not None else None
     out = torch.empty_like(x)
     res = torch.empty_like(x) if delta is not None else out
     _norm_kernel[(x.numel() // n,)](x, delta if delta is not None else x, weight, out, res, n, float(eps),
@@ -125,6 +127,7 @@ def rope_write_kv_triton(q, k, v, cos, sin_signed, keys, values, slots, pos):
 
 
 def silu_mul_triton(gate, up):
+    gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n, block = gate.numel(), 1024
     _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
