@@ -26,7 +26,7 @@ def test_cpu_smoke_writes_every_key(tmp_path):
     assert res["device"] == "cpu" and all(part["returncode"] == 0 for part in res["parts"].values()), res["parts"]
     assert res["loop"]["steps"] == 2 and res["loop"]["timeline"]["steps"] == 1
     assert 0.5 < res["loop_interval_over_bound"] < 10  # interval over max(trainer busy, generation) of one step
-    assert res["engine_decode_step_ms"] > 0 and res["engine"]["kernels_per_layer"] <= 38
+    assert res["engine_decode_step_ms"] > 0 and res["engine"]["kernels_per_layer"] <= 14
     assert res["tokens_per_optimizer_step"] == 64 and res["trainer"]["micro_batches"] == 2
     # CPU walls are noise at toy sizes (the ratio may even be negative): the keys and the swap are what counts here
     assert isinstance(res["engine_fp8_over_bf16"], float) and res["fp8"]["rows_by_shape"][0]["fp8_swap"]["experts"] == 2

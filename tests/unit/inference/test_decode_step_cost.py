@@ -2,8 +2,10 @@
 
 A small model's decode step is a few hundred tiny kernels in one CUDA-graph replay, so their count
 is its cost (issue 45). Checked on CPU: the per-layer kernel count at SmolLM2-135M's layer shapes
-stays at what the fused rotary and the once-per-forward attention mask gave (44 -> 38); the
-sampling graph skips the top-p sort when no request asks for top_p < 1; and every shortcut is
+stays at what the fused decode kernels gave (44 -> 38 with the fused rotary and the once-per-forward
+mask; 38 -> 14 with workers/models/blocks/decode_fused.py: one op each for a norm, the residual add
++ norm, rotary + KV write and SwiGLU's activation), and that path decodes exactly as the dynamic
+engine does (CPU: the ops' torch references are the unfused code); the sampling graph skips the top-p sort when no request asks for top_p < 1; and every shortcut is
 bit-exact (rotary of q and k together; SAMPLE equals NUCLEUS at top_p = 1).
 """
 from __future__ import annotations
@@ -27,8 +29,22 @@ def cfg():
 
 def test_kernels_per_layer_at_smollm2_shapes(cfg):
     counts = kernel_counts(cfg, rows=8, device=torch.device("cpu"), dtype=torch.bfloat16)
-    assert counts["kernels_per_layer"] <= 38, counts  # 44 before: q and k rotated apart, the mask made per layer
-    assert counts["kernels_outside_layers"] <= 95, counts
+    assert counts["kernels_per_layer"] <= 14, counts  # 38 before decode_fused.py (44 before the fused rotary)
+    assert counts["kernels_outside_layers"] <= 79, counts  # 84 before: the final norm one op
+
+
+def test_fused_llama_decode_equals_the_dynamic_engine(cfg):
+    """Greedy tokens and logprobs of the fused decode path (SmolLM2's layer, GQA 3:1) equal the
+    dynamic engine's (the general path, no static cache) over prompts of different lengths."""
+    from workers.inference.embedded.engine import InferenceEngine
+
+    engine = build_engine(cfg, rows=4, device=torch.device("cpu"), dtype=torch.float32, max_seq_len=64, start=False)
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=6) for p in PROMPTS[:4]]
+    dyn = run(InferenceEngine(engine.model, max_batch_size=4, seed=0), [dataclasses.replace(r) for r in reqs])
+    sta = run(engine, reqs)
+    for a, b in zip(dyn, sta):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
 def test_nucleus_only_when_asked(cfg):

@@ -154,16 +154,34 @@ class StaticKVCache(KVCache):
         (workers/models/blocks/masking.py), so each query row keeps its own head's sink logit."""
         self._write(self.keys[layer], k.transpose(1, 2))
         self._write(self.values[layer], v.transpose(1, 2))
-        keys = self._rows(self.keys[layer]).transpose(1, 2)  # [B, kv_heads, L, D], a view in decode
-        values = self._rows(self.values[layer]).transpose(1, 2)
+        keys, values = self._slot_kv(layer)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if sinks is not None:
             q, keys, values, mask = with_sinks(q, keys, values, mask, sinks, scale)
         b, h, t, d = q.shape
         hkv, g = keys.shape[1], h // keys.shape[1]
-        rows = q.reshape(b, hkv, g * t, d)
-        out = kernels.attend(rows, keys, values, self._grouped_mask(mask, g, q.dtype), scale)
+        out = self._grouped_attend(q.reshape(b, hkv, g * t, d), keys, values, mask, g, scale)
         return out.reshape(b, h, t, out.shape[-1])
+
+    def attend_written(self, layer: int, rows: torch.Tensor, mask: torch.Tensor,
+                       scale: Optional[float] = None) -> torch.Tensor:
+        """:meth:`attend` for one token per row whose k/v are already in the slots (the fused decode
+        step, workers/models/blocks/decode_fused.py): ``rows`` [B, kv_heads, g, D] (query head
+        ``j*g+i`` at ``[:, j, i]``); returns [B, kv_heads, g, D] (possibly strided)."""
+        keys, values = self._slot_kv(layer)
+        scale = rows.shape[-1] ** -0.5 if scale is None else scale
+        return self._grouped_attend(rows, keys, values, mask, rows.shape[2], scale)
+
+    def positions(self) -> torch.Tensor:
+        """The positions [B, T] of this forward's tokens (where their keys go)."""
+        return self._pos
+
+    def _slot_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values [B, kv_heads, window, D] (views in decode)."""
+        return (self._rows(self.keys[layer]).transpose(1, 2), self._rows(self.values[layer]).transpose(1, 2))
+
+    def _grouped_attend(self, rows, keys, values, mask, g: int, scale: float) -> torch.Tensor:
+        return kernels.attend(rows, keys, values, self._grouped_mask(mask, g, rows.dtype), scale)
 
     def write_latent(self, layer: int, entry: torch.Tensor) -> torch.Tensor:
         """Store MLA's ``[B, T, r + dr]`` entries; returns the rows' slots over the key window."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.blocks.cache import KVCache
+from workers.models.blocks.decode_fused import final_norm
 from workers.models.blocks.kernels import fast
 from workers.models.blocks.logprobs import Scoring, score_head
 from workers.models.blocks.masking import window_band
@@ -268,7 +269,7 @@ class CausalLM(nn.Module):
                 aux_total = aux_total + routing.aux_loss
                 routed.append(routing.experts)
                 loads.append(routing.load)
-        h = self.model.norm(x)
+        h = final_norm(self.model.norm, x, ctx)
         if logits_mask is not None:
             h = h[logits_mask]
         logits = logp = entropy = head_loss = None

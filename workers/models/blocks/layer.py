@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.models.blocks.decode_fused import covers, decoding, layer_step
 from workers.models.blocks.decoder import ForwardContext, Routing
 from workers.models.blocks.moe_softmax import MoeBlock
 from workers.models.blocks.norm import RMSNorm
@@ -29,6 +30,8 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext):
+        if decoding(ctx) and covers(self):  # the static engine's decode step: fused kernels
+            return layer_step(self, x, ctx), None
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         h = self.post_attention_layernorm(x)
         if not self.routed:

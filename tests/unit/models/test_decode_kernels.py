@@ -1,0 +1,80 @@
+"""The fused decode kernels (workers/models/blocks/decode_kernels.py) under Triton's CPU interpreter.
+
+Each Triton kernel against its torch reference (the unfused path's ops): in float32 the residual
+add, the rotary embedding and the KV-cache write bit for bit (slots that are not 0..B-1, the cache
+rows outside the written positions untouched), the norms and SwiGLU's activation within float32
+rounding (the norm's sum runs in another order); in bfloat16 within two units of the last place,
+because the interpreter truncates float32 -> bfloat16 where a GPU rounds to nearest as torch does. Then a llama static engine decoding entirely
+through the Triton kernels gives the dynamic engine's greedy tokens.
+"""
+from __future__ import annotations
+
+from tests.helpers.triton_interpreter import assert_ok_under_interpreter
+
+KERNELS = r"""
+import torch
+import workers.models.blocks.decode_kernels as dk
+
+g = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+    exact = dtype == torch.float32
+    same = torch.equal if exact else lambda a, b: torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+    x, d = (torch.randn(5, 1, 576, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    torch.testing.assert_close(dk.rms_norm_triton(x, w, 1e-5), dk.rms_norm_reference(x, w, 1e-5), rtol=tol, atol=tol)
+    s, n = dk.rms_norm_triton(x, w, 1e-5, d)
+    assert same(s, x + d)
+    torch.testing.assert_close(n, dk.rms_norm_reference(x + d, w, 1e-5), rtol=tol, atol=tol)
+    gate, up = (torch.randn(5, 1, 1536, generator=g).to(dtype) for _ in range(2))
+    torch.testing.assert_close(dk.silu_mul_triton(gate, up), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol)
+
+    b, nh, nkv, hd, slots_n, max_len = 3, 9, 3, 64, 6, 16
+    q = torch.randn(b, nh * hd, generator=g).to(dtype)
+    k, v = (torch.randn(b, nkv * hd, generator=g).to(dtype) for _ in range(2))
+    from workers.models.blocks.attention import rope_cos_sin, signed_sin
+    pos = torch.tensor([0, 7, 15])
+    cos, sin = rope_cos_sin(pos[:, None], hd, 100000.0, dtype)
+    cos, ss = cos.reshape(b, hd).contiguous(), signed_sin(sin).reshape(b, hd).contiguous()
+    slots = torch.tensor([4, 0, 2])
+    caches = [[torch.randn(slots_n, max_len, nkv, hd, generator=g).to(dtype) for _ in range(2)]]
+    caches.append([t.clone() for t in caches[0]])
+    qa = dk.rope_write_kv_triton(q, k, v, cos, ss, *caches[0], slots, pos)
+    qb = dk.rope_write_kv_reference(q, k, v, cos, ss, *caches[1], slots, pos)
+    assert qa.shape == (b, nh, hd) and same(qa, qb), (qa - qb).abs().max()
+    assert same(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[0][1][slots, pos], v.view(b, nkv, hd))
+print("ok")
+"""
+
+ENGINE = r"""
+import dataclasses, torch
+from benchmarks.gpu.bench_decode_step import smollm2_config
+from tests.unit.inference.test_engine import PROMPTS, run
+from workers.common.registry import MODELS
+from workers.inference.embedded.engine import GenRequest, InferenceEngine
+from workers.inference.embedded.static_engine import StaticEngine
+import workers.models.blocks.decode_kernels as dk
+
+calls = []
+real = dk.rope_write_kv_triton
+dk.rope_write_kv_triton = lambda *a: calls.append(1) or real(*a)
+cfg = dataclasses.replace(smollm2_config(num_layers=2, vocab_size=256), hidden_size=128, dense_intermediate_size=256,
+                          num_heads=4, num_kv_heads=2)
+lm = MODELS.get("llama").build(cfg, dtype=torch.float32).init_weights(0)
+reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=5) for p in PROMPTS[:3]]
+dyn = run(InferenceEngine(lm, max_batch_size=3, seed=0), [dataclasses.replace(r) for r in reqs])
+sta = run(StaticEngine(lm, max_batch_size=3, seed=0, max_seq_len=64, sync_every=2, smallest_key_window=16), reqs)
+assert calls, "the static decode step did not run the Triton kernels"
+for a, b in zip(dyn, sta):
+    assert a.output_ids == b.output_ids, (a.output_ids, b.output_ids)
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+print("ok")
+"""
+
+
+def test_decode_kernels_under_the_interpreter_equal_the_torch_references():
+    assert_ok_under_interpreter(KERNELS)
+
+
+def test_llama_static_decode_through_the_triton_kernels_equals_the_dynamic_engine():
+    assert_ok_under_interpreter(ENGINE)
