@@ -37,9 +37,10 @@ def arch(m: TinyMoeConfig) -> Architecture:
 
 NOT_HF = ("native family tiny_moe; its published steps are NOT Hugging Face directories (plain safetensors + "
           "index.json, no config.json or tokenizer: its tensors carry Qwen3-MoE names, which transformers builds "
-          "only with the q/k norms tiny_moe lacks), so transformers and SGLang cannot load them (slurmrl-eval STEP "
-          "can: it serves them with the run's own config); for Hugging Face steps train a checkpoint: "
-          "model.path=DIR (a Hugging Face directory), or model=tiny_dense (LlamaForCausalLM)")
+          "only with the q/k norms tiny_moe lacks); `python -m workers.weights.filesystem.resolve STEP OUT` writes "
+          "a step as MixtralForCausalLM (the same function) with the byte tokenizer, and slurmrl-eval STEP serves "
+          "steps as they are; for Hugging Face steps from the start train a checkpoint: model.path=DIR, or "
+          "model=tiny_dense (LlamaForCausalLM)")
 """The plan's ``model path:`` line for this family (every run on the default model prints it)."""
 
 
