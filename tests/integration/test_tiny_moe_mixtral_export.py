@@ -25,18 +25,26 @@ TINY = ["model.vocab_size=264", "model.max_position_embeddings=64", "model.hidde
         "model.expert_intermediate_size=32", "model.num_experts=4"]
 
 
+VARIED = "def varied(prompt, completion, sample):\n    return float(len(completion) % 2)\n"
+"""A reward that differs within a group from the first step (a random model earns none of the docs'
+rewards): the advantages are not zero, so the step resolved is a trained one."""
+
+
 def test_a_default_model_step_resolves_into_a_mixtral_directory(tmp_path):
     run_dir = tmp_path / "run"
+    (tmp_path / "varied_reward.py").write_text(VARIED)
     args = [*SMALL, *TINY, "env=dataset", f"env.path={BYOT / 'train.jsonl'}", "env.prompt_key=question",
-            "env.reward_fn=my_rewards:REWARDS", "env.max_new_tokens=4", "trainer.num_steps=2", "trainer.lr=1e-2",
-            "weights.keep_last=10", f"launcher.run_dir={run_dir}", f"cluster.runs_root={tmp_path / 'runs'}"]
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{BYOT}", OMP_NUM_THREADS="1")
+            "env.reward_fn=varied_reward:varied", "env.max_new_tokens=4",
+            "orchestrator.advantage=sequence", "trainer.num_steps=2", "trainer.lr=1e-2",
+            "weights.keep_last=10", "weights.delta=true", f"launcher.run_dir={run_dir}", f"cluster.runs_root={tmp_path / 'runs'}"]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "published steps are NOT Hugging Face directories" in proc.stdout  # said before it started
     last = run_dir / "weights" / "step_000002"
     assert not (last / "config.json").exists()
+    assert json.loads((last / "index.json").read_text())["anchor"] == 0  # a sparse patch on step 0
     out = tmp_path / "mixtral"
     assert resolve_main([str(last), str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
@@ -47,8 +55,8 @@ def test_a_default_model_step_resolves_into_a_mixtral_directory(tmp_path):
     published = DiskReader().load(last).state
     ours.load_state_dict(published, strict=True)
     step0 = DiskReader().load(run_dir / "weights" / "step_000000").state
-    trained = any(r.get("grad_norm", 0) > 0 for r in metrics(run_dir))  # no reward, no gradient: then unchanged
-    assert any(not torch.equal(published[k], step0[k]) for k in step0) == trained
+    assert any(r["grad_norm"] > 0 for r in metrics(run_dir)), metrics(run_dir)
+    assert any(not torch.equal(published[k], step0[k]) for k in step0)  # a trained step, not the init
     tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
