@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from launcher import sweep
 from launcher.config_store import register, reject_unknown_keys
 from launcher.launch import launch
-from launcher.model_path import explicit_model_keys, resolve_model_path
+from launcher.model_path import explicit_model_keys, explicit_server_path, resolve_model_path
 from launcher.override_keys import refuse_unknown_keys
 from launcher.plan import PlanError
 from launcher.resume import SAFE_KEYS, resume_config
@@ -54,7 +54,8 @@ def hydra_app(cfg: DictConfig) -> None:
         reject_unknown_keys(cfg)
         run_cfg = conform_sections(OmegaConf.to_object(cfg))
         check_algorithm_label(run_cfg, hc.runtime.choices.get("algorithm"))
-        run_cfg = resolve_model_path(run_cfg, explicit_model_keys(hc.overrides.task))  # model.path: config.json
+        run_cfg = resolve_model_path(run_cfg, explicit_model_keys(hc.overrides.task),  # model.path: config.json
+                                     explicit_server_path(hc.overrides.task))
         run_cfg.plugins = list(dict.fromkeys([*PLUGINS, *run_cfg.plugins]))  # roles import the same ones
         if run_cfg.launcher.resume:
             if hc.mode == RunMode.MULTIRUN:

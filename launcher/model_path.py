@@ -35,6 +35,7 @@ from workers.common.registry import ENVS
 from workers.models.hf_dir import CheckpointError, check_directory, model_fields
 
 OVERRIDE = re.compile(r"^\+{0,2}(model(?:\.[\w]+)?)=")
+SERVER_PATH = re.compile(r"^\+{0,2}inference\.sglang\.model_path=")
 
 
 def explicit_model_keys(overrides: Iterable[str]) -> set[str]:
@@ -47,8 +48,14 @@ def explicit_model_keys(overrides: Iterable[str]) -> set[str]:
     return out
 
 
-def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
-    """``cfg`` with the model section rebuilt from ``model.path``'s config.json (no-op without one)."""
+def explicit_server_path(overrides: Iterable[str]) -> bool:
+    """Whether the command line sets ``inference.sglang.model_path`` itself."""
+    return any(SERVER_PATH.match(o) for o in overrides)
+
+
+def resolve_model_path(cfg: RunConfig, explicit: set[str], server_path_explicit: bool = False) -> RunConfig:
+    """``cfg`` with the model section rebuilt from ``model.path``'s config.json (no-op without one), and
+    the SGLang servers pointed at the same checkpoint (:func:`servers_load_model_path`)."""
     m = cfg.model
     if not m.path:
         return cfg
@@ -80,7 +87,28 @@ def resolve_model_path(cfg: RunConfig, explicit: set[str]) -> RunConfig:
     if problems:
         message = checkpoint_overrides_message(directory, problems, sorted(fields), sorted(names - set(fields)))
         raise PlanError(message + env_problems(resolved))
-    return resolved
+    return servers_load_model_path(resolved, server_path_explicit)
+
+
+def servers_load_model_path(cfg: RunConfig, explicit: bool) -> RunConfig:
+    """``model.path`` is the run's one checkpoint: the trainer starts from it and SGLang servers load
+    it too. A preset's ``inference.sglang.model_path`` (the glm5 / kimi_k2 / nemotron3 experiments
+    name ``${cluster.shared_root}/models/<name>``) is replaced by it; one set on the command line that
+    names another directory is refused with both keys (the trainer would train one model while the
+    servers sample another)."""
+    sglang = getattr(cfg.inference, "sglang", None)
+    if not cfg.model.path or cfg.inference.backend != "sglang" or sglang is None:
+        return cfg
+    mine = str(Path(cfg.model.path).expanduser().resolve())
+    theirs = sglang.model_path
+    if theirs and str(Path(theirs).expanduser().resolve()) == mine:
+        return cfg
+    if theirs and explicit:
+        raise PlanError(f"model.path={cfg.model.path} and inference.sglang.model_path={theirs} name different "
+                        f"checkpoints: the trainer starts from model.path while the SGLang servers load theirs; "
+                        f"set model.path alone (the servers then load it too)")
+    inference = dataclasses.replace(cfg.inference, sglang=dataclasses.replace(sglang, model_path=mine))
+    return dataclasses.replace(cfg, inference=inference)
 
 
 def env_problems(cfg: RunConfig) -> str:

@@ -103,10 +103,12 @@ class JobPlan:
         lines += [f"model path: {self.route}"] if self.route else []
         for c in self.components:
             gpus = f", {c.num_gpus_per_node} GPUs/node" if c.num_gpus_per_node else ""
-            lines.append(f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}; "
-                         + "; ".join(self.role(r).description for r in c.roles))
+            where = f"het group {c.index} {c.name}: {c.num_nodes} node(s){gpus}" if self.backend != "local" else c.name
+            lines.append(f"{where}; " + "; ".join(self.role(r).description for r in c.roles))
         split = " + ".join(f"{c.name} {c.num_nodes}" for c in self.components if c.num_gpus_per_node)
-        if split:
+        if self.backend == "local":
+            lines += [one_machine_line(self.gpu_placement)] if self.gpu_placement else []
+        elif split:
             lines.append(f"GPU nodes: {split} = {self.num_gpu_nodes}; all nodes: {self.num_nodes}")
         lines.append(f"trainer dims: {self.trainer_dims.describe()}")
         lines += [f"algorithm {self.algorithm}"] if self.algorithm else []
@@ -121,6 +123,20 @@ class JobPlan:
         if self.local_gpus is not None:
             lines += placement_lines(self.gpu_placement, self.local_gpus)
         return lines
+
+
+def one_machine_line(placement: tuple[ProcessGPUs, ...]) -> str:
+    """A local plan's size: every process on this one machine, the GPUs each role holds (the components'
+    node counts are Slurm's het groups, meaningless here: 8 GPUs are not "6 nodes")."""
+    roles: dict[str, set[str]] = {}
+    for p in placement:
+        if p.cuda_visible_devices:
+            roles.setdefault(p.role, set()).update(p.cuda_visible_devices.split(","))
+    total = set().union(*roles.values()) if roles else set()
+    split = " + ".join(f"{role} {len(ids)}" for role, ids in roles.items())
+    return (f"GPUs in use: {split} = {len(total)} GPU(s) on ONE machine (local backend: every process here, "
+            f"no Slurm job)" + (" (shared: roles hold the same GPUs)" if sum(map(len, roles.values())) > len(total)
+                                  else ""))
 
 
 @contextlib.contextmanager

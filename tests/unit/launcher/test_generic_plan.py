@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from launcher.launch import prepare
+from launcher.launch import launch, prepare
 from launcher.model_path import explicit_model_keys, resolve_model_path
 from launcher.plan import PlanError, build_plan
 from tests.conftest import REPO, compose
 from tests.models.hf_dirs import generic_dir, llama_dir
 from workers.models.hf_dir import CheckpointError, model_fields
+from workers.models.tiny_moe.spec import NOT_HF
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,20 @@ def test_an_architecture_no_family_covers_takes_the_generic_path(phi):
 def test_native_families_say_so(tmp_path):
     cfg = resolved(llama_dir(tmp_path / "llama"))
     assert "model path: native family llama" in build_plan(cfg).summary()
-    assert "model path: native family tiny_moe" in build_plan(compose([])).summary()
+    default = [ln for ln in build_plan(compose([])).summary() if ln.startswith("model path:")]
+    assert default == [f"model path: {NOT_HF}"]  # issue 47 item 12: the default model's steps are not HF dirs
+
+
+def test_the_default_models_plan_says_its_steps_are_not_hugging_face_directories(tmp_path, capsys):
+    """What a user of the default model (a bring-your-own dataset run, say) reads before it starts,
+    local and Slurm alike; a tiny_dense run (LlamaForCausalLM steps) does not read it."""
+    assert launch(compose([f"cluster.runs_root={tmp_path}", "launcher.dry_run=true"])) == 0
+    out = capsys.readouterr().out
+    assert "published steps are NOT Hugging Face directories" in out and "model.path=DIR" in out
+    slurm = build_plan(compose(["cluster=local_slurm"])).summary()
+    assert any("published steps are NOT Hugging Face directories" in ln for ln in slurm)
+    assert launch(compose([f"cluster.runs_root={tmp_path}", "launcher.dry_run=true", "model=tiny_dense"])) == 0
+    assert "NOT Hugging Face" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override, message", [

@@ -35,6 +35,19 @@ def arch(m: TinyMoeConfig) -> Architecture:
                         tie_word_embeddings=m.tie_word_embeddings)
 
 
+NOT_HF = ("native family tiny_moe; its published steps are NOT Hugging Face directories (plain safetensors + "
+          "index.json, no config.json or tokenizer: its tensors carry Qwen3-MoE names, which transformers builds "
+          "only with the q/k norms tiny_moe lacks); `python -m workers.weights.filesystem.resolve STEP OUT` writes "
+          "a step as MixtralForCausalLM (the same function) with the byte tokenizer, and slurmrl-eval STEP serves "
+          "steps as they are; for Hugging Face steps from the start train a checkpoint: model.path=DIR, or "
+          "model=tiny_dense (LlamaForCausalLM)")
+"""The plan's ``model path:`` line for this family (every run on the default model prints it)."""
+
+
+def route(m: TinyMoeConfig) -> str:
+    return NOT_HF
+
+
 def check(cfg) -> None:
     m = cfg.model
     check_gqa(m)
@@ -44,4 +57,4 @@ def check(cfg) -> None:
 
 SPEC = MODELS.register(ModelSpec(
     name="tiny_moe", config=TinyMoeConfig, check=check, arch=arch, build=build, init=init,
-    router_hook="forced_experts", summary="small causal MoE decoder in plain torch (every layer top-k routed)"))
+    router_hook="forced_experts", route_line=route, summary="small causal MoE decoder in plain torch (every layer top-k routed)"))

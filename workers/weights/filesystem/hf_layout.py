@@ -13,8 +13,10 @@ before STABLE (so a step is either complete or absent):
   holds the byte-level chat template's 264 ids gets that template's tokenizer files instead
   (byte_tokenizer.py), so every step can be prompted with ``AutoTokenizer.from_pretrained``.
 
-Families without ``to_hf_config`` (tiny_moe: no HF architecture computes its function) publish
-steps without these files: ordinary safetensors, not loadable by transformers.
+Families without ``to_hf_config`` (tiny_moe: its Qwen3-MoE tensor names belong to an architecture with
+q/k norms it lacks) publish steps without these files: ordinary safetensors, not loadable by
+transformers as published; the plan's ``model path:`` line says so (workers/models/tiny_moe/spec.py
+``NOT_HF``) and resolve.py writes such a step as a Mixtral directory (tiny_moe/hf_export.py).
 
 Delta steps (``weights.delta``): the weight map of a delta step points unchanged tensors at an
 earlier step's shard (``../step_000004/model-00001-of-00001.safetensors``); transformers follows

@@ -7,7 +7,9 @@ step (``weights.delta``) holds only changed elements on top of its anchor (patch
 reads every tensor through our index.json (checksums and finiteness verified by the same reader
 the inference workers use, workers/weights/filesystem/receiver.py), writes them into one
 ``model.safetensors`` and copies config.json and the tokenizer files: the result loads in
-transformers and SGLang like a full step. Peak memory is the model once (a tool, not a role).
+transformers and SGLang like a full step. A step of the default model (tiny_moe, which publishes no
+config.json) becomes a ``MixtralForCausalLM`` directory: Mixtral's names and config.json, the byte
+tokenizer where the run's vocabulary has it (workers/models/tiny_moe/hf_export.py). Peak memory is the model once (a tool, not a role).
 """
 from __future__ import annotations
 
@@ -40,12 +42,17 @@ def resolve(step_dir: Path, out_dir: Path) -> Path:
 
         return merge(step_dir, out_dir)
     files_dir = _anchor_of(step_dir)  # a patch step (weights.delta) takes config and tokenizer from its anchor
+    mixtral = None
     if not (files_dir / CONFIG).is_file():
-        raise WeightLoadError(f"{files_dir} has no {CONFIG}: its family publishes no Hugging Face config")
+        mixtral = _tiny_moe_of(step_dir)
+        if mixtral is None:
+            raise WeightLoadError(f"{files_dir} has no {CONFIG}: its family publishes no Hugging Face config")
     reader = DiskReader()
     loaded = reader.load(step_dir)
     out_dir.mkdir(parents=True, exist_ok=False)
     state = sorted((n, t.contiguous()) for n, t in loaded.state.items())
+    if mixtral is not None:
+        return _write_mixtral(mixtral, state, out_dir)
     write_shard(out_dir / "model.safetensors", state, {"format": "pt"})
     total = sum(t.numel() * t.element_size() for _, t in state)
     index = {"metadata": {"total_size": total}, "weight_map": {n: "model.safetensors" for n, _ in state}}
@@ -53,6 +60,32 @@ def resolve(step_dir: Path, out_dir: Path) -> Path:
     for name in (CONFIG, *TOKENIZER_FILES, STABLE):
         if (files_dir / name).is_file():
             shutil.copyfile(files_dir / name, out_dir / name)
+    return out_dir
+
+
+def _tiny_moe_of(step_dir: Path):
+    """The model section of a tiny_moe run whose step this is (RUN_DIR/weights/step_N: the run's
+    config/run.yaml), else None: such steps resolve into Mixtral directories (tiny_moe/hf_export.py)."""
+    run_yaml = step_dir.parent.parent / "config" / "run.yaml"
+    if not run_yaml.is_file():
+        return None
+    from workers.common.config.run import load_run_config
+
+    model = load_run_config(str(run_yaml)).model
+    return model if model.family == "tiny_moe" else None
+
+
+def _write_mixtral(model, state: list, out_dir: Path) -> Path:
+    """A tiny_moe step as ``MixtralForCausalLM`` (its function, Mixtral's names) with the byte tokenizer."""
+    from workers.models.tiny_moe.hf_export import mixtral_config, mixtral_name
+    from workers.weights.filesystem.byte_tokenizer import byte_tokenizer_files, wants_byte_tokenizer
+
+    state = sorted((mixtral_name(n), t) for n, t in state)
+    write_shard(out_dir / "model.safetensors", state, {"format": "pt"})
+    dtype = str(state[0][1].dtype).removeprefix("torch.")
+    (out_dir / CONFIG).write_text(json.dumps({**mixtral_config(model), "dtype": dtype}, indent=1) + "\n")
+    for name, text in byte_tokenizer_files() if wants_byte_tokenizer(model) else ():
+        (out_dir / name).write_text(text)
     return out_dir
 
 
