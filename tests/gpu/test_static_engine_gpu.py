@@ -140,3 +140,15 @@ def test_mamba2_state_and_dsa_keys_in_graphs(dtype):
         for a, b in zip(ref, sta):
             assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason, family
             assert torch.equal(a.routed_experts, b.routed_experts), family
+
+
+@needs_cuda
+def test_the_fused_decode_kernels_check_out_on_this_gpu():
+    """The static engine runs its Triton decode kernels only where this start-up check passes
+    (workers/models/blocks/decode_kernels.py ``self_check``); on a GPU it must pass, or the decode step
+    silently keeps its 38 ops a layer."""
+    from workers.models.blocks import decode_kernels
+
+    ok, why = decode_kernels.self_check(torch.device("cuda"))
+    assert ok, why
+    assert decode_kernels.usable(torch.zeros(1, device="cuda"))

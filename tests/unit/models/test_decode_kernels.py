@@ -78,3 +78,16 @@ def test_decode_kernels_under_the_interpreter_equal_the_torch_references():
 
 def test_llama_static_decode_through_the_triton_kernels_equals_the_dynamic_engine():
     assert_ok_under_interpreter(ENGINE)
+
+
+def test_off_cuda_the_self_check_refuses_and_cpu_tensors_keep_the_torch_ops(monkeypatch):
+    """The kernels run on a CUDA device only after self_check passed there; a CPU device is refused by
+    the check, and CPU tensors use the torch ops unless Triton's interpreter is on (these tests)."""
+    import torch
+
+    from workers.models.blocks import decode_kernels
+
+    ok, why = decode_kernels.self_check(torch.device("cpu"))
+    assert not ok and why
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not decode_kernels.usable(torch.zeros(2))

@@ -39,6 +39,7 @@ from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.requests import GenRequest, _Seq
 from workers.inference.embedded.slot_state import GREEDY, MAX_STOP_IDS, NUCLEUS, SlotState, decode_mode, to_device
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
+from workers.models.blocks import decode_kernels
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.latent_moe import LatentMoE
 from workers.models.blocks.moe_softmax import MoeBlock
@@ -67,6 +68,9 @@ class StaticEngine(InferenceEngine):
         self._slot_adapter = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
+        if self.device.type == "cuda":  # before any capture: the fused decode kernels only where they check out
+            ok, why = decode_kernels.self_check(self.device, dtype)
+            (log.info if ok else log.warning)("static engine: %s", why)
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
         self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None

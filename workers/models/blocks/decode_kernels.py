@@ -36,9 +36,62 @@ except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
 
+_CHECKED: dict[str, tuple[bool, str]] = {}
+"""Per CUDA device: did :func:`self_check` find the kernels equal to the references there (and why not)."""
+
+
 def usable(x: torch.Tensor) -> bool:
-    """The Triton kernels apply: Triton present and a CUDA tensor (or the interpreter, on CPU)."""
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """The Triton kernels apply: Triton present and either the interpreter (CPU tests) or a CUDA device
+    where :func:`self_check` passed (the engine runs it before capturing graphs; unchecked: the torch
+    ops, which are always right)."""
+    if triton is None:
+        return False
+    if x.is_cuda:
+        return _CHECKED.get(str(x.device), (False, ""))[0]
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+    """Run each kernel once on ``device`` against its torch reference (small random inputs, outside any
+    graph capture) and remember the verdict for :func:`usable`: a kernel that fails to compile or
+    disagrees on this GPU stack leaves the decode on the torch ops, with the reason logged, instead
+    of failing a run. Returns (passed, why)."""
+    device = torch.device(device)
+    if device.type != "cuda" or triton is None:
+        return False, "not a CUDA device" if triton is not None else "no triton"
+    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if key in _CHECKED:
+        return _CHECKED[key]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    def close(a, b) -> bool:
+        return bool(((a.float() - b.float()).abs() <= 2e-2 * b.float().abs().max() + 1e-3).all())
+
+    try:
+        b, nh, nkv, d, hid = 3, 4, 2, 64, 192
+        x, dx, w = rnd(b, hid), rnd(b, hid), rnd(hid)
+        s, y = rms_norm_triton(x, w, 1e-6, dx)
+        ok = close(rms_norm_triton(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+        ok = ok and close(s, x + dx) and close(y, rms_norm_reference(x + dx, w, 1e-6))
+        gate, up = rnd(b, 300), rnd(b, 300)
+        ok = ok and close(silu_mul_triton(gate, up), F.silu(gate) * up)
+        q, k, v, cos, sin = rnd(b, nh * d), rnd(b, nkv * d), rnd(b, nkv * d), rnd(b, d), rnd(b, d)
+        caches = [torch.zeros(4, 8, nkv, d, device=device, dtype=dtype) for _ in range(4)]
+        slots = torch.tensor([2, 0, 3], device=device)
+        pos = torch.tensor([5, 0, 7], device=device)
+        got = rope_write_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, pos)
+        want = rope_write_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots, pos)
+        ok = ok and close(got, want) and close(caches[0], caches[2]) and close(caches[1], caches[3])
+        verdict = (bool(ok), "the decode kernels agree with the torch ops" if ok else
+                   "a decode kernel disagrees with its torch reference on this GPU: the torch ops run instead")
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the torch ops
+        verdict = (False, f"the decode kernels do not run here ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                          f"the torch ops run instead")
+    _CHECKED[key] = verdict
+    return verdict
 
 
 # ---- torch references (the unfused path's exact ops) ----------------------------------------
