@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from workers.orchestrator.envs.sandbox_uids import uid_pool
+
 log = logging.getLogger("slurmrl.sandbox")
 HERE = Path(__file__).resolve().parent
 TRAMPOLINE = HERE / "sandbox_exec.py"
@@ -153,7 +155,7 @@ class Sandbox:
         self.scratch_root.mkdir(parents=True, exist_ok=True)
         self.mountpoint = self.scratch_root / ".root"  # each run mounts its own tmpfs here, privately
         self.mountpoint.mkdir(exist_ok=True)
-        self.pool = _uid_pool(uid_base, num_uids)
+        self.pool = uid_pool(uid_base, num_uids)
         self.uids = self.pool.uids
         self.allow_weak = allow_weak
         self.mode = mode if mode != "auto" else self._detect(tuple(auto_modes))
@@ -303,43 +305,6 @@ class Sandbox:
 
     async def _give_uid(self, uid: int) -> None:
         await self.pool.give(uid)
-
-
-class _UidPool:
-    """Sandbox uids of this process, shared by every Sandbox in it (one uid = one run at a time).
-
-    Spread by pid so that orchestrators on one node rarely share a uid."""
-
-    def __init__(self, uid_base: int, num_uids: int):
-        self.uids = [uid_base + (os.getpid() % 512) * num_uids + i for i in range(num_uids)]
-        self.free = list(self.uids)
-        self.loops: dict[int, asyncio.Condition] = {}
-
-    def _cond(self) -> asyncio.Condition:
-        loop = id(asyncio.get_running_loop())  # a Condition belongs to one event loop (tests run several)
-        return self.loops.setdefault(loop, asyncio.Condition())
-
-    async def take(self) -> int:
-        cond = self._cond()
-        async with cond:
-            await cond.wait_for(lambda: bool(self.free))
-            return self.free.pop(0)
-
-    async def give(self, uid: int) -> None:
-        cond = self._cond()
-        async with cond:
-            self.free.append(uid)
-            cond.notify()
-
-
-_pools: dict[tuple[int, int, int], _UidPool] = {}
-
-
-def _uid_pool(uid_base: int, num_uids: int) -> _UidPool:
-    key = (uid_base, num_uids, os.getpid())
-    if key not in _pools:
-        _pools[key] = _UidPool(uid_base, num_uids)
-    return _pools[key]
 
 
 async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
