@@ -40,7 +40,8 @@ from workers.trainer.loss import load_balance_loss, policy_loss, prob_stats, tok
 from workers.trainer.parallel.mesh import materialize, parallelize
 from workers.trainer.optimizer import ShardLocalAdamW
 from workers.trainer.precision import Precision
-from workers.trainer.step import backward_step, capture_routing, train_step
+from workers.trainer.routing_capture import capture_routing
+from workers.trainer.step import backward_step, train_step
 from workers.models.blocks.experts import checkpoint_named
 
 SEED = moe.SEED

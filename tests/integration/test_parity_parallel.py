@@ -37,7 +37,7 @@ from tests.integration.step_parity import assert_step_matches, step_and_save, we
 from tests.helpers.netutil import gloo_dims, run_ranks
 from workers.trainer.micro import apply_activation_checkpointing
 from workers.trainer.objective import aggregation
-from workers.trainer.step import capture_gate_logits
+from workers.trainer.routing_capture import capture_gate_logits
 from workers.models.blocks.experts import checkpoint_named
 
 CFG = TinyMoeConfig(vocab_size=15, hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2,

@@ -20,7 +20,7 @@ import yaml
 
 from workers.common.registry import MODELS
 from workers.models.blocks import kernels
-from workers.trainer.step import capture_routing
+from workers.trainer.routing_capture import capture_routing
 
 ROOT = Path(__file__).resolve().parents[3]
 
