@@ -127,9 +127,10 @@ def test_env_and_plan_json_of_each_process(tmp_path, monkeypatch):
     assert envs["trainer"][0]["CUDA_VISIBLE_DEVICES"] == "3" and envs["orchestrator"][0]["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_real_child_processes_get_their_gpus(tmp_path):
+def test_real_child_processes_get_their_gpus(tmp_path, monkeypatch):
     """Every role's process, started by the local backend as in a run (tests/helpers/env_probe.py in place of
     the role's module), sees its own CUDA_VISIBLE_DEVICES and its topology."""
+    monkeypatch.setenv("SLURMRL_PROBE_EXPECT", "5")  # the main roles wait for the servers' probes (env_probe.py)
     cfg = compose(["trainer.num_ranks=2", "inference.num_workers=2", *CUDA, "launcher.shutdown_grace_s=2"])
     plan = build_plan(cfg, gpus=LocalGPUs(("1", "2", "4", "7"), "NVML"))
     plan = dataclasses.replace(plan, roles=tuple(dataclasses.replace(r, module="tests.helpers.env_probe") for r in plan.roles))

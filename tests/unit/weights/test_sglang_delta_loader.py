@@ -184,3 +184,24 @@ def test_tensors_a_rank_holds_split_are_refused_before_anything_changes():
     with pytest.raises(Exception, match="split over 2 MoE TP ranks"):
         apply_patch(model, desc, raw, copies=copies)
     assert bits_equal(model, before)
+
+
+def test_a_models_carried_sums_die_with_it():
+    """The loader's per-model sums are keyed by the model object (weakly), not by ``id()``: a model built
+    after another was freed may get its id, and must not inherit its sums (a flaky refusal in CI)."""
+    import gc
+
+    from workers.weights.sglang import patch_loader
+
+    master = hf_state()
+    trainer = Trainer(master)
+    model = FakeSGLangModel(0, 2)
+    load_dense(model, master)
+    raw, desc = trainer.step(1)
+    with torch.no_grad():
+        assert apply_patch(model, desc, raw, copies=copies) > 0
+    assert model in patch_loader._STATE
+    held = len(patch_loader._STATE)
+    del model
+    gc.collect()
+    assert len(patch_loader._STATE) == held - 1

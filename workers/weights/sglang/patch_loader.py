@@ -41,6 +41,7 @@ import json
 import os
 import re
 import socket
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -165,8 +166,10 @@ class Targets:
         return view
 
 
-_STATE: dict[int, dict] = {}
-"""Per model (id): {"anchor": the full version the digests were computed under, "sums": {name: sum64}}."""
+_STATE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+"""Per model: {"anchor": the full version the digests were computed under, "sums": {name: sum64}}. Keyed by the
+model object itself, weakly: an ``id()`` key outlived its model, and a new model given the freed id inherited
+stale sums (a test saw a patch refused that way when two models lived one after the other in one process)."""
 
 
 def apply_patch(model, desc: Mapping[str, Any], raw: bytes, *, copies=eplb_copies) -> int:
@@ -214,7 +217,7 @@ def apply_views(model, desc: Mapping[str, Any], views: Mapping[str, list[torch.T
     from workers.weights.delta.sum64 import tensor_sum64
     from workers.weights.shards import dtype_from_name
 
-    state = _STATE.setdefault(id(model), {"anchor": None, "version": None, "sums": {}})
+    state = _STATE.setdefault(model, {"anchor": None, "version": None, "sums": {}})
     if state["anchor"] != desc["anchor"] or ("base" in desc and state.get("version") != desc["base"]):
         state.update(anchor=desc["anchor"], sums={})
     params, replicas = {}, []
