@@ -66,18 +66,13 @@ bench-smollm2: install-pretrained
 run: install
 	$(VENV)/bin/slurmrl experiment=tiny_local $(ARGS)
 
-# Two halves: the fast tests on two workers (pytest-xdist: they are independent processes and
-# directories), then the whole-run and Slurm tests one at a time (they time hangs and restarts,
-# and share one Slurm cluster). A half that selects nothing (exit 5) is fine when the other ran.
+# CI's suite runs one test at a time: its whole-run tests time hangs and restarts, share one Slurm
+# cluster, and a parallel run surfaced order and load flakes (two fixed; others may hide).
+# test-fast runs the independent fast tests on $(WORKERS) pytest-xdist workers.
 FAST := not slurm and not slow and not gpu
 WORKERS ?= 2
 test: install install-sglang install-pretrained lint
-	@rc1=0; rc2=0; \
-	$(PY) -m pytest -m "$(FAST)" -n $(WORKERS) $(PYTEST_ARGS) || rc1=$$?; \
-	$(PY) -m pytest -m "not ($(FAST))" $(PYTEST_ARGS) || rc2=$$?; \
-	echo "[test] fast half exit $$rc1, whole-run/Slurm half exit $$rc2"; \
-	if [ $$rc1 -eq 5 ] && [ $$rc2 -eq 5 ]; then exit 5; fi; \
-	for rc in $$rc1 $$rc2; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install install-sglang
 	$(PY) -m pytest -m "$(FAST)" -n $(WORKERS) $(PYTEST_ARGS)
