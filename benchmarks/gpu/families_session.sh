@@ -10,25 +10,7 @@
 #   bash benchmarks/gpu/families_session.sh          # results and logs under $OUT
 # Each part has its own time limit, so one that overruns leaves the others' results.
 set -u
-OUT=${OUT:-benchmarks/results/gpu/local}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1 || echo "wheel install failed (see pip.log)"
-fi
-export PYTHONPATH="$PWD:$PWD/.gpusite:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 NCCL_MNNVL_ENABLE=0 NCCL_CUMEM_ENABLE=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
-STATUS=0
-part() {  # part NAME SECONDS CMD...: one part under a time limit, its log in $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -8 "$OUT/$name.log"
-  echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
-  [ $rc -eq 0 ] || STATUS=1
-}
+source "$(dirname "$0")/session_common.sh"
 part gpu_tests 100 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemma3_gpt_oss_gpu.py \
   tests/gpu/test_static_engine_gpu.py tests/gpu/test_lora_engine_gpu.py
 part parity_qwen3 120 python3 -m benchmarks.model_parity --device cuda --dtype bfloat16 --size real --families qwen3 --compile on \

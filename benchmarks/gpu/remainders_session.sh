@@ -12,27 +12,8 @@
 # .gpusite (hydra-core, omegaconf, antlr4, gguf as package directories). PARTS="gpu_tests dsa" runs a subset.
 #   bash benchmarks/gpu/remainders_session.sh          # results and logs under $OUT
 set -u
-OUT=${OUT:-benchmarks/results/gpu/local}
 PARTS=${PARTS:-gpu_tests loop dsa lora_step fp8}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1 || echo "wheel install failed (see pip.log)"
-fi
-export PYTHONPATH="$PWD:$PWD/.gpusite:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 NCCL_MNNVL_ENABLE=0 NCCL_CUMEM_ENABLE=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
-STATUS=0
-part() {  # part NAME SECONDS CMD...: one part under a time limit, its log in $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -12 "$OUT/$name.log"
-  echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
-  [ $rc -eq 0 ] || STATUS=1
-}
+source "$(dirname "$0")/session_common.sh"
 part gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemma3_gpt_oss_gpu.py \
   tests/gpu/test_static_engine_gpu.py tests/gpu/test_lora_engine_gpu.py tests/gpu/test_dsa_fused_gpu.py tests/gpu/test_fp8_gpu.py
 part loop 160 python3 -m benchmarks.gpu.one_gpu_node_limit --out "$OUT/limit" --work /tmp/one_gpu_node_limit \
