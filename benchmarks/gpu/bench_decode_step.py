@@ -131,6 +131,10 @@ def decode_step_ms(cfg, args, device: torch.device, dtype: torch.dtype) -> dict:
         ps = prompts(cfg.vocab_size, args.rows, args.prompt_len, seed=0)
         step_ms, (w_s, s_s), (w_l, s_l) = steady_step_ms(engine, ps, args)
         replay = graph_step_ms(engine, args.rows) if device.type == "cuda" else None
+        if getattr(args, "profile", False) and device.type == "cuda":
+            from benchmarks.gpu.bench_fp8_decode import kernel_table
+            from benchmarks.gpu.bench_inference import engine_batch
+            kernel_table(lambda: engine_batch(engine, ps, args.long, temperature=1.0), "decode batch", rows=40)
         # what a batch costs besides its decode steps: admission, chunked prefill, first token, last collection
         return {"decode_step_ms": step_ms, "graph_replay_ms": replay, "batch_fixed_ms": 1e3 * w_s - s_s * step_ms, "wall_s": {str(args.short): w_s, str(args.long): w_l},
                 "decode_steps": {str(args.short): s_s, str(args.long): s_l}, "graph_error": engine.graph_error,
@@ -148,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-seq-len", type=int, default=2048, help="positions per slot (inference=embedded_gpu's)")
     ap.add_argument("--toy", action="store_true", help="CPU, 2 layers, vocabulary 512, 8 rows: seconds")
+    ap.add_argument("--profile", action="store_true", help="GPU: print one batch's kernels by time")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.toy else "cpu")

@@ -100,6 +100,9 @@ def measure(model, ps, args, device, ref=None) -> dict:
     try:
         step_ms = steady_step_ms(engine, ps, args)[0]
         outs, _, _ = engine_batch(engine, ps, args.long, temperature=1.0)
+        if args.profile and device.type == "cuda":
+            kernel_table(lambda: engine_batch(engine, ps, args.long, temperature=1.0),
+                         f"{'fp8' if ref is not None else 'bf16'} engine, one batch of {args.long} new tokens")
         graph_error = engine.graph_error
     finally:
         engine.shutdown()
@@ -107,6 +110,18 @@ def measure(model, ps, args, device, ref=None) -> dict:
         kl = k3_mismatch(bf16, outs, ps, device)
     return {"decode_step_ms": step_ms, "decode_tokens_per_s": args.rows * 1e3 / step_ms, "mismatch_kl": kl,
             "graph_error": graph_error}
+
+
+def kernel_table(fn, title: str, rows: int = 30) -> None:
+    """Prints the CUDA kernels of one ``fn()`` by total GPU time (kernels replayed from CUDA graphs
+    included): where a decode step's time goes, for the next change."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"== profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90), flush=True)
 
 
 def shape_row(name: str, family: str, cfg, args, device: torch.device) -> dict:
@@ -164,6 +179,7 @@ def main(argv=None) -> int:
                     help="a second, shallower qwen3_moe: the per-layer slope between the two depths (0: skip)")
     ap.add_argument("--shapes", default="smollm2_135m,qwen3_moe")
     ap.add_argument("--toy", action="store_true", help="CPU, tiny shapes, 4 rows: seconds")
+    ap.add_argument("--profile", action="store_true", help="GPU: print each engine's kernels by time (one batch)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.toy else "cpu")

@@ -186,6 +186,9 @@ def bench(family: str, args, dims) -> list[dict]:
               f"{row['tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:5.1f}%  ({num_micro} micro-batches: "
               + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " s)", flush=True)
         rows.append(row)
+        if args.profile and dims.device.type == "cuda":
+            from benchmarks.gpu.bench_fp8_decode import kernel_table
+            kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} step", rows=45)
     del model, opt, full
     if dims.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -204,6 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="trainer.micro_batch_tokens: gradient accumulation over micro-batches of this many tokens")
     ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke; none: no compilation")
+    ap.add_argument("--profile", action="store_true", help="GPU: print one step's kernels by time after each row")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths (model_parity --toy), 2 x 32 tokens")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
