@@ -112,7 +112,7 @@ def measure(model, ps, args, device, ref=None) -> dict:
             "graph_error": graph_error}
 
 
-def kernel_table(fn, title: str, rows: int = 30) -> None:
+def kernel_table(fn, title: str, rows: int = 30, sort_by: str = "cuda_time_total") -> None:
     """Prints the CUDA kernels of one ``fn()`` by total GPU time (kernels replayed from CUDA graphs
     included): where a decode step's time goes, for the next change."""
     from torch.profiler import ProfilerActivity, profile
@@ -121,7 +121,7 @@ def kernel_table(fn, title: str, rows: int = 30) -> None:
         fn()
         torch.cuda.synchronize()
     print(f"== profile: {title}", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90), flush=True)
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90), flush=True)
 
 
 def shape_row(name: str, family: str, cfg, args, device: torch.device) -> dict:

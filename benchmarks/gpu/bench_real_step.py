@@ -188,7 +188,8 @@ def bench(family: str, args, dims) -> list[dict]:
         rows.append(row)
         if args.profile and dims.device.type == "cuda":
             from benchmarks.gpu.bench_fp8_decode import kernel_table
-            kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} step", rows=45)
+            kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} step", rows=60,
+                         sort_by="self_cuda_time_total")
     del model, opt, full
     if dims.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -21,4 +21,5 @@ part loop 160 python3 -m benchmarks.gpu.one_gpu_node_limit --out "$OUT/limit" --
 part dsa 170 python3 -m benchmarks.gpu.bench_dsa_layer --out "$OUT"
 part lora_step 150 python3 -m benchmarks.lora --gpu-step --ranks 8 --out "$OUT"
 part fp8 150 python3 -m benchmarks.gpu.bench_fp8_decode --out "$OUT"
+bundle
 exit $STATUS

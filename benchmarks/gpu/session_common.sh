@@ -1,7 +1,8 @@
 # Sourced by a device session script (remainders_session.sh): the carried wheels installed into
 # /tmp/site, PYTHONPATH with .gpusite, multicast off, the card's name in $OUT/card.txt, and
 # part NAME SECONDS CMD... (one bounded part, its log in $OUT/NAME.log; skipped unless NAME is in
-# $PARTS when PARTS is set; STATUS=1 when a part fails).
+# $PARTS when PARTS is set; STATUS=1 when a part fails); bundle (every log into $OUT/logs.tgz:
+# the device returns at most 8 files).
 OUT=${OUT:-benchmarks/results/gpu/local}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -21,4 +22,7 @@ part() {
   tail -12 "$OUT/$name.log"
   echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
   [ $rc -eq 0 ] || STATUS=1
+}
+bundle() {  # the device returns at most 8 files: every log goes back in one archive
+  (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log 2>/dev/null)) || true
 }

@@ -45,7 +45,7 @@ from workers.trainer.packing import plan_packing
 from workers.trainer.parallel.dims import ParallelDims
 from workers.trainer.router_replay import expert_load_metrics, mask_unreported, replay_inputs
 from workers.trainer.routing_capture import capture_routing, stack_own
-from workers.trainer.parallel.fsdp import FsdpTrainerModel
+from workers.trainer.parallel.fsdp import FsdpTrainerModel, accumulate_unsharded
 from workers.models.lora.rows import rows_of
 
 
@@ -246,6 +246,8 @@ def _forward_backward(model: FsdpTrainerModel, micro: list[RolloutBatch], tokens
         loss = pg_loss
         if counts is not None and tcfg.aux_loss_coef > 0:
             loss = loss + tcfg.aux_loss_coef * load_balance_loss(fwd.prob_sums, counts, num_valid, mcfg.top_k)
+        if len(micro) > 1:
+            accumulate_unsharded(model, last=i == len(micro) - 1)
         loss.backward()
         acc.add(mb, fwd, tok, pg_loss=pg_loss.detach(), unreported=(mb.loss_mask & ~loss_mask).sum())
     return acc, counts, num_valid

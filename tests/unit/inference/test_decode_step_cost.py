@@ -83,3 +83,44 @@ def test_rope_of_q_and_k_together_is_bit_exact(dtype):
     cos, sin = rope_cos_sin(torch.randint(0, 4000, (3, 5), generator=g), 64, 100000.0, dtype)
     q2, k2 = apply_rope_qk(q, k, cos, signed_sin(sin))
     assert torch.equal(q2, apply_rope(q, cos, sin)) and torch.equal(k2, apply_rope(k, cos, sin))
+
+
+def _qwen3_moe_engine(rows: int, dtype: torch.dtype):
+    from benchmarks.gpu.bench_fp8_decode import moe_config, random_model
+    from workers.inference.embedded.static_engine import StaticEngine
+
+    model = random_model("qwen3_moe", moe_config(2, toy=True), torch.device("cpu")).to(dtype)
+    return StaticEngine(model, max_batch_size=rows, seed=0, max_seq_len=64, cuda_graphs=False)
+
+
+def test_kernels_per_layer_of_a_qwen3_moe_decode_layer():
+    """Qwen3's q/k norms and a routed MLP take the fused path too: 99 ops per layer before (norms as
+    five ops each, the balance loss computed every step), 47 with it."""
+    from workers.inference.embedded.slot_state import SAMPLE
+
+    counts = {}
+    for depth in (1, 2):
+        engine = _qwen3_moe_engine(8, torch.bfloat16)
+        engine.model.model.layers = engine.model.model.layers[:depth]
+        engine.start()
+        try:
+            counts[depth] = kernels_per_step(engine, 8, SAMPLE)
+        finally:
+            engine.shutdown()
+    assert counts[2] - counts[1] <= 47, counts
+
+
+def test_fused_qwen3_moe_decode_equals_the_dynamic_engine():
+    """Greedy tokens, logprobs and every position's routed experts (what Router Replay sends the
+    trainer) of the fused decode path equal the dynamic engine's general path."""
+    from workers.inference.embedded.engine import InferenceEngine
+
+    engine = _qwen3_moe_engine(4, torch.float32)
+    reqs = [GenRequest(input_ids=p, temperature=0.0, max_new_tokens=6, return_routed_experts=True) for p in PROMPTS[:4]]
+    dyn = run(InferenceEngine(engine.model, max_batch_size=4, seed=0), [dataclasses.replace(r) for r in reqs])
+    sta = run(engine, reqs)
+    for a, b in zip(dyn, sta):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        assert a.routed_experts is not None and torch.equal(torch.as_tensor(a.routed_experts),
+                                                             torch.as_tensor(b.routed_experts))

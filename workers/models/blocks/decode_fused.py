@@ -7,12 +7,17 @@ path runs, per layer: norm (1), q/k/v (3 GEMMs), rotary + KV-cache write (1), at
 the heads' flatten (1), o_proj (1), residual add + norm (1), gate and up (2), SwiGLU's activation
 (1), down (1), residual add (1): 14 kernels where the general path launches 38.
 
+Qwen3's per-head q/k norms are one norm kernel each on the same path. A routed layer (Qwen3-MoE,
+tiny_moe) takes the same norm / attention / add + norm kernels around its MoE block, which runs as
+it is (:func:`attention_step`; the layer returns the block's routing): at Qwen3-30B-A3B's widths
+that removes ~40 of a decode layer's ~100 small kernels, common to bf16 and fp8 engines alike.
+
 Only for a one-token-per-row step of the static cache (``cache.static and cache.decoding``); the
 trainer, the prefill and the dynamic engine keep the general path. The projections are called as
 modules, so LoRA's hooks and fp8's linears (workers/inference/embedded/) apply unchanged and
 weight updates (in place) reach this path with nothing to refresh. Layers it does not cover
-(Qwen3's q/k norms, sinks, a scaled rotary, Gemma's norms and GELU, MoE) keep the general path:
-:func:`covers` decides once per layer.
+(sinks, a scaled rotary, Gemma's norms and GELU) keep the general path, wholly or for their
+attention: :func:`covers` and :func:`attention_covered` decide once per layer.
 """
 from __future__ import annotations
 
@@ -32,26 +37,32 @@ def decoding(ctx) -> bool:
 
 
 def attention_covered(attn: nn.Module) -> bool:
-    """GQA with the plain rotary embedding, no per-head norms or sinks, and a power-of-two head width
-    (the rotary kernel holds one head in a block)."""
-    return (type(attn) is Attention and attn.q_norm is None and attn.sinks is None and attn.rope is None
+    """GQA with the plain rotary embedding, no sinks, plain RMSNorm q/k norms if any (Qwen3), and a
+    power-of-two head width (the rotary kernel holds one head in a block)."""
+    norms_ok = attn.q_norm is None or (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)
+    return (type(attn) is Attention and norms_ok and attn.sinks is None and attn.rope is None
             and attn.hd & (attn.hd - 1) == 0)
 
 
 def covers(layer: nn.Module) -> bool:
-    """The layer is RMSNorm + (any attention) + RMSNorm + a SwiGLU MLP, unrouted (host checks: under
-    CUDA graphs they run at capture only)."""
-    return (not layer.routed and type(layer.input_layernorm) is RMSNorm
-            and type(layer.post_attention_layernorm) is RMSNorm and type(layer.mlp) is SwiGLU)
+    """The layer is RMSNorm + (any attention) + RMSNorm + a SwiGLU MLP or a routed MoE block (host
+    checks: under CUDA graphs they run at capture only)."""
+    return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and (layer.routed or type(layer.mlp) is SwiGLU))
 
 
-def layer_step(layer: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
-    """``x + attn(norm(x))`` then ``+ mlp(norm(.))`` for one token per row, in fused kernels."""
+def attention_step(layer: nn.Module, x: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + attn(norm(x))`` and its post-attention norm, for one token per row: ``(x, h)``."""
     h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
     attn = layer.self_attn
     a = attend(attn, h, ctx) if attention_covered(attn) else attn(h, ctx)
     norm = layer.post_attention_layernorm
-    x, h = add_rms_norm(x, a, norm.weight, norm.eps)
+    return add_rms_norm(x, a, norm.weight, norm.eps)
+
+
+def layer_step(layer: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
+    """``x + attn(norm(x))`` then ``+ mlp(norm(.))`` for one token per row of a dense layer, in fused kernels."""
+    x, h = attention_step(layer, x, ctx)
     mlp = layer.mlp
     return x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
 
@@ -60,6 +71,9 @@ def attend(attn: Attention, h: torch.Tensor, ctx) -> torch.Tensor:
     """GQA over the static slots for one token per row: q/k/v, then rotary + cache write in one kernel."""
     b = h.shape[0]
     q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if attn.q_norm is not None:  # Qwen3: per head, before rotary
+        q = rms_norm(q.reshape(b, attn.nh, attn.hd), attn.q_norm.weight, attn.q_norm.eps)
+        k = rms_norm(k.reshape(b, attn.nkv, attn.hd), attn.k_norm.weight, attn.k_norm.eps)
     key = ("rope", attn.hd, attn.rope_theta)
     cos, sin = ctx.shared(key, lambda: rope_cos_sin(ctx.position_ids, attn.hd, attn.rope_theta, h.dtype))
     cos, sin_signed = ctx.shared(key + ("decode",), lambda: (cos.reshape(b, -1).contiguous(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.models.blocks.decode_fused import covers, decoding, layer_step
+from workers.models.blocks.decode_fused import attention_step, covers, decoding, layer_step
 from workers.models.blocks.decoder import ForwardContext, Routing
 from workers.models.blocks.moe_softmax import MoeBlock
 from workers.models.blocks.norm import RMSNorm
@@ -31,9 +31,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext):
         if decoding(ctx) and covers(self):  # the static engine's decode step: fused kernels
-            return layer_step(self, x, ctx), None
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        h = self.post_attention_layernorm(x)
+            if not self.routed:
+                return layer_step(self, x, ctx), None
+            x, h = attention_step(self, x, ctx)
+            if type(self.mlp).forward is MoeBlock.forward and ctx.forced is None:  # no balance terms
+                y, idx = self.mlp.decode(h)
+                aux, load = ctx.shared(("no_balance", self.mlp.num_experts), lambda: (
+                    torch.zeros((), device=x.device), torch.zeros(self.mlp.num_experts, device=x.device)))
+                return x + y, Routing(experts=idx, aux_loss=aux, load=load)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), ctx)
+            h = self.post_attention_layernorm(x)
         if not self.routed:
             return x + self.mlp(h), None
         y, idx, aux, load = self.mlp(h, ctx.forced, ctx.valid, ctx.forced_mask)

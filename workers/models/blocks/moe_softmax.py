@@ -92,6 +92,14 @@ class MoeBlock(nn.Module):
         aux, frac = self.balance(idx, probs, valid)
         return out.view(b, t, h), idx.view(b, t, self.top_k), aux, frac
 
+    def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, idx)`` of :meth:`forward` for an engine's decode step: no balance loss or load (a
+        dozen small kernels per layer and step that only the trainer reads), no Router Replay."""
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        idx, weights, _ = self.route(flat, None)
+        return self.routed_experts(flat, idx, weights).view(b, t, h), idx.view(b, t, self.top_k)
+
     def routed_experts(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{idx[:, k]}(flat): grouped GEMM on the fast path, else the loop.
         Under the trainer's expert-parallel plan an :class:`ExpertParallel` object set as
