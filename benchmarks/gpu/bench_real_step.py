@@ -20,8 +20,9 @@ its step (``split``: seconds, synchronized around each part, medians over the ti
 masters to bf16 happen inside it), ``grad_sync_clip`` (gradient reduction and clipping),
 ``optimizer`` (AdamW over the fp32 masters), ``bookkeeping`` (the rest: loss aggregation, the
 micro-batch split, the statistics' one host read), and ``master_cast_est`` (one cast of every
-master weight to the compute dtype, timed alone, times the casts FSDP2 does per step: one per
-micro-batch forward and one per backward; an estimate of the share forward_backward holds).
+master weight to the compute dtype, timed alone: at world 1 FSDP2 casts once per optimizer step,
+workers/trainer/parallel/fsdp.py ``accumulate_unsharded``; an estimate of the share forward_backward holds).
+``--micro-batch-tokens 16384,8192`` gives one row per budget on the same built model.
 """
 from __future__ import annotations
 
@@ -157,12 +158,12 @@ def bench(family: str, args, dims) -> list[dict]:
                                 replay=False, seed=1)
     build_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if dims.device.type == "cuda" else (lambda: None)
-    num_micro = len(split_micro_batches(batch, args.micro_batch_tokens, packed=tcfg.pack_sequences, dims=dims))
     compute = torch.bfloat16 if tcfg.dtype == "bfloat16" else torch.float32
     cast_s = master_cast_s(model, compute, sync) if compute != torch.float32 else 0.0
     rows = []
-    for head in args.heads:
-        tcfg = dataclasses.replace(tcfg, logprob_head=head)
+    for head, micro_tokens in [(h, m) for h in args.heads for m in args.micro_batch_tokens]:
+        tcfg = dataclasses.replace(tcfg, logprob_head=head, micro_batch_tokens=micro_tokens)
+        num_micro = len(split_micro_batches(batch, micro_tokens, packed=tcfg.pack_sequences, dims=dims))
         step_s, peak = timed_steps(model, opt, batch, tcfg, dims, warmup=args.warmup, iters=args.iters)
         splits = []
         for _ in range(args.iters):  # the split: the same steps again, each part synchronized
@@ -174,11 +175,11 @@ def bench(family: str, args, dims) -> list[dict]:
             splits.append({**split.seconds, "bookkeeping": total - sum(split.seconds.values())})
         split = {k: sorted(s.get(k, 0.0) for s in splits)[len(splits) // 2]
                  for k in ("forward_backward", "grad_sync_clip", "optimizer", "bookkeeping")}
-        split["master_cast_est"] = cast_s * 2 * num_micro
+        split["master_cast_est"] = cast_s  # world 1: one cast per optimizer step (fsdp.accumulate_unsharded)
         row = {"family": family, "shape": "real", "vocab_size": kw["vocab_size"], "params": params,
                "num_experts": kw.get("num_experts") or kw.get("n_routed_experts"), "top_k": kw["num_experts_per_tok"],
                "tokens_per_step": args.rows * args.seq_len, "tokens_per_optimizer_step": args.rows * args.seq_len,
-               "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": num_micro, "split": split,
+               "micro_batch_tokens": micro_tokens, "micro_batches": num_micro, "split": split,
                "logprob_head": head, "compile": compile_mode,
                "step_s": step_s, "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s,
                "mfu": flops / step_s / model_parity.H200_BF16_PEAK, "peak_bytes": peak}
@@ -188,7 +189,7 @@ def bench(family: str, args, dims) -> list[dict]:
         rows.append(row)
         if args.profile and dims.device.type == "cuda":
             from benchmarks.gpu.bench_fp8_decode import kernel_table
-            kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} step", rows=60,
+            kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} {micro_tokens} step", rows=60,
                          sort_by="self_cuda_time_total")
     del model, opt, full
     if dims.device.type == "cuda":
@@ -205,14 +206,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--heads", default="fused,fused_loss",
                     help="comma list of trainer.logprob_head values, one row each on the same model")
-    ap.add_argument("--micro-batch-tokens", type=int, default=0,
-                    help="trainer.micro_batch_tokens: gradient accumulation over micro-batches of this many tokens")
+    ap.add_argument("--micro-batch-tokens", default="0",
+                    help="trainer.micro_batch_tokens: gradient accumulation over micro-batches of this many tokens "
+                         "(a comma list: one row each, on the same model)")
     ap.add_argument("--compile-backend", default="inductor", help="aot_eager: CPU smoke; none: no compilation")
     ap.add_argument("--profile", action="store_true", help="GPU: print one step's kernels by time after each row")
     ap.add_argument("--smoke", action="store_true", help="CPU, toy widths (model_parity --toy), 2 x 32 tokens")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/local"))
     a = ap.parse_args(argv)
     a.heads = a.heads.split(",")
+    a.micro_batch_tokens = [int(m) for m in a.micro_batch_tokens.split(",")]
     if unknown := [h for h in a.heads if h not in LOGPROB_HEADS]:
         ap.error(f"--heads: {unknown} not in {list(LOGPROB_HEADS)}")
     if a.smoke:

@@ -43,6 +43,13 @@ for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
     assert qa.shape == (b, nh, hd) and same(qa, qb), (qa - qb).abs().max()
     assert same(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert torch.equal(caches[0][1][slots, pos], v.view(b, nkv, hd))
+    # row-strided q / k / v: column slices of one [b, (nh + 2 nkv) hd] output (fp8's fused q/k/v GEMM)
+    qs, ks, vs = torch.cat([q, k, v], dim=1).split([nh * hd, nkv * hd, nkv * hd], dim=1)
+    assert not vs.is_contiguous()
+    caches = [[torch.zeros(slots_n, max_len, nkv, hd).to(dtype) for _ in range(2)] for _ in range(2)]
+    qa = dk.rope_write_kv_triton(qs, ks, vs, cos, ss, *caches[0], slots, pos)
+    qc = dk.rope_write_kv_reference(q, k, v, cos, ss, *caches[1], slots, pos)
+    assert same(qa, qc) and same(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 print("ok")
 """
 

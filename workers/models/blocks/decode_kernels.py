@@ -78,7 +78,9 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
         ok = ok and close(s, x + dx) and close(y, rms_norm_reference(x + dx, w, 1e-6))
         gate, up = rnd(b, 300), rnd(b, 300)
         ok = ok and close(silu_mul_triton(gate, up), F.silu(gate) * up)
-        q, k, v, cos, sin = rnd(b, nh * d), rnd(b, nkv * d), rnd(b, nkv * d), rnd(b, d), rnd(b, d)
+        qkv = rnd(b, (nh + 2 * nkv) * d)  # slices of one output, as fp8's fused q/k/v GEMM gives them
+        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=1)
+        cos, sin = rnd(b, d), rnd(b, d)
         caches = [torch.zeros(4, 8, nkv, d, device=device, dtype=dtype) for _ in range(4)]
         slots = torch.tensor([2, 0, 3], device=device)
         pos = torch.tensor([5, 0, 7], device=device)
@@ -128,20 +130,20 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, slots_ptr, pos_ptr, qo_ptr,
-                        nh, nkv, max_len, D: tl.constexpr):
+                        nh, nkv, max_len, q_row, k_row, v_row, D: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, D)
         swap = (offs + D // 2) % D
         c = tl.load(cos_ptr + row * D + offs).to(tl.float32)
         s = tl.load(sin_ptr + row * D + offs).to(tl.float32)
         if head < nh:
-            src, dst = q_ptr + (row * nh + head) * D, qo_ptr + (row * nh + head) * D
+            src, dst = q_ptr + row * q_row + head * D, qo_ptr + (row * nh + head) * D
         else:
             kh = head - nh
-            src = k_ptr + (row * nkv + kh) * D
+            src = k_ptr + row * k_row + kh * D
             at = (tl.load(slots_ptr + row) * max_len + tl.load(pos_ptr + row)) * nkv + kh
             dst = keys_ptr + at * D
-            tl.store(values_ptr + at * D + offs, tl.load(v_ptr + (row * nkv + kh) * D + offs))
+            tl.store(values_ptr + at * D + offs, tl.load(v_ptr + row * v_row + kh * D + offs))
         x = tl.load(src + offs)
         xs = tl.load(src + swap)
         a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)  # each product rounded, as torch's bf16 ops
@@ -171,11 +173,14 @@ def rms_norm_triton(x, weight, eps, delta=None):
 
 
 def rope_write_kv_triton(q, k, v, cos, sin_signed, keys, values, slots, pos):
+    """q / k / v may be row-strided views (fp8's one GEMM for q, k and v hands out column slices of
+    its output): each row is read at its own stride, the columns must be dense."""
     b, d = q.shape[0], cos.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     nh, nkv = q.shape[1] // d, k.shape[1] // d
     qo = torch.empty(b, nh, d, dtype=q.dtype, device=q.device)
     _rope_kv_kernel[(b, nh + nkv)](q, k, v, cos, sin_signed, keys, values, slots, pos, qo, nh, nkv,
-                                   keys.shape[1], D=d)
+                                   keys.shape[1], q.stride(0), k.stride(0), v.stride(0), D=d)
     return qo
 
 

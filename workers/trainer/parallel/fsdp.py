@@ -128,8 +128,9 @@ def parallelize(full: nn.Module, dims: ParallelDims, *, precision: Optional[Prec
                     reshard_after_forward=reshard_between(mesh, i, len(layers)))
     fully_shard(full, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for module in [*layers, full]:
-        module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser
-        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        if mesh.size() > 1:  # one rank sums already; FSDP2 would divide every gradient by the factor 1.0 there
+            module.set_gradient_divide_factor(1.0)  # SUM: the loss carries the global normaliser
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         # torch >= 2.12. The H200 image's 2.11 lacks it: fine at world 1 (nothing to reduce-scatter);
         # with several ranks an expert unused on one rank could skip a collective there (untested on 2.11).
         if hasattr(module, "set_reduce_scatter_unused_params"):
