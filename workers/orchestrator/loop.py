@@ -43,6 +43,7 @@ from workers.orchestrator.final_eval import evaluate_final_weights
 from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter, RateWindow
 from workers.orchestrator.scoring import Scorers
+from workers.orchestrator.weight_updates import UpdateRunner
 from workers.common.heartbeat import Heartbeat
 from workers.weights.lora_coordinator import (AdapterClient, AdapterNotDelivered, LoraCoordinator, SGLangLoraCoordinator,
                                               make_lora_coordinator)
@@ -83,6 +84,8 @@ class Orchestrator:
         self.failed_reward_steps = 0  # consecutive batches whose every reward call failed
         self.weights = (make_lora_coordinator(cfg, self.paths, log=self.log) if lora_mode(cfg) is not None else
                         TRANSPORTS.get(cfg.weights.transport).coordinator(cfg, self.paths, log=self.log))
+        self.updates = UpdateRunner(self.weights, concurrent=not self.weights.pauses_generation
+                                    and not isinstance(self.weights, LoraCoordinator))
         self.dropped_unconfirmed = 0  # LoRA mode: samples of a version their worker never confirmed
         self.latency = LatencyModel(cfg.env, seed=cfg.seed) if cfg.env.latency != "none" else None
         self.meter = BusyMeter()
@@ -157,11 +160,15 @@ class Orchestrator:
                     self.launch_groups()
                     await self.collect_finished(timeout_s=LOOP_WAIT_S)
                     self.write_ready_batches()
+                if self.updates.task is not None:  # an update still running ends (and is recorded) before the final eval
+                    await self.updates.wait()
+                    await self.maybe_update_weights()
                 self.ledger.abandon(self.ledger.pending())  # finished: nothing will train these
                 for task in self.inflight:  # their groups are abandoned: free the workers for the final eval
                     task.cancel()
                 await evaluate_final_weights(self)
             finally:
+                self.updates.cancel()
                 await self.evaluator.close()
                 beats.cancel()
                 watcher.cancel()
@@ -174,11 +181,14 @@ class Orchestrator:
         self.log.info("all %d batches written; done", self.next_step - 1)
 
     async def maybe_update_weights(self) -> None:
-        """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist.
+        """The transport's coordinator: pause -> load or send -> verify -> continue, if newer weights exist
+        (inline, or beside the loop for engines that generate through it: weight_updates.py).
         An update that happened is a timeline ``apply`` record; the busy time it held requests paused
         is not generation (``generation_s``), unless the workers were not paused."""
-        start, busy = now(), self.meter.busy_total()
-        await self.weights.maybe_update(self.pool)
+        ended = await self.updates.poll(self.pool, self.meter)
+        if ended is None:  # running beside the loop: this turn goes on at the current version
+            return
+        start, busy = ended
         if self.weights.version != self.version:
             if self.weights.pauses_generation:  # embedded engines generate through their update (weight_swap.py)
                 self.paused_busy_s += self.meter.busy_total() - busy
