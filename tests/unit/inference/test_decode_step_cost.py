@@ -95,7 +95,7 @@ def _qwen3_moe_engine(rows: int, dtype: torch.dtype):
 
 def test_kernels_per_layer_of_a_qwen3_moe_decode_layer():
     """Qwen3's q/k norms and a routed MLP take the fused path too: 99 ops per layer before (norms as
-    five ops each, the balance loss computed every step), 47 with it."""
+    five ops each, the balance loss computed every step), 48 with it (one is the int16 cast of the sort keys)."""
     from workers.inference.embedded.slot_state import SAMPLE
 
     counts = {}
@@ -107,7 +107,7 @@ def test_kernels_per_layer_of_a_qwen3_moe_decode_layer():
             counts[depth] = kernels_per_step(engine, 8, SAMPLE)
         finally:
             engine.shutdown()
-    assert counts[2] - counts[1] <= 47, counts
+    assert counts[2] - counts[1] <= 48, counts
 
 
 def test_fused_qwen3_moe_decode_equals_the_dynamic_engine():

@@ -98,3 +98,32 @@ def test_off_cuda_the_self_check_refuses_and_cpu_tensors_keep_the_torch_ops(monk
     assert not ok and why
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not decode_kernels.usable(torch.zeros(2))
+
+
+ATTENTION = r"""
+import torch
+from workers.models.blocks import decode_attention as da
+
+g = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    for hkv, grp, d, w in ((4, 8, 128, 80), (3, 3, 64, 130), (2, 1, 64, 17)):
+        cache = torch.randn(5, 160, hkv, d, generator=g).to(dtype)
+        vals = torch.randn(5, 160, hkv, d, generator=g).to(dtype)
+        keys, values = cache[:3, :w], vals[:3, :w]  # slot views, strided like the engine's
+        q = torch.randn(3, hkv, grp, d, generator=g).to(dtype)
+        seen = torch.ones(3, w, dtype=torch.bool)
+        seen[0, w // 2:] = False  # the causal end
+        seen[1, : w - 5] = False  # a sliding window past the first blocks
+        mask = torch.zeros(3, w, dtype=dtype).masked_fill_(~seen, float("-inf"))
+        got = da.decode_attention_triton(q, keys, values, mask, d ** -0.5)
+        want = da.decode_attention_reference(q, keys, values, mask, d ** -0.5)
+        assert got.shape == want.shape == (3, hkv, grp, d)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    none = torch.full((3, w), float("-inf"), dtype=dtype)  # an idle row that sees nothing: zeros, not NaN
+    assert torch.equal(da.decode_attention_triton(q, keys, values, none, 0.1), torch.zeros_like(q))
+print("ok")
+"""
+
+
+def test_decode_attention_under_the_interpreter_equals_sdpa():
+    assert_ok_under_interpreter(ATTENTION)

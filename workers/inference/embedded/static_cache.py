@@ -42,6 +42,7 @@ from torch import nn
 
 from workers.models.blocks import kernels
 from workers.models.blocks.cache import KVCache
+from workers.models.blocks.decode_attention import decode_attention
 from workers.models.blocks.mamba2 import Mamba2Mixer
 from workers.models.blocks.masking import with_sinks
 from workers.models.blocks.mla import MLAttention
@@ -168,9 +169,10 @@ class StaticKVCache(KVCache):
         """:meth:`attend` for one token per row whose k/v are already in the slots (the fused decode
         step, workers/models/blocks/decode_fused.py): ``rows`` [B, kv_heads, g, D] (query head
         ``j*g+i`` at ``[:, j, i]``); returns [B, kv_heads, g, D] (possibly strided)."""
-        keys, values = self._slot_kv(layer)
         scale = rows.shape[-1] ** -0.5 if scale is None else scale
-        return self._grouped_attend(rows, keys, values, mask, rows.shape[2], scale)
+        g = rows.shape[2]
+        add = self._grouped_mask(mask, g, rows.dtype)[:, 0, 0]  # [B, window]: every grouped row sees the same keys
+        return decode_attention(rows, self._rows(self.keys[layer]), self._rows(self.values[layer]), add, scale)
 
     def positions(self) -> torch.Tensor:
         """The positions [B, T] of this forward's tokens (where their keys go)."""

@@ -10,7 +10,7 @@ the heads' flatten (1), o_proj (1), residual add + norm (1), gate and up (2), Sw
 Qwen3's per-head q/k norms are one norm kernel each on the same path. A routed layer (Qwen3-MoE,
 tiny_moe) takes the same norm / attention / add + norm kernels around its MoE block, which runs as
 it is (:func:`attention_step`; the layer returns the block's routing): at Qwen3-30B-A3B's widths
-that removes ~40 of a decode layer's ~100 small kernels, common to bf16 and fp8 engines alike.
+that removes ~50 of a decode layer's ~100 small kernels, common to bf16 and fp8 engines alike.
 
 Only for a one-token-per-row step of the static cache (``cache.static and cache.decoding``); the
 trainer, the prefill and the dynamic engine keep the general path. The projections are called as

@@ -11,7 +11,9 @@ two KV-cache writes 2, SwiGLU's activation 2. Here each chain is one op:
 * :func:`rope_write_kv` -- the rotary embedding of q and k of one token per row (NeoX halves,
   ``sin_signed`` from attention.signed_sin), k and v written to each row's cache slot at its
   position; returns the rotated q ``[B, heads, D]``;
-* :func:`silu_mul` -- ``silu(gate) * up``.
+* :func:`silu_mul` -- ``silu(gate) * up``;
+* workers/models/blocks/decode_attention.py -- GQA of one token per row over the cache slots
+  (its kernel is checked by :func:`self_check` with these).
 
 Each is a torch custom op (``slurmrl::*``): one dispatched op, so the decode-step counter
 (benchmarks/gpu/bench_decode_step.py) counts it as the one kernel it is on a GPU. On CUDA (or under
@@ -87,6 +89,9 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
         got = rope_write_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, pos)
         want = rope_write_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots, pos)
         ok = ok and close(got, want) and close(caches[0], caches[2]) and close(caches[1], caches[3])
+        from workers.models.blocks import decode_attention  # its module imports this one
+
+        ok = ok and decode_attention.check(device, dtype, close)
         verdict = (bool(ok), "the decode kernels agree with the torch ops" if ok else
                    "a decode kernel disagrees with its torch reference on this GPU: the torch ops run instead")
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the torch ops
