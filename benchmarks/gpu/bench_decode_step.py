@@ -15,6 +15,8 @@ kernel's launch slot (a few microseconds), not FLOPs or bytes. Two numbers, one 
   ``batch_fixed_ms``: what the short batch cost besides its decode steps (admission, the eager
   chunked prefill, the first token, the last collection): per batch, not per token, and in an RL
   step of short answers it can weigh as much as the decode steps.
+- ``decode_step_ms_sdpa_attention`` (GPU): the same step with SDPA's attention instead of the
+  decode-attention kernel (workers/models/blocks/decode_attention.py), measured in the same call.
 - ``kernels_per_step`` / ``kernels_per_layer``: the non-view ATen ops one eager decode step
   dispatches (each a kernel on a GPU, counted on any device with a dispatch mode), from two model
   depths so the per-layer and the fixed parts separate. CPU-countable: the test guards them.
@@ -167,12 +169,21 @@ def main(argv=None) -> int:
            "vocab_size": cfg.vocab_size, "dtype": str(dtype).replace("torch.", "")}
     res.update(kernel_counts(cfg, rows=a.rows, device=device, dtype=dtype))
     res.update(decode_step_ms(cfg, a, device, dtype))
+    if device.type == "cuda":  # the same step with SDPA's attention instead of the decode-attention kernel, same call
+        from workers.models.blocks import decode_attention
+
+        decode_attention.ENABLED = False
+        try:
+            res["decode_step_ms_sdpa_attention"] = decode_step_ms(cfg, a, device, dtype)["decode_step_ms"]
+        finally:
+            decode_attention.ENABLED = True
     res["bench_s"] = time.perf_counter() - t0
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "decode_step.json").write_text(json.dumps(res, indent=1) + "\n")
     replay = f", one graph replay {res['graph_replay_ms']:.3f} ms" if res["graph_replay_ms"] else ""
     print(f"decode step at {res['shape']} ({res['rows']} rows, {res['layers']} layers, {res['device']}): "
-          f"{res['decode_step_ms']:.3f} ms{replay}; {res['kernels_per_step']:.0f} kernels per step "
+          f"{res['decode_step_ms']:.3f} ms{replay} (SDPA attention: {res.get('decode_step_ms_sdpa_attention') or 0:.3f} ms); "
+          f"{res['kernels_per_step']:.0f} kernels per step "
           f"({res['kernels_per_layer']:.0f} per layer + {res['kernels_outside_layers']:.0f})", flush=True)
     return 0
 

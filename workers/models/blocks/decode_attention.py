@@ -74,6 +74,8 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
+ENABLED = True
+"""False: SDPA even where the kernel checked out (benchmarks/gpu/bench_decode_step.py's side-by-side row)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's CPU interpreter multiplies bf16 blocks wrongly (tl.dot on the raw bits): there the dots
 take the same bf16-rounded operands in float32, which is what the tensor cores accumulate in."""
@@ -110,7 +112,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """softmax(q k^T * scale + mask) v for one query token per row, grouped query heads: q ``[B, kv_heads,
     g, D]`` (query head ``j*g+i`` at ``[:, j, i]``), keys / values ``[B, window, kv_heads, D]`` (cache
     slot views), mask ``[B, window]`` additive; returns ``[B, kv_heads, g, D]``."""
-    if usable(q) and q.shape[-1] in (64, 128, 256) and q.shape[2] <= 128:
+    if ENABLED and usable(q) and q.shape[-1] in (64, 128, 256) and q.shape[2] <= 128:
         return decode_attention_triton(q, keys, values, mask, scale)
     return decode_attention_reference(q, keys, values, mask, scale)
 
