@@ -172,7 +172,8 @@ def run_part(name: str, cmd: list[str], env: dict, limit_s: float, log: Path) ->
         rc, text = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
     log.write_text(text)
     print(f"== {name}: exit {rc} in {time.monotonic() - t0:.0f} s (limit {limit_s:.0f} s)\n{text[-1500:]}", flush=True)
-    return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd[2:])}
+    return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd[2:]),
+            "device": card_name("--cpu-smoke" in cmd or "--smoke" in cmd or "--toy" in cmd)}
 
 
 def loop_part(args, work: Path, env: dict, left, res: dict) -> None:
@@ -215,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge-from", type=Path, default=None,
                     help="an earlier one_gpu_node_limit.json whose keys this call keeps (e.g. the tracked "
                          "benchmarks/results/gpu/one_gpu_node_limit.json, when --parts dsa runs in a call of its own)")
+    ap.add_argument("--fp8-quick", action="store_true",
+                    help="the fp8 part at qwen3_moe's 16 layers only (no SmolLM2 row, no per-layer slope), 2 repeats")
     ap.add_argument("--dsa-limit-s", type=float, default=240.0, help="the DSA part's own limit")
     a = ap.parse_args(argv)
     if a.split_gguf:
@@ -239,6 +242,7 @@ def main(argv=None) -> int:
                "parts": prev.get("parts", {}), "command": f"{prev.get('command', '')} ; {res['command']}"}
     if "loop" in a.parts:
         loop_part(a, work, env, left, res)
+        write(res, a)  # after each part: a call cut short keeps what finished
     py = [sys.executable, "-m"]
     if "engine" in a.parts:
         decode = py + ["benchmarks.gpu.bench_decode_step", "--out", str(work)] + (["--toy"] if a.cpu_smoke else [])
@@ -246,6 +250,7 @@ def main(argv=None) -> int:
         if (f := work / "decode_step.json").exists():
             res["engine"] = json.loads(f.read_text())
             res["engine_decode_step_ms"] = res["engine"]["decode_step_ms"]
+        write(res, a)
     if "trainer" in a.parts:
         real = py + ["benchmarks.gpu.bench_real_step", "--families", "qwen3_moe", "--heads", "fused_loss", "--out",
                      str(work)]
@@ -259,6 +264,7 @@ def main(argv=None) -> int:
             res.update(trainer=row, trainer_rows=rows, trainer_mfu_real=row["mfu"],
                        tokens_per_optimizer_step=row["tokens_per_optimizer_step"],
                        trainer_micro_batches=row["micro_batches"])
+        write(res, a)
     if "fp8" in a.parts:
         fp8_part(a, work, env, left, res)
     if "dsa" in a.parts:
@@ -294,7 +300,8 @@ def dsa_part(a, work: Path, env: dict, left, res: dict) -> None:
 def fp8_part(a, work: Path, env: dict, left, res: dict) -> None:
     """Part 4: bf16 and fp8 engines on the same prompts (benchmarks/gpu/bench_fp8_decode.py)."""
     cmd = [sys.executable, "-m", "benchmarks.gpu.bench_fp8_decode", "--out", str(work)]
-    cmd += ["--toy", "--shapes", "qwen3_moe"] if a.cpu_smoke else []
+    cmd += ["--toy", "--shapes", "qwen3_moe"] if a.cpu_smoke else (
+        ["--shapes", "qwen3_moe", "--shallow-layers", "0", "--repeats", "2"] if a.fp8_quick else [])
     res["parts"]["fp8"] = run_part("fp8", cmd, env, left(a.fp8_limit_s), work / "fp8.log")
     if (f := work / "fp8_decode.json").exists():
         fp8 = json.loads(f.read_text())

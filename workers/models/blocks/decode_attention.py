@@ -74,6 +74,14 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
+CHECKED: dict[str, bool] = {}
+"""Per CUDA device: did decode_kernels.self_check find this kernel equal to SDPA there."""
+
+
+def _checked(q: torch.Tensor) -> bool:
+    return usable(q) and (not q.is_cuda or CHECKED.get(str(q.device), False))
+
+
 ENABLED = True
 """False: SDPA even where the kernel checked out (benchmarks/gpu/bench_decode_step.py's side-by-side row)."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -112,7 +120,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """softmax(q k^T * scale + mask) v for one query token per row, grouped query heads: q ``[B, kv_heads,
     g, D]`` (query head ``j*g+i`` at ``[:, j, i]``), keys / values ``[B, window, kv_heads, D]`` (cache
     slot views), mask ``[B, window]`` additive; returns ``[B, kv_heads, g, D]``."""
-    if ENABLED and usable(q) and q.shape[-1] in (64, 128, 256) and q.shape[2] <= 128:
+    if ENABLED and _checked(q) and q.shape[-1] in (64, 128, 256) and q.shape[2] <= 128:
         return decode_attention_triton(q, keys, values, mask, scale)
     return decode_attention_reference(q, keys, values, mask, scale)
 
