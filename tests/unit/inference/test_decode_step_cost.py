@@ -124,3 +124,23 @@ def test_fused_qwen3_moe_decode_equals_the_dynamic_engine():
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
         assert a.routed_experts is not None and torch.equal(torch.as_tensor(a.routed_experts),
                                                              torch.as_tensor(b.routed_experts))
+
+
+def test_the_engine_times_the_decode_attention_at_its_own_shapes(cfg, monkeypatch):
+    """At start-up on a GPU the static engine times the decode-attention kernel against SDPA at its
+    model's heads (SmolLM2: 9 over 3 of 64) and slots; a failing timing turns the kernel off."""
+    from workers.inference.embedded.static_engine import choose_decode_attention
+    from workers.models.blocks import decode_attention
+
+    seen = []
+    monkeypatch.setattr(decode_attention, "CHECKED", {"cuda:0": True})
+    monkeypatch.setattr(decode_attention, "time_against_sdpa", lambda *a, **k: seen.append(k) or (5.0, 3.0))
+    choose_decode_attention(cfg, torch.device("cuda:0"), torch.bfloat16, 128, [256, 512, 4096])
+    assert seen == [dict(rows=64, kv_heads=3, group=3, head_dim=64, windows=[256, 2048])]
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(decode_attention, "time_against_sdpa", broken)
+    choose_decode_attention(cfg, torch.device("cuda:0"), torch.bfloat16, 128, [256])
+    assert decode_attention.CHECKED["cuda:0"] is False

@@ -127,3 +127,26 @@ print("ok")
 
 def test_decode_attention_under_the_interpreter_equals_sdpa():
     assert_ok_under_interpreter(ATTENTION)
+
+
+SLOWER = r"""
+import torch
+from workers.models.blocks import decode_attention as da
+
+calls = []
+real = da.decode_attention_triton
+da.decode_attention_triton = lambda *a: calls.append(1) or real(*a)
+q = torch.randn(2, 3, 3, 64)
+keys = values = torch.randn(2, 20, 3, 64)
+mask = torch.zeros(2, 20)
+da.decode_attention(q, keys, values, mask, 0.125)
+assert calls == [1], "checked out (interpreter): the kernel runs"
+da.SLOWER.add(("cpu", 3, 3, 64))  # a shape where start-up timing found the kernel slower
+da.decode_attention(q, keys, values, mask, 0.125)
+assert calls == [1], "a shape the kernel lost on keeps SDPA"
+print("ok")
+"""
+
+
+def test_a_shape_where_the_kernel_lost_to_sdpa_keeps_sdpa():
+    assert_ok_under_interpreter(SLOWER)

@@ -39,12 +39,33 @@ from workers.inference.embedded.engine import InferenceEngine
 from workers.inference.embedded.requests import GenRequest, _Seq
 from workers.inference.embedded.slot_state import GREEDY, MAX_STOP_IDS, NUCLEUS, SlotState, decode_mode, to_device
 from workers.inference.embedded.static_cache import StaticKVCache, unsupported_reason
-from workers.models.blocks import decode_kernels
+from workers.models.blocks import decode_attention, decode_kernels
 from workers.models.blocks.decoder import CausalLM
 from workers.models.blocks.latent_moe import LatentMoE
 from workers.models.blocks.moe_softmax import MoeBlock
 
 log = logging.getLogger("slurmrl.inference")
+
+
+def choose_decode_attention(cfg, device: torch.device, dtype: torch.dtype, rows: int, windows: list[int]) -> None:
+    """The decode-attention kernel where it checked out AND beats SDPA at this engine's shapes (timed once
+    here, before any capture: workers/models/blocks/decode_attention.py); logs both times."""
+    heads, kv = getattr(cfg, "num_heads", 0), getattr(cfg, "num_kv_heads", 0)
+    if not (heads and kv) or heads % kv or not decode_attention.CHECKED.get(decode_attention.device_key(device), False):
+        return
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if hd not in (64, 128, 256):
+        return
+    try:
+        kernel_us, sdpa_us = decode_attention.time_against_sdpa(
+            device, dtype, rows=min(rows, 64), kv_heads=kv, group=heads // kv, head_dim=hd,
+            windows=sorted({windows[0], min(windows[-1], 2048)}))
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, SDPA is the safe choice
+        decode_attention.CHECKED[decode_attention.device_key(device)] = False
+        log.warning("static engine: timing the decode attention failed (%s: %s): SDPA runs", type(e).__name__, e)
+        return
+    log.info("static engine: decode attention %.1f us (kernel) vs %.1f us (SDPA) at %d x %d/%d heads of %d: %s",
+             kernel_us, sdpa_us, min(rows, 64), heads, kv, hd, "kernel" if kernel_us <= sdpa_us else "SDPA")
 
 
 class StaticEngine(InferenceEngine):
@@ -73,6 +94,8 @@ class StaticEngine(InferenceEngine):
             (log.info if ok else log.warning)("static engine: %s", why)
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
+        if self.device.type == "cuda":
+            choose_decode_attention(self.config, self.device, dtype, max_batch_size, self._windows)
         self._graphs = DecodeGraphs(self._decode_step, self._quiesced, self.device) if self._use_graphs else None
         self.graph_error: Optional[str] = None
         if self._use_graphs and dtype != torch.bfloat16 and any(isinstance(m, (MoeBlock, LatentMoE))

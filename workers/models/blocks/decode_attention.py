@@ -17,8 +17,9 @@ row that sees no key gives zeros (SDPA gives NaN there; such rows are idle slots
 never read).
 
 ``decode_attention`` is a torch custom op (one dispatched op); on CUDA after
-decode_kernels.self_check passed, or under ``TRITON_INTERPRET=1``, the kernel runs; otherwise
-the SDPA reference. tests/unit/models/test_decode_kernels.py runs it under the interpreter.
+decode_kernels.self_check passed and the static engine's start-up timing found it faster than SDPA
+at the engine's own shapes (:func:`time_against_sdpa`), or under ``TRITON_INTERPRET=1``, the kernel
+runs; otherwise the SDPA reference. tests/unit/models/test_decode_kernels.py runs it under the interpreter.
 """
 from __future__ import annotations
 
@@ -78,8 +79,49 @@ CHECKED: dict[str, bool] = {}
 """Per CUDA device: did decode_kernels.self_check find this kernel equal to SDPA there."""
 
 
+SLOWER: set[tuple[str, int, int, int]] = set()
+"""(device, kv heads, g, D) where :func:`time_against_sdpa` found the kernel slower than SDPA: SDPA runs there."""
+
+
+def device_key(device: torch.device) -> str:
+    """``cuda:N`` (the device's index made explicit), as tensors' ``str(t.device)`` reads."""
+    device = torch.device(device)
+    return str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+
+
 def _checked(q: torch.Tensor) -> bool:
-    return usable(q) and (not q.is_cuda or CHECKED.get(str(q.device), False))
+    if not usable(q):
+        return False
+    checked = not q.is_cuda or CHECKED.get(str(q.device), False)
+    return checked and (str(q.device), *q.shape[1:]) not in SLOWER
+
+
+def time_against_sdpa(device: torch.device, dtype: torch.dtype, *, rows: int, kv_heads: int, group: int,
+                      head_dim: int, windows: list[int], iters: int = 10) -> tuple[float, float]:
+    """Microseconds per call of the kernel and of SDPA at an engine's shapes (summed over ``windows``),
+    timed on ``device`` at start-up, before any graph capture; where the kernel is slower its shape goes
+    to :data:`SLOWER` and SDPA keeps the decode (a correct kernel is not enough: it must also pay)."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    total = {"kernel": 0.0, "sdpa": 0.0}
+    for w in windows:
+        q = torch.randn(rows, kv_heads, group, head_dim, generator=g).to(device=device, dtype=dtype)
+        keys, values = (torch.randn(rows, w, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+                        for _ in range(2))
+        mask = torch.zeros(rows, w, device=device, dtype=dtype)
+        for name, fn in (("kernel", decode_attention_triton), ("sdpa", decode_attention_reference)):
+            for _ in range(3):
+                fn(q, keys, values, mask, head_dim ** -0.5)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn(q, keys, values, mask, head_dim ** -0.5)
+            end.record()
+            end.synchronize()
+            total[name] += start.elapsed_time(end) * 1e3 / iters
+        del q, keys, values, mask
+    if total["kernel"] > total["sdpa"]:
+        SLOWER.add((device_key(device), kv_heads, group, head_dim))
+    return total["kernel"], total["sdpa"]
 
 
 ENABLED = True
