@@ -59,7 +59,7 @@ PART_NAMES = ("loop", "engine", "trainer", "fp8", "dsa")
 TRAINER_MICRO = (16384, 8192)
 """``trainer.micro_batch_tokens`` of the trainer rows (8 x 4096 tokens per optimizer step). The headline is
 the first: 2 micro-batches of 16384 tokens, what an 80 GB card holds at these shapes with fp32 masters and
-AdamW state (peak ~48 GiB); 4 of 8192 is the second row, same model, same call."""
+AdamW state (peak 39.2 GiB measured); 4 of 8192 is the second row, same model, same call."""
 NO_DSA = "the dsa part did not run: --parts dsa (its own device call, ~3 min on an H100; --merge-from adds the other parts' keys)"
 
 
