@@ -96,6 +96,10 @@ def test_off_cuda_the_self_check_refuses_and_cpu_tensors_keep_the_torch_ops(monk
 
     ok, why = decode_kernels.self_check(torch.device("cpu"))
     assert not ok and why
+    from workers.models.blocks import decode_attention
+
+    ok, why = decode_attention.self_check(torch.device("cpu"))
+    assert not ok and why and not decode_attention.CHECKED
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not decode_kernels.usable(torch.zeros(2))
 

@@ -51,7 +51,7 @@ def choose_decode_attention(cfg, device: torch.device, dtype: torch.dtype, rows:
     """The decode-attention kernel where it checked out AND beats SDPA at this engine's shapes (timed once
     here, before any capture: workers/models/blocks/decode_attention.py); logs both times."""
     heads, kv = getattr(cfg, "num_heads", 0), getattr(cfg, "num_kv_heads", 0)
-    if not (heads and kv) or heads % kv or not decode_attention.CHECKED.get(decode_attention.device_key(device), False):
+    if not (heads and kv) or heads % kv or not decode_attention.CHECKED.get(decode_kernels.device_key(device), False):
         return
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if hd not in (64, 128, 256):
@@ -61,7 +61,7 @@ def choose_decode_attention(cfg, device: torch.device, dtype: torch.dtype, rows:
             device, dtype, rows=min(rows, 64), kv_heads=kv, group=heads // kv, head_dim=hd,
             windows=sorted({windows[0], min(windows[-1], 2048)}))
     except Exception as e:  # noqa: BLE001 - whatever went wrong, SDPA is the safe choice
-        decode_attention.CHECKED[decode_attention.device_key(device)] = False
+        decode_attention.CHECKED[decode_kernels.device_key(device)] = False
         log.warning("static engine: timing the decode attention failed (%s: %s): SDPA runs", type(e).__name__, e)
         return
     log.info("static engine: decode attention %.1f us (kernel) vs %.1f us (SDPA) at %d x %d/%d heads of %d: %s",
@@ -90,8 +90,9 @@ class StaticEngine(InferenceEngine):
         self._free = list(range(max_batch_size))  # a heap: admission takes the lowest slots
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         if self.device.type == "cuda":  # before any capture: the fused decode kernels only where they check out
-            ok, why = decode_kernels.self_check(self.device, dtype)
-            (log.info if ok else log.warning)("static engine: %s", why)
+            for check in (decode_kernels.self_check, decode_attention.self_check):
+                ok, why = check(self.device, dtype)
+                (log.info if ok else log.warning)("static engine: %s", why)
         self._sizes = graph_batch_sizes(max_batch_size)  # eager steps pad the same way: the same kernels run
         self._windows = key_buckets(self.max_seq_len, smallest_key_window)
         if self.device.type == "cuda":

@@ -17,7 +17,7 @@ row that sees no key gives zeros (SDPA gives NaN there; such rows are idle slots
 never read).
 
 ``decode_attention`` is a torch custom op (one dispatched op); on CUDA after
-decode_kernels.self_check passed and the static engine's start-up timing found it faster than SDPA
+:func:`self_check` passed and the static engine's start-up timing found it faster than SDPA
 at the engine's own shapes (:func:`time_against_sdpa`), or under ``TRITON_INTERPRET=1``, the kernel
 runs; otherwise the SDPA reference. tests/unit/models/test_decode_kernels.py runs it under the interpreter.
 """
@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from workers.models.blocks.decode_kernels import triton, usable
+from workers.models.blocks.decode_kernels import agrees, device_key, triton, usable
 
 if triton is not None:
     import triton.language as tl
@@ -76,17 +76,11 @@ if triton is not None:
 
 
 CHECKED: dict[str, bool] = {}
-"""Per CUDA device: did decode_kernels.self_check find this kernel equal to SDPA there."""
+"""Per CUDA device: did :func:`self_check` find this kernel equal to SDPA there."""
 
 
 SLOWER: set[tuple[str, int, int, int]] = set()
 """(device, kv heads, g, D) where :func:`time_against_sdpa` found the kernel slower than SDPA: SDPA runs there."""
-
-
-def device_key(device: torch.device) -> str:
-    """``cuda:N`` (the device's index made explicit), as tensors' ``str(t.device)`` reads."""
-    device = torch.device(device)
-    return str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
 def _checked(q: torch.Tensor) -> bool:
@@ -172,8 +166,29 @@ def _(q, keys, values, mask, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+    """Run the kernel once on ``device`` against SDPA (outside any capture) and remember the verdict
+    (:data:`CHECKED`); a failure to compile or a disagreement leaves SDPA on. Returns (passed, why)."""
+    device = torch.device(device)
+    if device.type != "cuda" or triton is None:
+        return False, "not a CUDA device" if triton is not None else "no triton"
+    key = device_key(device)
+    if key not in CHECKED:
+        try:
+            CHECKED[key] = check(device, dtype, agrees)
+            why = "agrees with SDPA" if CHECKED[key] else "disagrees with SDPA on this GPU: SDPA runs instead"
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure: SDPA
+            CHECKED[key] = False
+            why = f"does not run here ({type(e).__name__}: {str(e).splitlines()[0][:200]}): SDPA runs instead"
+        _WHY[key] = why
+    return CHECKED[key], f"the decode-attention kernel {_WHY[key]}"
+
+
+_WHY: dict[str, str] = {}
+
+
 def check(device: torch.device, dtype: torch.dtype, close) -> bool:
-    """decode_kernels.self_check's part: the kernel against SDPA on ``device`` (strided cache views, a
+    """:func:`self_check`'s comparison: the kernel against SDPA on ``device`` (strided cache views, a
     sliding window's masked prefix, GQA 8:1 with D 128 and 3:1 with D 64)."""
     g = torch.Generator(device="cpu").manual_seed(1)
     ok = True

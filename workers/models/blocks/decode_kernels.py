@@ -13,7 +13,7 @@ two KV-cache writes 2, SwiGLU's activation 2. Here each chain is one op:
   position; returns the rotated q ``[B, heads, D]``;
 * :func:`silu_mul` -- ``silu(gate) * up``;
 * workers/models/blocks/decode_attention.py -- GQA of one token per row over the cache slots
-  (its kernel is checked by :func:`self_check` with these).
+  (its own start-up check and verdict: a failing attention kernel leaves these on).
 
 Each is a torch custom op (``slurmrl::*``): one dispatched op, so the decode-step counter
 (benchmarks/gpu/bench_decode_step.py) counts it as the one kernel it is on a GPU. On CUDA (or under
@@ -53,6 +53,17 @@ def usable(x: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """A kernel's output ``a`` equals the torch reference ``b`` up to bf16 rounding (relative to b's largest)."""
+    return bool(((a.float() - b.float()).abs() <= 2e-2 * b.float().abs().max() + 1e-3).all())
+
+
+def device_key(device: torch.device) -> str:
+    """``cuda:N`` (the index made explicit), as tensors' ``str(t.device)`` reads."""
+    device = torch.device(device)
+    return str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+
+
 def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
     """Run each kernel once on ``device`` against its torch reference (small random inputs, outside any
     graph capture) and remember the verdict for :func:`usable`: a kernel that fails to compile or
@@ -61,7 +72,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
     device = torch.device(device)
     if device.type != "cuda" or triton is None:
         return False, "not a CUDA device" if triton is not None else "no triton"
-    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    key = device_key(device)
     if key in _CHECKED:
         return _CHECKED[key]
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -69,8 +80,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    def close(a, b) -> bool:
-        return bool(((a.float() - b.float()).abs() <= 2e-2 * b.float().abs().max() + 1e-3).all())
+    close = agrees
 
     try:
         b, nh, nkv, d, hid = 3, 4, 2, 64, 192
@@ -89,12 +99,6 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tup
         got = rope_write_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, pos)
         want = rope_write_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots, pos)
         ok = ok and close(got, want) and close(caches[0], caches[2]) and close(caches[1], caches[3])
-        from workers.models.blocks import decode_attention  # its module imports this one
-
-        try:  # its own verdict: a failing attention kernel leaves the other kernels on
-            decode_attention.CHECKED[key] = decode_attention.check(device, dtype, close)
-        except Exception:  # noqa: BLE001 - compile or launch failure: SDPA runs instead
-            decode_attention.CHECKED[key] = False
         verdict = (bool(ok), "the decode kernels agree with the torch ops" if ok else
                    "a decode kernel disagrees with its torch reference on this GPU: the torch ops run instead")
     except Exception as e:  # noqa: BLE001 - any compile or launch failure means: use the torch ops
