@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import model_parity
+from benchmarks import model_shapes
 from benchmarks.gpu.bench_real_step import family_config, random_init_, timed_steps
 from benchmarks.gpu.bench_trainer_step import synthetic_batch, with_model_logprobs, world_of_one
 from benchmarks.record import results_dir
@@ -72,7 +72,7 @@ def bench_row(name: str, mcfg, tcfg: TrainerConfig, dims, args, flops: float) ->
            "params": sum(p.numel() for p in model.parameters()), "trainable": num_trainable(model),
            "tokens_per_step": args.rows * args.seq_len, "step_s": step_s,
            "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s, "peak_bytes": peak,
-           "mfu_full_flops": flops / step_s / model_parity.H200_BF16_PEAK}
+           "mfu_full_flops": flops / step_s / model_shapes.H200_BF16_PEAK}
     print(f"{name:9s} trainable {row['trainable']:>13,d}  step {step_s:7.3f} s  {row['tokens_per_s']:9.0f} tok/s"
           + (f"  peak {peak / 2**30:6.1f} GiB" if peak is not None else ""), flush=True)
     del model, opt, batch
@@ -84,7 +84,7 @@ def bench_row(name: str, mcfg, tcfg: TrainerConfig, dims, args, flops: float) ->
 
 
 def run(args) -> dict:
-    model_type, kw = model_parity.real_configs()[FAMILY]
+    model_type, kw = model_shapes.real_configs()[FAMILY]
     kw = {**kw, "num_hidden_layers": args.layers}
     mcfg = family_config(FAMILY, model_type, kw)
     dims = world_of_one()
@@ -93,7 +93,7 @@ def run(args) -> dict:
     base = TrainerConfig(dtype="bfloat16" if cuda else "float32", master_dtype="float32", compile=compile_mode,
                          lr=1e-5, logprob_head="fused_loss")
     meta = MODELS.get(FAMILY).build(mcfg, device="meta", dtype=torch.float32)
-    flops = model_parity.train_flops_per_token(meta, kw, args.seq_len) * args.rows * args.seq_len
+    flops = model_shapes.train_flops_per_token(meta, kw, args.seq_len) * args.rows * args.seq_len
     del meta
     rows = []
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     a.ranks = [int(r) for r in a.ranks.split(",") if r]
     a.out = a.out or results_dir("gpu")
     if a.toy:
-        model_parity._shrink_real()
+        model_shapes.shrink_real_configs()
         a.layers, a.rows, a.seq_len, a.warmup, a.iters, a.compile_backend = 2, 2, 32, 1, 1, "aot_eager"
     run(a)
     return 0

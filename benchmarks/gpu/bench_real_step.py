@@ -5,10 +5,10 @@
 
 ``workers.trainer.step.train_step`` as a one-GPU trainer runs it (benchmarks/gpu/bench_trainer_step.py
 explains the pieces: fp32 master weights, FSDP2 of world 1 with bf16 compute, ``trainer.compile=layers``,
-the policy loss through each ``--heads`` log-prob head, AdamW) on the model configs of
-``benchmarks.model_parity --size real`` (same keys: the two benchmarks' rows are of one model).
+the policy loss through each ``--heads`` log-prob head, AdamW) on ``benchmarks.model_shapes.real_configs``,
+the configs of ``benchmarks.model_parity --size real`` (same keys: the two benchmarks' rows are of one model).
 Weights are drawn on the device (normal 0.02, norms 1; a speed benchmark). MFU = model FLOPs per
-step (``benchmarks.model_parity.train_flops_per_token``: 6 x active parameters + causal attention)
+step (``benchmarks.model_shapes.train_flops_per_token``: 6 x active parameters + causal attention)
 / step time / 989 TFLOP/s. Writes ``real_step.json`` under ``--out``.
 
 An RL step takes many micro-batches per optimizer step: ``--micro-batch-tokens N`` is
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import model_parity
+from benchmarks import model_shapes
 from benchmarks.gpu.bench_trainer_step import synthetic_batch, with_model_logprobs, world_of_one
 from workers.common.config import RunConfig, TrainerConfig
 from workers.common.config.trainer import LOGPROB_HEADS
@@ -138,7 +138,7 @@ def timed_steps(model, opt, batch, tcfg, dims, *, warmup: int, iters: int) -> tu
 def bench(family: str, args, dims) -> list[dict]:
     """One row per ``trainer.logprob_head`` in ``args.heads``, all on one built model (same weights,
     interleaved warm-up per head)."""
-    model_type, kw = model_parity.real_configs()[family]
+    model_type, kw = model_shapes.real_configs()[family]
     mcfg = family_config(family, model_type, kw)
     compile_mode = ("none" if args.compile_backend == "none" else
                     "layers" if dims.device.type == "cuda" or args.compile_backend != "inductor" else "none")
@@ -149,7 +149,7 @@ def bench(family: str, args, dims) -> list[dict]:
     t0 = time.perf_counter()
     full = MODELS.get(family).build(mcfg, device=dims.device, dtype=torch.float32)
     random_init_(full, 0)
-    flops = model_parity.train_flops_per_token(full, kw, args.seq_len) * args.rows * args.seq_len
+    flops = model_shapes.train_flops_per_token(full, kw, args.seq_len) * args.rows * args.seq_len
     params = sum(p.numel() for p in full.parameters())
     apply_compile(full.model.layers, tcfg.compile, device=dims.device, backend=args.compile_backend)
     model = parallelize(cfg, full, dims)
@@ -182,7 +182,7 @@ def bench(family: str, args, dims) -> list[dict]:
                "micro_batch_tokens": micro_tokens, "micro_batches": num_micro, "split": split,
                "logprob_head": head, "compile": compile_mode,
                "step_s": step_s, "tokens_per_s": args.rows * args.seq_len / step_s, "build_s": build_s,
-               "mfu": flops / step_s / model_parity.H200_BF16_PEAK, "peak_bytes": peak}
+               "mfu": flops / step_s / model_shapes.H200_BF16_PEAK, "peak_bytes": peak}
         print(f"{family:12s} {head:10s} params {params:>13,d}  step {step_s:7.3f} s  "
               f"{row['tokens_per_s']:9.0f} tok/s  MFU {100 * row['mfu']:5.1f}%  ({num_micro} micro-batches: "
               + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " s)", flush=True)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if unknown := [h for h in a.heads if h not in LOGPROB_HEADS]:
         ap.error(f"--heads: {unknown} not in {list(LOGPROB_HEADS)}")
     if a.smoke:
-        model_parity._shrink_real()
+        model_shapes.shrink_real_configs()
         a.rows, a.seq_len, a.warmup, a.iters = 2, 32, 1, 1
         a.compile_backend = "aot_eager" if a.compile_backend == "inductor" else a.compile_backend
     dims = world_of_one()

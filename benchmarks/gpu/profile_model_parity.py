@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from benchmarks import model_parity as mp
+from benchmarks import model_shapes
 
 
 def phases(model, ids, opt, head: Optional[str], iters: int, sync) -> dict[str, float]:
@@ -124,13 +125,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/out")
     a = ap.parse_args(argv)
     if a.toy:
-        mp._shrink_real()
+        model_shapes.shrink_real_configs()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "batch": a.batch, "seq_len": a.seq, "rows": []}
     for family in a.families.split(","):
-        model_type, kw = mp.real_configs()[family]
+        model_type, kw = model_shapes.real_configs()[family]
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
         with tempfile.TemporaryDirectory(dir=shm) as tmp:
             hf, ours, _cfg = mp.build_pair(family, model_type, kw, Path(tmp), dtype, a.device)

@@ -11,7 +11,7 @@ import pytest
 
 from launcher.progress import ProgressPrinter, duration, format_step
 from workers.common.protocol import USER_ERROR_EXIT, RunPaths
-from workers.orchestrator.loop import Orchestrator, RewardsFailing
+from workers.orchestrator.batch_writer import BatchWriter, RewardsFailing
 
 
 def orch(limit: int, first: str = "reward failed for train.jsonl line 1 (0:0:0): score: raised KeyError: 'x'"):
@@ -23,16 +23,16 @@ def test_consecutive_all_failed_steps_stop_with_the_first_failure():
     o = orch(3)
     all_failed, some = {"reward_calls": 8, "reward_failures": 8}, {"reward_calls": 8, "reward_failures": 7}
     for m in (all_failed, all_failed, some, all_failed, all_failed):  # a step with one success resets the count
-        Orchestrator.check_reward_failures(o, m)
+        BatchWriter.check_reward_failures(o, m)
     with pytest.raises(RewardsFailing, match=r"every reward call failed for 3 consecutive steps \(orchestrator."
                                              r"max_failed_reward_steps=3.*the first failure: reward failed for "
                                              r"train.jsonl line 1.*KeyError"):
-        Orchestrator.check_reward_failures(o, all_failed)
+        BatchWriter.check_reward_failures(o, all_failed)
     never = orch(0)
     for _ in range(10):
-        Orchestrator.check_reward_failures(never, all_failed)
+        BatchWriter.check_reward_failures(never, all_failed)
     assert never.failed_reward_steps == 10
-    Orchestrator.check_reward_failures(orch(1), {"reward_mean": 0.0})  # envs without reward calls: never stops
+    BatchWriter.check_reward_failures(orch(1), {"reward_mean": 0.0})  # envs without reward calls: never stops
     assert USER_ERROR_EXIT == 78
 
 

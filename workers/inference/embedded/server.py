@@ -189,7 +189,7 @@ def make_app(engine: InferenceEngine, *, admin_token: str, model_name: str, rank
 
     async def server_info(request):
         # heartbeat: this process's RSS and GPU memory/utilization (workers/common/heartbeat.py);
-        # the orchestrator polls it into every batch's metrics (loop.py watch_inference)
+        # the orchestrator polls it into every batch's metrics (workers/orchestrator/batch_writer.py watch_inference)
         return web.json_response({**model_info(), "version": "slurmrl-embedded", "rank": rank, "heartbeat": beat.sample(),
                                   "max_batch_size": engine.max_batch_size, "paused": engine.paused,
                                   "num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_pending,
