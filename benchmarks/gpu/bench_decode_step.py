@@ -134,7 +134,7 @@ def decode_step_ms(cfg, args, device: torch.device, dtype: torch.dtype) -> dict:
         step_ms, (w_s, s_s), (w_l, s_l) = steady_step_ms(engine, ps, args)
         replay = graph_step_ms(engine, args.rows) if device.type == "cuda" else None
         if getattr(args, "profile", False) and device.type == "cuda":
-            from benchmarks.gpu.bench_fp8_decode import kernel_table
+            from benchmarks.gpu.common import kernel_table
             from benchmarks.gpu.bench_inference import engine_batch
             kernel_table(lambda: engine_batch(engine, ps, args.long, temperature=1.0), "decode batch", rows=40)
         # what a batch costs besides its decode steps: admission, chunked prefill, first token, last collection

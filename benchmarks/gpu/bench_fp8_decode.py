@@ -101,6 +101,8 @@ def measure(model, ps, args, device, ref=None) -> dict:
         step_ms = steady_step_ms(engine, ps, args)[0]
         outs, _, _ = engine_batch(engine, ps, args.long, temperature=1.0)
         if args.profile and device.type == "cuda":
+            from benchmarks.gpu.common import kernel_table
+
             kernel_table(lambda: engine_batch(engine, ps, args.long, temperature=1.0),
                          f"{'fp8' if ref is not None else 'bf16'} engine, one batch of {args.long} new tokens")
         graph_error = engine.graph_error
@@ -110,18 +112,6 @@ def measure(model, ps, args, device, ref=None) -> dict:
         kl = k3_mismatch(bf16, outs, ps, device)
     return {"decode_step_ms": step_ms, "decode_tokens_per_s": args.rows * 1e3 / step_ms, "mismatch_kl": kl,
             "graph_error": graph_error}
-
-
-def kernel_table(fn, title: str, rows: int = 30, sort_by: str = "cuda_time_total") -> None:
-    """Prints the CUDA kernels of one ``fn()`` by total GPU time (kernels replayed from CUDA graphs
-    included): where a decode step's time goes, for the next change."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    print(f"== profile: {title}", flush=True)
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90), flush=True)
 
 
 def shape_row(name: str, family: str, cfg, args, device: torch.device) -> dict:

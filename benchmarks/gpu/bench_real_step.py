@@ -188,7 +188,7 @@ def bench(family: str, args, dims) -> list[dict]:
               + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + " s)", flush=True)
         rows.append(row)
         if args.profile and dims.device.type == "cuda":
-            from benchmarks.gpu.bench_fp8_decode import kernel_table
+            from benchmarks.gpu.common import kernel_table
             kernel_table(lambda: train_step(model, opt, batch, tcfg, dims), f"{family} {head} {micro_tokens} step", rows=60,
                          sort_by="self_cuda_time_total")
     del model, opt, full

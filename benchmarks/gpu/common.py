@@ -157,3 +157,15 @@ def free_cuda() -> None:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false")
+
+
+def kernel_table(fn, title: str, rows: int = 30, sort_by: str = "cuda_time_total") -> None:
+    """Prints the CUDA kernels of one ``fn()`` by total GPU time (kernels replayed from CUDA graphs
+    included): where a decode step's time goes, for the next change."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"== profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90), flush=True)

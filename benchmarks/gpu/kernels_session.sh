@@ -25,18 +25,7 @@ OUT=${OUT:-benchmarks/results/gpu/local}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-STATUS=0
-
-part() {  # part NAME SECONDS CMD...: run one benchmark under a time limit, log to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  case ",$PARTS," in ,all,|*",$name,"*) ;; *) return 0 ;; esac
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -12 "$OUT/$name.log"
-  echo "== $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/session.log"
-  [ $rc -eq 0 ] || STATUS=1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/session_part.sh"
 
 if [ $SMOKE = 1 ]; then
   part logprob_head 300 $PY -m benchmarks.gpu.bench_logprob_head --smoke --out "$OUT"

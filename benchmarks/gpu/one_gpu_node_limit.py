@@ -172,8 +172,7 @@ def run_part(name: str, cmd: list[str], env: dict, limit_s: float, log: Path) ->
         rc, text = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
     log.write_text(text)
     print(f"== {name}: exit {rc} in {time.monotonic() - t0:.0f} s (limit {limit_s:.0f} s)\n{text[-1500:]}", flush=True)
-    return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd[2:]),
-            "device": card_name("--cpu-smoke" in cmd or "--smoke" in cmd or "--toy" in cmd)}
+    return {"returncode": rc, "seconds": round(time.monotonic() - t0, 1), "command": " ".join(cmd[2:])}
 
 
 def loop_part(args, work: Path, env: dict, left, res: dict) -> None:
@@ -321,6 +320,9 @@ def card_name(cpu: bool) -> str:
 
 
 def write(res: dict, a) -> Path:
+    for name in a.parts:  # this call's parts ran on this call's card (merged ones keep theirs)
+        if name in res["parts"]:
+            res["parts"][name]["device"] = res["device"]
     path = a.out / "one_gpu_node_limit.json"
     a.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")

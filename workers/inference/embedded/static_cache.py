@@ -170,8 +170,7 @@ class StaticKVCache(KVCache):
         step, workers/models/blocks/decode_fused.py): ``rows`` [B, kv_heads, g, D] (query head
         ``j*g+i`` at ``[:, j, i]``); returns [B, kv_heads, g, D] (possibly strided)."""
         scale = rows.shape[-1] ** -0.5 if scale is None else scale
-        g = rows.shape[2]
-        add = self._grouped_mask(mask, g, rows.dtype)[:, 0, 0]  # [B, window]: every grouped row sees the same keys
+        add = self._grouped_mask(mask, 1, rows.dtype)[:, 0, 0]  # [B, window]: every grouped row sees the same keys
         return decode_attention(rows, self._rows(self.keys[layer]), self._rows(self.values[layer]), add, scale)
 
     def positions(self) -> torch.Tensor:

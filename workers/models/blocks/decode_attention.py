@@ -95,12 +95,10 @@ def time_against_sdpa(device: torch.device, dtype: torch.dtype, *, rows: int, kv
     """Microseconds per call of the kernel and of SDPA at an engine's shapes (summed over ``windows``),
     timed on ``device`` at start-up, before any graph capture; where the kernel is slower its shape goes
     to :data:`SLOWER` and SDPA keeps the decode (a correct kernel is not enough: it must also pay)."""
-    g = torch.Generator(device="cpu").manual_seed(2)
     total = {"kernel": 0.0, "sdpa": 0.0}
-    for w in windows:
-        q = torch.randn(rows, kv_heads, group, head_dim, generator=g).to(device=device, dtype=dtype)
-        keys, values = (torch.randn(rows, w, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
-                        for _ in range(2))
+    for w in windows:  # drawn on the device: no host draw of ~100 MB at every start
+        q = torch.randn(rows, kv_heads, group, head_dim, device=device, dtype=dtype)
+        keys, values = (torch.randn(rows, w, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
         mask = torch.zeros(rows, w, device=device, dtype=dtype)
         for name, fn in (("kernel", decode_attention_triton), ("sdpa", decode_attention_reference)):
             for _ in range(3):
