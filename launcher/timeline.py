@@ -17,6 +17,9 @@ apply_wait     trainer published weights N -> the orchestrator's swap to N began
 apply          the swap: pause -> load -> verify -> continue (generation resumed at its end;
                embedded engines generate through it: staged, swapped between decode steps)
 reward         the slowest env step (scoring) among the batch's samples
+engine_*       an embedded engine's own split of ``apply`` (its slowest worker): ``engine_read`` (the
+               step read and checked), ``engine_stage`` (copied / patches verified beside decoding),
+               ``engine_lock_wait`` (the decode block in flight ending), ``engine_swap``, ``engine_total``
 ============== =============================================================================
 
 ``loop_interval_over_bound`` = the median over steps of interval / max(trainer_busy, generation),
@@ -47,6 +50,13 @@ def _diff(a: Optional[dict], b: Optional[dict], key_a: str, key_b: str) -> Optio
     return max(0.0, float(a[key_a]) - float(b[key_b]))
 
 
+def engine_parts(apply: Optional[dict]) -> dict[str, float]:
+    """The engine's own split of an ``apply`` (``engine_read_s`` ... in the record: the slowest worker's
+    read, stage, lock_wait, swap and total seconds) as phases ``engine_read``, ``engine_stage`` ..."""
+    return {k[:-2]: float(v) for k, v in (apply or {}).items()
+            if k.startswith("engine_") and k.endswith("_s") and isinstance(v, (int, float))}
+
+
 def step_phases(run_dir: str | os.PathLike) -> dict[int, dict[str, float]]:
     """``{step: {phase: seconds}}`` for every step with a trainer record (phases whose marks are missing are absent)."""
     tl = read_timeline(run_dir)
@@ -67,7 +77,8 @@ def step_phases(run_dir: str | os.PathLike) -> dict[int, dict[str, float]]:
               "publish": _diff(t, t, "published", "trained"),
               "apply_wait": _diff(a, t, "start", "published"),
               "apply": _diff(a, a, "end", "start"),
-              "reward": float(b["reward_s"]) if b and isinstance(b.get("reward_s"), (int, float)) else None}
+              "reward": float(b["reward_s"]) if b and isinstance(b.get("reward_s"), (int, float)) else None,
+              **engine_parts(a)}
         out[n] = {k: v for k, v in ph.items() if v is not None}
     return out
 
@@ -101,6 +112,10 @@ def summary_line(run_dir: str | os.PathLike) -> Optional[str]:
     if s["loop_interval_over_bound"] is None:
         return None
     other = (f"; biggest other phase: {s['biggest_other']} {s['biggest_other_s']:.3f} s" if "biggest_other" in s else "")
+    parts = [(k[len("engine_"):-len("_s_median")], v) for k, v in s.items()
+             if k.startswith("engine_") and k.endswith("_s_median") and k != "engine_total_s_median"]
+    if s.get("biggest_other") == "apply" and parts:  # where the engine's update went
+        other += " (engine: " + ", ".join(f"{k} {v:.3f}" for k, v in parts) + ")"
     return (f"timeline ({s['steps']} steps, medians): interval {s['interval_s_median']:.3f} s, trainer busy "
             f"{s.get('trainer_busy_s_median', 0.0):.3f} s, generation {s.get('generation_s_median', 0.0):.3f} s/batch, "
             f"loop_interval_over_bound {s['loop_interval_over_bound']:.2f}{other}")

@@ -44,6 +44,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -272,11 +273,14 @@ def main(argv=None) -> int:
     run = work / "run"
     for src, name in ((work / "loop.log", "loop.log"), (work / "engine.log", "engine.log"), (work / "dsa.log", "dsa.log"),
                       (work / "fp8.log", "fp8.log"),
-                      (work / "trainer.log", "trainer.log"), (run / "metrics.jsonl", "loop_metrics.jsonl"),
-                      (run / "timeline/trainer.jsonl", "timeline_trainer.jsonl"),
-                      (run / "timeline/orchestrator.jsonl", "timeline_orchestrator.jsonl")):
+                      (work / "trainer.log", "trainer.log"), (run / "metrics.jsonl", "loop_metrics.jsonl")):
         if src.exists() and a.work is not None:
             shutil.copy(src, a.out / name)
+    if a.work is not None and run.is_dir():  # the loop's timeline and every role's log, as one file (the
+        with tarfile.open(a.out / "loop_run.tgz", "w:gz") as tar:  # device returns at most 8)
+            for sub in ("timeline", "logs"):
+                if (run / sub).is_dir():
+                    tar.add(run / sub, arcname=sub)
     print(table(res))
     print(f"wrote {path}")
     return 0 if all(res["parts"][p]["returncode"] == 0 for p in a.parts) else 1  # this call's parts

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from workers.common.gc_pauses import pauses as gc_pauses
 from workers.common.nvml import GIB, close_nvml, open_nvml, visible_indices
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -84,6 +85,7 @@ class Heartbeat:
             out.update(gpu_mem_used_gib=round(max(used), 3), gpu_mem_total_gib=round(min(total), 3),
                        gpu_util_pct=round(sum(util) / len(util), 1), gpu_temp_c=float(max(temp)))
         out.update(self._torch_memory())
+        out.update(gc_pauses())  # the garbage collector's pauses, in roles that settled it (gc_pauses.py)
         if self.num_errors:
             out["gpu_heartbeat_errors"] = float(self.num_errors)
         return out

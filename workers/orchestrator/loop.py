@@ -43,6 +43,7 @@ from workers.orchestrator.ledger import Ledger
 from workers.orchestrator.rollouts import BusyMeter, RateWindow
 from workers.orchestrator.scoring import Scorers
 from workers.orchestrator.weight_updates import UpdateRunner
+from workers.common.gc_pauses import settle as settle_gc
 from workers.common.heartbeat import Heartbeat
 from workers.weights.lora_coordinator import (AdapterClient, AdapterNotDelivered, LoraCoordinator, SGLangLoraCoordinator,
                                               make_lora_coordinator)
@@ -151,6 +152,7 @@ class Orchestrator(BatchWriter):
                                    log=self.log, on_event=self.ledger.note,
                                    health_file=self.paths.root / INFERENCE_HEALTH,
                                    kill_after_s=self.cfg.launcher.hung_worker_kill_s)
+            settle_gc(self.log, role="orchestrator")  # clients, env, tokenizer, scorers: start-up state (gc_pauses.py)
             watcher = asyncio.create_task(self.watch_workers())
             beats = asyncio.create_task(self.watch_inference())
             try:
@@ -192,7 +194,10 @@ class Orchestrator(BatchWriter):
         if self.weights.version != self.version:
             if self.weights.pauses_generation:  # embedded engines generate through their update (weight_swap.py)
                 self.paused_busy_s += self.meter.busy_total() - busy
-            self.timeline.write("apply", self.weights.version, start=start, end=now())
+            # with the engine's own split of it (read, stage, lock_wait, swap: weight_swap.py), where it says
+            self.timeline.write("apply", self.weights.version, start=start, end=now(),
+                                **{f"engine_{k}": v for k, v in self.weights.engine_timing.items()})
+            self.weights.engine_timing = {}
         self.version = self.weights.version
         if isinstance(self.weights, LoraCoordinator):  # a worker serving an unconfirmed adapter: run its groups elsewhere
             for task, worker in self.inflight.items():

@@ -42,6 +42,7 @@ import torch
 
 from workers.weights.lora_publisher import make_lora_publisher
 from workers.weights.lora_steps import lora_mode
+from workers.common.gc_pauses import settle as settle_gc
 from workers.common.config import ConfigError, RunConfig
 from workers.common.exits import EXIT_FATAL
 from workers.common.protocol import RunPaths
@@ -118,6 +119,7 @@ def train(topology: Topology, cfg: RunConfig) -> int:
                      + (f" (LoRA rank {tcfg.lora.rank}: {num_trainable(model) / 1e6:.3f}M trainable on this rank)"
                         if tcfg.lora.enabled else "") + f", router_replay={tcfg.router_replay}; "
                      f"published weights step {start} in {sync['weight_sync_s']:.3f}s")
+        settle_gc(log if dims.is_rank0 else None, role="trainer")  # model, optimizer, groups: start-up state
         warned = False
         for step in range(start + 1, tcfg.num_steps + 1):  # 1-based: step N publishes weights/step_N
             marks = {"wait_start": now()}

@@ -109,6 +109,19 @@ class WeightSwap:
     """Per worker, its whole answer (None: left behind); LoRA mode reads ``adapter_digest`` from it."""
 
 
+def slowest_parts(answers: Sequence[Optional[dict]]) -> dict[str, float]:
+    """Per part of an engine's update (``update_timing`` in its answer: read, stage, lock_wait, swap,
+    total seconds; workers/inference/embedded/weight_swap.py), the slowest worker's; {} when none says."""
+    out: dict[str, float] = {}
+    for a in answers:
+        timing = a.get("update_timing") if isinstance(a, dict) else None
+        if isinstance(timing, dict):
+            for k, v in timing.items():
+                if isinstance(v, (int, float)):
+                    out[k] = max(out.get(k, 0.0), float(v))
+    return out
+
+
 class WorkerLeft(Exception):
     """The worker was marked dead while a swap waited on it (``gone`` was set)."""
 
@@ -211,6 +224,7 @@ class WeightCoordinator(abc.ABC):
         self.refused = 0  # versions every failing worker refused for their content (checksum, NaN, malformed)
         self.fallbacks = 0  # updates that went through the filesystem after the transport's own path failed
         self.retry = RetryPolicy()  # refused versions are not retried; other failures back off
+        self.engine_timing: dict[str, float] = {}  # the last swap's slowest worker per part (slowest_parts)
 
     async def start(self, clients: Sequence[Any]) -> None:
         """Once every worker is ready, before the first rollout (the broadcast group forms here)."""

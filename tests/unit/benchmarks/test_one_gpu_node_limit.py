@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,10 @@ def test_cpu_smoke_writes_every_key(tmp_path):
     assert res["fp8_mismatch_kl"] > res["bf16_mismatch_kl"] >= 0  # the fp8 engine samples from another policy
     assert sorted(f.name for f in out.iterdir()) == sorted(
         ["one_gpu_node_limit.json", "loop.log", "engine.log", "fp8.log", "trainer.log", "loop_metrics.jsonl",
-         "timeline_trainer.jsonl", "timeline_orchestrator.jsonl"])  # what a device call brings back (<= 8 files)
+         "loop_run.tgz"])  # what a device call brings back (<= 8 files)
+    with tarfile.open(out / "loop_run.tgz") as tar:  # the timeline and every role's log
+        names = set(tar.getnames())
+    assert {"timeline/trainer.jsonl", "timeline/orchestrator.jsonl", "logs/inference_0.log"} <= names, names
     assert "loop_interval_over_bound" in p.stdout
 
 

@@ -40,6 +40,7 @@ from workers.inference.embedded.generate_request import parse_generate
 from workers.inference.embedded.parsing import BODY_TIMEOUT, BadRequest, _bool, _json, _version
 from workers.inference.embedded.startup import build_engine  # noqa: F401  (its home before; tools import it here)
 from workers.inference.embedded.weight_routes import weight_routes
+from workers.common.gc_pauses import settle as settle_gc
 from workers.common.heartbeat import Heartbeat
 from workers.weights.base import WeightLoadError
 
@@ -320,6 +321,7 @@ def run_server(cfg, topology, *, extra_info: Optional[dict] = None) -> int:
         app = make_app(engine, admin_token=token, model_name=cfg.model.name, rank=topology.rank,
                        weights=cfg.weights, extra_info=extra_info,
                        max_queued=getattr(inf, "max_queued_requests", 256))
+        settle_gc(log, role="inference")  # the model, its graphs and the app live as long as the process
         code = _run_loop(_serve(app, engine, topology.bind_host, topology.bind_port,
                                 getattr(inf, "idle_timeout_s", 75.0)))
     except _Stopped as e:

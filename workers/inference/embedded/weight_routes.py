@@ -150,7 +150,9 @@ class WeightRoutes:
                                           "num_paused_requests": n, "adapter_digest": self.adapter_digest or None})
         return web.json_response({"success": True, "message": f"Succeeded to update model weights (v{version}).",
                                   "num_paused_requests": n,
-                                  "weights_digest": await asyncio.to_thread(engine.weights_digest)})
+                                  "weights_digest": await asyncio.to_thread(engine.weights_digest),
+                                  # our extension: where the update's time went (weight_swap.py)
+                                  "update_timing": {k: round(v, 5) for k, v in engine.update_timing.items()}})
 
     async def init_weights_update_group(self, request):
         body = await _json(request)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -67,6 +68,9 @@ class EngineWeights:
         self.known_digest: Optional[str] = None  # the whole-model digest the last update's transport vouched for
         self.receiver: Optional[WeightReceiver] = None  # the transport's (use_receiver); filesystem until then
         self.receiver_config: Any = None
+        # the last disk update's parts, seconds (read, stage, lock_wait, swap, total): the route answers them
+        self.update_timing: dict[str, float] = {}
+        self._lock_wait_s = 0.0
 
     # ---- the receiver ------------------------------------------------------------------
     def use_receiver(self, receiver: WeightReceiver, config: Any = None) -> None:
@@ -96,12 +100,16 @@ class EngineWeights:
             self.abort(None, wait=True)
         if self.lora is not None and is_adapter_step(model_path):
             return self.load_adapter(model_path, weight_version)[0]
+        t0 = time.perf_counter()
         with self._update_lock:  # a second update must not stage against a half-applied first
             got = self._receiver().load(str(model_path), expected=self.model.state_dict(), known=self.weight_hashes,
                                         sums=self.weight_sums)
+            read_s = time.perf_counter() - t0
             n = self._stage_and_swap(got, weight_version, source=str(model_path))
-        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight",
-                 weight_version, model_path, got.bytes / 1e6, got.seconds, got.num_skipped, n)
+        self.update_timing = {"read_s": read_s, **self.update_timing, "total_s": time.perf_counter() - t0}
+        log.info("loaded weights v%d from %s: %.1f MB in %.3fs, %d tensors unchanged, %d requests in flight (%s)",
+                 weight_version, model_path, got.bytes / 1e6, got.seconds, got.num_skipped, n,
+                 ", ".join(f"{k} {v:.3f}" for k, v in self.update_timing.items()))
         return n
 
     def apply_received(self, got: Received, weight_version: int, *, source: str) -> int:
@@ -116,8 +124,13 @@ class EngineWeights:
         return self.apply_received(got, weight_version, source=source)
 
     def _stage_and_swap(self, got: Received, weight_version: int, *, source: str) -> int:
+        t0 = time.perf_counter()
         staged = self.stage(got)
-        return self.swap(staged, weight_version, source=source)
+        t1 = time.perf_counter()
+        n = self.swap(staged, weight_version, source=source)
+        self.update_timing = {"stage_s": t1 - t0, "lock_wait_s": self._lock_wait_s,
+                              "swap_s": time.perf_counter() - t1 - self._lock_wait_s}
+        return n
 
     @torch.no_grad()
     def stage(self, got: Received) -> StagedWeights:
@@ -143,7 +156,9 @@ class EngineWeights:
         """Part 2: between two steps, write the staged update and serve ``weight_version``; returns
         requests in flight."""
         got = staged.received
+        t0 = time.perf_counter()
         with self._model_lock:
+            self._lock_wait_s = time.perf_counter() - t0  # until the decode block in flight ended
             sums = staged.patches.commit() if staged.patches is not None else got.sums
             if staged.on_device and staged.dst:
                 torch._foreach_copy_(staged.dst, staged.src)

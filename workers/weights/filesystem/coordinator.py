@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
-from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, swap_weights
+from workers.weights.coordinator import WeightCoordinator, WeightSwap, WeightUpdateError, slowest_parts, swap_weights
 from workers.weights.filesystem.layout import index_digest, stable_versions
 from workers.weights.filesystem.reanchor import Reanchor
 
@@ -55,6 +55,7 @@ class FilesystemCoordinator(WeightCoordinator):
             swap = await update_all_workers(live, str(self.paths.weights(newest)), newest,
                                             gone=getattr(pool, "gone", None), pause=self.pauses_generation)
             self.update_s, self.version = swap.seconds, newest
+            self.engine_timing = slowest_parts(swap.answers)
             self.retry.succeeded(newest)
             if swap.left:
                 self.log.warning("weights v%d: left %s behind (marked dead during the update; it loads the current "
