@@ -55,7 +55,11 @@ def _req(rid: str, n: int = 6) -> GenRequest:
     return GenRequest(rid=rid, input_ids=[1, 2, 3], max_new_tokens=n, temperature=0.0)
 
 
-def test_a_staged_chain_is_bit_identical_to_applying_each_version_in_turn(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["per_storage_copies", "packed_copies"])
+def test_a_staged_chain_is_bit_identical_to_applying_each_version_in_turn(tmp_path, monkeypatch, packed):
+    import workers.weights.delta.apply as apply_mod
+
+    monkeypatch.setattr(apply_mod, "PACK_ON_CPU", packed)  # packed: a GPU's one copy per dtype, split into views
     versions = _steps(tmp_path, 3)
     engine = InferenceEngine(build_model(CFG, seed=1), max_batch_size=2, seed=0)
     engine.update_weights_from_disk(str(tmp_path / "step_000000"), 0)

@@ -23,6 +23,10 @@ from workers.weights.base import WeightLoadError
 from workers.weights.delta.patch import Part, check_bounds
 from workers.weights.delta.sum64 import MASK, bits, segment_sums_device
 
+PACK_ON_CPU = False
+"""Tests: pack a CPU model's copies as a GPU's are packed (one buffer per dtype, split into views), so the
+packing runs where there is no GPU."""
+
 Chain = Sequence[tuple[Mapping[str, list[Part]], Mapping[str, int], str]]
 """(parts by tensor name, every tensor's sum64 after that version, where: for messages), oldest first."""
 
@@ -85,11 +89,29 @@ def _groups(params: Mapping[str, torch.Tensor], parts: Mapping[str, list[Part]],
             g["local"].append(p.positions)
             g["vals"].append(p.values)
             g["seg"].append(torch.full((p.count,), g["names"].index(name), dtype=torch.int64))
-    dev = {}
+    return _to_devices(groups)
+
+
+def _to_devices(groups: dict[int, dict]) -> dict[int, dict]:
+    """Each group's host lists as device tensors, with one host->device copy per (device, dtype) for the
+    whole version instead of four per storage: a model of ~300 tensors made ~1200 small pageable copies,
+    each waiting for the decode work queued before it on the engine's stream. Pinned, so the copies run
+    asynchronously; the groups' tensors are views of the copied buffers."""
+    flat = {key: {k: torch.cat(g[k]) for k in ("pos", "local", "vals", "seg")} for key, g in groups.items()}
+    host_only = {key for key, g in groups.items() if g["t"].device.type == "cpu" and not PACK_ON_CPU}
+    dev: dict[int, dict] = {key: {"t": g["t"], "names": g["names"], **(flat[key] if key in host_only else {})}
+                            for key, g in groups.items()}  # on the host already: nothing to copy
+    buckets: dict[tuple, list[tuple[int, str]]] = {}
     for key, g in groups.items():
-        device = g["t"].device
-        dev[key] = {"t": g["t"], "names": g["names"],
-                    **{k: torch.cat(g[k]).to(device) for k in ("pos", "local", "vals", "seg")}}
+        if key not in host_only:
+            for k, t in flat[key].items():
+                buckets.setdefault((g["t"].device, t.dtype), []).append((key, k))
+    for (device, _), members in buckets.items():
+        host = torch.cat([flat[key][k] for key, k in members])
+        host = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        sizes = [flat[key][k].numel() for key, k in members]
+        for (key, k), view in zip(members, torch.split(host, sizes)):
+            dev[key][k] = view
     return dev
 
 
