@@ -112,8 +112,10 @@ def summary_line(run_dir: str | os.PathLike) -> Optional[str]:
     if s["loop_interval_over_bound"] is None:
         return None
     other = (f"; biggest other phase: {s['biggest_other']} {s['biggest_other_s']:.3f} s" if "biggest_other" in s else "")
-    parts = [(k[len("engine_"):-len("_s_median")], v) for k, v in s.items()
-             if k.startswith("engine_") and k.endswith("_s_median") and k != "engine_total_s_median"]
+    order = ("read", "stage", "lock_wait", "swap")  # the update's own order (weight_swap.py)
+    parts = sorted(((k[len("engine_"):-len("_s_median")], v) for k, v in s.items()
+                    if k.startswith("engine_") and k.endswith("_s_median") and k != "engine_total_s_median"),
+                   key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
     if s.get("biggest_other") == "apply" and parts:  # where the engine's update went
         other += " (engine: " + ", ".join(f"{k} {v:.3f}" for k, v in parts) + ")"
     return (f"timeline ({s['steps']} steps, medians): interval {s['interval_s_median']:.3f} s, trainer busy "

@@ -173,6 +173,7 @@ def test_weight_updates_while_paused_in_place(server):
         assert (await client.get_model_info())["weight_version"] == "0"
         out = await client.update_weights_from_disk(str(root / "step_000002"), 2)
         assert out["success"] and out["num_paused_requests"] == paused["num_paused_requests"]
+        assert set(out["update_timing"]) == {"read_s", "stage_s", "lock_wait_s", "swap_s", "total_s"}  # our extension
         await client.flush_cache()
         await client.continue_generation()
         results = await asyncio.gather(*tasks)

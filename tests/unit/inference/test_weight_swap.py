@@ -78,6 +78,10 @@ def test_a_staged_chain_is_bit_identical_to_applying_each_version_in_turn(tmp_pa
 
     assert engine.update_weights_from_disk(str(tmp_path / "step_000003"), 3) == 0
     assert engine.weight_version == 3 and engine.weight_sums == sums
+    timing = engine.update_timing  # where the update went, answered by the route (the timeline's engine_* phases)
+    assert list(timing) == ["read_s", "stage_s", "lock_wait_s", "swap_s", "total_s"]
+    assert all(v >= 0 for v in timing.values())
+    assert timing["total_s"] >= timing["read_s"] + timing["stage_s"] + timing["swap_s"]
     assert _bits(engine.model.state_dict()) == _bits(by_storage) == _bits(versions[3])
     assert engine.weights_digest() == got.digest  # the transport's word for patch steps
 

@@ -90,3 +90,30 @@ def test_no_timeline_no_line(tmp_path):
     assert summary_line(tmp_path) is None
     with pytest.raises(ValueError, match="timeline role"):
         timeline_file(tmp_path, "inference")
+
+
+def test_the_engines_own_split_of_apply_is_reported_when_apply_is_the_biggest(tmp_path):
+    """An embedded engine answers where its update went (weight_swap.py); the orchestrator keeps the
+    slowest worker's parts in the apply record (``engine_*_s``), which become ``engine_*`` phases."""
+    from workers.weights.coordinator import slowest_parts
+
+    parts = slowest_parts([{"update_timing": {"read_s": 0.01, "stage_s": 0.05, "lock_wait_s": 0.002, "swap_s": 0.003,
+                                              "total_s": 0.065}},
+                           {"update_timing": {"read_s": 0.02, "stage_s": 0.04, "lock_wait_s": 0.3, "swap_s": 0.001,
+                                              "total_s": 0.36}},
+                           None, {"success": True}])  # left behind, or an engine that does not say
+    assert parts == {"read_s": 0.02, "stage_s": 0.05, "lock_wait_s": 0.3, "swap_s": 0.003, "total_s": 0.36}
+    tr, orch = TimelineWriter(tmp_path, "trainer"), TimelineWriter(tmp_path, "orchestrator")
+    t = 0.0
+    for n in range(1, 5):
+        orch.write("batch", n, first_group_done=t, last_group_done=t, write_start=t, batch_written=t, generation_s=0.2)
+        tr.write("step", n, wait_start=t, batch_ready=t, loaded=t, trained=t + 0.2, published=t + 0.25)
+        orch.write("apply", n, start=t + 0.25, end=t + 0.65, **{f"engine_{k}": v for k, v in parts.items()})
+        t += 0.7
+    tr.close()
+    orch.close()
+    ph = step_phases(tmp_path)[3]
+    assert ph["engine_lock_wait"] == pytest.approx(0.3) and ph["engine_stage"] == pytest.approx(0.05)
+    assert ph["apply"] == pytest.approx(0.4)
+    line = summary_line(tmp_path)
+    assert "biggest other phase: apply 0.400 s (engine: read 0.020, stage 0.050, lock_wait 0.300, swap 0.003)" in line
