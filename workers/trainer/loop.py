@@ -144,6 +144,8 @@ def train(topology: Topology, cfg: RunConfig) -> int:
             if tcfg.simulated_step_delay_s > 0:  # benchmarks/tests: emulate a big, slow trainer
                 time.sleep(tcfg.simulated_step_delay_s)
             marks["trained"] = now()  # the stats' floats synchronized the step's device work
+            if step == start + 1:  # the first step compiled and warmed up: ~100k more objects that live as long
+                settle_gc(log if dims.is_rank0 else None, role="trainer after its first step")
             weights = ModelWeights(model, dtype=compute, to_hf=to_hf)  # a fresh view of the updated shards
             sync = publish_version(publisher, step, weights, cfg, paths, dims)
             marks["published"] = now()

@@ -27,6 +27,7 @@ from workers.common.dtypes import FLOAT8, held_dtype
 from workers.common.registry import TRANSPORTS
 from workers.inference.embedded.fp8 import quantize_for_serving
 from workers.inference.embedded.lora import EngineLora
+from workers.inference.embedded.param_arena import pack_parameters
 from workers.inference.embedded.static_engine import create_engine
 from workers.inference.embedded.engine import InferenceEngine, engine_seed
 from workers.models.build import model_from_config
@@ -98,6 +99,8 @@ def build_engine(cfg, rank: int, run_dir: str) -> InferenceEngine:
     model = model_from_config(cfg.model, held_dtype(cfg.inference.dtype), cfg.inference.device)
     if cfg.inference.dtype == FLOAT8:
         quantize_for_serving(model)
+    else:  # one storage per dtype: a patch is staged as one group (param_arena.py says why not for fp8)
+        pack_parameters(model)
     weights_root = paths.root / WEIGHTS_DIR
     wait_for(lambda: bool(stable_steps(weights_root)), timeout_s=cfg.inference.startup_timeout_s,
              what=f"initial weights {weights_root}/step_*/{STABLE}", peer="trainer rank 0")
