@@ -31,7 +31,7 @@ def test_every_recorded_file_has_a_row_and_every_row_a_file():
     listed = set()
     for row in index_section().splitlines():
         if row.startswith("| `"):
-            listed |= set(re.findall(r"`([^`\s]+\.(?:jsonl|json|png|log))`", row.split(" | ")[0]))
+            listed |= set(re.findall(r"`([^`\s]+\.(?:jsonl|json|png|log|tgz))`", row.split(" | ")[0]))
     files = tracked_results()
     assert len(files) > 30
     missing = sorted(set(files) - listed)
