@@ -196,8 +196,8 @@ class Orchestrator(BatchWriter):
                 self.paused_busy_s += self.meter.busy_total() - busy
             # with the engine's own split of it (read, stage, lock_wait, swap: weight_swap.py), where it says
             self.timeline.write("apply", self.weights.version, start=start, end=now(),
-                                **{f"engine_{k}": v for k, v in self.weights.engine_timing.items()})
-            self.weights.engine_timing = {}
+                                **{f"engine_{k}": v for k, v in getattr(self.weights, "engine_timing", {}).items()})
+            self.weights.engine_timing = {}  # a plugin's coordinator may not fill it: never a stale split
         self.version = self.weights.version
         if isinstance(self.weights, LoraCoordinator):  # a worker serving an unconfirmed adapter: run its groups elsewhere
             for task, worker in self.inflight.items():
