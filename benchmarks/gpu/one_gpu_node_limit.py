@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-limit-s", type=float, default=150.0, help="the fp8-vs-bf16 part's own limit")
     ap.add_argument("--work", type=Path, default=None,
                     help="scratch (checkpoints, the run; default OUT/one_gpu_node_limit): OUT gets only the JSON, "
-                         "the three parts' logs, the run's metrics and its timeline (7 files)")
+                         "the parts' logs, the run's metrics and loop_run.tgz (its timeline and every role's log): "
+                         "at most 8 files, what a device call returns")
     ap.add_argument("--split-gguf", action="store_true", help="cut the installed wheel's GGUF into .ckpt_a/.ckpt_b, exit")
     ap.add_argument("--parts", nargs="+", choices=PART_NAMES, default=list(PART_NAMES[:4]),
                     help="which parts run (dsa: GLM-5's attention layer, benchmarks/gpu/bench_dsa_layer.py, ~3 min on "

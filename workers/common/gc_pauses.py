@@ -4,10 +4,12 @@ Why: a full (generation 2) collection walks every object the collector tracks, a
 every thread of the process waits on the GIL: the engine's decode loop and its weight update, the
 orchestrator's loop, the trainer between kernels. After start-up a role holds most of its objects
 for good: importing torch and transformers and building a SmolLM2-135M model tracks ~360k objects,
-and one full collection of them took 0.16 s on a 2-core CI machine, longer than the step of the
-model it serves. Such a collection comes whenever enough objects outlive the younger generations,
-so it lands at random inside an update or a decode block (issue 45's loop: an engine update of a
-135M model took 0.2 s where its reads and copies take a few ms).
+and one full collection of them took 0.16 s on a 2-core CI machine; on an H100 host the quickstart's
+roles held 300-450k (0.15-0.22 s each), longer than a step of the model they serve. Such a collection
+comes whenever enough objects outlive the younger generations, so it lands at random inside a
+weight update, a decode block or a training step (issue 45's loop). With the freeze, the H100 run's
+engine and orchestrator paused at most 4-5 ms; the trainer freezes a second time after its first
+step, whose compilation leaves ~190k more objects for good.
 
 :func:`settle` runs once, at the end of a role's start-up: one collection, then ``gc.freeze()``
 moves every surviving object into the permanent generation, which later collections skip. Only
