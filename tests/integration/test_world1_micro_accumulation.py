@@ -68,7 +68,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_one_cast_and_one_reduce_per_step_with_the_same_gradients(tmp_path):
     out = str(tmp_path / f"micro_{time.monotonic_ns()}.pt")
-    run_ranks(_worker, 1, (out,), what="world-1 micro-batch accumulation", timeout_s=180.0)
+    # spawn: a fresh interpreter. A forked rank inherits the pytest process's threads' locks (earlier tests
+    # leave engine and executor threads), and once in CI its first torch op waited on one forever.
+    run_ranks(_worker, 1, (out,), what="world-1 micro-batch accumulation", timeout_s=180.0, start_method="spawn")
     got = torch.load(out)
     deferred, each = got["deferred"], got["per_micro_batch"]
     assert deferred["num_micro"] == 3
